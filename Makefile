@@ -1,0 +1,52 @@
+# xmcserve: every set-up step goes through here, so a fresh machine needs only python3.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is pinned here: this exact version resolves to the local CPU wheel, while an unpinned
+# torch pulls several GB of CUDA packages.
+TORCH_PIN ?= torch==2.13.0
+EXTRAS ?= train,dev
+comma := ,
+STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+
+DATA ?= data/debian-sample
+BUNDLE ?= bundles/default
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install serve bundle test lint evaluate sample clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_PIN)" -e ".[$(EXTRAS)]"
+	touch $@
+
+install: $(STAMP)
+
+# The default bundle: sample data, pretrained all-MiniLM-L6-v2, RAE memory, 64-d.
+$(BUNDLE)/manifest.json: | $(STAMP)
+	$(PY) -m export.build --data $(DATA) --out $(BUNDLE) --index-kind rae_memory --dim 64
+
+bundle: $(BUNDLE)/manifest.json
+
+serve: $(STAMP) $(BUNDLE)/manifest.json
+	XMCSERVE_BUNDLE_DIR=$(BUNDLE) $(VENV)/bin/uvicorn service.app:create_app --factory \
+		--host $(HOST) --port $(PORT) --no-access-log
+
+evaluate: $(STAMP) $(BUNDLE)/manifest.json
+	$(PY) -m training.evaluate --bundle $(BUNDLE) --data $(DATA) --split dev --out $(BUNDLE)-eval-dev.json
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+# pytest exits 5 when it collects nothing; that is reported, not failed.
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+sample:
+	$(PYTHON) data/make_sample.py --src ../shared/data/debian-related --out $(DATA)
+
+clean:
+	rm -rf $(VENV) bundles .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""xmcserve export: checkpoint dir -> serving bundle (ONNX encoder, HNSW index, labels, manifest)."""

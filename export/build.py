@@ -1,0 +1,257 @@
+"""Checkpoint dir → serving bundle dir.
+
+    python -m export.build --data data/debian-sample --out bundles/default \\
+        [--checkpoint DIR] [--index-kind rae_memory|labels] [--dim 64]
+
+Steps: encode the memory texts with torch (mean-pooled Φ), fit a PCA head when the checkpoint
+has none, export the serving graph to ONNX and check its parity with torch (the export fails
+otherwise), build the HNSW index over the keys, write labels, the RAE value matrix and a
+manifest with sha256 of every file. The bundle is written to a temporary sibling directory and
+renamed into place, so a reader never sees a half-written bundle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import hnswlib
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from export.model import PooledEncoder, ServingEncoder, encode_texts, load_encoder, load_fast_tokenizer
+from export.onnx_export import check_parity, export_onnx, random_texts
+from service.manifest import (
+    ENCODER_FILE,
+    INDEX_FILE,
+    LABELS_FILE,
+    MANIFEST_FILE,
+    TOKENIZER_FILE,
+    VALUES_FILE,
+    Counts,
+    HnswParams,
+    Manifest,
+    RaeParams,
+    SourceInfo,
+    TokenizerInfo,
+    bundle_id_from,
+    sha256_file,
+    utc_now,
+)
+from service.rae import build_values
+from training.checkpoint import default_encoder_dir, fit_pca_head, load_checkpoint, uses_sentence_normalize
+from training.data import LabelSpace, XMCDataset, load_jsonl_split
+
+log = logging.getLogger("xmcserve.export")
+
+
+@dataclass
+class ExportParams:
+    """Export parameters; defaults build the default serving bundle.
+
+    Attributes:
+        index_kind: ``rae_memory`` (training instances + labels as keys, RAE aggregation) or
+            ``labels`` (label vectors only, pure dual-encoder retrieval).
+        dim: serving dimension of the PCA head (ignored when the checkpoint has a trained head).
+        max_length: tokenizer truncation, in tokens (Debian titles average ~21).
+        hnsw_m: HNSW graph degree M.
+        ef_construction: HNSW build breadth.
+        ef_search: default HNSW search breadth stored in the manifest (RAE-XMC uses 300).
+        rae_lambda: λ in V = [λY ; (1−λ)I] (RAE-XMC §3.3; 0.5 in the paper).
+        rae_tau: softmax temperature τ (0.04 in the paper for unit vectors).
+        rae_top_b: keys retrieved per query, b (200 in the paper).
+        batch_size: encoding batch size (texts are length-sorted first).
+        parity_texts: random texts in the ONNX-vs-torch parity check.
+        parity_tolerance: largest allowed max |onnx − torch|.
+        max_train: use only the first N training instances as memory (0 = all).
+        seed: seed for the random parity texts and HNSW construction.
+    """
+
+    index_kind: str = "rae_memory"
+    dim: int = 64
+    max_length: int = 128
+    hnsw_m: int = 32
+    ef_construction: int = 200
+    ef_search: int = 300
+    rae_lambda: float = 0.5
+    rae_tau: float = 0.04
+    rae_top_b: int = 200
+    batch_size: int = 128
+    parity_texts: int = 64
+    parity_tolerance: float = 1e-4
+    max_train: int = 0
+    seed: int = 0
+
+
+def git_sha() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
+
+
+def build_hnsw(keys: np.ndarray, params: ExportParams, path: Path) -> None:
+    index = hnswlib.Index(space="ip", dim=keys.shape[1])
+    index.init_index(
+        max_elements=len(keys), ef_construction=params.ef_construction, M=params.hnsw_m, random_seed=params.seed
+    )
+    index.add_items(keys, np.arange(len(keys)))
+    index.set_ef(params.ef_search)
+    index.save_index(str(path))
+
+
+def write_labels(labels: LabelSpace, path: Path) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        for uid, text in zip(labels.uids, labels.texts, strict=True):
+            fh.write(json.dumps({"uid": uid, "text": text}, ensure_ascii=False) + "\n")
+
+
+def tokenizer_lowercases(tokenizer_json: str) -> bool:
+    normalizer = json.loads(tokenizer_json).get("normalizer") or {}
+    stack = [normalizer]
+    while stack:
+        node = stack.pop()
+        if node.get("lowercase") or node.get("type") == "Lowercase":
+            return True
+        stack.extend(node.get("normalizers", []))
+    return False
+
+
+def build_bundle(
+    out: Path,
+    labels: LabelSpace,
+    train: XMCDataset | None,
+    checkpoint: Path | None = None,
+    params: ExportParams | None = None,
+    data_name: str | None = None,
+    force: bool = False,
+) -> Manifest:
+    """Build a bundle at ``out`` and return its manifest.
+
+    Args:
+        out: bundle directory to create (must not exist unless ``force``).
+        labels: the label space (uids + texts).
+        train: training split, the RAE memory (required for ``rae_memory``).
+        checkpoint: checkpoint dir; default: pretrained all-MiniLM-L6-v2 from its package.
+        params: :class:`ExportParams`.
+        data_name: recorded in the manifest's source.
+        force: replace an existing bundle at ``out``.
+    """
+    params = params or ExportParams()
+    if params.index_kind not in ("rae_memory", "labels"):
+        raise ValueError(f"unknown index kind {params.index_kind!r}")
+    if params.index_kind == "rae_memory" and (train is None or len(train) == 0):
+        raise ValueError("a rae_memory bundle needs training instances")
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists; bundles are immutable (pass --force to replace)")
+    started = time.perf_counter()
+    torch.manual_seed(params.seed)
+    ckpt = load_checkpoint(checkpoint or default_encoder_dir())
+    tokenizer = load_fast_tokenizer(ckpt.encoder_dir, params.max_length)
+    encoder = load_encoder(ckpt.encoder_dir)
+    pooled_model = PooledEncoder(encoder).eval()
+
+    if train is not None and params.max_train:
+        train = train.subset(np.arange(min(params.max_train, len(train))))
+    train_texts = train.texts if params.index_kind == "rae_memory" else []
+    pooled = encode_texts(pooled_model, tokenizer, train_texts + labels.texts, params.batch_size, "encode memory")
+    pooled_train, pooled_labels = pooled[: len(train_texts)], pooled[len(train_texts) :]
+
+    head = ckpt.head or fit_pca_head(pooled, params.dim, uses_sentence_normalize(ckpt.encoder_dir))
+    label_keys = head.label_vectors(pooled_labels)
+    keys = np.concatenate([head.query_vectors(pooled_train), label_keys]) if len(train_texts) else label_keys
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a serving container runs as another user
+    try:
+        serving = ServingEncoder(encoder, head).eval()
+        export_onnx(serving, tokenizer, tmp / ENCODER_FILE)
+        parity_set = random_texts(tokenizer, params.parity_texts, params.seed) + labels.texts[:16]
+        parity = check_parity(serving, tokenizer, tmp / ENCODER_FILE, parity_set, params.parity_tolerance)
+        log.info("ONNX parity: %s", parity.as_dict())
+        (tmp / TOKENIZER_FILE).write_text(tokenizer.to_str())
+        write_labels(labels, tmp / LABELS_FILE)
+        build_hnsw(keys.astype(np.float32), params, tmp / INDEX_FILE)
+        rae = None
+        if params.index_kind == "rae_memory":
+            sp.save_npz(tmp / VALUES_FILE, build_values(train.Y, params.rae_lambda), compressed=True)
+            rae = RaeParams(lam=params.rae_lambda, tau=params.rae_tau, top_b=params.rae_top_b)
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
+        manifest = Manifest(
+            bundle_id=bundle_id_from(files, prefix=f"{params.index_kind.replace('_', '-')}-{head.dim}d"),
+            created_at=utc_now(),
+            source=SourceInfo(
+                encoder=ckpt.name,
+                architecture=encoder.config.model_type,
+                head=head.kind,
+                git_sha=git_sha(),
+                data=data_name,
+            ),
+            tokenizer=TokenizerInfo(max_length=params.max_length, lowercase=tokenizer_lowercases(tokenizer.to_str())),
+            dim=head.dim,
+            index_kind=params.index_kind,
+            hnsw=HnswParams(
+                space="ip", M=params.hnsw_m, ef_construction=params.ef_construction, ef_search=params.ef_search
+            ),
+            rae=rae,
+            counts=Counts(labels=len(labels), memory_rows=len(keys), train_instances=len(train_texts)),
+            params={
+                **asdict(params),
+                "parity": parity.as_dict(),
+                "build_seconds": round(time.perf_counter() - started, 1),
+            },
+            files=files,
+        )
+        (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("bundle %s written to %s in %.1fs", manifest.bundle_id, out, time.perf_counter() - started)
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, required=True, help="dataset dir with lbl.json.gz and trn.json.gz")
+    parser.add_argument("--out", type=Path, required=True, help="bundle dir to create")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="default: pretrained all-MiniLM-L6-v2")
+    parser.add_argument("--split", default="trn", help="split used as RAE memory (default trn)")
+    parser.add_argument("--force", action="store_true", help="replace an existing bundle")
+    defaults = ExportParams()
+    for name, value in asdict(defaults).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    params = ExportParams(**{name: getattr(args, name) for name in asdict(defaults)})
+    train = load_jsonl_split(args.data, args.split)
+    manifest = build_bundle(
+        args.out, train.labels, train, args.checkpoint, params, data_name=str(args.data), force=args.force
+    )
+    print(
+        json.dumps(
+            {
+                "bundle_id": manifest.bundle_id,
+                "out": str(args.out),
+                "counts": manifest.counts.model_dump(),
+                "parity": manifest.params["parity"],
+                "build_seconds": manifest.params["build_seconds"],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""ONNX export of :class:`export.model.ServingEncoder` and the parity check every export runs."""
+
+from __future__ import annotations
+
+import random
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from tokenizers import Tokenizer
+
+from export.model import ServingEncoder, tokenize_batch
+
+INPUT_NAMES = ["input_ids", "attention_mask"]
+OUTPUT_NAME = "embedding"
+OPSET = 17
+
+
+class ParityError(RuntimeError):
+    """ONNX Runtime and torch disagree beyond tolerance: the export is refused."""
+
+
+def export_onnx(model: ServingEncoder, tokenizer: Tokenizer, path: Path) -> None:
+    """Write one self-contained ONNX file with dynamic batch and sequence axes."""
+    example = tokenize_batch(tokenizer, ["example text for tracing", "a second one"])
+    dynamic = {name: {0: "batch", 1: "sequence"} for name in INPUT_NAMES}
+    dynamic[OUTPUT_NAME] = {0: "batch"}
+    with warnings.catch_warnings(), torch.inference_mode():
+        # The TorchScript exporter is deterministic and exact for BERT-class graphs; its
+        # deprecation and tracer warnings are noise here.
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            model.eval(),
+            (example["input_ids"], example["attention_mask"]),
+            str(path),
+            input_names=INPUT_NAMES,
+            output_names=[OUTPUT_NAME],
+            dynamic_axes=dynamic,
+            opset_version=OPSET,
+            do_constant_folding=True,
+            dynamo=False,
+        )
+
+
+def random_texts(tokenizer: Tokenizer, count: int, seed: int = 0, max_words: int = 80) -> list[str]:
+    """Texts of random vocabulary words, punctuation and digits, 1 to ``max_words`` words long
+    (long ones hit the truncation limit)."""
+    rng = random.Random(seed)
+    vocab = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 1]
+    extras = list(",.:;-()/+") + [str(d) for d in range(10)]
+    texts = []
+    for _ in range(count):
+        n = rng.choice([1, 2, 3, 5, 8, 13, 21, 40, max_words])
+        texts.append(" ".join(rng.choice(vocab) if rng.random() > 0.15 else rng.choice(extras) for _ in range(n)))
+    return texts
+
+
+@dataclass
+class ParityReport:
+    max_abs_diff: float
+    max_batch_vs_single_diff: float
+    texts: int
+
+    def as_dict(self) -> dict:
+        return {
+            "max_abs_diff": self.max_abs_diff,
+            "max_batch_vs_single_diff": self.max_batch_vs_single_diff,
+            "texts": self.texts,
+        }
+
+
+@torch.inference_mode()
+def check_parity(
+    model: ServingEncoder,
+    tokenizer: Tokenizer,
+    onnx_path: Path,
+    texts: list[str],
+    tolerance: float = 1e-4,
+    batch_size: int = 16,
+) -> ParityReport:
+    """Compare ONNX Runtime (CPU) with torch on ``texts`` in padded batches, and each text alone
+    with the same text inside a padded batch (padding must not change a vector).
+
+    Raises :class:`ParityError` when either difference exceeds ``tolerance``.
+    """
+    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    worst = 0.0
+    batched = []
+    for start in range(0, len(texts), batch_size):
+        feeds = tokenize_batch(tokenizer, texts[start : start + batch_size])
+        expected = model(**feeds).numpy()
+        actual = session.run(None, {k: v.numpy() for k, v in feeds.items()})[0]
+        worst = max(worst, float(np.abs(actual - expected).max()))
+        batched.append(actual)
+    batched_all = np.concatenate(batched)
+    padding_worst = 0.0
+    for i in range(0, len(texts), max(1, len(texts) // 8)):
+        feeds = tokenize_batch(tokenizer, [texts[i]])
+        alone = session.run(None, {k: v.numpy() for k, v in feeds.items()})[0][0]
+        padding_worst = max(padding_worst, float(np.abs(alone - batched_all[i]).max()))
+    report = ParityReport(max_abs_diff=worst, max_batch_vs_single_diff=padding_worst, texts=len(texts))
+    if worst > tolerance or padding_worst > tolerance:
+        raise ParityError(
+            f"ONNX parity failed on {len(texts)} texts: max |onnx - torch| = {worst:.2e}, "
+            f"max |single - batched| = {padding_worst:.2e}, tolerance {tolerance:.0e}"
+        )
+    return report

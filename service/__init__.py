@@ -1,0 +1,1 @@
+"""xmcserve serving: torch-free FastAPI service over an immutable bundle (ONNX encoder + HNSW index)."""

@@ -1,0 +1,173 @@
+"""FastAPI app factory: ``uvicorn service.app:create_app --factory``.
+
+The lifespan loads and verifies the bundle named by ``XMCSERVE_BUNDLE_DIR`` (a bundle that
+fails verification stops start-up with the reason); ``/readyz`` turns 200 once it is loaded
+and warmed.
+"""
+
+# No `from __future__ import annotations` here: FastAPI must resolve the locally built
+# request model from the endpoint annotation at runtime.
+import logging
+import time
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+
+import anyio
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from service.bundle import Bundle, load_bundle
+from service.metrics import Metrics
+from service.schemas import LabelScore, PredictResponse, TextResult, build_predict_request
+from service.search import Prediction, Predictor
+from service.settings import Settings
+
+log = logging.getLogger("xmcserve")
+
+try:
+    SERVICE_VERSION = version("xmcserve")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    SERVICE_VERSION = "0+unknown"
+
+
+class RequestMetricsMiddleware:
+    """Latency histogram by route template (not raw path: bounded label cardinality) and status."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def send_with_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        start = time.perf_counter()
+        self.metrics.in_flight.inc()
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            self.metrics.in_flight.dec()
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "unmatched"
+            self.metrics.request_seconds.labels(endpoint=endpoint, method=scope["method"], status=str(status)).observe(
+                time.perf_counter() - start
+            )
+
+
+def to_response(bundle: Bundle, prediction: Prediction, k: int, ef: int) -> PredictResponse:
+    results = []
+    for ranking in prediction.rankings:
+        labels = [
+            LabelScore(id=int(i), uid=bundle.label_uids[i], text=bundle.label_texts[i], score=float(s))
+            for i, s in zip(ranking.ids, ranking.scores, strict=True)
+        ]
+        results.append(TextResult(labels=labels))
+    return PredictResponse(
+        bundle_id=bundle.bundle_id, index_kind=bundle.manifest.index_kind, k=k, ef=ef, results=results
+    )
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    metrics = Metrics()
+    PredictRequest = build_predict_request(settings)
+    # One inference at a time: ONNX Runtime already uses every core for one call, and
+    # concurrent calls would only contend for them.
+    inference_limiter = anyio.CapacityLimiter(1)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        bundle = await anyio.to_thread.run_sync(
+            lambda: load_bundle(
+                settings.bundle_dir,
+                providers=settings.providers,
+                intra_op_threads=settings.intra_op_threads,
+                verify=settings.verify_checksums,
+            )
+        )
+        app.state.predictor = Predictor(bundle)
+        metrics.bundle_info.info(
+            {
+                "bundle_id": bundle.bundle_id,
+                "index_kind": bundle.manifest.index_kind,
+                "provider": bundle.encoder.provider,
+                "dim": str(bundle.manifest.dim),
+            }
+        )
+        log.info("serving bundle %s on %s", bundle.bundle_id, bundle.encoder.provider)
+        yield
+        app.state.predictor = None
+
+    app = FastAPI(
+        title="xmcserve",
+        version=SERVICE_VERSION,
+        description="Extreme multi-label classification: the k most relevant labels for a short text.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.predictor = None
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+
+    @app.post("/predict", response_model=PredictResponse)
+    async def predict(body: PredictRequest, request: Request) -> PredictResponse:  # type: ignore[valid-type]
+        predictor: Predictor | None = request.app.state.predictor
+        if predictor is None:
+            return JSONResponse({"detail": "no bundle loaded yet"}, status_code=503)
+        bundle = predictor.bundle
+        texts = body.all_texts()
+        exclude = [bundle.label_ids(uids) for uids in body.exclusions()]
+        ef = body.ef or predictor.default_ef
+        prediction = await anyio.to_thread.run_sync(
+            lambda: predictor.predict(texts, body.k, ef, exclude), limiter=inference_limiter
+        )
+        metrics.observe_stages(prediction.times.as_dict())
+        metrics.predicted_texts.inc(len(texts))
+        return to_response(bundle, prediction, body.k, ef)
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(request: Request) -> Response:
+        predictor: Predictor | None = request.app.state.predictor
+        if predictor is None:
+            return JSONResponse({"ready": False}, status_code=503)
+        return JSONResponse({"ready": True, "bundle_id": predictor.bundle.bundle_id})
+
+    @app.get("/info")
+    async def info(request: Request) -> Response:
+        predictor: Predictor | None = request.app.state.predictor
+        if predictor is None:
+            return JSONResponse({"detail": "no bundle loaded yet"}, status_code=503)
+        bundle = predictor.bundle
+        return JSONResponse(
+            {
+                "service_version": SERVICE_VERSION,
+                "bundle_path": str(bundle.path),
+                "execution_provider": bundle.encoder.provider,
+                "limits": {
+                    "max_texts_per_request": settings.max_texts_per_request,
+                    "max_text_bytes": settings.max_text_bytes,
+                    "max_k": settings.max_k,
+                    "max_ef": settings.max_ef,
+                },
+                "manifest": bundle.manifest.model_dump(mode="json"),
+            }
+        )
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

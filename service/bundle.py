@@ -1,0 +1,179 @@
+"""Load a bundle directory and verify it (checksums, shapes, a warm-up encode) before use."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import hnswlib
+import numpy as np
+import scipy.sparse as sp
+from pydantic import ValidationError
+
+from service.encoder import OnnxEncoder
+from service.manifest import (
+    ENCODER_FILE,
+    INDEX_FILE,
+    LABELS_FILE,
+    MANIFEST_FILE,
+    SCHEMA_VERSION,
+    TOKENIZER_FILE,
+    VALUES_FILE,
+    Manifest,
+    required_files,
+    sha256_file,
+)
+
+log = logging.getLogger(__name__)
+
+
+class BundleError(RuntimeError):
+    """The bundle is missing, corrupt or inconsistent; the message says which part."""
+
+
+@dataclass
+class Bundle:
+    path: Path
+    manifest: Manifest
+    encoder: OnnxEncoder
+    index: hnswlib.Index
+    label_uids: list[str]
+    label_texts: list[str]
+    uid_to_id: dict[str, int]
+    values: sp.csr_matrix | None
+
+    @property
+    def bundle_id(self) -> str:
+        return self.manifest.bundle_id
+
+    @property
+    def num_train_keys(self) -> int:
+        return self.manifest.counts.train_instances
+
+    def label_ids(self, uids: list[str]) -> set[int]:
+        """Ids of the known uids; unknown uids cannot be returned anyway, so they are ignored."""
+        return {self.uid_to_id[u] for u in uids if u in self.uid_to_id}
+
+
+def read_manifest(path: Path) -> Manifest:
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        raise BundleError(f"{path}: no {MANIFEST_FILE} (not a bundle directory?)")
+    try:
+        manifest = Manifest.model_validate_json(manifest_path.read_text())
+    except (ValidationError, ValueError) as exc:
+        raise BundleError(f"{manifest_path}: invalid manifest: {exc}") from None
+    if manifest.schema_version != SCHEMA_VERSION:
+        raise BundleError(
+            f"{manifest_path}: schema version {manifest.schema_version}, this service reads {SCHEMA_VERSION}"
+        )
+    return manifest
+
+
+def verify_checksums(path: Path, manifest: Manifest) -> None:
+    for name in required_files(manifest.index_kind):
+        if name not in manifest.files:
+            raise BundleError(f"{path}: manifest lists no checksum for required file {name}")
+    for name, expected in manifest.files.items():
+        file = path / name
+        if not file.is_file():
+            raise BundleError(f"{path}: missing file {name}")
+        actual = sha256_file(file)
+        if actual != expected:
+            raise BundleError(f"{path}: checksum mismatch for {name} (manifest {expected[:12]}…, file {actual[:12]}…)")
+
+
+def read_labels(path: Path) -> tuple[list[str], list[str]]:
+    uids, texts = [], []
+    with open(path / LABELS_FILE, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            try:
+                obj = json.loads(line)
+                uids.append(str(obj["uid"]))
+                texts.append(str(obj["text"]))
+            except (ValueError, KeyError) as exc:
+                raise BundleError(f"{path / LABELS_FILE}:{lineno}: bad label line ({exc})") from None
+    return uids, texts
+
+
+def load_index(path: Path, manifest: Manifest) -> hnswlib.Index:
+    index = hnswlib.Index(space=manifest.hnsw.space, dim=manifest.dim)
+    try:
+        index.load_index(str(path / INDEX_FILE))
+    except RuntimeError as exc:
+        raise BundleError(f"{path / INDEX_FILE}: cannot load HNSW index ({exc})") from None
+    count = index.get_current_count()
+    if count != manifest.counts.memory_rows:
+        raise BundleError(f"{path}: index holds {count} keys, manifest says {manifest.counts.memory_rows}")
+    index.set_ef(manifest.hnsw.ef_search)
+    return index
+
+
+def load_values(path: Path, manifest: Manifest) -> sp.csr_matrix | None:
+    if manifest.index_kind != "rae_memory":
+        return None
+    if manifest.rae is None:
+        raise BundleError(f"{path}: rae_memory bundle without RAE parameters")
+    try:
+        values = sp.load_npz(path / VALUES_FILE).tocsr().astype(np.float32)
+    except (OSError, ValueError) as exc:
+        raise BundleError(f"{path / VALUES_FILE}: cannot load value matrix ({exc})") from None
+    expected = (manifest.counts.memory_rows, manifest.counts.labels)
+    if values.shape != expected:
+        raise BundleError(f"{path}: value matrix shape {values.shape}, expected {expected}")
+    if manifest.counts.train_instances + manifest.counts.labels != manifest.counts.memory_rows:
+        raise BundleError(f"{path}: memory rows != train instances + labels")
+    return values
+
+
+def check_encoder(path: Path, encoder: OnnxEncoder, manifest: Manifest) -> None:
+    """One real encode: the output must be finite, unit-norm and of the manifest's dimension."""
+    vectors, _ = encoder.encode(["warm-up query", "a second, longer warm-up query for padding"])
+    if vectors.shape != (2, manifest.dim):
+        raise BundleError(f"{path / ENCODER_FILE}: output shape {vectors.shape}, expected (2, {manifest.dim})")
+    norms = np.linalg.norm(vectors, axis=1)
+    if not np.all(np.isfinite(vectors)) or not np.allclose(norms, 1.0, atol=1e-3):
+        raise BundleError(f"{path / ENCODER_FILE}: outputs are not finite unit vectors (norms {norms})")
+
+
+def load_bundle(path: Path | str, providers: str = "auto", intra_op_threads: int = 0, verify: bool = True) -> Bundle:
+    """Load and verify a bundle; raises :class:`BundleError` with the reason on any problem."""
+    path = Path(path).resolve()
+    manifest = read_manifest(path)
+    if verify:
+        verify_checksums(path, manifest)
+    label_uids, label_texts = read_labels(path)
+    if len(label_uids) != manifest.counts.labels:
+        raise BundleError(f"{path}: {len(label_uids)} labels in {LABELS_FILE}, manifest says {manifest.counts.labels}")
+    index = load_index(path, manifest)
+    values = load_values(path, manifest)
+    try:
+        encoder = OnnxEncoder(
+            path / ENCODER_FILE,
+            path / TOKENIZER_FILE,
+            manifest.tokenizer.max_length,
+            providers=providers,
+            intra_op_threads=intra_op_threads,
+        )
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise BundleError(f"{path}: cannot load encoder or tokenizer ({exc})") from None
+    check_encoder(path, encoder, manifest)
+    log.info(
+        "loaded bundle %s from %s (%s, %d labels)",
+        manifest.bundle_id,
+        path,
+        manifest.index_kind,
+        manifest.counts.labels,
+    )
+    return Bundle(
+        path=path,
+        manifest=manifest,
+        encoder=encoder,
+        index=index,
+        label_uids=label_uids,
+        label_texts=label_texts,
+        uid_to_id={uid: i for i, uid in enumerate(label_uids)},
+        values=values,
+    )

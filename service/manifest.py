@@ -1,0 +1,111 @@
+"""The bundle contract: file names and ``manifest.json`` schema, defined once.
+
+``export/`` writes bundles with these models; ``service/`` reads them. A bundle is an
+immutable directory::
+
+    manifest.json    this schema
+    encoder.onnx     input_ids, attention_mask [batch, seq] int64 -> embedding [batch, dim] float32
+    tokenizer.json   HF tokenizers file (truncation set, padding to the batch's longest)
+    labels.jsonl     one {"uid", "text"} per line; line number = label id
+    index.hnsw       hnswlib index over the keys (labels, or instances + labels for RAE)
+    values.npz       RAE only: CSR value matrix V = [λ·Y_trn ; (1−λ)·I_L], (memory rows x labels)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+
+MANIFEST_FILE = "manifest.json"
+ENCODER_FILE = "encoder.onnx"
+TOKENIZER_FILE = "tokenizer.json"
+LABELS_FILE = "labels.jsonl"
+INDEX_FILE = "index.hnsw"
+VALUES_FILE = "values.npz"
+
+IndexKind = Literal["labels", "rae_memory"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SourceInfo(_Strict):
+    """Where the bundle came from."""
+
+    encoder: str = Field(description="encoder name or checkpoint path")
+    architecture: str = Field(description="HF model_type, e.g. bert or distilbert")
+    head: str = Field(description="how the serving head was made: pca | trained")
+    training_run: str | None = None
+    git_sha: str | None = None
+    data: str | None = Field(None, description="dataset the memory / labels came from")
+
+
+class TokenizerInfo(_Strict):
+    max_length: int = Field(gt=0)
+    lowercase: bool
+
+
+class HnswParams(_Strict):
+    space: Literal["ip", "cosine", "l2"] = "ip"
+    M: int = Field(gt=1)
+    ef_construction: int = Field(gt=0)
+    ef_search: int = Field(gt=0, description="default ef at query time")
+
+
+class RaeParams(_Strict):
+    """RAE-XMC inference: score = softmax(top-b similarities / τ) · V, V = [λY ; (1−λ)I]."""
+
+    lam: float = Field(ge=0.0, le=1.0, description="λ: weight of the training-instance memory")
+    tau: float = Field(gt=0.0, description="τ: softmax temperature")
+    top_b: int = Field(gt=0, description="b: number of keys retrieved per query")
+
+
+class Counts(_Strict):
+    labels: int = Field(ge=1)
+    memory_rows: int = Field(ge=1, description="keys in the index (labels, or instances + labels)")
+    train_instances: int = Field(0, ge=0, description="instance keys in an RAE memory")
+
+
+class Manifest(_Strict):
+    schema_version: int = SCHEMA_VERSION
+    bundle_id: str
+    created_at: str
+    source: SourceInfo
+    tokenizer: TokenizerInfo
+    dim: int = Field(gt=0)
+    index_kind: IndexKind
+    hnsw: HnswParams
+    rae: RaeParams | None = None
+    counts: Counts
+    params: dict = Field(default_factory=dict, description="export parameters as given")
+    files: dict[str, str] = Field(description="file name -> sha256 hex digest")
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def bundle_id_from(files: dict[str, str], prefix: str) -> str:
+    """A content-derived id: the same files give the same id."""
+    joined = "".join(f"{name}:{digest}" for name, digest in sorted(files.items()))
+    return f"{prefix}-{hashlib.sha256(joined.encode()).hexdigest()[:12]}"
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def required_files(index_kind: IndexKind) -> list[str]:
+    files = [ENCODER_FILE, TOKENIZER_FILE, LABELS_FILE, INDEX_FILE]
+    return files + [VALUES_FILE] if index_kind == "rae_memory" else files

@@ -1,0 +1,45 @@
+"""Prometheus metrics, one registry per app (so several apps can live in one process, e.g. tests)."""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
+
+# Request latencies span ~2 ms (idle, one text) to seconds (overload); stages start lower.
+REQUEST_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2, 5)
+STAGE_BUCKETS = (0.0001, 0.0003, 0.0005, 0.001, 0.002, 0.004, 0.006, 0.01, 0.02, 0.05, 0.1, 0.5, 1)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        self.request_seconds = Histogram(
+            "xmcserve_request_duration_seconds",
+            "HTTP request latency by endpoint and status code",
+            ["endpoint", "method", "status"],
+            buckets=REQUEST_BUCKETS,
+            registry=self.registry,
+        )
+        self.stage_seconds = Histogram(
+            "xmcserve_stage_duration_seconds",
+            "Time per /predict stage (tokenize, encode, search, aggregate) per batch",
+            ["stage"],
+            buckets=STAGE_BUCKETS,
+            registry=self.registry,
+        )
+        self.predicted_texts = Counter("xmcserve_predicted_texts", "Texts answered by /predict", registry=self.registry)
+        self.in_flight = Gauge("xmcserve_in_flight_requests", "HTTP requests being handled", registry=self.registry)
+        self.bundle_info = Info("xmcserve_bundle", "The bundle being served", registry=self.registry)
+
+    def observe_stages(self, times: dict[str, float]) -> None:
+        for stage, seconds in times.items():
+            self.stage_seconds.labels(stage=stage).observe(seconds)

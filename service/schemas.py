@@ -1,0 +1,121 @@
+"""Request and response models of the HTTP API.
+
+The request model is built from the settings, so the limits the service enforces are the
+limits its OpenAPI schema documents.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from service.settings import Settings
+
+EXAMPLE_SINGLE = {"text": "python3-numpy: Fast array facility to the Python 3 language", "k": 5}
+EXAMPLE_BATCH = {
+    "texts": [
+        "libssl-dev: Secure Sockets Layer toolkit - development files",
+        "vim-gtk3: Vi IMproved - enhanced vi editor",
+    ],
+    "k": 10,
+    "ef": 300,
+    "exclude": [["libssl-dev"], ["vim-gtk3"]],
+}
+
+
+class PredictRequestBase(BaseModel):
+    """Fields shared by every settings-specific request model (see :func:`build_predict_request`)."""
+
+    def all_texts(self) -> list[str]:
+        return [self.text] if self.text is not None else list(self.texts)
+
+    def exclusions(self) -> list[list[str]]:
+        """One list of excluded label uids per text."""
+        n = len(self.all_texts())
+        if not self.exclude:
+            return [[] for _ in range(n)]
+        if isinstance(self.exclude[0], list):
+            return [list(e) for e in self.exclude]
+        return [list(self.exclude) for _ in range(n)]
+
+
+def build_predict_request(settings: Settings) -> type[PredictRequestBase]:
+    max_bytes = settings.max_text_bytes
+
+    def check_text(value: str) -> str:
+        if not value.strip():
+            raise ValueError("text is empty or whitespace only")
+        size = len(value.encode("utf-8"))
+        if size > max_bytes:
+            raise ValueError(f"text is {size} bytes of UTF-8; the limit is {max_bytes}")
+        return value
+
+    class PredictRequest(PredictRequestBase):
+        """Give exactly one of ``text`` or ``texts``."""
+
+        model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [EXAMPLE_SINGLE, EXAMPLE_BATCH]})
+
+        text: str | None = Field(None, description=f"one text (at most {max_bytes} UTF-8 bytes)")
+        texts: list[str] | None = Field(
+            None,
+            min_length=1,
+            max_length=settings.max_texts_per_request,
+            description=f"several texts, at most {settings.max_texts_per_request}, answered in order",
+        )
+        k: int = Field(settings.default_k, ge=1, le=settings.max_k, description="labels to return per text")
+        ef: int | None = Field(
+            None, ge=1, le=settings.max_ef, description="HNSW search breadth; default: the bundle's ef"
+        )
+        exclude: list[str] | list[list[str]] = Field(
+            default_factory=list,
+            description="label uids never to return (e.g. the query's own item): one list for all texts, "
+            "or one list per text",
+        )
+
+        @field_validator("text")
+        @classmethod
+        def _text_ok(cls, value: str | None) -> str | None:
+            return None if value is None else check_text(value)
+
+        @field_validator("texts")
+        @classmethod
+        def _texts_ok(cls, values: list[str] | None) -> list[str] | None:
+            if values is None:
+                return None
+            for i, value in enumerate(values):
+                try:
+                    check_text(value)
+                except ValueError as exc:
+                    raise ValueError(f"texts[{i}]: {exc}") from None
+            return values
+
+        @model_validator(mode="after")
+        def _one_input(self) -> PredictRequest:
+            if (self.text is None) == (self.texts is None):
+                raise ValueError("give exactly one of 'text' or 'texts'")
+            if self.exclude and isinstance(self.exclude[0], list) and len(self.exclude) != len(self.all_texts()):
+                raise ValueError(
+                    f"'exclude' has {len(self.exclude)} lists for {len(self.all_texts())} texts; "
+                    "give one list per text or a single flat list"
+                )
+            return self
+
+    return PredictRequest
+
+
+class LabelScore(BaseModel):
+    id: int = Field(description="label id in the bundle")
+    uid: str
+    text: str
+    score: float
+
+
+class TextResult(BaseModel):
+    labels: list[LabelScore] = Field(description="best first")
+
+
+class PredictResponse(BaseModel):
+    bundle_id: str
+    index_kind: str
+    k: int
+    ef: int
+    results: list[TextResult] = Field(description="one per input text, in order")

@@ -1,0 +1,28 @@
+"""Service settings from the environment (prefix ``XMCSERVE_``), e.g. ``XMCSERVE_BUNDLE_DIR``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="XMCSERVE_", extra="ignore")
+
+    bundle_dir: Path = Field(Path("bundles/default"), description="bundle served at start-up")
+    providers: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="ONNX Runtime execution provider: auto = CUDA when available, else CPU"
+    )
+    intra_op_threads: int = Field(0, ge=0, description="ONNX Runtime intra-op threads; 0 = one per core")
+    verify_checksums: bool = Field(True, description="sha256-check every bundle file before serving it")
+
+    max_texts_per_request: int = Field(64, ge=1, description="most texts one /predict may carry")
+    max_text_bytes: int = Field(2048, ge=1, description="most UTF-8 bytes per text")
+    max_k: int = Field(1000, ge=1, description="largest k a request may ask for")
+    max_ef: int = Field(4096, ge=1, description="largest HNSW ef a request may ask for")
+    default_k: int = Field(10, ge=1)
+
+    log_level: str = "info"

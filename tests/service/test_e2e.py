@@ -1,0 +1,129 @@
+"""End to end: a bundle built from the sample, served by a real uvicorn process."""
+
+import numpy as np
+import pytest
+from httpx import Client
+
+from service.bundle import load_bundle
+from service.rae import aggregate, top_k_of_row
+from training.data import load_jsonl_split
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client(live_server):
+    with Client(base_url=live_server.url, timeout=30) as c:
+        yield c
+
+
+def test_predict_returns_k_real_labels_best_first(client):
+    r = client.post("/predict", json={"text": "python3-numpy: Fast array facility to the Python 3 language", "k": 5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["bundle_id"].startswith("rae-memory-64d-") and body["index_kind"] == "rae_memory"
+    labels = body["results"][0]["labels"]
+    assert len(labels) == 5
+    scores = [label["score"] for label in labels]
+    assert scores == sorted(scores, reverse=True) and scores[0] > 0
+    uids = [label["uid"] for label in labels]
+    assert "python3" in uids  # numpy's real dependency, memorised from the training instance
+    assert all(label["text"].startswith(label["uid"] + ":") for label in labels)
+
+
+def test_exclude_removes_the_same_item_before_the_softmax(client):
+    text = "python3-numpy: Fast array facility to the Python 3 language"
+    plain = client.post("/predict", json={"text": text, "k": 20}).json()["results"][0]["labels"]
+    excluded = client.post("/predict", json={"text": text, "k": 20, "exclude": ["python3-numpy"]}).json()
+    labels = excluded["results"][0]["labels"]
+    assert "python3-numpy" in [x["uid"] for x in plain]
+    assert "python3-numpy" not in [x["uid"] for x in labels]
+    # The same-item label key no longer takes softmax mass, so the others' scores rise.
+    before = {x["uid"]: x["score"] for x in plain}
+    assert labels[0]["score"] > before[labels[0]["uid"]]
+
+
+def test_batch_answers_in_order(client):
+    texts = ["vim-gtk3: Vi IMproved - enhanced vi editor", "libssl-dev: Secure Sockets Layer toolkit"]
+    batch = client.post("/predict", json={"texts": texts, "k": 3}).json()["results"]
+    singles = [client.post("/predict", json={"text": t, "k": 3}).json()["results"][0] for t in texts]
+    assert [[x["id"] for x in r["labels"]] for r in batch] == [[x["id"] for x in r["labels"]] for r in singles]
+
+
+def test_recall_at_10_against_exact_search(client, sample_bundle, sample_dir):
+    """HTTP answers vs exact brute force over the same key vectors and the same aggregation."""
+    bundle = load_bundle(sample_bundle)
+    n_keys = bundle.index.get_current_count()
+    keys = np.asarray(bundle.index.get_items(np.arange(n_keys)), dtype=np.float32)
+    dev = load_jsonl_split(sample_dir, "dev")
+    texts = dev.texts[:96]
+    rae = bundle.manifest.rae
+    served = []
+    for start in range(0, len(texts), 32):
+        body = client.post("/predict", json={"texts": texts[start : start + 32], "k": 10}).json()
+        served += [[x["id"] for x in r["labels"]] for r in body["results"]]
+    queries, _ = bundle.encoder.encode(texts)
+    sims = queries @ keys.T
+    top = np.argsort(-sims, axis=1)[:, : rae.top_b]
+    top_sims = np.take_along_axis(sims, top, axis=1)
+    exact = aggregate(top, top_sims, bundle.values, bundle.num_train_keys, rae.tau, rae.top_b, [()] * len(texts))
+    recalls = []
+    for i, ids in enumerate(served):
+        truth = set(top_k_of_row(exact, i, 10)[0].tolist())
+        recalls.append(len(truth & set(ids)) / len(truth))
+    assert np.mean(recalls) >= 0.95, np.mean(recalls)
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ({"text": ""}, "empty or whitespace"),
+        ({"text": "   "}, "empty or whitespace"),
+        ({"text": "ok", "k": 0}, "greater than or equal to 1"),
+        ({"text": "ok", "k": 1001}, "less than or equal to 1000"),
+        ({"texts": ["t"] * 65}, "at most 64 items"),
+        ({"text": "x" * 2049}, "2049 bytes of UTF-8; the limit is 2048"),
+        ({"k": 5}, "exactly one of 'text' or 'texts'"),
+        ({"text": 5}, "valid string"),
+    ],
+)
+def test_bad_input_is_a_clear_422(client, body, fragment):
+    r = client.post("/predict", json=body)
+    assert r.status_code == 422
+    assert fragment in r.text
+
+
+def test_malformed_json_is_422(client):
+    r = client.post("/predict", content=b'{"text": "unterminated', headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    assert "JSON decode error" in r.text
+
+
+def test_service_keeps_answering_after_bad_input(client):
+    assert client.post("/predict", json={"text": ""}).status_code == 422
+    assert client.post("/predict", json={"text": "libc6: GNU C Library", "k": 1}).status_code == 200
+
+
+def test_health_ready_info(client, sample_bundle):
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz").json()
+    info = client.get("/info").json()
+    assert ready["ready"] is True and ready["bundle_id"] == info["manifest"]["bundle_id"]
+    assert info["execution_provider"] == "CPUExecutionProvider"
+    assert info["manifest"]["dim"] == 64 and info["manifest"]["rae"]["top_b"] == 200
+
+
+def test_openapi_has_request_examples(client):
+    schema = client.get("/openapi.json").json()
+    assert any("examples" in s for s in schema["components"]["schemas"].values())
+
+
+def test_metrics_are_exported(client):
+    client.post("/predict", json={"text": "bash: GNU Bourne Again SHell", "k": 3})
+    client.post("/predict", json={"text": ""})
+    text = client.get("/metrics").text
+    assert 'xmcserve_request_duration_seconds_count{endpoint="/predict",method="POST",status="200"}' in text
+    assert 'xmcserve_request_duration_seconds_count{endpoint="/predict",method="POST",status="422"}' in text
+    for stage in ("tokenize", "encode", "search", "aggregate"):
+        assert f'xmcserve_stage_duration_seconds_count{{stage="{stage}"}}' in text
+    assert "xmcserve_bundle_info{" in text

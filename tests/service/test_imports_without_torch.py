@@ -1,0 +1,40 @@
+"""Every module of service/ must import with torch and transformers unavailable."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROBE = r"""
+import importlib, importlib.abc, pkgutil, sys
+
+BLOCKED = ("torch", "transformers", "sentence_transformers")
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"blocked import of {name}")
+        return None
+
+sys.meta_path.insert(0, Block())
+import service
+names = [m.name for m in pkgutil.walk_packages(service.__path__, "service.")]
+for name in names:
+    importlib.import_module(name)
+leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+assert not leaked, leaked
+print("imported", len(names), "modules:", ", ".join(names))
+"""
+
+
+def test_service_imports_without_torch_or_transformers():
+    result = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "service.app" in result.stdout and "service.search" in result.stdout
+
+
+def test_the_blocker_really_blocks():
+    probe = PROBE.replace("import service\n", "import torch\n")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "blocked import of torch" in result.stderr

@@ -1,0 +1,70 @@
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from service.rae import aggregate, build_values, softmax, top_k_of_row
+
+# Memory: 2 training instances over 3 labels, then the 3 label keys (ids 2, 3, 4).
+Y_TRAIN = sp.csr_matrix(np.array([[1, 1, 0], [0, 1, 1]], dtype=np.float32))
+LAM, TAU = 0.5, 0.1
+
+
+def dense_reference(keys, sims, lam, tau, excluded=()):
+    V = np.vstack([lam * Y_TRAIN.toarray(), (1 - lam) * np.eye(3)])
+    keep = [i for i, key in enumerate(keys) if not (key >= 2 and key - 2 in excluded)]
+    w = np.exp(np.asarray(sims)[keep] / tau)
+    w /= w.sum()
+    scores = w @ V[np.asarray(keys)[keep]]
+    scores[list(excluded)] = 0
+    return scores
+
+
+def test_build_values_is_lambda_y_over_identity():
+    V = build_values(Y_TRAIN, LAM).toarray()
+    np.testing.assert_allclose(V, np.vstack([0.5 * Y_TRAIN.toarray(), 0.5 * np.eye(3)]))
+
+
+def test_aggregate_matches_dense_softmax_times_values():
+    keys = np.array([[2, 0, 4, 1], [3, 1, 0, 2]])
+    sims = np.array([[0.9, 0.8, 0.5, 0.1], [0.95, 0.7, 0.6, 0.2]], dtype=np.float32)
+    scores = aggregate(keys, sims, build_values(Y_TRAIN, LAM), 2, TAU, 4, [(), ()]).toarray()
+    for i in range(2):
+        np.testing.assert_allclose(scores[i], dense_reference(keys[i], sims[i], LAM, TAU), rtol=1e-5)
+
+
+def test_excluded_label_key_is_removed_before_the_softmax():
+    # Key 2 (label 0) is the query's own item with similarity 1.0; excluded, it must not take
+    # the softmax mass: the remaining keys share all of it.
+    keys = np.array([[2, 0, 1]])
+    sims = np.array([[1.0, 0.8, 0.7]], dtype=np.float32)
+    V = build_values(Y_TRAIN, LAM)
+    scores = aggregate(keys, sims, V, 2, TAU, 3, [{0}]).toarray()[0]
+    np.testing.assert_allclose(scores, dense_reference(keys[0], sims[0], LAM, TAU, excluded=(0,)), rtol=1e-5)
+    assert scores[0] == 0.0
+    # label 1 is positive for both remaining instances: weight 1 * λ
+    assert scores[1] == pytest.approx(LAM, rel=1e-5)
+    # Filtering only the output would have left far smaller scores (the same-item key took the mass).
+    output_only = aggregate(keys, sims, V, 2, TAU, 3, [()]).toarray()[0]
+    assert output_only[1] < 0.5 * scores[1]
+
+
+def test_top_b_keeps_the_best_keys_after_exclusion():
+    keys = np.array([[2, 0, 1, 3]])
+    sims = np.array([[1.0, 0.9, 0.1, 0.05]], dtype=np.float32)
+    scores = aggregate(keys, sims, build_values(Y_TRAIN, LAM), 2, TAU, 1, [{0}]).toarray()[0]
+    # with key 2 gone, b=1 keeps only instance 0 (labels 0 and 1), label 0 then zeroed as excluded
+    np.testing.assert_allclose(scores, [0.0, LAM, 0.0], rtol=1e-5)
+
+
+def test_top_k_of_row_orders_by_score_then_id():
+    row = sp.csr_matrix(np.array([[0.1, 0.5, 0.0, 0.5, 0.3]], dtype=np.float32))
+    ids, scores = top_k_of_row(row, 0, 3)
+    assert ids.tolist() == [1, 3, 4]
+    np.testing.assert_allclose(scores, [0.5, 0.5, 0.3])
+    ids, _ = top_k_of_row(row, 0, 10)
+    assert ids.tolist() == [1, 3, 4, 0]
+
+
+def test_softmax_is_stable_for_sharp_temperatures():
+    w = softmax(np.array([1.0, 0.99, -1.0]), 0.001)
+    assert np.isfinite(w).all() and w.sum() == pytest.approx(1.0)

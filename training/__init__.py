@@ -1,0 +1,1 @@
+"""xmcserve training: XMC data readers, metrics, evaluation, UniDEC / RAE-XMC training."""

@@ -1,0 +1,136 @@
+"""Evaluate a bundle on a data split through the service's own search path.
+
+    python -m training.evaluate --bundle bundles/default --data data/debian-sample --split dev \\
+        [--out results.json] [--k 100] [--ef 300] [--propensity default|amazon|wikipedia]
+
+Queries go through :class:`service.search.Predictor` (ONNX encoder, HNSW, RAE aggregation), the
+split's filter file is applied as per-query ``exclude`` (so same-item labels are removed before
+the RAE softmax and before top-k, exactly as a caller's ``exclude`` would be), and metrics come
+from :mod:`training.metrics`. The training split supplies label frequencies for PSP@k and the
+head/torso/tail segments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from service.bundle import Bundle, load_bundle
+from service.search import Predictor
+from training.data import XMCDataset, label_frequencies, load_jsonl_split
+from training.metrics import PROPENSITY_PRESETS, Segments, compute_all
+
+HEADLINE = ("P@1", "P@5", "PSP@5", "R@100")
+
+
+def label_id_map(bundle: Bundle, dataset: XMCDataset) -> np.ndarray:
+    """Dataset label id → bundle label id (−1 when the bundle lacks it), matched by uid."""
+    if bundle.label_uids == dataset.labels.uids:
+        return np.arange(dataset.num_labels)
+    return np.array([bundle.uid_to_id.get(uid, -1) for uid in dataset.labels.uids])
+
+
+def rank_split(
+    predictor: Predictor, dataset: XMCDataset, k: int, ef: int | None, batch_size: int = 64
+) -> tuple[np.ndarray, float]:
+    """Ranked dataset label ids (``n x k``, −1 padded) and the wall seconds spent predicting."""
+    to_bundle = label_id_map(predictor.bundle, dataset)
+    to_dataset = np.full(len(predictor.bundle.label_uids), -1, dtype=np.int64)
+    to_dataset[to_bundle[to_bundle >= 0]] = np.flatnonzero(to_bundle >= 0)
+    filters = dataset.filter_sets()
+    ranked = np.full((len(dataset), k), -1, dtype=np.int64)
+    started = time.perf_counter()
+    for start in range(0, len(dataset), batch_size):
+        rows = range(start, min(start + batch_size, len(dataset)))
+        exclude = [{int(to_bundle[lab]) for lab in filters[r] if to_bundle[lab] >= 0} for r in rows]
+        prediction = predictor.predict([dataset.texts[r] for r in rows], k, ef, exclude)
+        for r, ranking in zip(rows, prediction.rankings, strict=True):
+            ranked[r, : len(ranking.ids)] = to_dataset[ranking.ids]
+    return ranked, time.perf_counter() - started
+
+
+def evaluate_bundle(
+    bundle: Bundle,
+    dataset: XMCDataset,
+    train: XMCDataset,
+    k: int = 100,
+    ef: int | None = None,
+    propensity: str = "default",
+    segments: Segments | None = None,
+) -> dict:
+    predictor = Predictor(bundle)
+    ranked, seconds = rank_split(predictor, dataset, k, ef)
+    metrics = compute_all(
+        ranked,
+        dataset.Y,
+        label_frequencies(train.Y),
+        len(train),
+        ks=(1, 3, 5),
+        recall_ks=tuple(r for r in (10, 100) if r <= k),
+        propensity=PROPENSITY_PRESETS[propensity],
+        segments=segments,
+    )
+    return {
+        "bundle_id": bundle.bundle_id,
+        "index_kind": bundle.manifest.index_kind,
+        "dim": bundle.manifest.dim,
+        "ef": ef or predictor.default_ef,
+        "k": k,
+        "instances": len(dataset),
+        "filter_pairs_applied": int(len(dataset.filter_pairs)),
+        "propensity": {
+            "preset": propensity,
+            "A": PROPENSITY_PRESETS[propensity][0],
+            "B": PROPENSITY_PRESETS[propensity][1],
+        },
+        "queries_per_second": round(len(dataset) / seconds, 1),
+        "metrics": {name: round(value, 2) for name, value in metrics.items()},
+    }
+
+
+def format_table(result: dict) -> str:
+    metrics = result["metrics"]
+    names = [n for n in HEADLINE if n in metrics] + [n for n in metrics if n not in HEADLINE]
+    width = max(len(n) for n in names)
+    lines = [
+        f"bundle {result['bundle_id']} ({result['index_kind']}, {result['dim']}-d, ef {result['ef']}) "
+        f"on {result['instances']} instances, {result['filter_pairs_applied']} filter pairs applied"
+    ]
+    lines += [f"  {name:<{width}}  {metrics[name]:6.2f}" for name in names]
+    lines.append(f"  {'queries/s':<{width}}  {result['queries_per_second']:6.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bundle", type=Path, required=True)
+    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--split", default="dev")
+    parser.add_argument("--train-split", default="trn", help="split for label frequencies (PSP, segments)")
+    parser.add_argument("--k", type=int, default=100)
+    parser.add_argument("--ef", type=int, default=None)
+    parser.add_argument("--propensity", choices=sorted(PROPENSITY_PRESETS), default="default")
+    parser.add_argument("--segments", default="10,100", help="tail max, torso max training frequency")
+    parser.add_argument("--out", type=Path, default=None, help="JSON result file")
+    args = parser.parse_args(argv)
+    tail_max, torso_max = (int(x) for x in args.segments.split(","))
+    dataset = load_jsonl_split(args.data, args.split)
+    train = load_jsonl_split(args.data, args.train_split, labels=dataset.labels)
+    bundle = load_bundle(args.bundle)
+    result = evaluate_bundle(bundle, dataset, train, args.k, args.ef, args.propensity, Segments(tail_max, torso_max))
+    result.update({"data": str(args.data), "split": args.split})
+    print(format_table(result))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
