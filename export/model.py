@@ -58,6 +58,7 @@ class ServingEncoder(torch.nn.Module):
         super().__init__()
         self.pooled = PooledEncoder(encoder)
         self.pre_normalize = head.pre_normalize
+        self.block_scale = head.block_scale
         self.blocks = torch.nn.ModuleList()
         for block in head.blocks:
             linear = torch.nn.Linear(block.weight.shape[1], block.weight.shape[0])
@@ -70,7 +71,8 @@ class ServingEncoder(torch.nn.Module):
         x = self.pooled(input_ids, attention_mask)
         if self.pre_normalize:
             x = torch.nn.functional.normalize(x, dim=-1)
-        return torch.cat([torch.nn.functional.normalize(block(x), dim=-1) for block in self.blocks], dim=-1)
+        parts = [torch.nn.functional.normalize(block(x), dim=-1) for block in self.blocks]
+        return torch.cat(parts, dim=-1) * self.block_scale
 
 
 def tokenize_batch(tokenizer: Tokenizer, texts: list[str]) -> dict[str, torch.Tensor]:

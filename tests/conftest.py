@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
+
+from tests.server import Server, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_DIR = ROOT / "data" / "debian-sample"
@@ -34,67 +30,40 @@ def sample_bundle(tmp_path_factory) -> Path:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
 
-class Server:
-    def __init__(self, process: subprocess.Popen, url: str, log_path: Path):
-        self.process = process
-        self.url = url
-        self.log_path = log_path
+@pytest.fixture(scope="session")
+def distilbert_dir(tmp_path_factory) -> Path:
+    """A randomly initialised small DistilBERT with the MiniLM (bert-base-uncased) vocabulary."""
+    import shutil
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+    import torch
+    from transformers import DistilBertConfig, DistilBertModel
 
+    from training.checkpoint import default_encoder_dir
 
-def start_server(bundle_dir: Path, log_path: Path, extra_env: dict | None = None, timeout_s: float = 90) -> Server:
-    """Start ``uvicorn service.app:create_app --factory`` on a free loopback port; wait for /readyz."""
-    port = free_port()
-    env = {**os.environ, "XMCSERVE_BUNDLE_DIR": str(bundle_dir), **(extra_env or {})}
-    with open(log_path, "w") as log_fh:  # the child keeps its own copy of the descriptor
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                "service.app:create_app",
-                "--factory",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--no-access-log",
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=log_fh,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return Server(process, url, log_path)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    process.kill()
-    raise RuntimeError(f"server not ready after {timeout_s}s:\n{log_path.read_text()}")
+    torch.manual_seed(0)
+    config = DistilBertConfig(
+        vocab_size=30522, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=128
+    )
+    out = tmp_path_factory.mktemp("ckpt") / "distilbert-tiny"
+    DistilBertModel(config).save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        shutil.copy(default_encoder_dir() / name, out / name)
+    return out
 
 
-def stop_server(server: Server) -> None:
-    server.process.terminate()
-    try:
-        server.process.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
-        server.process.wait(timeout=5)
+@pytest.fixture(scope="session")
+def tiny_rae_bundle(distilbert_dir, tmp_path_factory) -> Path:
+    """A small rae_memory bundle (tiny DistilBERT, 300 sample instances): fast to copy and corrupt."""
+    from export.build import ExportParams, build_bundle
+    from training.data import load_jsonl_split
+
+    train = load_jsonl_split(SAMPLE_DIR, "trn")
+    out = tmp_path_factory.mktemp("bundles") / "tiny-rae"
+    build_bundle(out, train.labels, train, distilbert_dir, ExportParams(dim=16, max_train=300, rae_top_b=50))
+    return out
 
 
 @pytest.fixture(scope="session")

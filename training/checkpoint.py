@@ -12,8 +12,9 @@ A checkpoint directory is either
       head.json       {"pre_normalize": bool, "block_names": [...], "label_table_block": int | null}
 
 The serving vector is the concatenation of the L2-normalised outputs of the head's blocks
-(UniDEC: ``N(g1(Φ(x))) ⊕ N(g2(Φ(x)))``). On the label side, block ``label_table_block`` is
-replaced by the row of the learned label table Ψ (``N(Ψ_l)``).
+(UniDEC: ``N(g1(Φ(x))) ⊕ N(g2(Φ(x)))``), scaled by 1/√(number of blocks) so it is unit-norm.
+On the label side, block ``label_table_block`` is replaced by the row of the learned label
+table Ψ (``N(Ψ_l)``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ class ServingHead:
     def dim(self) -> int:
         return sum(b.dim for b in self.blocks)
 
+    @property
+    def block_scale(self) -> float:
+        """1/√(blocks): keeps the concatenation unit-norm, so inner products stay in [−1, 1]
+        (the range RAE's temperature τ assumes) and equal the mean of the blocks' cosines."""
+        return float(1.0 / np.sqrt(len(self.blocks)))
+
     def _prepare(self, pooled: np.ndarray) -> np.ndarray:
         pooled = pooled.astype(np.float32)
         return l2_normalize(pooled) if self.pre_normalize else pooled
@@ -66,7 +73,8 @@ class ServingHead:
     def query_vectors(self, pooled: np.ndarray) -> np.ndarray:
         """Serving vectors of instances (and memory keys) from mean-pooled encoder outputs."""
         x = self._prepare(pooled)
-        return np.concatenate([l2_normalize(x @ b.weight.T + b.bias) for b in self.blocks], axis=1)
+        parts = [l2_normalize(x @ b.weight.T + b.bias) for b in self.blocks]
+        return np.concatenate(parts, axis=1) * self.block_scale
 
     def label_vectors(self, pooled: np.ndarray) -> np.ndarray:
         """Label vectors: like queries, but with Ψ in place of its block when the head has one."""
@@ -75,7 +83,7 @@ class ServingHead:
             return vectors
         start = sum(b.dim for b in self.blocks[: self.label_table_block])
         end = start + self.blocks[self.label_table_block].dim
-        vectors[:, start:end] = l2_normalize(self.label_table.astype(np.float32))
+        vectors[:, start:end] = l2_normalize(self.label_table.astype(np.float32)) * self.block_scale
         return vectors
 
     def save(self, directory: Path) -> None:

@@ -1,0 +1,99 @@
+"""Export: DistilBERT (small random config) and trained-head checkpoints to bundles, parity checks."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from export.build import ExportParams, build_bundle
+from export.model import ServingEncoder, load_encoder, load_fast_tokenizer
+from export.onnx_export import ParityError, check_parity, export_onnx, random_texts
+from service.bundle import load_bundle
+from service.manifest import MANIFEST_FILE, sha256_file
+from service.search import Predictor
+from training.checkpoint import HeadBlock, ServingHead, fit_pca_head
+from training.data import LabelSpace, load_jsonl_split
+
+
+@pytest.fixture(scope="module")
+def small_labels(sample_dir):
+    labels = load_jsonl_split(sample_dir, "dev").labels
+    return LabelSpace(uids=labels.uids[:300], texts=labels.texts[:300])
+
+
+def test_distilbert_exports_passes_parity_and_serves(distilbert_dir, small_labels, tmp_path):
+    params = ExportParams(index_kind="labels", dim=16, max_length=64)
+    manifest = build_bundle(tmp_path / "b", small_labels, None, distilbert_dir, params)
+    assert manifest.source.architecture == "distilbert"
+    assert manifest.params["parity"]["max_abs_diff"] <= 1e-4
+    assert manifest.counts.memory_rows == 300 and manifest.dim == 16
+
+    bundle = load_bundle(tmp_path / "b")
+    ranking = Predictor(bundle).predict([small_labels.texts[7]], k=3).rankings[0]
+    assert ranking.ids[0] == 7  # a label's own text finds that label first
+    assert ranking.scores[0] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_bundle_manifest_lists_every_file_with_its_checksum(distilbert_dir, small_labels, tmp_path):
+    build_bundle(tmp_path / "b", small_labels, None, distilbert_dir, ExportParams(index_kind="labels", dim=8))
+    manifest = json.loads((tmp_path / "b" / MANIFEST_FILE).read_text())
+    on_disk = {p.name for p in (tmp_path / "b").iterdir()} - {MANIFEST_FILE}
+    assert set(manifest["files"]) == on_disk
+    for name, digest in manifest["files"].items():
+        assert sha256_file(tmp_path / "b" / name) == digest
+    assert manifest["schema_version"] == 1 and manifest["tokenizer"]["lowercase"] is True
+
+
+def test_bundles_are_immutable(distilbert_dir, small_labels, tmp_path):
+    params = ExportParams(index_kind="labels", dim=8)
+    build_bundle(tmp_path / "b", small_labels, None, distilbert_dir, params)
+    with pytest.raises(FileExistsError, match="immutable"):
+        build_bundle(tmp_path / "b", small_labels, None, distilbert_dir, params)
+
+
+def test_trained_head_checkpoint_uses_label_table_on_the_label_side(distilbert_dir, small_labels, tmp_path):
+    rng = np.random.default_rng(0)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(distilbert_dir, ckpt / "encoder")
+    psi = rng.normal(size=(len(small_labels), 8)).astype(np.float32)
+    head = ServingHead(
+        blocks=[
+            HeadBlock("g1", rng.normal(size=(8, 32)).astype(np.float32), np.zeros(8, np.float32)),
+            HeadBlock("g2", rng.normal(size=(8, 32)).astype(np.float32), np.zeros(8, np.float32)),
+        ],
+        label_table=psi,
+        label_table_block=1,
+    )
+    head.save(ckpt)
+    manifest = build_bundle(tmp_path / "b", small_labels, None, ckpt, ExportParams(index_kind="labels"))
+    assert manifest.dim == 16 and manifest.source.head == "trained"
+    bundle = load_bundle(tmp_path / "b")
+    stored = np.asarray(bundle.index.get_items([0, 1, 2]))
+    half = 1 / np.sqrt(2)  # two unit blocks, scaled so the whole vector is unit-norm
+    expected = psi[:3] / np.linalg.norm(psi[:3], axis=1, keepdims=True) * half
+    np.testing.assert_allclose(stored[:, 8:], expected, atol=1e-5)  # N(Ψ_l) half
+    np.testing.assert_allclose(np.linalg.norm(stored[:, :8], axis=1), half, atol=1e-5)  # N(g1) half
+
+
+def test_parity_check_fails_when_onnx_and_torch_disagree(distilbert_dir, tmp_path):
+    tokenizer = load_fast_tokenizer(distilbert_dir, 32)
+    encoder = load_encoder(distilbert_dir)
+    head = fit_pca_head(np.random.default_rng(0).normal(size=(64, 32)), 8, pre_normalize=False)
+    model = ServingEncoder(encoder, head).eval()
+    export_onnx(model, tokenizer, tmp_path / "m.onnx")
+    texts = random_texts(tokenizer, 16)
+    assert check_parity(model, tokenizer, tmp_path / "m.onnx", texts).max_abs_diff <= 1e-4
+    with torch.no_grad():
+        # torch now differs from the exported graph (a random change: a constant one would be
+        # invisible, LayerNorm outputs sum to ~0)
+        model.blocks[0].weight.add_(0.1 * torch.randn_like(model.blocks[0].weight))
+    with pytest.raises(ParityError, match="ONNX parity failed"):
+        check_parity(model, tokenizer, tmp_path / "m.onnx", texts)
+
+
+def test_random_texts_vary_in_length_and_hit_truncation(distilbert_dir):
+    tokenizer = load_fast_tokenizer(distilbert_dir, 32)
+    lengths = {len(tokenizer.encode(t).ids) for t in random_texts(tokenizer, 64)}
+    assert min(lengths) <= 5 and max(lengths) == 32
