@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server import Server, start_server, stop_server
+from bench.localserver import Server, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_DIR = ROOT / "data" / "debian-sample"

@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 
+from bench.localserver import start_server
 from service.bundle import BundleError, load_bundle
 from service.manifest import INDEX_FILE, LABELS_FILE, MANIFEST_FILE, VALUES_FILE
-from tests.server import start_server
 
 
 @pytest.fixture

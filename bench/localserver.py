@@ -1,4 +1,4 @@
-"""Start and stop a real uvicorn process serving a bundle on a free loopback port."""
+"""Start and stop a real uvicorn process serving a bundle on a free loopback port (tests and benchmarks)."""
 
 from __future__ import annotations
 
