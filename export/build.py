@@ -72,6 +72,8 @@ class ExportParams:
         parity_texts: random texts in the ONNX-vs-torch parity check.
         parity_tolerance: largest allowed max |onnx − torch|.
         max_train: use only the first N training instances as memory (0 = all).
+        build_threads: HNSW insertion threads. 1 (default) makes the index, and so the bundle id,
+            reproducible from the same inputs; 0 uses every core (faster, order-dependent graph).
         seed: seed for the random parity texts and HNSW construction.
     """
 
@@ -88,6 +90,7 @@ class ExportParams:
     parity_texts: int = 64
     parity_tolerance: float = 1e-4
     max_train: int = 0
+    build_threads: int = 1
     seed: int = 0
 
 
@@ -104,7 +107,7 @@ def build_hnsw(keys: np.ndarray, params: ExportParams, path: Path) -> None:
     index.init_index(
         max_elements=len(keys), ef_construction=params.ef_construction, M=params.hnsw_m, random_seed=params.seed
     )
-    index.add_items(keys, np.arange(len(keys)))
+    index.add_items(keys, np.arange(len(keys)), num_threads=params.build_threads or -1)
     index.set_ef(params.ef_search)
     index.save_index(str(path))
 
