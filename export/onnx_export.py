@@ -19,6 +19,11 @@ OUTPUT_NAME = "embedding"
 OPSET = 17
 
 
+# ORT's transformer optimizer fuses attention, LayerNorm and GELU for BERT-class graphs; it has
+# no separate DistilBERT type, the BERT fusions cover it.
+OPTIMIZER_MODEL_TYPES = {"bert": "bert", "distilbert": "bert"}
+
+
 class ParityError(RuntimeError):
     """ONNX Runtime and torch disagree beyond tolerance: the export is refused."""
 
@@ -108,3 +113,40 @@ def check_parity(
             f"max |single - batched| = {padding_worst:.2e}, tolerance {tolerance:.0e}"
         )
     return report
+
+
+def optimize_onnx(src: Path, dst: Path, architecture: str, num_heads: int, hidden_size: int) -> dict:
+    """Fuse the transformer subgraphs with onnxruntime's offline optimizer; returns the fusion counts.
+
+    Raises ``ValueError`` for an architecture the optimizer has no fusions for.
+    """
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    model_type = OPTIMIZER_MODEL_TYPES.get(architecture)
+    if model_type is None:
+        raise ValueError(f"no transformer fusions known for {architecture!r}")
+    optimized = optimize_model(str(src), model_type=model_type, num_heads=num_heads, hidden_size=hidden_size)
+    optimized.save_model_to_file(str(dst))
+    return {k: v for k, v in optimized.get_fused_operator_statistics().items() if v}
+
+
+def quantize_int8(src: Path, dst: Path) -> None:
+    """Dynamic int8 quantization of the MatMul weights (activations quantized at run time)."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    # The fused com.microsoft ops defeat shape inference; their outputs are float32.
+    quantize_dynamic(
+        str(src), str(dst), weight_type=QuantType.QInt8, extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT}
+    )
+
+
+def min_cosine(reference: Path, candidate: Path, tokenizer: Tokenizer, texts: list[str], batch_size: int = 32) -> float:
+    """Smallest cosine between two graphs' outputs on ``texts`` (unit vectors: the dot product)."""
+    sessions = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in (reference, candidate)]
+    worst = 1.0
+    for start in range(0, len(texts), batch_size):
+        feeds = {k: v.numpy() for k, v in tokenize_batch(tokenizer, texts[start : start + batch_size]).items()}
+        a, b = (s.run(None, feeds)[0] for s in sessions)
+        worst = min(worst, float((a * b).sum(axis=1).min()))
+    return worst

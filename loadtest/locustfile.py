@@ -1,6 +1,6 @@
 """Locust user for xmcserve: dev-split titles, mostly single-text requests, some batches.
 
-    locust -f loadtest/locustfile.py --host http://127.0.0.1:8000
+locust -f loadtest/locustfile.py --host http://127.0.0.1:8000
 """
 
 from __future__ import annotations

@@ -17,10 +17,11 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from service.batcher import BatcherConfig, BatcherStoppedError, MicroBatcher, QueueFullError
 from service.bundle import Bundle, load_bundle
 from service.metrics import Metrics
 from service.schemas import LabelScore, PredictResponse, TextResult, build_predict_request
-from service.search import Prediction, Predictor
+from service.search import Predictor, Ranking
 from service.settings import Settings
 
 log = logging.getLogger("xmcserve")
@@ -63,9 +64,9 @@ class RequestMetricsMiddleware:
             )
 
 
-def to_response(bundle: Bundle, prediction: Prediction, k: int, ef: int) -> PredictResponse:
+def to_response(bundle: Bundle, rankings: list[Ranking], k: int, ef: int) -> PredictResponse:
     results = []
-    for ranking in prediction.rankings:
+    for ranking in rankings:
         labels = [
             LabelScore(id=int(i), uid=bundle.label_uids[i], text=bundle.label_texts[i], score=float(s))
             for i, s in zip(ranking.ids, ranking.scores, strict=True)
@@ -80,21 +81,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     metrics = Metrics()
     PredictRequest = build_predict_request(settings)
-    # One inference at a time: ONNX Runtime already uses every core for one call, and
-    # concurrent calls would only contend for them.
-    inference_limiter = anyio.CapacityLimiter(1)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         bundle = await anyio.to_thread.run_sync(
-            lambda: load_bundle(
-                settings.bundle_dir,
-                providers=settings.providers,
-                intra_op_threads=settings.intra_op_threads,
-                verify=settings.verify_checksums,
-            )
+            lambda: load_bundle(settings.bundle_dir, settings.encoder_options(), verify=settings.verify_checksums)
         )
         app.state.predictor = Predictor(bundle)
+        batcher = MicroBatcher(
+            lambda: app.state.predictor,
+            BatcherConfig(settings.max_batch_size, settings.max_wait_ms, settings.max_queue, settings.batch_workers),
+            on_batch_done=lambda texts, times: metrics.observe_batch(texts, times.as_dict()),
+        )
+        metrics.queue_depth.set_function(lambda: batcher.depth)
+        metrics.batches_in_flight.set_function(lambda: batcher.in_flight_batches)
+        batcher.start()
+        app.state.batcher = batcher
         metrics.bundle_info.info(
             {
                 "bundle_id": bundle.bundle_id,
@@ -105,6 +107,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         log.info("serving bundle %s on %s", bundle.bundle_id, bundle.encoder.provider)
         yield
+        await batcher.stop()
         app.state.predictor = None
 
     app = FastAPI(
@@ -123,16 +126,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         predictor: Predictor | None = request.app.state.predictor
         if predictor is None:
             return JSONResponse({"detail": "no bundle loaded yet"}, status_code=503)
-        bundle = predictor.bundle
         texts = body.all_texts()
-        exclude = [bundle.label_ids(uids) for uids in body.exclusions()]
-        ef = body.ef or predictor.default_ef
-        prediction = await anyio.to_thread.run_sync(
-            lambda: predictor.predict(texts, body.k, ef, exclude), limiter=inference_limiter
-        )
-        metrics.observe_stages(prediction.times.as_dict())
+        exclude = [predictor.bundle.label_ids(uids) for uids in body.exclusions()]
+        try:
+            answer = await request.app.state.batcher.submit(texts, body.k, body.ef, exclude)
+        except QueueFullError as exc:
+            metrics.rejected.inc()
+            return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": str(exc.retry_after_s)})
+        except BatcherStoppedError as exc:
+            return JSONResponse({"detail": str(exc)}, status_code=503)
+        metrics.stage_seconds.labels(stage="queue").observe(answer.queue_wait_s)
         metrics.predicted_texts.inc(len(texts))
-        return to_response(bundle, prediction, body.k, ef)
+        ef = body.ef or answer.predictor.default_ef
+        return to_response(answer.predictor.bundle, answer.rankings, body.k, ef)
 
     @app.get("/healthz")
     async def healthz() -> dict:

@@ -12,7 +12,7 @@ import numpy as np
 import scipy.sparse as sp
 from pydantic import ValidationError
 
-from service.encoder import OnnxEncoder
+from service.encoder import EncoderOptions, OnnxEncoder
 from service.manifest import (
     ENCODER_FILE,
     INDEX_FILE,
@@ -138,7 +138,7 @@ def check_encoder(path: Path, encoder: OnnxEncoder, manifest: Manifest) -> None:
         raise BundleError(f"{path / ENCODER_FILE}: outputs are not finite unit vectors (norms {norms})")
 
 
-def load_bundle(path: Path | str, providers: str = "auto", intra_op_threads: int = 0, verify: bool = True) -> Bundle:
+def load_bundle(path: Path | str, options: EncoderOptions | None = None, verify: bool = True) -> Bundle:
     """Load and verify a bundle; raises :class:`BundleError` with the reason on any problem."""
     path = Path(path).resolve()
     manifest = read_manifest(path)
@@ -154,8 +154,7 @@ def load_bundle(path: Path | str, providers: str = "auto", intra_op_threads: int
             path / ENCODER_FILE,
             path / TOKENIZER_FILE,
             manifest.tokenizer.max_length,
-            providers=providers,
-            intra_op_threads=intra_op_threads,
+            options,
         )
     except Exception as exc:  # onnxruntime raises its own exception types
         raise BundleError(f"{path}: cannot load encoder or tokenizer ({exc})") from None

@@ -36,13 +36,62 @@ def choose_providers(preference: str) -> list[str]:
     return [CUDA_PROVIDER, CPU_PROVIDER] if CUDA_PROVIDER in available else [CPU_PROVIDER]
 
 
-def load_tokenizer(path: Path, max_length: int) -> Tokenizer:
-    """Truncate to ``max_length``; pad to the longest text of each batch, never to a fixed length."""
+def load_tokenizer(path: Path, max_length: int) -> tuple[Tokenizer, int]:
+    """The tokenizer, truncating to ``max_length`` and not padding, and its pad id: the encoder
+    pads each length-sorted chunk itself (the MiniLM tokenizer.json as shipped pads every text
+    to 128 tokens)."""
     tokenizer = Tokenizer.from_file(str(path))
+    pad_id = int((tokenizer.padding or {}).get("pad_id", 0))
     tokenizer.enable_truncation(max_length=max_length)
-    padding = tokenizer.padding or {}
-    tokenizer.enable_padding(pad_id=padding.get("pad_id", 0), pad_token=padding.get("pad_token", "[PAD]"))
-    return tokenizer
+    tokenizer.no_padding()
+    return tokenizer, pad_id
+
+
+def plan_chunks(
+    sorted_lengths: list[int] | np.ndarray, call_cost_tokens: float, max_chunk: int
+) -> list[tuple[int, int]]:
+    """Split texts sorted by token length into contiguous chunks minimising the modelled cost.
+
+    A chunk ``[i, j)`` costs ``call_cost_tokens + (j - i) * sorted_lengths[j - 1]``: one session
+    call's fixed overhead (in token-equivalents) plus its padded tokens. Dynamic programming,
+    O(n · max_chunk). One text per call wastes the fixed overhead; one call for all texts pads
+    short titles to the longest one.
+    """
+    n = len(sorted_lengths)
+    if n <= 1:
+        return [(0, n)] if n else []
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    cut = np.zeros(n + 1, dtype=np.int64)
+    for end in range(1, n + 1):
+        starts = np.arange(max(0, end - max_chunk), end)
+        costs = best[starts] + call_cost_tokens + (end - starts) * sorted_lengths[end - 1]
+        i = int(np.argmin(costs))
+        best[end], cut[end] = costs[i], starts[i]
+    chunks, end = [], n
+    while end > 0:
+        chunks.append((int(cut[end]), end))
+        end = int(cut[end])
+    return chunks[::-1]
+
+
+@dataclass(frozen=True)
+class EncoderOptions:
+    """How a bundle's encoder runs (not what it computes).
+
+    Attributes:
+        providers: ``auto`` (CUDA when this onnxruntime has it, else CPU), ``cpu`` or ``cuda``.
+        intra_op_threads: ONNX Runtime intra-op threads; 0 = one per core.
+        call_cost_tokens: fixed cost of one session call in token-equivalents (see :func:`plan_chunks`).
+        max_chunk: most texts in one session call.
+        allow_spinning: intra-op threads spin while waiting for work (lower latency, more CPU).
+    """
+
+    providers: str = "auto"
+    intra_op_threads: int = 0
+    call_cost_tokens: float = 16.0
+    max_chunk: int = 64
+    allow_spinning: bool = True
 
 
 @dataclass
@@ -54,20 +103,20 @@ class EncodeTimes:
 class OnnxEncoder:
     """Tokenizer + ONNX Runtime session producing L2-normalised ``[batch, dim]`` float32 vectors."""
 
-    def __init__(
-        self,
-        onnx_path: Path,
-        tokenizer_path: Path,
-        max_length: int,
-        providers: str = "auto",
-        intra_op_threads: int = 0,
-    ):
-        self.tokenizer = load_tokenizer(tokenizer_path, max_length)
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if intra_op_threads > 0:
-            options.intra_op_num_threads = intra_op_threads
-        self.session = ort.InferenceSession(str(onnx_path), options, providers=choose_providers(providers))
+    def __init__(self, onnx_path: Path, tokenizer_path: Path, max_length: int, options: EncoderOptions | None = None):
+        self.options = options = options or EncoderOptions()
+        self.tokenizer, self.pad_id = load_tokenizer(tokenizer_path, max_length)
+        session_options = ort.SessionOptions()
+        session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if options.intra_op_threads > 0:
+            session_options.intra_op_num_threads = options.intra_op_threads
+        if not options.allow_spinning:
+            # Spinning intra-op threads cut single-call latency but burn the core the event
+            # loop needs under load.
+            session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self.session = ort.InferenceSession(
+            str(onnx_path), session_options, providers=choose_providers(options.providers)
+        )
         self.provider = self.session.get_providers()[0]
         self.input_names = [i.name for i in self.session.get_inputs()]
         log.info("encoder %s on %s", onnx_path, self.provider)
@@ -77,21 +126,32 @@ class OnnxEncoder:
         dim = self.session.get_outputs()[0].shape[-1]
         return dim if isinstance(dim, int) else None
 
-    def tokenize(self, texts: list[str]) -> dict[str, np.ndarray]:
-        encodings = self.tokenizer.encode_batch(texts)
-        feeds = {
-            "input_ids": np.asarray([e.ids for e in encodings], dtype=np.int64),
-            "attention_mask": np.asarray([e.attention_mask for e in encodings], dtype=np.int64),
-        }
-        return {name: feeds[name] for name in self.input_names}
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts)]
 
-    def run(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
-        return self.session.run(None, feeds)[0]
+    def run(self, token_ids: list[list[int]]) -> np.ndarray:
+        """One session call on a chunk, padded to its longest text."""
+        longest = max(len(ids) for ids in token_ids)
+        input_ids = np.full((len(token_ids), longest), self.pad_id, dtype=np.int64)
+        mask = np.zeros((len(token_ids), longest), dtype=np.int64)
+        for row, ids in enumerate(token_ids):
+            input_ids[row, : len(ids)] = ids
+            mask[row, : len(ids)] = 1
+        feeds = {"input_ids": input_ids, "attention_mask": mask}
+        return self.session.run(None, {name: feeds[name] for name in self.input_names})[0]
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, EncodeTimes]:
+        """Vectors in input order: tokenise once, then one session call per length-sorted chunk."""
         t0 = time.perf_counter()
-        feeds = self.tokenize(texts)
+        token_ids = self.tokenize(texts)
         t1 = time.perf_counter()
-        vectors = self.run(feeds)
-        t2 = time.perf_counter()
-        return vectors, EncodeTimes(tokenize_s=t1 - t0, encode_s=t2 - t1)
+        order = np.argsort([len(ids) for ids in token_ids], kind="stable")
+        lengths = [len(token_ids[i]) for i in order]
+        out: np.ndarray | None = None
+        for start, end in plan_chunks(lengths, self.options.call_cost_tokens, self.options.max_chunk):
+            rows = order[start:end]
+            vectors = self.run([token_ids[i] for i in rows])
+            if out is None:
+                out = np.empty((len(texts), vectors.shape[1]), dtype=np.float32)
+            out[rows] = vectors
+        return out, EncodeTimes(tokenize_s=t1 - t0, encode_s=time.perf_counter() - t1)

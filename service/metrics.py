@@ -31,15 +31,29 @@ class Metrics:
         )
         self.stage_seconds = Histogram(
             "xmcserve_stage_duration_seconds",
-            "Time per /predict stage (tokenize, encode, search, aggregate) per batch",
+            "Time per /predict stage: queue (per request), tokenize, encode, search, aggregate (per batch)",
             ["stage"],
             buckets=STAGE_BUCKETS,
             registry=self.registry,
+        )
+        self.batch_texts = Histogram(
+            "xmcserve_batch_size_texts",
+            "Texts per micro-batch",
+            buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64, 128),
+            registry=self.registry,
+        )
+        self.queue_depth = Gauge("xmcserve_queue_depth", "Requests waiting for a micro-batch", registry=self.registry)
+        self.batches_in_flight = Gauge(
+            "xmcserve_batches_in_flight", "Micro-batches being computed", registry=self.registry
+        )
+        self.rejected = Counter(
+            "xmcserve_rejected_requests", "Requests refused because the queue was full", registry=self.registry
         )
         self.predicted_texts = Counter("xmcserve_predicted_texts", "Texts answered by /predict", registry=self.registry)
         self.in_flight = Gauge("xmcserve_in_flight_requests", "HTTP requests being handled", registry=self.registry)
         self.bundle_info = Info("xmcserve_bundle", "The bundle being served", registry=self.registry)
 
-    def observe_stages(self, times: dict[str, float]) -> None:
+    def observe_batch(self, texts: int, times: dict[str, float]) -> None:
+        self.batch_texts.observe(texts)
         for stage, seconds in times.items():
             self.stage_seconds.labels(stage=stage).observe(seconds)

@@ -57,7 +57,11 @@ class Predictor:
         return self.bundle.manifest.hnsw.ef_search
 
     def predict(
-        self, texts: list[str], k: int, ef: int | None = None, exclude: Sequence[Collection[int]] | None = None
+        self,
+        texts: list[str],
+        k: int | Sequence[int],
+        ef: int | None = None,
+        exclude: Sequence[Collection[int]] | None = None,
     ) -> Prediction:
         vectors, enc_times = self.bundle.encoder.encode(texts)
         prediction = self.search(vectors, k, ef, exclude)
@@ -68,16 +72,19 @@ class Predictor:
     def search(
         self,
         vectors: np.ndarray,
-        k: int,
+        k: int | Sequence[int],
         ef: int | None = None,
         exclude: Sequence[Collection[int]] | None = None,
     ) -> Prediction:
+        """Top-k per query. ``k`` may differ per query (a micro-batch mixes requests); one
+        batched HNSW call serves them all."""
+        ks = [k] * len(vectors) if isinstance(k, int) else list(k)
         exclude = exclude if exclude is not None else [()] * len(vectors)
-        if len(exclude) != len(vectors):
-            raise ValueError("exclude must have one entry per query")
+        if len(exclude) != len(vectors) or len(ks) != len(vectors):
+            raise ValueError("k and exclude must have one entry per query")
         if self.bundle.manifest.index_kind == "rae_memory":
-            return self._search_rae(vectors, k, ef, exclude)
-        return self._search_labels(vectors, k, ef, exclude)
+            return self._search_rae(vectors, ks, ef, exclude)
+        return self._search_labels(vectors, ks, ef, exclude)
 
     def knn(self, vectors: np.ndarray, n: int, ef: int | None) -> tuple[np.ndarray, np.ndarray]:
         """Best-first (key ids, inner-product similarities) of the ``n`` nearest keys."""
@@ -88,21 +95,21 @@ class Predictor:
             keys, distances = self.bundle.index.knn_query(vectors, k=n)
         return keys.astype(np.int64), (1.0 - distances).astype(np.float32)
 
-    def _search_labels(self, vectors, k, ef, exclude) -> Prediction:
+    def _search_labels(self, vectors, ks, ef, exclude) -> Prediction:
         t0 = time.perf_counter()
-        keys, sims = self.knn(vectors, k + max(len(e) for e in exclude), ef)
+        keys, sims = self.knn(vectors, max(k + len(e) for k, e in zip(ks, exclude, strict=True)), ef)
         t1 = time.perf_counter()
         rankings = []
-        for i, excluded in enumerate(exclude):
+        for i, (k, excluded) in enumerate(zip(ks, exclude, strict=True)):
             keep = ~np.isin(keys[i], np.fromiter(excluded, dtype=np.int64)) if excluded else slice(None)
             rankings.append(Ranking(ids=keys[i][keep][:k], scores=sims[i][keep][:k]))
         return Prediction(rankings, StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1))
 
-    def _search_rae(self, vectors, k, ef, exclude) -> Prediction:
+    def _search_rae(self, vectors, ks, ef, exclude) -> Prediction:
         rae = self.bundle.manifest.rae
         t0 = time.perf_counter()
         keys, sims = self.knn(vectors, rae.top_b + max(len(e) for e in exclude), ef)
         t1 = time.perf_counter()
         scores = aggregate(keys, sims, self.bundle.values, self.bundle.num_train_keys, rae.tau, rae.top_b, exclude)
-        rankings = [Ranking(*top_k_of_row(scores, i, k)) for i in range(len(vectors))]
+        rankings = [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
         return Prediction(rankings, StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1))

@@ -28,12 +28,30 @@ def test_distilbert_exports_passes_parity_and_serves(distilbert_dir, small_label
     manifest = build_bundle(tmp_path / "b", small_labels, None, distilbert_dir, params)
     assert manifest.source.architecture == "distilbert"
     assert manifest.params["parity"]["max_abs_diff"] <= 1e-4
+    assert manifest.params["fusions"].get("Attention") == 2  # the graph was fused, then parity-checked
     assert manifest.counts.memory_rows == 300 and manifest.dim == 16
 
     bundle = load_bundle(tmp_path / "b")
     ranking = Predictor(bundle).predict([small_labels.texts[7]], k=3).rankings[0]
     assert ranking.ids[0] == 7  # a label's own text finds that label first
     assert ranking.scores[0] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_int8_bundle_records_its_drift_and_serves(distilbert_dir, small_labels, tmp_path):
+    params = ExportParams(index_kind="labels", dim=16, quantize="int8")
+    manifest = build_bundle(tmp_path / "q", small_labels, None, distilbert_dir, params)
+    assert manifest.params["parity"]["max_abs_diff"] <= 1e-4  # the float graph, before quantization
+    assert 0.85 <= manifest.params["int8_min_cosine"] < 1.0
+    assert not any(p.name.startswith("encoder.") and p.name != "encoder.onnx" for p in (tmp_path / "q").iterdir())
+    ranking = Predictor(load_bundle(tmp_path / "q")).predict([small_labels.texts[3]], k=1).rankings[0]
+    assert ranking.ids[0] == 3
+
+
+def test_int8_drift_beyond_the_bound_is_refused(distilbert_dir, small_labels, tmp_path):
+    params = ExportParams(index_kind="labels", dim=16, quantize="int8", int8_min_cosine=0.99999)
+    with pytest.raises(ParityError, match="int8 graph drifts too far"):
+        build_bundle(tmp_path / "q", small_labels, None, distilbert_dir, params)
+    assert not (tmp_path / "q").exists()
 
 
 def test_bundle_manifest_lists_every_file_with_its_checksum(distilbert_dir, small_labels, tmp_path):

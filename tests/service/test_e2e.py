@@ -124,6 +124,9 @@ def test_metrics_are_exported(client):
     text = client.get("/metrics").text
     assert 'xmcserve_request_duration_seconds_count{endpoint="/predict",method="POST",status="200"}' in text
     assert 'xmcserve_request_duration_seconds_count{endpoint="/predict",method="POST",status="422"}' in text
-    for stage in ("tokenize", "encode", "search", "aggregate"):
+    for stage in ("queue", "tokenize", "encode", "search", "aggregate"):
         assert f'xmcserve_stage_duration_seconds_count{{stage="{stage}"}}' in text
     assert "xmcserve_bundle_info{" in text
+    assert "xmcserve_batch_size_texts_bucket" in text
+    assert "xmcserve_queue_depth " in text and "xmcserve_batches_in_flight " in text
+    assert "xmcserve_in_flight_requests " in text

@@ -1,0 +1,196 @@
+"""Micro-batching: concurrent /predict requests share one tokenizer call, one ONNX call per
+length-sorted chunk and one batched HNSW query.
+
+Requests wait in a bounded FIFO. A worker takes the oldest request, adds every queued request
+that still fits in ``max_batch_size`` texts (waiting up to ``max_wait_ms`` for more when the
+batch is not full), runs the batch on a dedicated thread, and resolves each request's future.
+While a batch runs, the next one accumulates, so batches grow with load by themselves and an
+idle server answers a lone request without waiting. A full queue refuses at once
+(:class:`QueueFullError` → HTTP 429) instead of letting latency grow without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from service.search import Predictor, Ranking, StageTimes
+
+
+class QueueFullError(RuntimeError):
+    """The request queue is at its bound; the caller should retry after ``retry_after_s``."""
+
+    def __init__(self, depth: int, retry_after_s: int):
+        super().__init__(f"request queue full ({depth} waiting); retry after {retry_after_s}s")
+        self.retry_after_s = retry_after_s
+
+
+class BatcherStoppedError(RuntimeError):
+    """The batcher was stopped (shutdown) before the request ran."""
+
+
+@dataclass
+class BatcherConfig:
+    """Micro-batching parameters (defaults measured with ``bench/serving.py``).
+
+    Attributes:
+        max_batch_size: most texts per batch; one request with more texts still runs, alone.
+        max_wait_ms: how long a non-full batch waits for more requests; 0 = take what is queued.
+        max_queue: most requests waiting; beyond it requests are refused with 429.
+        workers: batches run in parallel (each on its own thread).
+    """
+
+    max_batch_size: int = 32
+    max_wait_ms: float = 0.0
+    max_queue: int = 128
+    workers: int = 1
+
+
+@dataclass
+class BatchAnswer:
+    """One request's share of a batch."""
+
+    rankings: list[Ranking]
+    times: StageTimes
+    queue_wait_s: float
+    batch_texts: int
+    predictor: Predictor
+
+
+@dataclass(eq=False)  # identity hashing: jobs live in a set while they run
+class _Job:
+    texts: list[str]
+    k: int
+    ef: int | None
+    exclude: list[Collection[int]]
+    future: asyncio.Future
+    enqueued: float
+
+
+class MicroBatcher:
+    """Batches requests for the predictor returned by ``predictor_source`` (read per batch, so a
+    swapped-in bundle takes the next batch while the running one finishes on the old)."""
+
+    def __init__(
+        self,
+        predictor_source: Callable[[], Predictor],
+        config: BatcherConfig | None = None,
+        on_batch_done: Callable[[int, StageTimes], None] | None = None,
+    ):
+        self.config = config or BatcherConfig()
+        self._predictor_source = predictor_source
+        self._on_batch_done = on_batch_done or (lambda texts, times: None)
+        self._jobs: deque[_Job] = deque()
+        self._arrived = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="xmcserve-batch")
+        self._workers: list[asyncio.Task] = []
+        self._running: set[_Job] = set()
+        self.in_flight_batches = 0
+
+    @property
+    def depth(self) -> int:
+        return len(self._jobs)
+
+    def start(self) -> None:
+        self._workers = [asyncio.create_task(self._work(), name=f"batcher-{i}") for i in range(self.config.workers)]
+
+    async def stop(self) -> None:
+        for task in self._workers:
+            task.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        for job in [*self._running, *self._jobs]:
+            if not job.future.done():
+                job.future.set_exception(BatcherStoppedError("service shutting down"))
+        self._jobs.clear()
+        self._running.clear()
+        # Without waiting: a batch still on its thread finishes there, unobserved.
+        self._executor.shutdown(wait=False)
+
+    async def submit(self, texts: list[str], k: int, ef: int | None, exclude: list[Collection[int]]) -> BatchAnswer:
+        if len(self._jobs) >= self.config.max_queue:
+            raise QueueFullError(len(self._jobs), retry_after_s=1)
+        job = _Job(texts, k, ef, exclude, asyncio.get_running_loop().create_future(), time.perf_counter())
+        self._jobs.append(job)
+        self._arrived.set()
+        return await job.future
+
+    async def _next_batch(self) -> list[_Job]:
+        while not self._jobs:
+            self._arrived.clear()
+            await self._arrived.wait()
+        batch = [self._jobs.popleft()]
+        size = len(batch[0].texts)
+        deadline = time.perf_counter() + self.config.max_wait_ms / 1000
+        while size < self.config.max_batch_size:
+            if self._jobs:
+                if size + len(self._jobs[0].texts) > self.config.max_batch_size:
+                    break
+                job = self._jobs.popleft()
+                batch.append(job)
+                size += len(job.texts)
+                continue
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                break
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except asyncio.TimeoutError:
+                break
+        # Requests whose client went away are not worth computing.
+        return [job for job in batch if not job.future.done()]
+
+    async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._next_batch()
+            if not batch:
+                continue
+            started = time.perf_counter()
+            predictor = self._predictor_source()
+            self.in_flight_batches += 1
+            self._running.update(batch)
+            try:
+                answers = await loop.run_in_executor(self._executor, _run_batch, predictor, batch, started)
+            except Exception as exc:  # the model failed: every request of the batch gets the error
+                answers = [exc] * len(batch)
+            finally:
+                self.in_flight_batches -= 1
+            # Reached only when not cancelled: on shutdown, stop() fails the jobs still in _running.
+            self._running.difference_update(batch)
+            if not isinstance(answers[0], Exception):
+                self._on_batch_done(answers[0].batch_texts, answers[0].times)
+            for job, answer in zip(batch, answers, strict=True):
+                if job.future.done():
+                    continue
+                if isinstance(answer, Exception):
+                    job.future.set_exception(answer)
+                else:
+                    job.future.set_result(answer)
+
+
+def _run_batch(predictor: Predictor, batch: list[_Job], started: float) -> list[BatchAnswer]:
+    texts = [t for job in batch for t in job.texts]
+    ks = [job.k for job in batch for _ in job.texts]
+    exclude = [e for job in batch for e in job.exclude]
+    efs = [job.ef for job in batch if job.ef is not None]
+    # One HNSW call for the batch at the widest ef asked: a wider search only adds recall.
+    prediction = predictor.predict(texts, ks, max(efs) if efs else None, exclude)
+    answers, offset = [], 0
+    for job in batch:
+        n = len(job.texts)
+        answers.append(
+            BatchAnswer(
+                rankings=prediction.rankings[offset : offset + n],
+                times=prediction.times,
+                queue_wait_s=started - job.enqueued,
+                batch_texts=len(texts),
+                predictor=predictor,
+            )
+        )
+        offset += n
+    return answers
