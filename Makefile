@@ -15,7 +15,7 @@ BUNDLE ?= bundles/default
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve bundle test lint evaluate sample clean
+.PHONY: install serve bundle test lint evaluate sample clean bench-serving bench-ann
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,15 @@ serve: $(STAMP) $(BUNDLE)/manifest.json
 
 evaluate: $(STAMP) $(BUNDLE)/manifest.json
 	$(PY) -m training.evaluate --bundle $(BUNDLE) --data $(DATA) --split dev --out $(BUNDLE)-eval-dev.json
+
+# Benchmarks write JSON (and PNG) under bench/results/; run one at a time (they share 2 cores).
+bench-serving:
+	$(MAKE) EXTRAS=train,dev,bench install bundle
+	$(PY) -m bench.serving --bundle $(BUNDLE)
+
+bench-ann:
+	$(MAKE) EXTRAS=train,dev,bench install
+	$(PY) -m bench.ann_scale
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

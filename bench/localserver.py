@@ -30,8 +30,14 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
 
-def start_server(bundle_dir: Path, log_path: Path, extra_env: dict | None = None, timeout_s: float = 90) -> Server:
-    """Start ``uvicorn service.app:create_app --factory`` on a free loopback port; wait for /readyz."""
+def start_server(
+    bundle_dir: Path,
+    log_path: Path,
+    extra_env: dict | None = None,
+    timeout_s: float = 90,
+    app: str = "service.app:create_app",
+) -> Server:
+    """Start ``uvicorn <app> --factory`` on a free loopback port serving ``bundle_dir``; wait for /readyz."""
     port = free_port()
     env = {**os.environ, "XMCSERVE_BUNDLE_DIR": str(bundle_dir), **(extra_env or {})}
     with open(log_path, "w") as log_fh:  # the child keeps its own copy of the descriptor
@@ -40,7 +46,7 @@ def start_server(bundle_dir: Path, log_path: Path, extra_env: dict | None = None
                 sys.executable,
                 "-m",
                 "uvicorn",
-                "service.app:create_app",
+                app,
                 "--factory",
                 "--host",
                 "127.0.0.1",

@@ -3,11 +3,12 @@
     python -m export.build --data data/debian-sample --out bundles/default \\
         [--checkpoint DIR] [--index-kind rae_memory|labels] [--dim 64]
 
-Steps: encode the memory texts with torch (mean-pooled Φ), fit a PCA head when the checkpoint
-has none, export the serving graph to ONNX and check its parity with torch (the export fails
-otherwise), build the HNSW index over the keys, write labels, the RAE value matrix and a
-manifest with sha256 of every file. The bundle is written to a temporary sibling directory and
-renamed into place, so a reader never sees a half-written bundle.
+Steps: encode the memory texts (mean-pooled Φ, through a fused ONNX graph checked against
+torch), fit a PCA head when the checkpoint has none, export the serving graph to ONNX and
+check its parity with torch (the export fails otherwise), build the HNSW index over the keys,
+write labels, the RAE value matrix and a manifest with sha256 of every file. The bundle is
+written to a temporary sibling directory and renamed into place, so a reader never sees a
+half-written bundle.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import hnswlib
 import numpy as np
 import scipy.sparse as sp
 import torch
+from tqdm import tqdm
 
-from export.model import PooledEncoder, ServingEncoder, encode_texts, load_encoder, load_fast_tokenizer
+from export.model import PooledEncoder, ServingEncoder, load_encoder, load_fast_tokenizer
 from export.onnx_export import (
     ParityError,
     check_parity,
@@ -37,6 +39,7 @@ from export.onnx_export import (
     quantize_int8,
     random_texts,
 )
+from service.encoder import EncoderOptions, OnnxEncoder
 from service.manifest import (
     ENCODER_FILE,
     INDEX_FILE,
@@ -76,7 +79,7 @@ class ExportParams:
         rae_lambda: λ in V = [λY ; (1−λ)I] (RAE-XMC §3.3; 0.5 in the paper).
         rae_tau: softmax temperature τ (0.04 in the paper for unit vectors).
         rae_top_b: keys retrieved per query, b (200 in the paper).
-        batch_size: encoding batch size (texts are length-sorted first).
+        batch_size: least texts per encoding block (each block is length-sorted and chunked).
         parity_texts: random texts in the ONNX-vs-torch parity check.
         parity_tolerance: largest allowed max |onnx − torch|.
         optimize: fuse the graph with onnxruntime's transformer optimizer (BERT-class encoders);
@@ -144,6 +147,27 @@ def tokenizer_lowercases(tokenizer_json: str) -> bool:
             return True
         stack.extend(node.get("normalizers", []))
     return False
+
+
+def encode_pooled(encoder, tokenizer, texts: list[str], workdir: Path, params: ExportParams) -> np.ndarray:
+    """Mean-pooled Φ of ``texts`` through a fused ONNX graph (about twice torch's speed on CPU),
+    parity-checked against torch first. The memory keys come from these vectors."""
+    pooled_model = PooledEncoder(encoder).eval()
+    plain, fused = workdir / "pooled.plain.onnx", workdir / "pooled.onnx"
+    export_onnx(pooled_model, tokenizer, plain)
+    try:
+        optimize_onnx(plain, fused, encoder.config.model_type, *attention_shape(encoder.config))
+    except ValueError:
+        plain.rename(fused)
+    check_parity(pooled_model, tokenizer, fused, texts[:32], params.parity_tolerance)
+    (workdir / TOKENIZER_FILE).write_text(tokenizer.to_str())
+    onnx_encoder = OnnxEncoder(fused, workdir / TOKENIZER_FILE, params.max_length, EncoderOptions(providers="cpu"))
+    block = max(params.batch_size, 2048)  # large blocks: the encoder length-sorts within each
+    parts = [
+        onnx_encoder.encode(texts[start : start + block])[0]
+        for start in tqdm(range(0, len(texts), block), desc="encode memory", unit="block", leave=False)
+    ]
+    return np.concatenate(parts)
 
 
 def attention_shape(config) -> tuple[int, int]:
@@ -222,12 +246,12 @@ def build_bundle(
     ckpt = load_checkpoint(checkpoint or default_encoder_dir())
     tokenizer = load_fast_tokenizer(ckpt.encoder_dir, params.max_length)
     encoder = load_encoder(ckpt.encoder_dir)
-    pooled_model = PooledEncoder(encoder).eval()
 
     if train is not None and params.max_train:
         train = train.subset(np.arange(min(params.max_train, len(train))))
     train_texts = train.texts if params.index_kind == "rae_memory" else []
-    pooled = encode_texts(pooled_model, tokenizer, train_texts + labels.texts, params.batch_size, "encode memory")
+    with tempfile.TemporaryDirectory() as workdir:
+        pooled = encode_pooled(encoder, tokenizer, train_texts + labels.texts, Path(workdir), params)
     pooled_train, pooled_labels = pooled[: len(train_texts)], pooled[len(train_texts) :]
 
     head = ckpt.head or fit_pca_head(pooled, params.dim, uses_sentence_normalize(ckpt.encoder_dir))
@@ -242,6 +266,9 @@ def build_bundle(
         parity_set = random_texts(tokenizer, params.parity_texts, params.seed) + labels.texts[:16]
         graph = export_checked_graph(serving, tokenizer, encoder.config, tmp, parity_set, params)
         (tmp / TOKENIZER_FILE).write_text(tokenizer.to_str())
+        # The head inside encoder.onnx, as numpy: lets torch tools (the naive benchmark
+        # baseline, a re-export) rebuild the same vectors. The service does not read it.
+        head.save(tmp)
         write_labels(labels, tmp / LABELS_FILE)
         build_hnsw(keys.astype(np.float32), params, tmp / INDEX_FILE)
         rae = None

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
-from tqdm import tqdm
 from transformers import AutoModel, AutoTokenizer
 
 from training.checkpoint import ServingHead
@@ -81,28 +79,3 @@ def tokenize_batch(tokenizer: Tokenizer, texts: list[str]) -> dict[str, torch.Te
         "input_ids": torch.tensor([e.ids for e in encodings], dtype=torch.long),
         "attention_mask": torch.tensor([e.attention_mask for e in encodings], dtype=torch.long),
     }
-
-
-def length_sorted_batches(tokenizer: Tokenizer, texts: list[str], batch_size: int) -> Iterator[np.ndarray]:
-    """Index batches of similar token length, so padding to the batch's longest wastes little."""
-    lengths = np.array([len(e.ids) for e in tokenizer.encode_batch(texts)])
-    order = np.argsort(lengths, kind="stable")
-    for start in range(0, len(order), batch_size):
-        yield order[start : start + batch_size]
-
-
-@torch.inference_mode()
-def encode_texts(
-    module: torch.nn.Module, tokenizer: Tokenizer, texts: list[str], batch_size: int = 128, desc: str = "encode"
-) -> np.ndarray:
-    """Run ``module`` over ``texts`` in length-sorted batches; rows come back in input order."""
-    out: np.ndarray | None = None
-    batches = list(length_sorted_batches(tokenizer, texts, batch_size))
-    for idx in tqdm(batches, desc=desc, unit="batch", leave=False, disable=len(batches) < 4):
-        vectors = module(**tokenize_batch(tokenizer, [texts[i] for i in idx])).float().numpy()
-        if out is None:
-            out = np.empty((len(texts), vectors.shape[1]), dtype=np.float32)
-        out[idx] = vectors
-    if out is None:
-        raise ValueError("no texts to encode")
-    return out

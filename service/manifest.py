@@ -9,6 +9,8 @@ immutable directory::
     labels.jsonl     one {"uid", "text"} per line; line number = label id
     index.hnsw       hnswlib index over the keys (labels, or instances + labels for RAE)
     values.npz       RAE only: CSR value matrix V = [λ·Y_trn ; (1−λ)·I_L], (memory rows x labels)
+    head.npz/.json   the linear head inside encoder.onnx (training.checkpoint format); not read
+                     by the service, there for torch tools that rebuild the same vectors
 """
 
 from __future__ import annotations

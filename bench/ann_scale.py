@@ -1,0 +1,126 @@
+"""hnswlib at the serving dimension (64) as the label count grows: build time, bytes per label,
+single-query latency and recall@10 against exact search, for a few ef values.
+
+    python -m bench.ann_scale [--sizes 42242,250000,1000000] [--out bench/results/ann-scale.json]
+
+Label vectors are clustered, not uniform: cluster sizes are heavy-tailed (log-normal), centres
+random on the sphere, members spread around their centre so that a label's nearest neighbours
+have cosines of about 0.7–0.9, as the real 64-d Debian label vectors do. Queries are fresh draws
+from the same mixture (near their relevant labels, never identical to one). The chosen ef is the
+smallest tried whose recall@10 reaches the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import hnswlib
+import numpy as np
+
+DIM = 64
+
+
+def clustered_vectors(n: int, rng: np.random.Generator, points_per_cluster: int = 40, spread: float = 0.55):
+    """``n`` unit vectors in heavy-tailed clusters, plus the cluster model to draw queries from."""
+    clusters = max(1, n // points_per_cluster)
+    weights = rng.lognormal(0.0, 1.0, clusters)
+    weights /= weights.sum()
+    centres = rng.standard_normal((clusters, DIM)).astype(np.float32)
+    centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    return draw(centres, weights, n, rng, spread), (centres, weights, spread)
+
+
+def draw(centres, weights, n, rng, spread) -> np.ndarray:
+    which = rng.choice(len(centres), size=n, p=weights)
+    x = centres[which] + spread * rng.standard_normal((n, DIM)).astype(np.float32) / np.sqrt(DIM)
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def exact_top10(labels: np.ndarray, queries: np.ndarray, block: int = 200_000) -> np.ndarray:
+    best_ids = np.zeros((len(queries), 0), dtype=np.int64)
+    best_sims = np.zeros((len(queries), 0), dtype=np.float32)
+    for start in range(0, len(labels), block):
+        sims = queries @ labels[start : start + block].T
+        top = np.argpartition(-sims, 10, axis=1)[:, :10]
+        best_ids = np.concatenate([best_ids, top + start], axis=1)
+        best_sims = np.concatenate([best_sims, np.take_along_axis(sims, top, axis=1)], axis=1)
+        keep = np.argsort(-best_sims, axis=1)[:, :10]
+        best_ids = np.take_along_axis(best_ids, keep, axis=1)
+        best_sims = np.take_along_axis(best_sims, keep, axis=1)
+    return best_ids
+
+
+def measure(n: int, efs: list[int], queries_n: int, m: int, ef_construction: int, target: float, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    labels, (centres, weights, spread) = clustered_vectors(n, rng)
+    queries = draw(centres, weights, queries_n, rng, spread)
+    index = hnswlib.Index(space="ip", dim=DIM)
+    index.init_index(max_elements=n, ef_construction=ef_construction, M=m, random_seed=seed)
+    start = time.perf_counter()
+    index.add_items(labels, np.arange(n), num_threads=os.cpu_count())
+    build_s = time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "index.hnsw"
+        index.save_index(str(path))
+        index_bytes = path.stat().st_size
+    truth = exact_top10(labels, queries)
+    neighbour_cos = float(np.median(np.sort(queries[:200] @ labels.T, axis=1)[:, -10:]))
+    rows = {}
+    for ef in efs:
+        index.set_ef(ef)
+        found, _ = index.knn_query(queries, k=10, num_threads=os.cpu_count())
+        recall = float(np.mean([len(set(f) & set(t)) / 10 for f, t in zip(found, truth, strict=True)]))
+        latencies = []
+        for q in queries[:500]:
+            t0 = time.perf_counter()
+            index.knn_query(q[None, :], k=10, num_threads=1)
+            latencies.append((time.perf_counter() - t0) * 1e3)
+        rows[str(ef)] = {
+            "recall_at_10": round(recall, 4),
+            "p50_ms": round(float(np.median(latencies)), 4),
+            "p99_ms": round(float(np.percentile(latencies, 99)), 4),
+        }
+    chosen = next((ef for ef in efs if rows[str(ef)]["recall_at_10"] >= target), efs[-1])
+    return {
+        "labels": n,
+        "build_seconds": round(build_s, 1),
+        "build_threads": os.cpu_count(),
+        "index_bytes": index_bytes,
+        "bytes_per_label": round(index_bytes / n, 1),
+        "median_top10_neighbour_cosine": round(neighbour_cos, 3),
+        "M": m,
+        "ef_construction": ef_construction,
+        "by_ef": rows,
+        "chosen_ef": chosen,
+        "recall_at_10": rows[str(chosen)]["recall_at_10"],
+        "p50_ms": rows[str(chosen)]["p50_ms"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="42242,250000,1000000")
+    parser.add_argument("--efs", default="50,100,200,300,500")
+    parser.add_argument("--queries", type=int, default=1000)
+    parser.add_argument("--m", type=int, default=32)
+    parser.add_argument("--ef-construction", type=int, default=200)
+    parser.add_argument("--target", type=float, default=0.99)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench/results/ann-scale.json"))
+    args = parser.parse_args()
+    efs = [int(x) for x in args.efs.split(",")]
+    result = {"dim": DIM, "space": "ip", "target_recall": args.target}
+    for n in (int(x) for x in args.sizes.split(",")):
+        result[str(n)] = measure(n, efs, args.queries, args.m, args.ef_construction, args.target, args.seed)
+        print(json.dumps(result[str(n)]), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The baseline a user would write first: per-request transformers + torch encoding in a
+FastAPI endpoint, hnswlib search over the same bundle's index, the same RAE aggregation.
+
+    XMCSERVE_BUNDLE_DIR=bundles/default uvicorn bench.naive_server:create_app --factory
+
+It reproduces the bundle's query vectors (encoder from the checkpoint, the bundle's head.npz),
+so the two servers answer the same question with the same index; only the serving path differs.
+"""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from fastapi import FastAPI
+from pydantic import BaseModel
+from transformers import AutoModel, AutoTokenizer
+
+from service.bundle import load_bundle
+from service.rae import aggregate, top_k_of_row
+from training.checkpoint import ServingHead, default_encoder_dir
+
+
+class Query(BaseModel):
+    text: str
+    k: int = 10
+
+
+def create_app() -> FastAPI:
+    bundle_dir = Path(os.environ.get("XMCSERVE_BUNDLE_DIR", "bundles/default"))
+    checkpoint = Path(os.environ.get("NAIVE_CHECKPOINT", default_encoder_dir()))
+    bundle = load_bundle(bundle_dir)  # for the index, labels and values only
+    head = ServingHead.load(bundle_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
+    model = AutoModel.from_pretrained(str(checkpoint)).eval()
+    rae = bundle.manifest.rae
+    app = FastAPI(title="naive baseline")
+
+    @app.get("/readyz")
+    def readyz() -> dict:
+        return {"ready": True}
+
+    @app.post("/predict")
+    def predict(query: Query) -> dict:
+        batch = tokenizer(
+            [query.text], truncation=True, max_length=bundle.manifest.tokenizer.max_length, return_tensors="pt"
+        )
+        with torch.inference_mode():
+            hidden = model(**batch).last_hidden_state
+            mask = batch["attention_mask"].unsqueeze(-1).float()
+            pooled = ((hidden * mask).sum(1) / mask.sum(1)).numpy()
+        vector = head.query_vectors(pooled)
+        keys, distances = bundle.index.knn_query(vector, k=rae.top_b if rae else query.k)
+        if rae:
+            scores = aggregate(
+                keys.astype(np.int64), 1 - distances, bundle.values, bundle.num_train_keys, rae.tau, rae.top_b, [()]
+            )
+            ids, values = top_k_of_row(scores, 0, query.k)
+        else:
+            ids, values = keys[0][: query.k], 1 - distances[0][: query.k]
+        return {
+            "labels": [
+                {"id": int(i), "uid": bundle.label_uids[i], "text": bundle.label_texts[i], "score": float(v)}
+                for i, v in zip(ids, values, strict=True)
+            ]
+        }
+
+    return app

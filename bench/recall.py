@@ -1,0 +1,39 @@
+"""Exact (brute-force) search over a bundle's own key vectors, through the same aggregation:
+the reference the HNSW answers are measured against."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from service.bundle import Bundle
+from service.rae import aggregate, top_k_of_row
+from service.search import Predictor
+
+
+def bundle_keys(bundle: Bundle) -> np.ndarray:
+    return np.asarray(bundle.index.get_items(np.arange(bundle.index.get_current_count())), dtype=np.float32)
+
+
+def exact_top_k(bundle: Bundle, vectors: np.ndarray, k: int, keys: np.ndarray | None = None) -> list[set[int]]:
+    """Label ids of the exact top-k per query (RAE: exact top-b keys, then the same aggregation)."""
+    keys = bundle_keys(bundle) if keys is None else keys
+    sims = vectors @ keys.T
+    rae = bundle.manifest.rae
+    width = rae.top_b if rae else k
+    top = np.argsort(-sims, axis=1)[:, :width]
+    top_sims = np.take_along_axis(sims, top, axis=1)
+    if rae is None:
+        return [set(row.tolist()) for row in top]
+    scores = aggregate(top, top_sims, bundle.values, bundle.num_train_keys, rae.tau, rae.top_b, [()] * len(vectors))
+    return [set(top_k_of_row(scores, i, k)[0].tolist()) for i in range(len(vectors))]
+
+
+def recall_at_k(truth: list[set[int]], served: list[list[int]]) -> float:
+    return float(np.mean([len(t & set(s)) / max(len(t), 1) for t, s in zip(truth, served, strict=True)]))
+
+
+def ann_recall(bundle: Bundle, texts: list[str], k: int = 10, ef: int | None = None) -> float:
+    """Recall@k of the served search path (HNSW at ``ef``) against exact search, same vectors."""
+    vectors, _ = bundle.encoder.encode(texts)
+    served = Predictor(bundle).search(vectors, k, ef).rankings
+    return recall_at_k(exact_top_k(bundle, vectors, k), [r.ids.tolist() for r in served])

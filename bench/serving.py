@@ -1,0 +1,196 @@
+"""Serving benchmark: xmcserve beside a naive server and beside the hardware bound, in one run.
+
+    python -m bench.serving [--bundle bundles/default] [--seconds 12] [--out bench/results/serving.json]
+
+1. FLOP bound: sustained float32 GFLOP/s of one large ONNX Runtime MatMul on this machine,
+   divided by the encoder's FLOPs per query at the dev split's mean token count.
+2. ANN recall@10 of the served search path against exact search, at the bundle's default ef.
+3. For the naive server (per-request transformers + torch, same index) and xmcserve: real
+   uvicorn processes on 127.0.0.1, closed-loop load at each concurrency, QPS and p50/p95/p99.
+4. xmcserve at 70 % of its peak QPS, open loop (latency from the scheduled send time): p99.
+
+Writes the JSON result and a PNG of latency against throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from bench.loadgen import closed_loop, open_loop
+from bench.localserver import start_server, stop_server
+from bench.recall import ann_recall
+from service.bundle import load_bundle
+from training.checkpoint import default_encoder_dir
+from training.data import load_jsonl_split
+
+CONCURRENCY = (1, 4, 16, 64, 128)
+
+
+def matmul_gflops(n: int = 1536, seconds: float = 4.0) -> float:
+    """Sustained GFLOP/s of an n x n x n float32 MatMul in ONNX Runtime (all cores)."""
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal((n, n)).astype(np.float32), "W")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["A", "W"], ["C"])],
+        "matmul",
+        [helper.make_tensor_value_info("A", TensorProto.FLOAT, [n, n])],
+        [helper.make_tensor_value_info("C", TensorProto.FLOAT, [n, n])],
+        [weight],
+    )
+    # ir_version pinned: the onnx package may write a newer IR than this onnxruntime reads.
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    a = rng.standard_normal((n, n)).astype(np.float32)
+    for _ in range(3):
+        session.run(None, {"A": a})
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        session.run(None, {"A": a})
+        runs += 1
+    return 2 * n**3 * runs / (time.perf_counter() - start) / 1e9
+
+
+def encoder_flops_per_token(config: dict, mean_tokens: float, head_dim: int) -> float:
+    """Multiply-adds x 2 per token: Q, K, V, O projections and the FFN per layer, attention scores
+    and the weighted sum (grow with sequence length), and the serving head."""
+    hidden = config.get("hidden_size") or config["dim"]
+    ffn = config.get("intermediate_size") or config["hidden_dim"]
+    layers = config.get("num_hidden_layers") or config["n_layers"]
+    dense = 2 * (4 * hidden * hidden + 2 * hidden * ffn)
+    attention = 2 * 2 * mean_tokens * hidden
+    return layers * (dense + attention) + 2 * hidden * head_dim / mean_tokens
+
+
+def run_levels(url: str, bodies: list[bytes], seconds: float, levels=CONCURRENCY) -> list[dict]:
+    rows = []
+    asyncio.run(closed_loop(url, bodies, 4, 2.0))  # warm-up
+    for concurrency in levels:
+        row = asyncio.run(closed_loop(url, bodies, concurrency, seconds)).summary()
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, rows in (("naive (torch per request)", result["naive"]), ("xmcserve", result["xmcserve"])):
+        qps = [r["qps"] for r in rows]
+        ax.plot(qps, [r["p50_ms"] for r in rows], "o-", label=f"{name} p50")
+        ax.plot(qps, [r["p99_ms"] for r in rows], "s--", label=f"{name} p99")
+        for r in rows:
+            ax.annotate(f"c={r['concurrency']}", (r["qps"], r["p99_ms"]), fontsize=7)
+    ax.axvline(result["flop_bound_qps"], color="grey", linestyle=":", label="FLOP bound")
+    ax.set_xlabel("throughput (queries/s)")
+    ax.set_ylabel("latency (ms)")
+    ax.set_yscale("log")
+    ax.set_title("POST /predict, closed loop, 2 CPU cores")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bundle", type=Path, default=Path("bundles/default"))
+    parser.add_argument("--data", type=Path, default=Path("data/debian-sample"))
+    parser.add_argument("--seconds", type=float, default=12.0, help="per concurrency level")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/serving.json"))
+    parser.add_argument("--skip-naive", action="store_true")
+    parser.add_argument("--levels", default=",".join(map(str, CONCURRENCY)), help="closed-loop concurrencies")
+    parser.add_argument("--env", action="append", default=[], help="extra XMCSERVE_* settings, NAME=VALUE")
+    args = parser.parse_args()
+    extra_env = dict(item.split("=", 1) for item in args.env)
+    levels = [int(x) for x in args.levels.split(",")]
+
+    texts = load_jsonl_split(args.data, "dev").texts
+    bodies = [json.dumps({"text": t, "k": 10}).encode() for t in texts]
+    bundle = load_bundle(args.bundle)
+    mean_tokens = float(np.mean([len(ids) for ids in bundle.encoder.tokenize(texts)]))
+    config = json.loads((default_encoder_dir() / "config.json").read_text())
+    gflops = matmul_gflops()
+    flops_per_query = encoder_flops_per_token(config, mean_tokens, bundle.manifest.dim) * mean_tokens
+    recall = ann_recall(bundle, texts, k=10)
+    result = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(),
+            "onnxruntime": ort.__version__,
+        },
+        "bundle_id": bundle.bundle_id,
+        "settings": extra_env,
+        "matmul_gflops": round(gflops, 1),
+        "mean_tokens": round(mean_tokens, 2),
+        "encoder_mflops_per_query": round(flops_per_query / 1e6, 1),
+        "flop_bound_qps": round(gflops * 1e9 / flops_per_query, 1),
+        "recall_at_10": round(recall, 4),
+        "recall_ef": bundle.manifest.hnsw.ef_search,
+    }
+    del bundle
+    print(json.dumps(result), flush=True)
+    logs = Path("/tmp/xmcserve-bench")
+    logs.mkdir(exist_ok=True)
+
+    if not args.skip_naive:
+        server = start_server(args.bundle, logs / "naive.log", app="bench.naive_server:create_app", timeout_s=180)
+        try:
+            result["naive"] = run_levels(server.url, bodies, args.seconds, levels)
+        finally:
+            stop_server(server)
+    server = start_server(args.bundle, logs / "xmcserve.log", extra_env=extra_env)
+    try:
+        result["xmcserve"] = run_levels(server.url, bodies, args.seconds, levels)
+        peak = max(r["qps"] for r in result["xmcserve"])
+        paced = asyncio.run(open_loop(server.url, bodies, 0.7 * peak, max(args.seconds, 20.0))).summary()
+        print(json.dumps(paced), flush=True)
+        result["paced_70pct"] = paced
+    finally:
+        stop_server(server)
+
+    result["peak_qps"] = peak
+    result["naive_peak_qps"] = max(r["qps"] for r in result["naive"]) if "naive" in result else None
+    result["p99_ms_at_70pct_peak"] = result["paced_70pct"]["p99_ms"]
+    result["idle_p50_ms"] = result["xmcserve"][0]["p50_ms"]
+    result["ratios"] = {
+        "peak_over_naive": round(peak / result["naive_peak_qps"], 2) if result["naive_peak_qps"] else None,
+        "peak_over_flop_bound": round(peak / result["flop_bound_qps"], 3),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if "naive" in result:
+        plot(result, args.out.with_suffix(".png"))
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in (
+                    "naive_peak_qps",
+                    "peak_qps",
+                    "flop_bound_qps",
+                    "p99_ms_at_70pct_peak",
+                    "idle_p50_ms",
+                    "recall_at_10",
+                    "ratios",
+                )
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
