@@ -7,6 +7,7 @@ and warmed.
 
 # No `from __future__ import annotations` here: FastAPI must resolve the locally built
 # request model from the endpoint annotation at runtime.
+import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -20,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from service.batcher import BatcherConfig, BatcherStoppedError, MicroBatcher, QueueFullError
 from service.bundle import Bundle, load_bundle
 from service.metrics import Metrics
-from service.schemas import LabelScore, PredictResponse, TextResult, build_predict_request
+from service.schemas import PredictResponse, build_predict_request
 from service.search import Predictor, Ranking
 from service.settings import Settings
 
@@ -64,17 +65,27 @@ class RequestMetricsMiddleware:
             )
 
 
-def to_response(bundle: Bundle, rankings: list[Ranking], k: int, ef: int) -> PredictResponse:
-    results = []
-    for ranking in rankings:
-        labels = [
-            LabelScore(id=int(i), uid=bundle.label_uids[i], text=bundle.label_texts[i], score=float(s))
-            for i, s in zip(ranking.ids, ranking.scores, strict=True)
-        ]
-        results.append(TextResult(labels=labels))
-    return PredictResponse(
-        bundle_id=bundle.bundle_id, index_kind=bundle.manifest.index_kind, k=k, ef=ef, results=results
-    )
+def to_response(bundle: Bundle, rankings: list[Ranking], k: int, ef: int) -> Response:
+    """The PredictResponse JSON, serialised directly: FastAPI would otherwise validate the ~k
+    label objects of every answer again (the model stays the documented response schema)."""
+    uids, texts = bundle.label_uids, bundle.label_texts
+    results = [
+        {
+            "labels": [
+                {"id": i, "uid": uids[i], "text": texts[i], "score": s}
+                for i, s in zip(ranking.ids.tolist(), ranking.scores.tolist(), strict=True)
+            ]
+        }
+        for ranking in rankings
+    ]
+    body = {
+        "bundle_id": bundle.bundle_id,
+        "index_kind": bundle.manifest.index_kind,
+        "k": k,
+        "ef": ef,
+        "results": results,
+    }
+    return Response(json.dumps(body, ensure_ascii=False, allow_nan=False), media_type="application/json")
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -122,7 +133,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
 
     @app.post("/predict", response_model=PredictResponse)
-    async def predict(body: PredictRequest, request: Request) -> PredictResponse:  # type: ignore[valid-type]
+    async def predict(body: PredictRequest, request: Request) -> Response:  # type: ignore[valid-type]
         predictor: Predictor | None = request.app.state.predictor
         if predictor is None:
             return JSONResponse({"detail": "no bundle loaded yet"}, status_code=503)

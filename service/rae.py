@@ -57,20 +57,20 @@ def aggregate(
     Returns an ``nq x L`` CSR matrix whose row i is softmax(sims_i / τ) · V[keys_i], with the
     excluded labels of query i removed from both the keys and the result.
     """
-    rows, cols, weights = [], [], []
-    for i in range(keys.shape[0]):
-        kept_keys, kept_sims = drop_excluded_keys(keys[i], sims[i], num_train, excluded[i], top_b)
-        if kept_keys.size == 0:
-            continue
-        rows.append(np.full(kept_keys.size, i))
-        cols.append(kept_keys)
-        weights.append(softmax(kept_sims, tau))
+    nq = keys.shape[0]
+    rows_keys, rows_weights = [], []
+    for i in range(nq):
+        if excluded[i]:
+            kept_keys, kept_sims = drop_excluded_keys(keys[i], sims[i], num_train, excluded[i], top_b)
+        else:
+            valid = keys[i] >= 0
+            kept_keys, kept_sims = keys[i][valid][:top_b], sims[i][valid][:top_b]
+        rows_keys.append(kept_keys)
+        rows_weights.append(softmax(kept_sims, tau) if kept_keys.size else np.zeros(0))
+    indptr = np.concatenate([[0], np.cumsum([k.size for k in rows_keys])])
     W = sp.csr_matrix(
-        (
-            np.concatenate(weights or [np.zeros(0)]),
-            (np.concatenate(rows or [np.zeros(0, int)]), np.concatenate(cols or [np.zeros(0, int)])),
-        ),
-        shape=(keys.shape[0], values.shape[0]),
+        (np.concatenate(rows_weights).astype(np.float32), np.concatenate(rows_keys), indptr),
+        shape=(nq, values.shape[0]),
     )
     scores = (W @ values).tocsr()
     return _zero_excluded(scores, excluded)
@@ -79,11 +79,11 @@ def aggregate(
 def _zero_excluded(scores: sp.csr_matrix, excluded: Sequence[Collection[int]]) -> sp.csr_matrix:
     if not any(excluded):
         return scores
-    scores = scores.tolil()
     for i, labels in enumerate(excluded):
-        for label in labels:
-            scores[i, label] = 0.0
-    scores = scores.tocsr()
+        if labels:
+            start, end = scores.indptr[i], scores.indptr[i + 1]
+            hit = np.isin(scores.indices[start:end], np.fromiter(labels, dtype=np.int64))
+            scores.data[start:end][hit] = 0.0
     scores.eliminate_zeros()
     return scores
 

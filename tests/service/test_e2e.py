@@ -5,6 +5,7 @@ from httpx import Client
 
 from bench.recall import exact_top_k, recall_at_k
 from service.bundle import load_bundle
+from service.schemas import PredictResponse
 from training.data import load_jsonl_split
 
 pytestmark = pytest.mark.slow
@@ -20,6 +21,7 @@ def test_predict_returns_k_real_labels_best_first(client):
     r = client.post("/predict", json={"text": "python3-numpy: Fast array facility to the Python 3 language", "k": 5})
     assert r.status_code == 200, r.text
     body = r.json()
+    PredictResponse.model_validate(body)  # the hand-serialised answer matches the documented schema
     assert body["bundle_id"].startswith("rae-memory-64d-") and body["index_kind"] == "rae_memory"
     labels = body["results"][0]["labels"]
     assert len(labels) == 5
@@ -103,6 +105,8 @@ def test_health_ready_info(client, sample_bundle):
 def test_openapi_has_request_examples(client):
     schema = client.get("/openapi.json").json()
     assert any("examples" in s for s in schema["components"]["schemas"].values())
+    answer = schema["paths"]["/predict"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert answer["$ref"].endswith("/PredictResponse")
 
 
 def test_metrics_are_exported(client):

@@ -1,0 +1,45 @@
+import numpy as np
+import pytest
+
+from service import encoder as enc
+from service.encoder import EncoderOptions, OnnxEncoder, choose_providers, plan_chunks
+
+
+def test_plan_chunks_covers_every_text_once_in_order():
+    lengths = sorted(np.random.default_rng(0).integers(3, 80, 50).tolist())
+    chunks = plan_chunks(lengths, 16, 64)
+    assert chunks[0][0] == 0 and chunks[-1][1] == 50
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:], strict=False))
+
+
+def test_plan_chunks_trades_call_overhead_against_padding():
+    lengths = [10] * 8 + [100] * 8
+    assert plan_chunks(lengths, 16, 64) == [(0, 8), (8, 16)]  # padding 8 short texts to 100 costs more
+    assert plan_chunks(lengths, 10_000, 64) == [(0, 16)]  # a huge call overhead: one call
+    assert plan_chunks([1, 2, 3], 0.0, 64) == [(0, 1), (1, 2), (2, 3)]  # free calls: never pad
+    assert all(end - start <= 4 for start, end in plan_chunks([5] * 10, 1e6, 4))
+    assert plan_chunks([], 16, 64) == [] and plan_chunks([7], 16, 64) == [(0, 1)]
+
+
+def test_provider_choice(monkeypatch):
+    monkeypatch.setattr(enc.ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert choose_providers("auto") == ["CPUExecutionProvider"]
+    with pytest.raises(RuntimeError, match="CUDA execution provider requested"):
+        choose_providers("cuda")
+    monkeypatch.setattr(enc.ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    assert choose_providers("auto") == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert choose_providers("cpu") == ["CPUExecutionProvider"]
+    with pytest.raises(ValueError, match="unknown provider"):
+        choose_providers("tpu")
+
+
+def test_chunked_encoding_matches_one_text_at_a_time(tiny_rae_bundle):
+    path = tiny_rae_bundle
+    texts = ["a", "a much longer text " * 6, "libc6: GNU C Library", "x y", "python3-numpy: fast arrays"] * 3
+    chunked = OnnxEncoder(path / "encoder.onnx", path / "tokenizer.json", 64, EncoderOptions(call_cost_tokens=4))
+    vectors, times = chunked.encode(texts)
+    singles = np.concatenate([chunked.encode([t])[0] for t in texts])
+    np.testing.assert_allclose(vectors, singles, atol=1e-5)
+    assert times.encode_s > 0 and times.tokenize_s > 0
+    ids = chunked.tokenize(["a much longer text " * 40])[0]
+    assert len(ids) == 64  # truncated to the bundle's max length, not padded
