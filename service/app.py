@@ -1,8 +1,9 @@
 """FastAPI app factory: ``uvicorn service.app:create_app --factory``.
 
-The lifespan loads and verifies the bundle named by ``XMCSERVE_BUNDLE_DIR`` (a bundle that
-fails verification stops start-up with the reason); ``/readyz`` turns 200 once it is loaded
-and warmed.
+The lifespan loads and verifies the primary bundle named by ``XMCSERVE_BUNDLE_DIR`` (a bundle
+that fails verification stops start-up with the reason), the optional candidate (a bad candidate
+is logged and skipped: it never takes the primary down) and the shadow mirror; ``/readyz`` turns
+200 once the primary is loaded and warmed.
 """
 
 # No `from __future__ import annotations` here: FastAPI must resolve the locally built
@@ -13,17 +14,18 @@ import time
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
-import anyio
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from service.batcher import BatcherConfig, BatcherStoppedError, MicroBatcher, QueueFullError
-from service.bundle import Bundle, load_bundle
+from service.admin import ServingState, add_admin_routes, load_predictor
+from service.batcher import BatchAnswer, BatcherConfig, BatcherStoppedError, QueueFullError
+from service.bundle import BundleError
 from service.metrics import Metrics
 from service.schemas import PredictResponse, build_predict_request
-from service.search import Predictor, Ranking
 from service.settings import Settings
+from service.shadow import ShadowConfig, ShadowLog, ShadowMirror, ShadowRequest, remote_shadow
+from service.variants import CANDIDATE, PRIMARY, Variants
 
 log = logging.getLogger("xmcserve")
 
@@ -34,7 +36,8 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 
 class RequestMetricsMiddleware:
-    """Latency histogram by route template (not raw path: bounded label cardinality) and status."""
+    """Latency histogram by route template (not raw path: bounded label cardinality), status and
+    the variant that answered (``-`` for endpoints that do not predict)."""
 
     def __init__(self, app, metrics: Metrics):
         self.app = app
@@ -60,14 +63,21 @@ class RequestMetricsMiddleware:
             self.metrics.in_flight.dec()
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
-            self.metrics.request_seconds.labels(endpoint=endpoint, method=scope["method"], status=str(status)).observe(
-                time.perf_counter() - start
-            )
+            variant = scope.get("state", {}).get("variant", "-")
+            self.metrics.request_seconds.labels(
+                endpoint=endpoint, method=scope["method"], status=str(status), variant=variant
+            ).observe(time.perf_counter() - start)
 
 
-def to_response(bundle: Bundle, rankings: list[Ranking], k: int, ef: int) -> Response:
+def ranked_uids(answer: BatchAnswer) -> list[list[tuple[str, float]]]:
+    uids = answer.predictor.bundle.label_uids
+    return [[(uids[i], s) for i, s in zip(r.ids.tolist(), r.scores.tolist(), strict=True)] for r in answer.rankings]
+
+
+def to_response(answer: BatchAnswer, variant: str, k: int, ef: int) -> Response:
     """The PredictResponse JSON, serialised directly: FastAPI would otherwise validate the ~k
     label objects of every answer again (the model stays the documented response schema)."""
+    bundle = answer.predictor.bundle
     uids, texts = bundle.label_uids, bundle.label_texts
     results = [
         {
@@ -76,16 +86,45 @@ def to_response(bundle: Bundle, rankings: list[Ranking], k: int, ef: int) -> Res
                 for i, s in zip(ranking.ids.tolist(), ranking.scores.tolist(), strict=True)
             ]
         }
-        for ranking in rankings
+        for ranking in answer.rankings
     ]
     body = {
         "bundle_id": bundle.bundle_id,
+        "variant": variant,
         "index_kind": bundle.manifest.index_kind,
         "k": k,
         "ef": ef,
         "results": results,
     }
     return Response(json.dumps(body, ensure_ascii=False, allow_nan=False), media_type="application/json")
+
+
+def build_shadow(settings: Settings, metrics: Metrics, variants: Variants) -> ShadowMirror:
+    config = ShadowConfig(
+        fraction=settings.shadow_fraction,
+        queue_size=settings.shadow_queue,
+        timeout_s=settings.shadow_timeout_ms / 1000,
+        workers=settings.shadow_workers,
+    )
+    shadow_log = (
+        ShadowLog(settings.shadow_log, settings.shadow_log_max_bytes, settings.shadow_log_backups)
+        if settings.shadow_log
+        else None
+    )
+    if settings.shadow_url:
+        call, close = remote_shadow(settings.shadow_url, config.timeout_s)
+        return ShadowMirror(call, config, metrics, settings.shadow_url, shadow_log, close=close)
+
+    async def call_candidate(request: ShadowRequest):
+        slot = variants[CANDIDATE]
+        if not slot.ready:
+            raise LookupError("no candidate bundle loaded to shadow")
+        return ranked_uids(await slot.batcher.submit(request.texts, request.k, request.ef, request.exclude))
+
+    # In process the shadow shares the CPU: it only takes requests while the primary has none queued.
+    return ShadowMirror(
+        call_candidate, config, metrics, "B", shadow_log, busy=lambda: variants[PRIMARY].batcher.depth > 0
+    )
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -95,31 +134,37 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        bundle = await anyio.to_thread.run_sync(
-            lambda: load_bundle(settings.bundle_dir, settings.encoder_options(), verify=settings.verify_checksums)
+        config = BatcherConfig(
+            settings.max_batch_size, settings.max_wait_ms, settings.max_queue, settings.batch_workers
         )
-        app.state.predictor = Predictor(bundle)
-        batcher = MicroBatcher(
-            lambda: app.state.predictor,
-            BatcherConfig(settings.max_batch_size, settings.max_wait_ms, settings.max_queue, settings.batch_workers),
-            on_batch_done=lambda texts, times: metrics.observe_batch(texts, times.as_dict()),
-        )
-        metrics.queue_depth.set_function(lambda: batcher.depth)
-        metrics.batches_in_flight.set_function(lambda: batcher.in_flight_batches)
-        batcher.start()
-        app.state.batcher = batcher
-        metrics.bundle_info.info(
-            {
-                "bundle_id": bundle.bundle_id,
-                "index_kind": bundle.manifest.index_kind,
-                "provider": bundle.encoder.provider,
-                "dim": str(bundle.manifest.dim),
-            }
-        )
-        log.info("serving bundle %s on %s", bundle.bundle_id, bundle.encoder.provider)
+        variants = Variants.create(config, metrics.batch_observer)
+        variants.split_b = settings.split_b
+        for name, slot in variants.slots.items():
+            metrics.queue_depth.labels(variant=name).set_function(lambda slot=slot: slot.batcher.depth)
+            metrics.batches_in_flight.labels(variant=name).set_function(
+                lambda slot=slot: slot.batcher.in_flight_batches
+            )
+        state = ServingState(settings, metrics, variants)
+        predictor = await load_predictor(settings.bundle_dir, settings)
+        state.install(PRIMARY, predictor, str(settings.bundle_dir))
+        if settings.candidate_bundle_dir:
+            try:
+                state.install(
+                    CANDIDATE,
+                    await load_predictor(settings.candidate_bundle_dir, settings),
+                    str(settings.candidate_bundle_dir),
+                )
+            except BundleError as exc:
+                log.error("candidate bundle refused, serving A only: %s", exc)
+        variants.start()
+        state.shadow = build_shadow(settings, metrics, variants)
+        state.shadow.start()
+        app.state.serving = state
+        log.info("serving bundle %s on %s", predictor.bundle.bundle_id, predictor.bundle.encoder.provider)
         yield
-        await batcher.stop()
-        app.state.predictor = None
+        await state.shadow.stop()
+        await variants.stop()
+        app.state.serving = None
 
     app = FastAPI(
         title="xmcserve",
@@ -129,27 +174,43 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.metrics = metrics
-    app.state.predictor = None
+    app.state.serving = None
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
 
     @app.post("/predict", response_model=PredictResponse)
     async def predict(body: PredictRequest, request: Request) -> Response:  # type: ignore[valid-type]
-        predictor: Predictor | None = request.app.state.predictor
-        if predictor is None:
+        state: ServingState | None = request.app.state.serving
+        if state is None:
             return JSONResponse({"detail": "no bundle loaded yet"}, status_code=503)
-        texts = body.all_texts()
-        exclude = [predictor.bundle.label_ids(uids) for uids in body.exclusions()]
         try:
-            answer = await request.app.state.batcher.submit(texts, body.k, body.ef, exclude)
+            slot = state.variants.choose(request.headers.get("x-request-key"), body.variant)
+        except LookupError as exc:
+            return JSONResponse({"detail": str(exc)}, status_code=409)
+        request.state.variant = slot.name
+        texts = body.all_texts()
+        started = time.perf_counter()
+        try:
+            answer = await slot.batcher.submit(texts, body.k, body.ef, body.exclusions())
         except QueueFullError as exc:
             metrics.rejected.inc()
             return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": str(exc.retry_after_s)})
         except BatcherStoppedError as exc:
             return JSONResponse({"detail": str(exc)}, status_code=503)
-        metrics.stage_seconds.labels(stage="queue").observe(answer.queue_wait_s)
+        metrics.stage_seconds.labels(stage="queue", variant=slot.name).observe(answer.queue_wait_s)
         metrics.predicted_texts.inc(len(texts))
-        ef = body.ef or answer.predictor.default_ef
-        return to_response(answer.predictor.bundle, answer.rankings, body.k, ef)
+        if slot.name == PRIMARY and request.headers.get("x-shadow") is None:
+            state.shadow.offer(
+                ShadowRequest(
+                    texts,
+                    body.k,
+                    body.ef,
+                    body.exclusions(),
+                    ranked_uids(answer),
+                    time.perf_counter() - started,
+                    slot.name,
+                )
+            )
+        return to_response(answer, slot.name, body.k, body.ef or answer.predictor.default_ef)
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -157,29 +218,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz(request: Request) -> Response:
-        predictor: Predictor | None = request.app.state.predictor
-        if predictor is None:
+        state: ServingState | None = request.app.state.serving
+        if state is None or not state.variants[PRIMARY].ready:
             return JSONResponse({"ready": False}, status_code=503)
-        return JSONResponse({"ready": True, "bundle_id": predictor.bundle.bundle_id})
+        return JSONResponse({"ready": True, "bundle_id": state.variants[PRIMARY].bundle_id})
 
     @app.get("/info")
     async def info(request: Request) -> Response:
-        predictor: Predictor | None = request.app.state.predictor
-        if predictor is None:
+        state: ServingState | None = request.app.state.serving
+        if state is None:
             return JSONResponse({"detail": "no bundle loaded yet"}, status_code=503)
-        bundle = predictor.bundle
+        primary = state.variants[PRIMARY].predictor.bundle
         return JSONResponse(
             {
                 "service_version": SERVICE_VERSION,
-                "bundle_path": str(bundle.path),
-                "execution_provider": bundle.encoder.provider,
+                "bundle_path": str(primary.path),
+                "execution_provider": primary.encoder.provider,
                 "limits": {
                     "max_texts_per_request": settings.max_texts_per_request,
                     "max_text_bytes": settings.max_text_bytes,
                     "max_k": settings.max_k,
                     "max_ef": settings.max_ef,
                 },
-                "manifest": bundle.manifest.model_dump(mode="json"),
+                "routing": state.describe(),
+                "manifest": primary.manifest.model_dump(mode="json"),
             }
         )
 
@@ -187,4 +249,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    add_admin_routes(app)
     return app

@@ -66,7 +66,7 @@ class _Job:
     texts: list[str]
     k: int
     ef: int | None
-    exclude: list[Collection[int]]
+    exclude: list[Collection[str]]
     future: asyncio.Future
     enqueued: float
 
@@ -110,7 +110,9 @@ class MicroBatcher:
         # Without waiting: a batch still on its thread finishes there, unobserved.
         self._executor.shutdown(wait=False)
 
-    async def submit(self, texts: list[str], k: int, ef: int | None, exclude: list[Collection[int]]) -> BatchAnswer:
+    async def submit(self, texts: list[str], k: int, ef: int | None, exclude: list[Collection[str]]) -> BatchAnswer:
+        """Queue one request; ``exclude`` holds label *uids* per text, mapped to ids by the bundle
+        that runs the batch (a reload may swap bundles between submit and run)."""
         if len(self._jobs) >= self.config.max_queue:
             raise QueueFullError(len(self._jobs), retry_after_s=1)
         job = _Job(texts, k, ef, exclude, asyncio.get_running_loop().create_future(), time.perf_counter())
@@ -176,7 +178,7 @@ class MicroBatcher:
 def _run_batch(predictor: Predictor, batch: list[_Job], started: float) -> list[BatchAnswer]:
     texts = [t for job in batch for t in job.texts]
     ks = [job.k for job in batch for _ in job.texts]
-    exclude = [e for job in batch for e in job.exclude]
+    exclude = [predictor.bundle.label_ids(e) for job in batch for e in job.exclude]
     efs = [job.ef for job in batch if job.ef is not None]
     # One HNSW call for the batch at the widest ef asked: a wider search only adds recall.
     prediction = predictor.predict(texts, ks, max(efs) if efs else None, exclude)

@@ -25,35 +25,73 @@ class Metrics:
         self.request_seconds = Histogram(
             "xmcserve_request_duration_seconds",
             "HTTP request latency by endpoint and status code",
-            ["endpoint", "method", "status"],
+            ["endpoint", "method", "status", "variant"],
             buckets=REQUEST_BUCKETS,
             registry=self.registry,
         )
         self.stage_seconds = Histogram(
             "xmcserve_stage_duration_seconds",
             "Time per /predict stage: queue (per request), tokenize, encode, search, aggregate (per batch)",
-            ["stage"],
+            ["stage", "variant"],
             buckets=STAGE_BUCKETS,
             registry=self.registry,
         )
         self.batch_texts = Histogram(
             "xmcserve_batch_size_texts",
             "Texts per micro-batch",
+            ["variant"],
             buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64, 128),
             registry=self.registry,
         )
-        self.queue_depth = Gauge("xmcserve_queue_depth", "Requests waiting for a micro-batch", registry=self.registry)
+        self.queue_depth = Gauge(
+            "xmcserve_queue_depth", "Requests waiting for a micro-batch", ["variant"], registry=self.registry
+        )
         self.batches_in_flight = Gauge(
-            "xmcserve_batches_in_flight", "Micro-batches being computed", registry=self.registry
+            "xmcserve_batches_in_flight", "Micro-batches being computed", ["variant"], registry=self.registry
         )
         self.rejected = Counter(
             "xmcserve_rejected_requests", "Requests refused because the queue was full", registry=self.registry
         )
         self.predicted_texts = Counter("xmcserve_predicted_texts", "Texts answered by /predict", registry=self.registry)
         self.in_flight = Gauge("xmcserve_in_flight_requests", "HTTP requests being handled", registry=self.registry)
-        self.bundle_info = Info("xmcserve_bundle", "The bundle being served", registry=self.registry)
+        self.bundle_info = Info(
+            "xmcserve_bundle", "The bundle each variant serves", ["variant"], registry=self.registry
+        )
+        self.reloads = Counter(
+            "xmcserve_reloads",
+            "Admin bundle loads by variant and outcome",
+            ["variant", "outcome"],
+            registry=self.registry,
+        )
+        self.shadow_overlap = Histogram(
+            "xmcserve_shadow_overlap",
+            "overlap@k between primary and shadow top-k, per mirrored text",
+            buckets=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0),
+            registry=self.registry,
+        )
+        self.shadow_rank_correlation = Histogram(
+            "xmcserve_shadow_rank_correlation",
+            "Kendall tau of the shared labels' ranks, per mirrored text",
+            buckets=(-1.0, -0.5, 0.0, 0.25, 0.5, 0.75, 0.9, 1.0),
+            registry=self.registry,
+        )
+        self.shadow_latency_delta = Histogram(
+            "xmcserve_shadow_latency_delta_seconds",
+            "shadow minus primary latency per mirrored request",
+            buckets=(-0.1, -0.03, -0.01, -0.003, 0.0, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
+            registry=self.registry,
+        )
+        self.shadow_compared = Counter(
+            "xmcserve_shadow_compared_texts", "Mirrored texts compared", registry=self.registry
+        )
+        self.shadow_dropped = Counter(
+            "xmcserve_shadow_dropped", "Mirrored requests dropped, by reason", ["reason"], registry=self.registry
+        )
 
-    def observe_batch(self, texts: int, times: dict[str, float]) -> None:
-        self.batch_texts.observe(texts)
-        for stage, seconds in times.items():
-            self.stage_seconds.labels(stage=stage).observe(seconds)
+    def batch_observer(self, variant: str):
+        def observe(texts: int, times) -> None:
+            self.batch_texts.labels(variant=variant).observe(texts)
+            for stage, seconds in times.as_dict().items():
+                self.stage_seconds.labels(stage=stage, variant=variant).observe(seconds)
+
+        return observe

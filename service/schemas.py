@@ -6,6 +6,8 @@ limits its OpenAPI schema documents.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.settings import Settings
@@ -65,6 +67,9 @@ def build_predict_request(settings: Settings) -> type[PredictRequestBase]:
         ef: int | None = Field(
             None, ge=1, le=settings.max_ef, description="HNSW search breadth; default: the bundle's ef"
         )
+        variant: Literal["A", "B"] | None = Field(
+            None, description="force a variant (testing); default: routed by the A/B split"
+        )
         exclude: list[str] | list[list[str]] = Field(
             default_factory=list,
             description="label uids never to return (e.g. the query's own item): one list for all texts, "
@@ -115,7 +120,20 @@ class TextResult(BaseModel):
 
 class PredictResponse(BaseModel):
     bundle_id: str
+    variant: str = Field(description="A (primary) or B (candidate): which bundle answered")
     index_kind: str
     k: int
     ef: int
     results: list[TextResult] = Field(description="one per input text, in order")
+
+
+class ReloadRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    variant: Literal["A", "B"] = Field(description="slot to load the bundle into")
+    bundle: str = Field(description="bundle dir, relative to the configured bundle root")
+
+
+class ConfigUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    split_b: float | None = Field(None, ge=0.0, le=1.0, description="share of requests routed to B")
+    shadow_fraction: float | None = Field(None, ge=0.0, le=1.0, description="share of A's requests mirrored")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.encoder import EncoderOptions
@@ -40,6 +40,20 @@ class Settings(BaseSettings):
     max_k: int = Field(1000, ge=1, description="largest k a request may ask for")
     max_ef: int = Field(4096, ge=1, description="largest HNSW ef a request may ask for")
     default_k: int = Field(10, ge=1)
+
+    # A/B, shadow and admin (see README, "Shipping a new bundle").
+    bundle_root: Path = Field(Path("bundles"), description="admin reloads may only load bundles under this dir")
+    candidate_bundle_dir: Path | None = Field(None, description="variant B loaded at start-up (optional)")
+    split_b: float = Field(0.0, ge=0.0, le=1.0, description="share of requests routed to B (sticky per key)")
+    shadow_fraction: float = Field(0.0, ge=0.0, le=1.0, description="share of A's requests mirrored to the shadow")
+    shadow_url: str | None = Field(None, description="remote xmcserve as shadow; default: the in-process B")
+    shadow_queue: int = Field(64, ge=1, description="most mirrored requests waiting; more are dropped")
+    shadow_timeout_ms: float = Field(2000, gt=0, description="a later shadow answer is dropped")
+    shadow_workers: int = Field(4, ge=1, description="mirrored requests in flight at once")
+    shadow_log: Path | None = Field(None, description="JSONL comparison log (rotated by size)")
+    shadow_log_max_bytes: int = Field(10_000_000, ge=1024)
+    shadow_log_backups: int = Field(3, ge=0)
+    admin_token: SecretStr | None = Field(None, description="enables /admin/*; send as X-Admin-Token")
 
     log_level: str = "info"
 

@@ -11,10 +11,17 @@ from service.batcher import BatcherConfig, BatcherStoppedError, MicroBatcher, Qu
 from service.search import Prediction, Ranking, StageTimes
 
 
+class FakeBundle:
+    @staticmethod
+    def label_ids(uids):
+        return {int(u) for u in uids}
+
+
 class FakePredictor:
     """Records the batches it is given; each takes ``delay_s`` on the batch thread."""
 
     default_ef = 100
+    bundle = FakeBundle()
 
     def __init__(self, delay_s=0.05, fail=False):
         self.delay_s = delay_s

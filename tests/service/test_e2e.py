@@ -23,6 +23,7 @@ def test_predict_returns_k_real_labels_best_first(client):
     body = r.json()
     PredictResponse.model_validate(body)  # the hand-serialised answer matches the documented schema
     assert body["bundle_id"].startswith("rae-memory-64d-") and body["index_kind"] == "rae_memory"
+    assert body["variant"] == "A"
     labels = body["results"][0]["labels"]
     assert len(labels) == 5
     scores = [label["score"] for label in labels]
@@ -113,11 +114,11 @@ def test_metrics_are_exported(client):
     client.post("/predict", json={"text": "bash: GNU Bourne Again SHell", "k": 3})
     client.post("/predict", json={"text": ""})
     text = client.get("/metrics").text
-    assert 'xmcserve_request_duration_seconds_count{endpoint="/predict",method="POST",status="200"}' in text
-    assert 'xmcserve_request_duration_seconds_count{endpoint="/predict",method="POST",status="422"}' in text
+    assert 'xmcserve_request_duration_seconds_count{endpoint="/predict",method="POST",status="200",variant="A"}' in text
+    assert 'xmcserve_request_duration_seconds_count{endpoint="/predict",method="POST",status="422",variant="-"}' in text
     for stage in ("queue", "tokenize", "encode", "search", "aggregate"):
-        assert f'xmcserve_stage_duration_seconds_count{{stage="{stage}"}}' in text
+        assert f'xmcserve_stage_duration_seconds_count{{stage="{stage}",variant="A"}}' in text
     assert "xmcserve_bundle_info{" in text
     assert "xmcserve_batch_size_texts_bucket" in text
-    assert "xmcserve_queue_depth " in text and "xmcserve_batches_in_flight " in text
+    assert 'xmcserve_queue_depth{variant="A"}' in text and 'xmcserve_batches_in_flight{variant="B"}' in text
     assert "xmcserve_in_flight_requests " in text

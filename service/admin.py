@@ -1,0 +1,157 @@
+"""Admin endpoints: load a bundle into a variant, promote B to A, change split and shadow share.
+
+Every route needs ``X-Admin-Token`` (or ``Authorization: Bearer``) equal to
+``XMCSERVE_ADMIN_TOKEN``, compared in constant time: missing → 401, wrong → 403, and with no
+token configured the admin API is off (403). A bundle is loaded, verified (checksums, shapes) and
+warmed beside the one serving, then swapped in atomically; one that fails is refused with the
+reason and the old one keeps serving. Bundle paths must resolve inside ``XMCSERVE_BUNDLE_ROOT``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+from fastapi import Depends, FastAPI, HTTPException, Request
+
+from service.bundle import BundleError, load_bundle
+from service.metrics import Metrics
+from service.schemas import ConfigUpdate, ReloadRequest
+from service.search import Predictor
+from service.settings import Settings
+from service.shadow import ShadowMirror
+from service.variants import Variants
+
+
+async def load_predictor(path: Path, settings: Settings) -> Predictor:
+    """Load, verify and warm a bundle off the event loop (the loop keeps serving meanwhile)."""
+
+    def load() -> Predictor:
+        predictor = Predictor(load_bundle(path, settings.encoder_options(), verify=settings.verify_checksums))
+        predictor.predict(["warm-up query"], k=10)  # first search and aggregation, off the request path
+        return predictor
+
+    return await anyio.to_thread.run_sync(load)
+
+
+def confined_bundle_path(root: Path, requested: str) -> Path:
+    """``requested`` resolved under ``root``; ``..`` or symlink escapes are refused."""
+    root = root.resolve()
+    path = (root / requested).resolve()
+    if not path.is_relative_to(root):
+        raise ValueError(f"bundle path {requested!r} is outside the bundle root")
+    return path
+
+
+@dataclass
+class ServingState:
+    settings: Settings
+    metrics: Metrics
+    variants: Variants
+    shadow: ShadowMirror | None = None
+    reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def install(self, name: str, predictor: Predictor, source: str) -> Predictor | None:
+        previous = self.variants.install(name, predictor, source)
+        self.publish_bundle_info()
+        return previous
+
+    def publish_bundle_info(self) -> None:
+        for name, slot in self.variants.slots.items():
+            bundle = slot.predictor.bundle if slot.predictor else None
+            self.metrics.bundle_info.labels(variant=name).info(
+                {
+                    "bundle_id": bundle.bundle_id if bundle else "",
+                    "index_kind": bundle.manifest.index_kind if bundle else "",
+                    "provider": bundle.encoder.provider if bundle else "",
+                    "dim": str(bundle.manifest.dim) if bundle else "",
+                }
+            )
+
+    def describe(self) -> dict:
+        shadow = self.shadow
+        return {
+            **self.variants.describe(),
+            "shadow": {
+                "target": shadow.target if shadow else None,
+                "fraction": shadow.config.fraction if shadow else 0.0,
+                "queue_depth": shadow.depth if shadow else 0,
+            },
+        }
+
+
+def require_admin(request: Request) -> None:
+    expected = request.app.state.settings.admin_token
+    if expected is None or not expected.get_secret_value():
+        raise HTTPException(403, "admin API disabled: set XMCSERVE_ADMIN_TOKEN")
+    given = request.headers.get("x-admin-token")
+    authorization = request.headers.get("authorization", "")
+    if given is None and authorization.lower().startswith("bearer "):
+        given = authorization[7:]
+    if not given:
+        raise HTTPException(401, "admin token required (X-Admin-Token header)", headers={"WWW-Authenticate": "Bearer"})
+    if not hmac.compare_digest(given.encode(), expected.get_secret_value().encode()):
+        raise HTTPException(403, "admin token rejected")
+
+
+def serving_state(request: Request) -> ServingState:
+    state = request.app.state.serving
+    if state is None:
+        raise HTTPException(503, "service not started")
+    return state
+
+
+def add_admin_routes(app: FastAPI) -> None:
+    guarded = [Depends(require_admin)]
+
+    @app.get("/admin/state", dependencies=guarded)
+    async def admin_state(request: Request) -> dict:
+        return serving_state(request).describe()
+
+    @app.post("/admin/reload", dependencies=guarded)
+    async def reload(body: ReloadRequest, request: Request) -> dict:
+        state = serving_state(request)
+        try:
+            path = confined_bundle_path(state.settings.bundle_root, body.bundle)
+        except ValueError as exc:
+            raise HTTPException(400, str(exc)) from None
+        async with state.reload_lock:
+            try:
+                predictor = await load_predictor(path, state.settings)
+            except BundleError as exc:
+                state.metrics.reloads.labels(variant=body.variant, outcome="refused").inc()
+                raise HTTPException(422, f"bundle refused, variant {body.variant} unchanged: {exc}") from None
+            previous = state.install(body.variant, predictor, str(path))
+        state.metrics.reloads.labels(variant=body.variant, outcome="loaded").inc()
+        return {
+            "variant": body.variant,
+            "bundle_id": predictor.bundle.bundle_id,
+            "previous_bundle_id": previous.bundle.bundle_id if previous else None,
+        }
+
+    @app.post("/admin/promote", dependencies=guarded)
+    async def promote(request: Request) -> dict:
+        state = serving_state(request)
+        async with state.reload_lock:
+            try:
+                previous = state.variants.promote()
+            except LookupError as exc:
+                raise HTTPException(409, str(exc)) from None
+            state.publish_bundle_info()
+        return {
+            "promoted_bundle_id": state.variants["A"].bundle_id,
+            "previous_bundle_id": previous.bundle.bundle_id,
+            **state.describe(),
+        }
+
+    @app.post("/admin/config", dependencies=guarded)
+    async def configure(body: ConfigUpdate, request: Request) -> dict:
+        state = serving_state(request)
+        if body.split_b is not None:
+            state.variants.split_b = body.split_b
+        if body.shadow_fraction is not None and state.shadow is not None:
+            state.shadow.config.fraction = body.shadow_fraction
+        return state.describe()

@@ -1,0 +1,202 @@
+"""Shadow traffic: mirror a sampled fraction of primary requests to a shadow and compare.
+
+The shadow is the in-process candidate bundle (variant B) or a remote xmcserve URL. It never sits
+on the primary's critical path: :meth:`ShadowMirror.offer` is called after the primary answer is
+ready and only enqueues (bounded, non-blocking); workers send the copies with a timeout; a full
+queue, a slow or dead shadow, or (in process) a busy primary queue drops the copy and counts it.
+
+Per mirrored text: overlap@k = |top-k A ∩ top-k B| / k, Kendall's τ of the shared labels' ranks,
+the mean |score A − score B| over shared labels, and the latency delta (shadow − primary), into
+Prometheus histograms and a size-bounded rotating JSONL log (see ``service.shadow_report``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import logging.handlers
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from scipy.stats import kendalltau
+
+log = logging.getLogger(__name__)
+
+# (uid, score) best first, one list per text
+Ranked = list[list[tuple[str, float]]]
+
+
+@dataclass
+class ShadowRequest:
+    texts: list[str]
+    k: int
+    ef: int | None
+    exclude: list[list[str]]
+    primary: Ranked
+    primary_seconds: float
+    primary_variant: str
+
+
+def compare(primary: list[tuple[str, float]], shadow: list[tuple[str, float]], k: int) -> dict:
+    """Agreement of two rankings of one text."""
+    a_rank = {uid: i for i, (uid, _) in enumerate(primary[:k])}
+    b_rank = {uid: i for i, (uid, _) in enumerate(shadow[:k])}
+    shared = [uid for uid in a_rank if uid in b_rank]
+    tau = None
+    if len(shared) >= 2:
+        value = kendalltau([a_rank[u] for u in shared], [b_rank[u] for u in shared]).statistic
+        tau = None if value != value else float(value)  # NaN when one side has no variation
+    a_score, b_score = dict(primary[:k]), dict(shadow[:k])
+    score_delta = sum(abs(a_score[u] - b_score[u]) for u in shared) / len(shared) if shared else None
+    return {"overlap": len(shared) / k, "kendall_tau": tau, "score_delta": score_delta, "shared": len(shared)}
+
+
+class ShadowLog:
+    """JSON lines, rotated by size: at most (backups + 1) x max_bytes on disk."""
+
+    def __init__(self, path: Path, max_bytes: int, backups: int):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._logger = logging.getLogger(f"xmcserve.shadow.{path}")
+        self._logger.propagate = False
+        self._logger.setLevel(logging.INFO)
+        self._handler = logging.handlers.RotatingFileHandler(path, maxBytes=max_bytes, backupCount=backups)
+        self._handler.setFormatter(logging.Formatter("%(message)s"))
+        self._logger.addHandler(self._handler)
+
+    def write(self, record: dict) -> None:
+        self._logger.info(json.dumps(record, ensure_ascii=False))
+
+    def close(self) -> None:
+        self._logger.removeHandler(self._handler)
+        self._handler.close()
+
+
+ShadowCall = Callable[[ShadowRequest], Awaitable[Ranked]]
+
+
+def remote_shadow(url: str, timeout_s: float) -> tuple[ShadowCall, Callable[[], Awaitable[None]]]:
+    """A shadow that is another xmcserve: the same request body, POSTed to ``url``/predict."""
+    client = httpx.AsyncClient(base_url=url, timeout=timeout_s)
+
+    async def call(request: ShadowRequest) -> Ranked:
+        body = {"texts": request.texts, "k": request.k, "exclude": request.exclude}
+        if request.ef is not None:
+            body["ef"] = request.ef
+        response = await client.post("/predict", json=body, headers={"X-Shadow": "1"})
+        response.raise_for_status()
+        return [[(x["uid"], x["score"]) for x in r["labels"]] for r in response.json()["results"]]
+
+    return call, client.aclose
+
+
+@dataclass
+class ShadowConfig:
+    """Attributes:
+    fraction: share of primary requests mirrored (0 = off, 1 = all).
+    queue_size: most copies waiting; more are dropped, never waited for.
+    timeout_s: a shadow answer later than this is dropped.
+    workers: copies in flight at once.
+    """
+
+    fraction: float = 0.0
+    queue_size: int = 64
+    timeout_s: float = 2.0
+    workers: int = 4
+
+
+class ShadowMirror:
+    def __init__(
+        self,
+        call: ShadowCall,
+        config: ShadowConfig,
+        metrics,
+        target: str,
+        shadow_log: ShadowLog | None = None,
+        busy: Callable[[], bool] = lambda: False,
+        close: Callable[[], Awaitable[None]] | None = None,
+    ):
+        self.config = config
+        self.target = target
+        self._call = call
+        self._metrics = metrics
+        self._log = shadow_log
+        self._busy = busy
+        self._close = close
+        self._queue: asyncio.Queue[ShadowRequest] = asyncio.Queue(maxsize=config.queue_size)
+        self._workers: list[asyncio.Task] = []
+        self._rng = random.Random()
+
+    def start(self) -> None:
+        self._workers = [asyncio.create_task(self._work()) for _ in range(self.config.workers)]
+
+    async def stop(self) -> None:
+        for task in self._workers:
+            task.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        if self._close:
+            await self._close()
+        if self._log:
+            self._log.close()
+
+    @property
+    def depth(self) -> int:
+        return self._queue.qsize()
+
+    def offer(self, request: ShadowRequest) -> bool:
+        """Mirror ``request`` if sampled and there is room; never blocks."""
+        if self.config.fraction <= 0 or self._rng.random() >= self.config.fraction:
+            return False
+        if self._busy():
+            self._metrics.shadow_dropped.labels(reason="primary_busy").inc()
+            return False
+        try:
+            self._queue.put_nowait(request)
+        except asyncio.QueueFull:
+            self._metrics.shadow_dropped.labels(reason="queue_full").inc()
+            return False
+        return True
+
+    async def _work(self) -> None:
+        while True:
+            request = await self._queue.get()
+            started = time.perf_counter()
+            try:
+                shadow = await asyncio.wait_for(self._call(request), self.config.timeout_s)
+            except asyncio.TimeoutError:
+                self._metrics.shadow_dropped.labels(reason="timeout").inc()
+                continue
+            except Exception as exc:  # a dead or failing shadow is counted, never raised
+                self._metrics.shadow_dropped.labels(reason="error").inc()
+                log.debug("shadow call failed: %s", exc)
+                continue
+            self._record(request, shadow, time.perf_counter() - started)
+
+    def _record(self, request: ShadowRequest, shadow: Ranked, shadow_seconds: float) -> None:
+        self._metrics.shadow_compared.inc(len(request.texts))
+        delta = shadow_seconds - request.primary_seconds
+        self._metrics.shadow_latency_delta.observe(delta)
+        for text, primary, mirrored in zip(request.texts, request.primary, shadow, strict=False):
+            agreement = compare(primary, mirrored, request.k)
+            self._metrics.shadow_overlap.observe(agreement["overlap"])
+            if agreement["kendall_tau"] is not None:
+                self._metrics.shadow_rank_correlation.observe(agreement["kendall_tau"])
+            if self._log:
+                self._log.write(
+                    {
+                        "ts": round(time.time(), 3),
+                        "target": self.target,
+                        "primary_variant": request.primary_variant,
+                        "text": text,
+                        "k": request.k,
+                        **agreement,
+                        "primary_ms": round(request.primary_seconds * 1000, 2),
+                        "shadow_ms": round(shadow_seconds * 1000, 2),
+                        "primary_top": [uid for uid, _ in primary[:10]],
+                        "shadow_top": [uid for uid, _ in mirrored[:10]],
+                    }
+                )

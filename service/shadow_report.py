@@ -1,0 +1,107 @@
+"""Summarise shadow comparison logs, to decide whether to promote the candidate.
+
+    python -m service.shadow_report shadow.jsonl [shadow.jsonl.1 ...] [--worst 10] [--json]
+
+Prints the agreement distribution (overlap@k, Kendall's τ on shared labels), the queries on which
+the two bundles disagree most, and the shadow-minus-primary latency percentiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+OVERLAP_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def read_records(paths: list[Path]) -> list[dict]:
+    records = []
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise SystemExit(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+    return records
+
+
+def summarise(records: list[dict], worst: int = 10) -> dict:
+    if not records:
+        return {"records": 0}
+    overlap = np.array([r["overlap"] for r in records])
+    taus = np.array([r["kendall_tau"] for r in records if r.get("kendall_tau") is not None])
+    delta_ms = np.array([r["shadow_ms"] - r["primary_ms"] for r in records])
+    counts, _ = np.histogram(overlap, bins=OVERLAP_BINS)
+    disagree = sorted(records, key=lambda r: (r["overlap"], r.get("kendall_tau") or 0.0))[:worst]
+    return {
+        "records": len(records),
+        "overlap": {
+            "mean": round(float(overlap.mean()), 4),
+            "p10": round(float(np.percentile(overlap, 10)), 4),
+            "p50": round(float(np.percentile(overlap, 50)), 4),
+            "share_identical_sets": round(float((overlap >= 1.0).mean()), 4),
+            "histogram": {
+                f"[{lo:.1f},{hi:.1f}{']' if hi == 1.0 else ')'}": int(c)
+                for lo, hi, c in zip(OVERLAP_BINS, OVERLAP_BINS[1:], counts, strict=False)
+            },
+        },
+        "kendall_tau": {
+            "mean": round(float(taus.mean()), 4) if taus.size else None,
+            "p10": round(float(np.percentile(taus, 10)), 4) if taus.size else None,
+            "records_with_2plus_shared": int(taus.size),
+        },
+        "latency_delta_ms": {f"p{q}": round(float(np.percentile(delta_ms, q)), 2) for q in (50, 95, 99)},
+        "most_disagreeing": [
+            {
+                "text": r["text"],
+                "overlap": r["overlap"],
+                "kendall_tau": r.get("kendall_tau"),
+                "primary_top": r.get("primary_top", [])[:5],
+                "shadow_top": r.get("shadow_top", [])[:5],
+            }
+            for r in disagree
+        ],
+    }
+
+
+def format_summary(summary: dict) -> str:
+    if not summary["records"]:
+        return "no shadow comparisons in the log"
+    o, t, d = summary["overlap"], summary["kendall_tau"], summary["latency_delta_ms"]
+    lines = [
+        f"{summary['records']} mirrored texts",
+        f"overlap@k   mean {o['mean']:.3f}   p10 {o['p10']:.3f}   p50 {o['p50']:.3f}   "
+        f"identical sets {100 * o['share_identical_sets']:.1f}%",
+        "  " + "   ".join(f"{bin_}: {count}" for bin_, count in o["histogram"].items()),
+        f"kendall tau on shared labels   mean {t['mean']}   p10 {t['p10']}   "
+        f"({t['records_with_2plus_shared']} texts with 2+ shared labels)",
+        f"latency shadow - primary (ms)   p50 {d['p50']}   p95 {d['p95']}   p99 {d['p99']}",
+        "most disagreeing:",
+    ]
+    for r in summary["most_disagreeing"]:
+        lines.append(f"  overlap {r['overlap']:.2f}  {r['text'][:70]}")
+        lines.append(f"      A: {', '.join(r['primary_top'])}")
+        lines.append(f"      B: {', '.join(r['shadow_top'])}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("logs", nargs="+", type=Path)
+    parser.add_argument("--worst", type=int, default=10)
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    args = parser.parse_args(argv)
+    summary = summarise(read_records(args.logs), args.worst)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Variants: a primary bundle (A), an optional candidate (B), sticky A/B routing, atomic swaps.
+
+Each variant slot owns a micro-batcher that reads the slot's predictor once per batch, so
+swapping a slot's predictor is atomic: a batch already computing finishes on the old bundle, the
+next batch runs on the new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from service.batcher import BatcherConfig, MicroBatcher
+from service.search import Predictor, StageTimes
+
+PRIMARY = "A"
+CANDIDATE = "B"
+
+
+def key_fraction(key: str) -> float:
+    """A request key's fixed position in [0, 1): the same key always lands in the same place,
+    so routing is sticky, and raising the split only ever moves keys from A to B."""
+    digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def route(key: str | None, split_b: float, candidate_ready: bool, rng: random.Random | None = None) -> str:
+    """A or B for one request: B with probability ``split_b``, sticky per key when one is given."""
+    if not candidate_ready or split_b <= 0.0:
+        return PRIMARY
+    position = key_fraction(key) if key else (rng or random).random()
+    return CANDIDATE if position < split_b else PRIMARY
+
+
+@dataclass
+class VariantSlot:
+    name: str
+    config: BatcherConfig
+    on_batch_done: Callable[[int, StageTimes], None]
+    predictor: Predictor | None = None
+    source: str | None = None
+    batcher: MicroBatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.batcher = MicroBatcher(lambda: self.predictor, self.config, self.on_batch_done)
+
+    @property
+    def ready(self) -> bool:
+        return self.predictor is not None
+
+    @property
+    def bundle_id(self) -> str | None:
+        return self.predictor.bundle.bundle_id if self.predictor else None
+
+
+@dataclass
+class Variants:
+    """The live serving state: slots A and B, the split, and the counters of swaps."""
+
+    slots: dict[str, VariantSlot] = field(default_factory=dict)
+    split_b: float = 0.0
+    swaps: int = 0
+
+    @classmethod
+    def create(
+        cls, config: BatcherConfig, on_batch_done: Callable[[str], Callable[[int, StageTimes], None]]
+    ) -> Variants:
+        slots = {name: VariantSlot(name, config, on_batch_done(name)) for name in (PRIMARY, CANDIDATE)}
+        return cls(slots=slots)
+
+    def __getitem__(self, name: str) -> VariantSlot:
+        return self.slots[name]
+
+    def start(self) -> None:
+        for slot in self.slots.values():
+            slot.batcher.start()
+
+    async def stop(self) -> None:
+        for slot in self.slots.values():
+            await slot.batcher.stop()
+
+    def install(self, name: str, predictor: Predictor, source: str) -> Predictor | None:
+        """Swap ``predictor`` into slot ``name``; returns the one it replaced."""
+        slot = self.slots[name]
+        previous, slot.predictor, slot.source = slot.predictor, predictor, source
+        self.swaps += 1
+        return previous
+
+    def promote(self) -> Predictor:
+        """B becomes A; B is emptied and the split reset (all traffic on the new A)."""
+        candidate = self.slots[CANDIDATE]
+        if candidate.predictor is None:
+            raise LookupError("no candidate (B) bundle loaded")
+        previous = self.install(PRIMARY, candidate.predictor, candidate.source or "")
+        candidate.predictor, candidate.source = None, None
+        self.split_b = 0.0
+        return previous
+
+    def choose(self, key: str | None, forced: str | None = None) -> VariantSlot:
+        if forced is not None:
+            slot = self.slots[forced]
+            if not slot.ready:
+                raise LookupError(f"variant {forced} has no bundle loaded")
+            return slot
+        return self.slots[route(key, self.split_b, self.slots[CANDIDATE].ready)]
+
+    def describe(self) -> dict:
+        return {
+            "split_b": self.split_b,
+            "swaps": self.swaps,
+            "variants": {
+                name: {"bundle_id": slot.bundle_id, "source": slot.source, "queue_depth": slot.batcher.depth}
+                for name, slot in self.slots.items()
+            },
+        }

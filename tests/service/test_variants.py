@@ -1,0 +1,43 @@
+import random
+
+import pytest
+
+from service.variants import CANDIDATE, PRIMARY, key_fraction, route
+
+
+def test_split_fraction_holds_over_many_keys():
+    for split in (0.1, 0.5, 0.9):
+        routed = [route(f"user-{i}", split, candidate_ready=True) for i in range(20_000)]
+        share_b = routed.count(CANDIDATE) / len(routed)
+        assert share_b == pytest.approx(split, abs=0.015)
+
+
+def test_a_key_always_gets_the_same_variant():
+    for i in range(500):
+        key = f"session-{i}"
+        first = route(key, 0.3, candidate_ready=True)
+        assert all(route(key, 0.3, candidate_ready=True) == first for _ in range(5))
+
+
+def test_raising_the_split_only_moves_keys_from_a_to_b():
+    keys = [f"k{i}" for i in range(5000)]
+    at_10 = {k: route(k, 0.1, True) for k in keys}
+    at_50 = {k: route(k, 0.5, True) for k in keys}
+    assert all(at_50[k] == CANDIDATE for k in keys if at_10[k] == CANDIDATE)
+
+
+def test_no_candidate_or_zero_split_means_a():
+    assert all(route(f"k{i}", 1.0, candidate_ready=False) == PRIMARY for i in range(100))
+    assert all(route(f"k{i}", 0.0, candidate_ready=True) == PRIMARY for i in range(100))
+
+
+def test_requests_without_a_key_are_split_at_random():
+    rng = random.Random(0)
+    routed = [route(None, 0.25, True, rng) for _ in range(20_000)]
+    assert routed.count(CANDIDATE) / len(routed) == pytest.approx(0.25, abs=0.015)
+
+
+def test_key_fraction_is_uniform_enough():
+    values = [key_fraction(str(i)) for i in range(10_000)]
+    assert min(values) >= 0 and max(values) < 1
+    assert sum(values) / len(values) == pytest.approx(0.5, abs=0.01)
