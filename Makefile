@@ -15,7 +15,7 @@ BUNDLE ?= bundles/default
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve bundle test lint evaluate sample clean bench-serving bench-ann
+.PHONY: install serve bundle test lint evaluate sample clean bench-serving bench-ann bench-ab loadtest
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,15 @@ bench-serving:
 bench-ann:
 	$(MAKE) EXTRAS=train,dev,bench install
 	$(PY) -m bench.ann_scale
+
+bench-ab: $(STAMP) $(BUNDLE)/manifest.json
+	test -f $(BUNDLE)-int8/manifest.json || $(PY) -m export.build --data $(DATA) --out $(BUNDLE)-int8 --quantize int8
+	$(PY) -m bench.ab_shadow --bundle $(BUNDLE) --alt-bundle $(BUNDLE)-int8
+
+# Headless locust against a local server for 60 s; exits non-zero when an SLO is missed.
+LOADTEST_ARGS ?= --scenario steady --seconds 60 --users 16 --p99-ms 250 --max-failure-ratio 0.01 --min-rps 20
+loadtest: $(STAMP) $(BUNDLE)/manifest.json
+	$(PY) -m loadtest.run --bundle $(BUNDLE) $(LOADTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -36,13 +36,15 @@ def start_server(
     extra_env: dict | None = None,
     timeout_s: float = 90,
     app: str = "service.app:create_app",
+    nice: int = 0,
 ) -> Server:
     """Start ``uvicorn <app> --factory`` on a free loopback port serving ``bundle_dir``; wait for /readyz."""
     port = free_port()
     env = {**os.environ, "XMCSERVE_BUNDLE_DIR": str(bundle_dir), **(extra_env or {})}
     with open(log_path, "w") as log_fh:  # the child keeps its own copy of the descriptor
         process = subprocess.Popen(
-            [
+            (["nice", "-n", str(nice)] if nice else [])
+            + [
                 sys.executable,
                 "-m",
                 "uvicorn",
