@@ -129,12 +129,17 @@ class ShadowMirror:
         self._close = close
         self._queue: asyncio.Queue[ShadowRequest] = asyncio.Queue(maxsize=config.queue_size)
         self._workers: list[asyncio.Task] = []
+        self._stopping = False
         self._rng = random.Random()
 
     def start(self) -> None:
         self._workers = [asyncio.create_task(self._work()) for _ in range(self.config.workers)]
 
     async def stop(self) -> None:
+        # The flag as well as the cancel: on Python < 3.12, asyncio.wait_for can swallow a
+        # cancellation that lands as the shadow call completes, and the worker would then wait
+        # on an empty queue for ever.
+        self._stopping = True
         for task in self._workers:
             task.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
@@ -162,7 +167,7 @@ class ShadowMirror:
         return True
 
     async def _work(self) -> None:
-        while True:
+        while not self._stopping:
             request = await self._queue.get()
             started = time.perf_counter()
             try:
