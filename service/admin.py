@@ -31,7 +31,10 @@ async def load_predictor(path: Path, settings: Settings) -> Predictor:
 
     def load() -> Predictor:
         predictor = Predictor(load_bundle(path, settings.encoder_options(), verify=settings.verify_checksums))
-        predictor.predict(["warm-up query"], k=10)  # first search and aggregation, off the request path
+        try:
+            predictor.predict(["warm-up query"], k=10)  # first search and aggregation, off the request path
+        except Exception as exc:  # a bundle that cannot answer is refused like a corrupt one
+            raise BundleError(f"{path}: warm-up prediction failed ({type(exc).__name__}: {exc})") from None
         return predictor
 
     return await anyio.to_thread.run_sync(load)

@@ -179,9 +179,11 @@ def _run_batch(predictor: Predictor, batch: list[_Job], started: float) -> list[
     texts = [t for job in batch for t in job.texts]
     ks = [job.k for job in batch for _ in job.texts]
     exclude = [predictor.bundle.label_ids(e) for job in batch for e in job.exclude]
-    efs = [job.ef for job in batch if job.ef is not None]
-    # One HNSW call for the batch at the widest ef asked: a wider search only adds recall.
-    prediction = predictor.predict(texts, ks, max(efs) if efs else None, exclude)
+    # One HNSW call for the batch at the widest ef any request is owed (its own, or the bundle's
+    # default when it gave none): a wider search only adds recall, a narrower one would take
+    # recall from requests that did not ask for it.
+    ef = max(job.ef or predictor.default_ef for job in batch)
+    prediction = predictor.predict(texts, ks, ef, exclude)
     answers, offset = [], 0
     for job in batch:
         n = len(job.texts)

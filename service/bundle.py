@@ -141,6 +141,15 @@ def check_encoder(path: Path, encoder: OnnxEncoder, manifest: Manifest) -> None:
 def load_bundle(path: Path | str, options: EncoderOptions | None = None, verify: bool = True) -> Bundle:
     """Load and verify a bundle; raises :class:`BundleError` with the reason on any problem."""
     path = Path(path).resolve()
+    try:
+        return _load_bundle(path, options, verify)
+    except BundleError:
+        raise
+    except Exception as exc:  # unreadable files, malformed arrays, …: refused, never a crash
+        raise BundleError(f"{path}: cannot load bundle ({type(exc).__name__}: {exc})") from None
+
+
+def _load_bundle(path: Path, options: EncoderOptions | None, verify: bool) -> Bundle:
     manifest = read_manifest(path)
     if verify:
         verify_checksums(path, manifest)

@@ -52,7 +52,7 @@ class Settings(BaseSettings):
     shadow_workers: int = Field(4, ge=1, description="mirrored requests in flight at once")
     shadow_log: Path | None = Field(None, description="JSONL comparison log (rotated by size)")
     shadow_log_max_bytes: int = Field(10_000_000, ge=1024)
-    shadow_log_backups: int = Field(3, ge=0)
+    shadow_log_backups: int = Field(3, ge=1, description="rotated files kept (logging rotates only with ≥ 1)")
     admin_token: SecretStr | None = Field(None, description="enables /admin/*; send as X-Admin-Token")
 
     log_level: str = "info"

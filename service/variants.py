@@ -41,10 +41,18 @@ class VariantSlot:
     on_batch_done: Callable[[int, StageTimes], None]
     predictor: Predictor | None = None
     source: str | None = None
+    fallback: VariantSlot | None = None
     batcher: MicroBatcher = field(init=False)
 
     def __post_init__(self) -> None:
-        self.batcher = MicroBatcher(lambda: self.predictor, self.config, self.on_batch_done)
+        self.batcher = MicroBatcher(self.current_predictor, self.config, self.on_batch_done)
+
+    def current_predictor(self) -> Predictor | None:
+        """This slot's bundle; when it was emptied (B after a promote) with requests still queued,
+        the fallback slot's bundle serves them instead of failing them."""
+        if self.predictor is None and self.fallback is not None:
+            return self.fallback.predictor
+        return self.predictor
 
     @property
     def ready(self) -> bool:
@@ -68,6 +76,7 @@ class Variants:
         cls, config: BatcherConfig, on_batch_done: Callable[[str], Callable[[int, StageTimes], None]]
     ) -> Variants:
         slots = {name: VariantSlot(name, config, on_batch_done(name)) for name in (PRIMARY, CANDIDATE)}
+        slots[CANDIDATE].fallback = slots[PRIMARY]
         return cls(slots=slots)
 
     def __getitem__(self, name: str) -> VariantSlot:

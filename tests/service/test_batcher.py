@@ -182,3 +182,16 @@ def test_a_swapped_predictor_takes_the_next_batch():
 
     first, second = asyncio.run(scenario())
     assert first.predictor is old and second.predictor is new
+
+
+def test_a_request_without_ef_is_never_searched_below_the_bundle_default():
+    predictor = FakePredictor()
+
+    async def scenario(batcher):
+        blocker = asyncio.create_task(batcher.submit(["x"], 1, 10, [()]))
+        await asyncio.sleep(0.01)
+        jobs = [asyncio.create_task(batcher.submit(["y"], 1, ef, [()])) for ef in (None, 20)]
+        return await asyncio.gather(blocker, *jobs)
+
+    asyncio.run(run_with(predictor, BatcherConfig(), scenario))
+    assert predictor.efs == [10, FakePredictor.default_ef]

@@ -41,3 +41,18 @@ def test_key_fraction_is_uniform_enough():
     values = [key_fraction(str(i)) for i in range(10_000)]
     assert min(values) >= 0 and max(values) < 1
     assert sum(values) / len(values) == pytest.approx(0.5, abs=0.01)
+
+
+def test_requests_queued_for_b_when_it_is_promoted_are_served_by_the_new_a():
+    from service.batcher import BatcherConfig
+    from service.variants import Variants
+
+    variants = Variants.create(BatcherConfig(), lambda name: lambda n, t: None)
+    old_a, candidate = object(), object()
+    variants.install(PRIMARY, old_a, "a")
+    variants.install(CANDIDATE, candidate, "b")
+    assert variants[CANDIDATE].current_predictor() is candidate
+    variants.promote()
+    assert variants[PRIMARY].current_predictor() is candidate
+    # B is empty now, but whatever was still queued for it runs on B's bundle, now A's
+    assert not variants[CANDIDATE].ready and variants[CANDIDATE].current_predictor() is candidate
