@@ -2,11 +2,12 @@
 
     python -m loadtest.run [--scenario steady|ramp|spike] [--seconds 60] [--users 16]
                            [--bundle bundles/default | --host http://127.0.0.1:8000]
-                           [--p99-ms 250] [--max-failure-ratio 0.01] [--min-rps 1]
+                           [--p99-ms 250] [--max-failure-ratio 0.01] [--min-rps 20]
+                           [--ab-keys] [--results loadtest/results]
 
 Starts a server on a free loopback port (unless --host names a running one, loopback only),
 runs ``locust --headless`` for the bounded scenario, writes CSV + HTML under loadtest/results/,
-prints the SLO table and exits 1 when an SLO is missed.
+prints the SLO table and exits 1 when an SLO is missed, 2 when locust itself failed.
 """
 
 from __future__ import annotations
@@ -51,9 +52,20 @@ def run_locust(host: str, scenario: str, seconds: float, users: int, results: Pa
         "--stop-timeout",
         "5",
     ]
+    stats = Path(f"{prefix}_stats.csv")
+    stats.unlink(missing_ok=True)  # a stale file from an earlier run must not pass for this one
     # The shape stops the run; the timeout only guards against a hung locust.
-    subprocess.run(command, env=env, check=False, timeout=seconds + 60)
-    return Path(f"{prefix}_stats.csv")
+    try:
+        done = subprocess.run(command, env=env, check=False, timeout=seconds + 60)
+    except subprocess.TimeoutExpired:
+        raise LocustError(f"locust did not stop within {seconds + 60:.0f} s") from None
+    if done.returncode not in (0, 1):  # 1: locust's own "there were failures", judged by the SLOs
+        raise LocustError(f"locust exited with status {done.returncode}")
+    return stats
+
+
+class LocustError(RuntimeError):
+    """locust itself failed (crash, hang): no verdict on the SLOs, exit status 2."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("load tests target 127.0.0.1 / localhost only")
     try:
         stats = run_locust(host, args.scenario, args.seconds, args.users, args.results, args.ab_keys)
+    except LocustError as exc:
+        print(f"load test aborted: {exc}", file=sys.stderr)
+        return 2
     finally:
         if server:
             stop_server(server)

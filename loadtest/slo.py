@@ -16,7 +16,7 @@ from pathlib import Path
 class Slo:
     p99_ms: float = 250.0
     max_failure_ratio: float = 0.01
-    min_rps: float = 1.0
+    min_rps: float = 20.0
 
 
 def read_stats(path: Path) -> list[dict]:

@@ -89,7 +89,7 @@ def test_no_requests_is_a_miss(tmp_path):
 @pytest.mark.slow
 def test_headless_run_meets_a_lenient_slo_and_misses_an_impossible_one(tiny_rae_bundle, tmp_path, capsys):
     common = ["--bundle", str(tiny_rae_bundle), "--seconds", "8", "--users", "2", "--results", str(tmp_path)]
-    assert run_main([*common, "--p99-ms", "5000", "--max-failure-ratio", "0.0"]) == 0
+    assert run_main([*common, "--p99-ms", "5000", "--max-failure-ratio", "0.0", "--min-rps", "1"]) == 0
     out = capsys.readouterr().out
     assert "SLO MET" in out and "/predict single" in out and (tmp_path / "steady.html").exists()
     assert run_main([*common, "--scenario", "spike", "--p99-ms", "0.001"]) == 1
