@@ -53,7 +53,14 @@ def create_app() -> FastAPI:
         keys, distances = bundle.index.knn_query(vector, k=rae.top_b if rae else query.k)
         if rae:
             scores = aggregate(
-                keys.astype(np.int64), 1 - distances, bundle.values, bundle.num_train_keys, rae.tau, rae.top_b, [()]
+                keys.astype(np.int64),
+                1 - distances,
+                bundle.values,
+                bundle.num_train_keys,
+                rae.tau,
+                rae.top_b,
+                [()],
+                rae.mode,
             )
             ids, values = top_k_of_row(scores, 0, query.k)
         else:

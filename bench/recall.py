@@ -24,7 +24,8 @@ def exact_top_k(bundle: Bundle, vectors: np.ndarray, k: int, keys: np.ndarray | 
     top_sims = np.take_along_axis(sims, top, axis=1)
     if rae is None:
         return [set(row.tolist()) for row in top]
-    scores = aggregate(top, top_sims, bundle.values, bundle.num_train_keys, rae.tau, rae.top_b, [()] * len(vectors))
+    excluded = [()] * len(vectors)
+    scores = aggregate(top, top_sims, bundle.values, bundle.num_train_keys, rae.tau, rae.top_b, excluded, rae.mode)
     return [set(top_k_of_row(scores, i, k)[0].tolist()) for i in range(len(vectors))]
 
 

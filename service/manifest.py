@@ -43,7 +43,7 @@ class SourceInfo(_Strict):
 
     encoder: str = Field(description="encoder name or checkpoint path")
     architecture: str = Field(description="HF model_type, e.g. bert or distilbert")
-    head: str = Field(description="how the serving head was made: pca | trained")
+    head: str = Field(description="how the serving head was made: pca | unidec | unidec[<blocks>] | trained")
     training_run: str | None = None
     git_sha: str | None = None
     data: str | None = Field(None, description="dataset the memory / labels came from")
@@ -67,6 +67,11 @@ class RaeParams(_Strict):
     lam: float = Field(ge=0.0, le=1.0, description="λ: weight of the training-instance memory")
     tau: float = Field(gt=0.0, description="τ: softmax temperature")
     top_b: int = Field(gt=0, description="b: number of keys retrieved per query")
+    mode: Literal["joint", "split"] = Field(
+        "joint",
+        description="joint: one softmax over all top-b keys (RAE-XMC eq. 7); split: one over the instance "
+        "keys and one over the label keys, so λ is exactly the instance memory's share",
+    )
 
 
 class Counts(_Strict):

@@ -6,6 +6,13 @@ Given the top-b keys of the knowledge memory K = [X_trn ; Z_labels] for each que
 
 computed as one sparse product for the whole batch. Keys whose label the caller excluded are
 removed *before* the softmax, so a same-item key cannot take the probability mass.
+
+Two weightings of the retrieved keys (the bundle's ``rae.mode``):
+
+* ``joint`` (RAE-XMC eq. 7): one softmax over all top-b keys, instances and labels together;
+* ``split``: one softmax over the retrieved instance keys and one over the retrieved label
+  keys, so p̂ = λ·softmax(q·X_b/τ)·Y + (1−λ)·softmax(q·Z_b/τ): λ is then the exact share of
+  the mass the instance memory gets, however many of the top-b keys are instances.
 """
 
 from __future__ import annotations
@@ -21,6 +28,20 @@ def softmax(similarities: np.ndarray, tau: float) -> np.ndarray:
     z -= z.max()
     w = np.exp(z)
     return w / w.sum()
+
+
+RAE_MODES = ("joint", "split")
+
+
+def key_weights(keys: np.ndarray, sims: np.ndarray, num_train: int, tau: float, mode: str) -> np.ndarray:
+    """Aggregation weights of one query's retrieved keys (see the module docstring)."""
+    if mode == "joint":
+        return softmax(sims, tau)
+    weights = np.zeros(len(keys), dtype=np.float64)
+    for side in (keys < num_train, keys >= num_train):
+        if side.any():
+            weights[side] = softmax(sims[side], tau)
+    return weights
 
 
 def build_values(Y_train: sp.csr_matrix, lam: float) -> sp.csr_matrix:
@@ -51,6 +72,7 @@ def aggregate(
     tau: float,
     top_b: int,
     excluded: Sequence[Collection[int]],
+    mode: str = "joint",
 ) -> sp.csr_matrix:
     """Label scores for a batch: ``keys``/``sims`` are ``nq x m`` (m ≥ top_b) best-first.
 
@@ -66,7 +88,7 @@ def aggregate(
             valid = keys[i] >= 0
             kept_keys, kept_sims = keys[i][valid][:top_b], sims[i][valid][:top_b]
         rows_keys.append(kept_keys)
-        rows_weights.append(softmax(kept_sims, tau) if kept_keys.size else np.zeros(0))
+        rows_weights.append(key_weights(kept_keys, kept_sims, num_train, tau, mode) if kept_keys.size else np.zeros(0))
     indptr = np.concatenate([[0], np.cumsum([k.size for k in rows_keys])])
     W = sp.csr_matrix(
         (np.concatenate(rows_weights).astype(np.float32), np.concatenate(rows_keys), indptr),

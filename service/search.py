@@ -110,6 +110,8 @@ class Predictor:
         t0 = time.perf_counter()
         keys, sims = self.knn(vectors, rae.top_b + max(len(e) for e in exclude), ef)
         t1 = time.perf_counter()
-        scores = aggregate(keys, sims, self.bundle.values, self.bundle.num_train_keys, rae.tau, rae.top_b, exclude)
+        scores = aggregate(
+            keys, sims, self.bundle.values, self.bundle.num_train_keys, rae.tau, rae.top_b, exclude, rae.mode
+        )
         rankings = [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
         return Prediction(rankings, StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1))

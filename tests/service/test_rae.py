@@ -68,3 +68,18 @@ def test_top_k_of_row_orders_by_score_then_id():
 def test_softmax_is_stable_for_sharp_temperatures():
     w = softmax(np.array([1.0, 0.99, -1.0]), 0.001)
     assert np.isfinite(w).all() and w.sum() == pytest.approx(1.0)
+
+
+def test_split_mode_gives_the_instance_memory_exactly_lambda_of_the_mass():
+    keys = np.array([[2, 0, 4, 1]])  # label 0, instance 0, label 2, instance 1
+    sims = np.array([[0.9, 0.8, 0.5, 0.1]], dtype=np.float32)
+    lam = 0.7
+    scores = aggregate(keys, sims, build_values(Y_TRAIN, lam), 2, TAU, 4, [()], mode="split").toarray()[0]
+    inst = softmax(np.array([0.8, 0.1]), TAU)  # instances 0, 1
+    labels = softmax(np.array([0.9, 0.5]), TAU)  # label keys 0, 2
+    expected = lam * (inst @ Y_TRAIN.toarray()) + (1 - lam) * np.array([labels[0], 0.0, labels[1]])
+    np.testing.assert_allclose(scores, expected, rtol=1e-5)
+    assert scores.sum() == pytest.approx(lam * (inst @ Y_TRAIN.toarray()).sum() + (1 - lam))
+    # with only label keys retrieved, split mode is the label softmax alone
+    only_labels = aggregate(keys[:, [0, 2]], sims[:, [0, 2]], build_values(Y_TRAIN, lam), 2, TAU, 4, [()], "split")
+    np.testing.assert_allclose(only_labels.toarray()[0], (1 - lam) * np.array([labels[0], 0, labels[1]]), rtol=1e-5)
