@@ -15,7 +15,8 @@ BUNDLE ?= bundles/default
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve bundle test lint evaluate sample clean bench-serving bench-ann bench-ab loadtest
+.PHONY: install serve bundle test lint evaluate sample clean bench-serving bench-ann bench-ab loadtest \
+	train train-smoke bench-quality peers-venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -66,5 +67,31 @@ test: $(STAMP)
 sample:
 	$(PYTHON) data/make_sample.py --src ../shared/data/debian-related --out $(DATA)
 
+# The classical peers (PECOS XR-Linear, Omikuji Bonsai/Parabel) get their own environment:
+# libpecos pins numpy < 2 and scipy < 1.14. --no-deps keeps its unused torch/transformers
+# requirements (a CUDA torch download) out; XR-Linear needs only numpy, scipy and scikit-learn.
+PEERS_VENV ?= .venv-peers
+$(PEERS_VENV)/.installed:
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install --quiet --disable-pip-version-check "numpy<2" "scipy<1.14" scikit-learn omikuji
+	$(PEERS_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps libpecos==1.2.8
+	touch $@
+
+peers-venv: $(PEERS_VENV)/.installed
+
+# UniDEC training on the full Debian-Related split (CPU: frozen lower layers, cached), and the
+# two-minute smoke configuration the tests use.
+TRAIN_CONFIG ?= training/configs/debian-unidec.yaml
+train: $(STAMP)
+	$(PY) -m training.train --config $(TRAIN_CONFIG)
+
+train-smoke: $(STAMP)
+	$(PY) -m training.train --config training/configs/smoke.yaml
+
+# Dev-split quality of the peers and of xmcserve's bundles -> bench/results/quality-debian-dev.*
+bench-quality: $(STAMP) $(PEERS_VENV)/.installed
+	$(MAKE) EXTRAS=train,dev,bench install
+	$(PY) -m bench.quality --peers-python $(PEERS_VENV)/bin/python
+
 clean:
-	rm -rf $(VENV) bundles .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS_VENV) bundles runs .pytest_cache .ruff_cache

@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import subprocess
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,9 +59,10 @@ from service.manifest import (
     sha256_file,
     utc_now,
 )
-from service.rae import build_values
+from service.rae import RAE_MODES, build_values
 from training.checkpoint import default_encoder_dir, fit_pca_head, load_checkpoint, uses_sentence_normalize
 from training.data import LabelSpace, XMCDataset, load_jsonl_split
+from training.params import parse_bool
 
 log = logging.getLogger("xmcserve.export")
 
@@ -79,6 +82,8 @@ class ExportParams:
         rae_lambda: λ in V = [λY ; (1−λ)I] (RAE-XMC §3.3; 0.5 in the paper).
         rae_tau: softmax temperature τ (0.04 in the paper for unit vectors).
         rae_top_b: keys retrieved per query, b (200 in the paper).
+        rae_mode: ``joint`` (one softmax over all top-b keys, the paper) or ``split`` (instance
+            and label keys normalised separately; see :mod:`service.rae`).
         batch_size: least texts per encoding block (each block is length-sorted and chunked).
         parity_texts: random texts in the ONNX-vs-torch parity check.
         parity_tolerance: largest allowed max |onnx − torch|.
@@ -89,6 +94,8 @@ class ExportParams:
             it on the parity texts is recorded and must reach ``int8_min_cosine``).
         int8_min_cosine: refuse an int8 graph whose outputs drift further than this.
         max_train: use only the first N training instances as memory (0 = all).
+        head_blocks: ``all``, or a comma list of the trained head's block names to serve
+            (``g1_de`` = the DE half only, ``g2_clf`` = the classifier half only).
         build_threads: HNSW insertion threads. 1 (default) makes the index, and so the bundle id,
             reproducible from the same inputs; 0 uses every core (faster, order-dependent graph).
         seed: seed for the random parity texts and HNSW construction.
@@ -103,6 +110,7 @@ class ExportParams:
     rae_lambda: float = 0.5
     rae_tau: float = 0.04
     rae_top_b: int = 200
+    rae_mode: str = "joint"
     batch_size: int = 128
     optimize: bool = True
     quantize: str = "none"
@@ -110,8 +118,26 @@ class ExportParams:
     parity_texts: int = 64
     parity_tolerance: float = 1e-4
     max_train: int = 0
+    head_blocks: str = "all"
     build_threads: int = 1
     seed: int = 0
+
+
+@contextmanager
+def staged_bundle_dir(out: Path):
+    """A temporary sibling of ``out`` to write a bundle into; on success it replaces ``out`` by a
+    rename, so a reader never sees a half-written bundle; on failure it is removed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a serving container runs as another user
+    try:
+        yield tmp
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def git_sha() -> str | None:
@@ -237,6 +263,8 @@ def build_bundle(
     params = params or ExportParams()
     if params.index_kind not in ("rae_memory", "labels"):
         raise ValueError(f"unknown index kind {params.index_kind!r}")
+    if params.rae_mode not in RAE_MODES:
+        raise ValueError(f"unknown RAE mode {params.rae_mode!r} ({', '.join(RAE_MODES)})")
     if params.index_kind == "rae_memory" and (train is None or len(train) == 0):
         raise ValueError("a rae_memory bundle needs training instances")
     if out.exists() and not force:
@@ -255,13 +283,12 @@ def build_bundle(
     pooled_train, pooled_labels = pooled[: len(train_texts)], pooled[len(train_texts) :]
 
     head = ckpt.head or fit_pca_head(pooled, params.dim, uses_sentence_normalize(ckpt.encoder_dir))
+    if params.head_blocks != "all":
+        head = head.select([name.strip() for name in params.head_blocks.split(",")])
     label_keys = head.label_vectors(pooled_labels)
     keys = np.concatenate([head.query_vectors(pooled_train), label_keys]) if len(train_texts) else label_keys
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; a serving container runs as another user
-    try:
+    with staged_bundle_dir(out) as tmp:
         serving = ServingEncoder(encoder, head).eval()
         parity_set = random_texts(tokenizer, params.parity_texts, params.seed) + labels.texts[:16]
         graph = export_checked_graph(serving, tokenizer, encoder.config, tmp, parity_set, params)
@@ -274,15 +301,20 @@ def build_bundle(
         rae = None
         if params.index_kind == "rae_memory":
             sp.save_npz(tmp / VALUES_FILE, build_values(train.Y, params.rae_lambda), compressed=True)
-            rae = RaeParams(lam=params.rae_lambda, tau=params.rae_tau, top_b=params.rae_top_b)
+            rae = RaeParams(lam=params.rae_lambda, tau=params.rae_tau, top_b=params.rae_top_b, mode=params.rae_mode)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
         manifest = Manifest(
-            bundle_id=bundle_id_from(files, prefix=f"{params.index_kind.replace('_', '-')}-{head.dim}d"),
+            # τ and b live only in the manifest: they are part of what the bundle serves, so of its id
+            bundle_id=bundle_id_from(
+                files | ({"rae": rae.model_dump_json()} if rae else {}),
+                prefix=f"{params.index_kind.replace('_', '-')}-{head.dim}d",
+            ),
             created_at=utc_now(),
             source=SourceInfo(
                 encoder=ckpt.name,
                 architecture=encoder.config.model_type,
                 head=head.kind,
+                training_run=str(checkpoint) if ckpt.head is not None else None,
                 git_sha=git_sha(),
                 data=data_name,
             ),
@@ -302,13 +334,65 @@ def build_bundle(
             files=files,
         )
         (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("bundle %s written to %s in %.1fs", manifest.bundle_id, out, time.perf_counter() - started)
+    return manifest
+
+
+def derive_rae_bundle(
+    source: Path,
+    out: Path,
+    train_Y: sp.csr_matrix,
+    lam: float | None = None,
+    tau: float | None = None,
+    top_b: int | None = None,
+    mode: str | None = None,
+    force: bool = False,
+) -> Manifest:
+    """An ``rae_memory`` bundle that differs from ``source`` only in its RAE parameters (λ, τ, b, mode).
+
+    The encoder and index are unchanged, so they are hard-linked (bundles are immutable), only
+    ``values.npz`` (when λ changes) and the manifest are new. This is what a λ sweep serves.
+    """
+    src = Manifest.model_validate_json((source / MANIFEST_FILE).read_text())
+    if src.index_kind != "rae_memory" or src.rae is None:
+        raise ValueError(f"{source}: not an rae_memory bundle")
+    if train_Y.shape != (src.counts.train_instances, src.counts.labels):
+        raise ValueError(f"label matrix {train_Y.shape} does not match the bundle's memory")
+    if out.exists() and not force:
+        raise FileExistsError(f"{out} exists; bundles are immutable (pass force=True to replace)")
+    rae = RaeParams(
+        lam=src.rae.lam if lam is None else lam,
+        tau=src.rae.tau if tau is None else tau,
+        top_b=src.rae.top_b if top_b is None else top_b,
+        mode=src.rae.mode if mode is None else mode,
+    )
+    with staged_bundle_dir(out) as tmp:
+        for name in src.files:
+            if name == VALUES_FILE and rae.lam != src.rae.lam:
+                sp.save_npz(tmp / VALUES_FILE, build_values(train_Y, rae.lam), compressed=True)
+                continue
+            try:
+                os.link(source / name, tmp / name)
+            except OSError:
+                shutil.copy2(source / name, tmp / name)
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
+        manifest = src.model_copy(
+            update={
+                "bundle_id": bundle_id_from(files | {"rae": rae.model_dump_json()}, prefix=f"rae-memory-{src.dim}d"),
+                "created_at": utc_now(),
+                "rae": rae,
+                "params": {
+                    **src.params,
+                    "rae_lambda": rae.lam,
+                    "rae_tau": rae.tau,
+                    "rae_top_b": rae.top_b,
+                    "rae_mode": rae.mode,
+                    "derived_from": src.bundle_id,
+                },
+                "files": files,
+            }
+        )
+        (tmp / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
     return manifest
 
 
@@ -321,7 +405,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force", action="store_true", help="replace an existing bundle")
     defaults = ExportParams()
     for name, value in asdict(defaults).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+        kind = parse_bool if isinstance(value, bool) else type(value)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     params = ExportParams(**{name: getattr(args, name) for name in asdict(defaults)})

@@ -66,6 +66,24 @@ class ServingHead:
         (the range RAE's temperature τ assumes) and equal the mean of the blocks' cosines."""
         return float(1.0 / np.sqrt(len(self.blocks)))
 
+    def select(self, names: list[str]) -> ServingHead:
+        """The head restricted to the named blocks (e.g. only the DE block ``g1_de``): serves
+        one half of a UniDEC model on its own."""
+        known = [b.name for b in self.blocks]
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise ValueError(f"head blocks {names} not in {known}")
+        keep = [i for i, b in enumerate(self.blocks) if b.name in names]
+        table_block = keep.index(self.label_table_block) if self.label_table_block in keep else None
+        return ServingHead(
+            blocks=[self.blocks[i] for i in keep],
+            pre_normalize=self.pre_normalize,
+            label_table=self.label_table if table_block is not None else None,
+            label_table_block=table_block,
+            kind=f"{self.kind}[{'+'.join(names)}]",
+            extra=self.extra,
+        )
+
     def _prepare(self, pooled: np.ndarray) -> np.ndarray:
         pooled = pooled.astype(np.float32)
         return l2_normalize(pooled) if self.pre_normalize else pooled

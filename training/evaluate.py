@@ -36,9 +36,18 @@ def label_id_map(bundle: Bundle, dataset: XMCDataset) -> np.ndarray:
 
 
 def rank_split(
-    predictor: Predictor, dataset: XMCDataset, k: int, ef: int | None, batch_size: int = 64
+    predictor: Predictor,
+    dataset: XMCDataset,
+    k: int,
+    ef: int | None,
+    batch_size: int = 64,
+    vectors: np.ndarray | None = None,
 ) -> tuple[np.ndarray, float]:
-    """Ranked dataset label ids (``n x k``, −1 padded) and the wall seconds spent predicting."""
+    """Ranked dataset label ids (``n x k``, −1 padded) and the wall seconds spent predicting.
+
+    ``vectors``: the split's query vectors, already encoded by this bundle's encoder (a λ sweep
+    over bundles that share one encoder encodes once); the search path is the same.
+    """
     to_bundle = label_id_map(predictor.bundle, dataset)
     to_dataset = np.full(len(predictor.bundle.label_uids), -1, dtype=np.int64)
     to_dataset[to_bundle[to_bundle >= 0]] = np.flatnonzero(to_bundle >= 0)
@@ -48,7 +57,10 @@ def rank_split(
     for start in range(0, len(dataset), batch_size):
         rows = range(start, min(start + batch_size, len(dataset)))
         exclude = [{int(to_bundle[lab]) for lab in filters[r] if to_bundle[lab] >= 0} for r in rows]
-        prediction = predictor.predict([dataset.texts[r] for r in rows], k, ef, exclude)
+        if vectors is None:
+            prediction = predictor.predict([dataset.texts[r] for r in rows], k, ef, exclude)
+        else:
+            prediction = predictor.search(vectors[rows.start : rows.stop], k, ef, exclude)
         for r, ranking in zip(rows, prediction.rankings, strict=True):
             ranked[r, : len(ranking.ids)] = to_dataset[ranking.ids]
     return ranked, time.perf_counter() - started
@@ -62,9 +74,10 @@ def evaluate_bundle(
     ef: int | None = None,
     propensity: str = "default",
     segments: Segments | None = None,
+    vectors: np.ndarray | None = None,
 ) -> dict:
     predictor = Predictor(bundle)
-    ranked, seconds = rank_split(predictor, dataset, k, ef)
+    ranked, seconds = rank_split(predictor, dataset, k, ef, vectors=vectors)
     metrics = compute_all(
         ranked,
         dataset.Y,

@@ -122,3 +122,60 @@ def test_random_texts_vary_in_length_and_hit_truncation(distilbert_dir):
     tokenizer = load_fast_tokenizer(distilbert_dir, 32)
     lengths = {len(tokenizer.encode(t).ids) for t in random_texts(tokenizer, 64)}
     assert min(lengths) <= 5 and max(lengths) == 32
+
+
+def test_one_half_of_a_trained_head_can_be_served_alone(distilbert_dir, small_labels, tmp_path):
+    rng = np.random.default_rng(1)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(distilbert_dir, ckpt / "encoder")
+    psi = rng.normal(size=(len(small_labels), 8)).astype(np.float32)
+    ServingHead(
+        blocks=[
+            HeadBlock("g1_de", rng.normal(size=(8, 32)).astype(np.float32), np.zeros(8, np.float32)),
+            HeadBlock("g2_clf", rng.normal(size=(8, 32)).astype(np.float32), np.zeros(8, np.float32)),
+        ],
+        label_table=psi,
+        label_table_block=1,
+        kind="unidec",
+    ).save(ckpt)
+    params = ExportParams(index_kind="labels", head_blocks="g2_clf")
+    manifest = build_bundle(tmp_path / "clf", small_labels, None, ckpt, params)
+    assert manifest.dim == 8 and manifest.source.head == "unidec[g2_clf]"
+    stored = np.asarray(load_bundle(tmp_path / "clf").index.get_items([0, 1]))
+    np.testing.assert_allclose(stored, psi[:2] / np.linalg.norm(psi[:2], axis=1, keepdims=True), atol=1e-5)
+    with pytest.raises(ValueError, match="head blocks"):
+        build_bundle(tmp_path / "bad", small_labels, None, ckpt, ExportParams(index_kind="labels", head_blocks="g3"))
+
+
+def test_derived_rae_bundle_changes_only_the_rae_parameters(tiny_rae_bundle, sample_dir, tmp_path):
+    import scipy.sparse as sp
+
+    from export.build import derive_rae_bundle
+
+    train = load_jsonl_split(sample_dir, "trn").subset(np.arange(300))
+    source = load_bundle(tiny_rae_bundle)
+    derived_manifest = derive_rae_bundle(tiny_rae_bundle, tmp_path / "d", train.Y, lam=0.8, tau=0.1)
+    derived = load_bundle(tmp_path / "d")  # checksums verified
+    assert derived.manifest.rae.lam == 0.8 and derived.manifest.rae.tau == 0.1
+    assert derived.manifest.rae.top_b == source.manifest.rae.top_b
+    assert derived_manifest.bundle_id != source.bundle_id
+    assert derived.manifest.files["encoder.onnx"] == source.manifest.files["encoder.onnx"]
+    expected = sp.vstack([0.8 * (train.Y > 0), 0.2 * sp.identity(train.num_labels)]).toarray()
+    np.testing.assert_allclose(derived.values.toarray(), expected, atol=1e-6)
+    # only τ changes: same files, still a different bundle (τ is part of what it serves)
+    only_tau = derive_rae_bundle(tiny_rae_bundle, tmp_path / "t", train.Y, tau=0.2)
+    assert only_tau.files == source.manifest.files and only_tau.bundle_id != source.bundle_id
+    with pytest.raises(ValueError, match="does not match"):
+        derive_rae_bundle(tiny_rae_bundle, tmp_path / "x", train.Y[:10], lam=0.3)
+    with pytest.raises(FileExistsError):
+        derive_rae_bundle(tiny_rae_bundle, tmp_path / "d", train.Y, lam=0.3)
+
+
+def test_boolean_flags_parse_false():
+    from export.build import main
+    from training.params import parse_bool
+
+    assert parse_bool("False") is False and parse_bool("true") is True
+
+    with pytest.raises(SystemExit):
+        main(["--data", "x", "--out", "y", "--optimize", "maybe"])

@@ -1,0 +1,36 @@
+import pytest
+
+from training.params import TrainParams, load_params
+
+
+def test_defaults_config_and_overrides(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("epochs: 3\nlr_heads: 1\nclf_normalize: true\n")
+    params = load_params(config, ["batch_size=64", "loss=infonce", "de_temperature=0.1", "clf_normalize=false"])
+    assert params.epochs == 3 and params.lr_heads == 1.0 and isinstance(params.lr_heads, float)
+    assert params.batch_size == 64 and params.loss == "infonce" and params.de_temperature == 0.1
+    assert params.clf_normalize is False
+    assert load_params().to_dict() == TrainParams().to_dict()
+    params.save(tmp_path / "saved.yaml")
+    assert load_params(tmp_path / "saved.yaml") == params
+
+
+def test_bad_parameters_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown parameter"):
+        load_params(None, ["epoch=3"])
+    with pytest.raises(ValueError, match="key=value"):
+        load_params(None, ["epochs"])
+    with pytest.raises(ValueError, match="expected int"):
+        (tmp_path / "c.yaml").write_text("epochs: many\n")
+        load_params(tmp_path / "c.yaml")
+    with pytest.raises(ValueError, match="boolean"):
+        load_params(None, ["clf_normalize=maybe"])
+
+
+def test_choices_are_checked():
+    with pytest.raises(ValueError, match="loss"):
+        load_params(None, ["loss=hinge"])
+    with pytest.raises(ValueError, match="mine_with"):
+        load_params(None, ["mine_with=tfidf"])
+    with pytest.raises(ValueError, match="batch_size"):
+        load_params(None, ["batch_size=0"])

@@ -1,0 +1,35 @@
+"""InfoNCE (van den Oord et al. 2018; DPR's in-batch loss): one positive per query."""
+
+from __future__ import annotations
+
+import torch
+
+from training.losses._masking import masked_logsumexp
+
+
+class InfoNCELoss(torch.nn.Module):
+    """Softmax cross-entropy with a single positive per query:
+
+        ℓ(x) = −log  e^{s(x,p₁)} / Σ_{l∈L_B} e^{s(x,l)}
+
+    ``p₁`` is the query's first in-pool positive (the batcher puts a sampled positive first);
+    the query's other positives count as negatives, as in the single-label reduction that
+    UniDEC's PSL replaces. Kept as the baseline of the loss ablation.
+
+    Args (forward):
+        scores: [Q, P] logits.
+        positives: [Q, P] bool.
+        ignore: [Q, P] bool, entries left out of the denominator.
+    Returns:
+        the mean of ℓ over the queries that have an in-pool positive.
+    """
+
+    def forward(self, scores: torch.Tensor, positives: torch.Tensor, ignore: torch.Tensor) -> torch.Tensor:
+        scores = scores.float()
+        rows = positives.any(dim=1)
+        if not rows.any():
+            return scores.sum() * 0.0
+        first = positives.float().argmax(dim=1)
+        target = scores.gather(1, first.unsqueeze(1)).squeeze(1)
+        lse = masked_logsumexp(scores, ~ignore)
+        return (lse - target)[rows].mean()
