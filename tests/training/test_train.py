@@ -88,9 +88,11 @@ def test_exported_bundle_serves_the_trained_vectors(smoke_run):
     build_bundle(out, trainer.train.labels, None, tmp / "epoch2", ExportParams(index_kind="labels"))
     bundle = load_bundle(out)
     assert bundle.manifest.source.head == "unidec" and bundle.manifest.dim == 64
-    # The ONNX graph computes [N(g1(Φ(x))) ⊕ N(g2(Φ(x)))]/√2 as training does. Short texts only:
-    # training truncates at 32 tokens, the bundle at 128.
-    texts = [t for t in trainer.dev.texts if len(t.split()) < 12][:16]
+    # The ONNX graph computes [N(g1(Φ(x))) ⊕ N(g2(Φ(x)))]/√2 as training does. Only texts that
+    # training does not truncate (at params.max_length tokens; the bundle truncates at 128).
+    encoded = trainer.tokenizer.encode_batch(trainer.dev.texts[:200])
+    texts = [t for t, e in zip(trainer.dev.texts, encoded) if sum(e.attention_mask) < params.max_length][:16]
+    assert len(texts) == 16
     served, _ = bundle.encoder.encode(texts)
     de, clf = trainer.serving_parts(TextSide(texts, None))
     np.testing.assert_allclose(served, np.concatenate([de, clf], axis=1) / np.sqrt(2), atol=2e-4)

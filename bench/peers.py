@@ -1,0 +1,164 @@
+"""The classical XMC peers on the same split, filter file and metrics as xmcserve.
+
+    .venv-peers/bin/python -m bench.peers --data ../shared/data/debian-related --out peers.json
+
+Runs in its own environment (``make peers-venv``): libpecos pins numpy < 2 and scipy < 1.14,
+which the serving/training environment does not. Systems:
+
+* ``pecos-xr-linear``: PECOS XR-Linear (PIFA label embeddings, hierarchical k-means with 16
+  splits, beam 50) on PECOS's own TF-IDF vectorizer of 1–2-grams (the issue's reference setup);
+* ``pecos-xr-linear-sklearn-tfidf``: the same model on the scikit-learn features below, which
+  suit these short package titles much better (about +9 P@1);
+* ``omikuji-bonsai``: Omikuji with unbalanced clustering, cluster_k 100, depth 3 (Bonsai);
+* ``omikuji-parabel``: Omikuji's defaults (balanced 2-means trees, Parabel).
+
+The others use scikit-learn TF-IDF of word 1–2-grams (min_df 2, sublinear tf) fitted on the
+training texts. Each model ranks ``k`` + (the largest filter list) labels, the split's filter pairs are
+removed, the top ``k`` kept, and the metrics come from :mod:`training.metrics`, as for xmcserve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+from sklearn.feature_extraction.text import TfidfVectorizer
+
+from training.data import XMCDataset, label_frequencies, load_jsonl_split
+from training.metrics import compute_all
+
+HEADLINE = ("P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@5", "R@10", "R@100")
+
+
+def sklearn_tfidf(train: XMCDataset, dev: XMCDataset) -> tuple[sp.csr_matrix, sp.csr_matrix]:
+    vectorizer = TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True, dtype=np.float32)
+    return vectorizer.fit_transform(train.texts).tocsr(), vectorizer.transform(dev.texts).tocsr()
+
+
+def pecos_tfidf(train: XMCDataset, dev: XMCDataset) -> tuple[sp.csr_matrix, sp.csr_matrix]:
+    from pecos.utils.featurization.text.vectorizers import Vectorizer
+
+    vectorizer = Vectorizer.train(train.texts, {"type": "tfidf", "kwargs": {"ngram_range": [1, 2]}})
+    return (
+        vectorizer.predict(train.texts).tocsr().astype(np.float32),
+        vectorizer.predict(dev.texts).tocsr().astype(np.float32),
+    )
+
+
+def filtered_ranking(candidates: list[list[int]], exclude: list[set[int]], k: int) -> np.ndarray:
+    ranked = np.full((len(candidates), k), -1, dtype=np.int64)
+    for i, row in enumerate(candidates):
+        kept = [lab for lab in row if lab not in exclude[i]][:k]
+        ranked[i, : len(kept)] = kept
+    return ranked
+
+
+def pecos_xr_linear(X, Y, Xt, depth: int, threads: int) -> list[list[int]]:
+    from pecos.xmc import Indexer, LabelEmbeddingFactory
+    from pecos.xmc.xlinear.model import XLinearModel
+
+    label_features = LabelEmbeddingFactory.create(Y, X, method="pifa")
+    chain = Indexer.gen(label_features, indexer_type="hierarchicalkmeans", nr_splits=16, threads=threads)
+    model = XLinearModel.train(X, Y, C=chain, threads=threads)
+    scores = model.predict(Xt, beam_size=50, only_topk=depth, threads=threads).tocsr()
+    return [_row_ranking(scores, i) for i in range(scores.shape[0])]
+
+
+def _row_ranking(scores: sp.csr_matrix, i: int) -> list[int]:
+    start, end = scores.indptr[i], scores.indptr[i + 1]
+    order = np.argsort(-scores.data[start:end], kind="stable")
+    return scores.indices[start:end][order].tolist()
+
+
+def write_omikuji_data(X: sp.csr_matrix, Y: sp.csr_matrix, path: Path) -> None:
+    """Omikuji's text format; rows with no feature left after ``min_df`` are skipped (its reader
+    refuses them, and a linear model learns nothing from them)."""
+    rows = np.flatnonzero(np.diff(X.indptr) > 0)
+    with open(path, "w") as fh:
+        fh.write(f"{len(rows)} {X.shape[1]} {Y.shape[1]}\n")
+        for i in rows:
+            labels = ",".join(str(j) for j in Y.indices[Y.indptr[i] : Y.indptr[i + 1]])
+            cols, vals = X.indices[X.indptr[i] : X.indptr[i + 1]], X.data[X.indptr[i] : X.indptr[i + 1]]
+            fh.write(labels + " " + " ".join(f"{c}:{v:.6f}" for c, v in zip(cols, vals, strict=True)) + "\n")
+
+
+def omikuji_model(X, Y, Xt, depth: int, threads: int, bonsai: bool) -> list[list[int]]:
+    import omikuji
+
+    hyper = omikuji.Model.default_hyper_param()
+    if bonsai:
+        hyper.cluster_balanced = False
+        hyper.cluster_k = 100
+        hyper.max_depth = 3
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "train.txt"
+        write_omikuji_data(X, Y, path)
+        model = omikuji.Model.train_on_data(str(path), hyper, threads)
+    out = []
+    for i in range(Xt.shape[0]):
+        start, end = Xt.indptr[i], Xt.indptr[i + 1]
+        pairs = list(zip(Xt.indices[start:end].tolist(), Xt.data[start:end].tolist(), strict=True))
+        out.append([label for label, _ in model.predict(pairs, beam_size=10, top_k=depth)])
+    return out
+
+
+# name -> (featurizer, model, featurization note)
+SYSTEMS = {
+    "pecos-xr-linear": (pecos_tfidf, pecos_xr_linear, "PECOS Tfidf vectorizer, 1-2-grams"),
+    "pecos-xr-linear-sklearn-tfidf": (sklearn_tfidf, pecos_xr_linear, "sklearn TF-IDF 1-2-grams, min_df 2, sublinear"),
+    "omikuji-bonsai": (
+        sklearn_tfidf,
+        lambda X, Y, Xt, depth, threads: omikuji_model(X, Y, Xt, depth, threads, bonsai=True),
+        "sklearn TF-IDF 1-2-grams, min_df 2, sublinear",
+    ),
+    "omikuji-parabel": (
+        sklearn_tfidf,
+        lambda X, Y, Xt, depth, threads: omikuji_model(X, Y, Xt, depth, threads, bonsai=False),
+        "sklearn TF-IDF 1-2-grams, min_df 2, sublinear",
+    ),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=Path("../shared/data/debian-related"))
+    parser.add_argument("--split", default="dev")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--k", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    train = load_jsonl_split(args.data, "trn")
+    dev = load_jsonl_split(args.data, args.split, labels=train.labels)
+    exclude = dev.filter_sets()
+    depth = args.k + max((len(e) for e in exclude), default=0)
+    Y = (train.Y > 0).astype(np.float32).tocsr()
+    results = {}
+    for name in args.systems.split(","):
+        started = time.perf_counter()
+        featurize, train_and_predict, features = SYSTEMS[name]
+        X, Xt = featurize(train, dev)
+        candidates = train_and_predict(X, Y, Xt, depth, args.threads)
+        seconds = time.perf_counter() - started
+        ranked = filtered_ranking(candidates, exclude, args.k)
+        metrics = compute_all(ranked, dev.Y, label_frequencies(train.Y), len(train), recall_ks=(10, 100))
+        results[name] = {
+            **{m: round(metrics[m], 2) for m in HEADLINE},
+            "train_seconds": round(seconds, 1),
+            "notes": f"{features}; seconds = featurize + fit + predict {len(dev)} texts on {args.threads} "
+            f"threads; {len(dev.filter_pairs)} filter pairs applied",
+        }
+        print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Dev-split quality of xmcserve's bundles beside the classical XMC peers, in one table.
+
+    python -m bench.quality [--data ../shared/data/debian-related] [--run runs/debian-unidec]
+        [--peers-python .venv-peers/bin/python] [--out bench/results/quality-debian-dev.json]
+
+Every xmcserve row is a real bundle evaluated through the service's search path (ONNX encoder,
+HNSW, RAE aggregation; :func:`training.evaluate.evaluate_bundle`) with the dev filter file
+applied; the peers run in their own environment (:mod:`bench.peers`). Rows:
+
+* ``pecos-xr-linear`` (+ ``-sklearn-tfidf``), ``omikuji-bonsai``, ``omikuji-parabel``;
+* ``minilm-zero-shot-de``: pretrained all-MiniLM-L6-v2 + 64-d PCA head, label index;
+* ``minilm-rae``: the same encoder, RAE memory (training instances + labels), λ 0.5;
+* ``xmcserve-unidec-64d``: the trained UniDEC checkpoint, DE⊕CLF label index;
+* ``xmcserve-unidec-de-32d`` / ``xmcserve-unidec-clf-32d``: its halves served alone;
+* ``xmcserve-unidec-rae-64d``: the trained encoder as an RAE memory at the best dev λ of a sweep
+  (each λ is a derived bundle: same encoder and index, new value matrix).
+
+The trained checkpoint comes from ``--run`` (trained first with ``--config`` when it has none);
+its ``train_seconds`` is the run's own measurement (cache building + epochs). Writes the JSON,
+a markdown table and a PNG of P@1 / P@5 / PSP@5 against λ next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from export.build import ExportParams, build_bundle, derive_rae_bundle
+from service.bundle import load_bundle
+from training.checkpoint import ServingHead
+from training.data import load_jsonl_split
+from training.evaluate import evaluate_bundle
+
+HEADLINE = ("P@1", "P@5", "PSP@5", "R@100")
+LAMBDAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def bundle_row(path: Path, dev, train, train_seconds: float, notes: str) -> dict:
+    result = evaluate_bundle(load_bundle(path), dev, train, k=100)
+    row = {name: result["metrics"][name] for name in HEADLINE}
+    return {
+        **row,
+        "train_seconds": round(train_seconds, 1),
+        "notes": notes,
+        "bundle_id": result["bundle_id"],
+        "all_metrics": result["metrics"],
+        "queries_per_second": result["queries_per_second"],
+    }
+
+
+def ensure_bundle(out: Path, train, params: ExportParams, checkpoint: Path | None, data: Path) -> float:
+    """Build ``out`` unless it exists; returns the export seconds (0 when it already existed)."""
+    if (out / "manifest.json").is_file():
+        return 0.0
+    started = time.perf_counter()
+    build_bundle(out, train.labels, train, checkpoint, params, data_name=str(data))
+    return time.perf_counter() - started
+
+
+def run_peers(python: Path, data: Path, workdir: Path) -> dict:
+    out = workdir / "peers.json"
+    if not out.is_file():
+        subprocess.run([str(python), "-m", "bench.peers", "--data", str(data), "--out", str(out)], check=True)
+    return json.loads(out.read_text())
+
+
+def ensure_trained(run: Path, config: Path) -> Path:
+    checkpoint = run / "best"
+    if not (checkpoint / "head.json").is_file():
+        subprocess.run(
+            [sys.executable, "-m", "training.train", "--config", str(config), "--set", f"out_dir={run}"], check=True
+        )
+    return checkpoint
+
+
+def lambda_sweep(source: Path, workdir: Path, dev, train, lambdas) -> list[dict]:
+    """Each λ is a derived bundle (same encoder and index, its own value matrix), evaluated
+    through the service's search path; the dev texts are encoded once, by the shared encoder."""
+    vectors, _ = load_bundle(source).encoder.encode(dev.texts)
+    rows = []
+    for lam in lambdas:
+        out = workdir / f"{source.name}-lambda{lam:.1f}"
+        if not (out / "manifest.json").is_file():
+            derive_rae_bundle(source, out, train.Y, lam=lam, force=True)
+        result = evaluate_bundle(load_bundle(out), dev, train, k=100, vectors=vectors)
+        rows.append({"lambda": lam, **{m: result["metrics"][m] for m in HEADLINE}, "bundle_id": result["bundle_id"]})
+        print(f"  λ={lam:.1f} {json.dumps(rows[-1])}", flush=True)
+    return rows
+
+
+def plot_sweep(sweeps: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, metric in zip(axes, ("P@1", "P@5", "PSP@5"), strict=True):
+        for name, rows in sweeps.items():
+            ax.plot([r["lambda"] for r in rows], [r[metric] for r in rows], marker="o", label=name)
+        ax.set_xlabel("λ (weight of the training-instance memory)")
+        ax.set_title(f"{metric}, Debian-Related dev (filtered)")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def markdown_table(systems: dict[str, dict]) -> str:
+    lines = [
+        "| system | P@1 | P@5 | PSP@5 | R@100 | train s | notes |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for name, row in systems.items():
+        values = " | ".join(f"{row[m]:.2f}" for m in HEADLINE)
+        lines.append(f"| {name} | {values} | {row['train_seconds']:.0f} | {row['notes']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=Path("../shared/data/debian-related"))
+    parser.add_argument("--run", type=Path, default=Path("runs/debian-unidec"))
+    parser.add_argument("--config", type=Path, default=Path("training/configs/debian-unidec.yaml"))
+    parser.add_argument("--workdir", type=Path, default=Path("bundles/quality"))
+    parser.add_argument("--peers-python", type=Path, default=Path(".venv-peers/bin/python"))
+    parser.add_argument("--skip-peers", action="store_true")
+    parser.add_argument("--rae-tau", type=float, default=ExportParams.rae_tau, help="τ of the trained RAE memory")
+    parser.add_argument("--rae-top-b", type=int, default=ExportParams.rae_top_b, help="b of the trained RAE memory")
+    parser.add_argument("--rae-mode", default=ExportParams.rae_mode, help="joint | split, for the trained memory")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/quality-debian-dev.json"))
+    args = parser.parse_args(argv)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    train = load_jsonl_split(args.data, "trn")
+    dev = load_jsonl_split(args.data, "dev", labels=train.labels)
+    systems: dict[str, dict] = {}
+    if not args.skip_peers:
+        systems.update(run_peers(args.peers_python, args.data, args.workdir))
+
+    pretrained_de = args.workdir / "minilm-labels-64d"
+    seconds = ensure_bundle(pretrained_de, train, ExportParams(index_kind="labels"), None, args.data)
+    systems["minilm-zero-shot-de"] = bundle_row(
+        pretrained_de, dev, train, 0.0, f"pretrained MiniLM, 64-d PCA head, label index; export {seconds:.0f} s"
+    )
+    pretrained_rae = args.workdir / "minilm-rae-64d"
+    seconds = ensure_bundle(pretrained_rae, train, ExportParams(), None, args.data)
+    systems["minilm-rae"] = bundle_row(
+        pretrained_rae, dev, train, 0.0, f"pretrained MiniLM, 64-d PCA head, RAE λ 0.5; export {seconds:.0f} s"
+    )
+
+    checkpoint = ensure_trained(args.run, args.config)
+    head = ServingHead.load(checkpoint)
+    train_seconds = float(head.extra.get("train_seconds", 0.0))
+    epoch = head.extra.get("epoch")
+    trained = {
+        "xmcserve-unidec-64d": ("all", "labels", "UniDEC DE⊕CLF label index"),
+        "xmcserve-unidec-de-32d": ("g1_de", "labels", "UniDEC DE half only"),
+        "xmcserve-unidec-clf-32d": ("g2_clf", "labels", "UniDEC CLF half only (N(Ψ) index)"),
+    }
+    for name, (blocks, kind, note) in trained.items():
+        out = args.workdir / name
+        ensure_bundle(out, train, ExportParams(index_kind=kind, head_blocks=blocks), checkpoint, args.data)
+        systems[name] = bundle_row(out, dev, train, train_seconds, f"{note}; {args.run.name} epoch {epoch}")
+
+    trained_rae = args.workdir / f"xmcserve-unidec-rae-64d-{args.rae_mode}-tau{args.rae_tau}-b{args.rae_top_b}"
+    rae_params = ExportParams(rae_tau=args.rae_tau, rae_top_b=args.rae_top_b, rae_mode=args.rae_mode)
+    ensure_bundle(trained_rae, train, rae_params, checkpoint, args.data)
+    print("λ sweep, trained encoder", flush=True)
+    sweeps = {"UniDEC (trained)": lambda_sweep(trained_rae, args.workdir, dev, train, LAMBDAS)}
+    print("λ sweep, pretrained encoder", flush=True)
+    sweeps["MiniLM (pretrained)"] = lambda_sweep(pretrained_rae, args.workdir, dev, train, LAMBDAS)
+    best = max(sweeps["UniDEC (trained)"], key=lambda r: (r["P@5"], r["P@1"]))
+    best_bundle = args.workdir / f"{trained_rae.name}-lambda{best['lambda']:.1f}"
+    systems["xmcserve-unidec-rae-64d"] = bundle_row(
+        best_bundle,
+        dev,
+        train,
+        train_seconds,
+        f"UniDEC encoder as RAE memory ({args.rae_mode}), best dev λ {best['lambda']:.1f}, τ {args.rae_tau}, "
+        f"b {args.rae_top_b}",
+    )
+    # the serving-speed option: dynamic int8 weights, its quality cost measured on the same split
+    int8 = args.workdir / f"{trained_rae.name}-int8-lambda{best['lambda']:.1f}"
+    int8_params = ExportParams(
+        quantize="int8",
+        rae_lambda=best["lambda"],
+        rae_tau=args.rae_tau,
+        rae_top_b=args.rae_top_b,
+        rae_mode=args.rae_mode,
+    )
+    ensure_bundle(int8, train, int8_params, checkpoint, args.data)
+    systems["xmcserve-unidec-rae-64d-int8"] = bundle_row(
+        int8, dev, train, train_seconds, "as xmcserve-unidec-rae-64d, int8 dynamic quantization of the encoder"
+    )
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "data": str(args.data),
+        "split": "dev",
+        "k": 100,
+        "filter_pairs_applied": int(len(dev.filter_pairs)),
+        "systems": systems,
+        "rae_lambda_sweep": sweeps,
+    }
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown_table(systems))
+    plot_sweep(sweeps, args.out.with_name("quality-rae-lambda.png"))
+    print(markdown_table(systems))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
