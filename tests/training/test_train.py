@@ -90,8 +90,9 @@ def test_exported_bundle_serves_the_trained_vectors(smoke_run):
     assert bundle.manifest.source.head == "unidec" and bundle.manifest.dim == 64
     # The ONNX graph computes [N(g1(Φ(x))) ⊕ N(g2(Φ(x)))]/√2 as training does. Only texts that
     # training does not truncate (at params.max_length tokens; the bundle truncates at 128).
-    encoded = trainer.tokenizer.encode_batch(trainer.dev.texts[:200])
-    texts = [t for t, e in zip(trainer.dev.texts, encoded) if sum(e.attention_mask) < params.max_length][:16]
+    candidates = list(trainer.dev.texts[:200])
+    encoded = trainer.tokenizer.encode_batch(candidates)
+    texts = [t for t, e in zip(candidates, encoded, strict=True) if sum(e.attention_mask) < params.max_length][:16]
     assert len(texts) == 16
     served, _ = bundle.encoder.encode(texts)
     de, clf = trainer.serving_parts(TextSide(texts, None))
