@@ -110,15 +110,16 @@ def build_cache(
     states = np.zeros((int(offsets[-1]), hidden_size(encoder)), dtype=np.float16)
     was_training = encoder.training
     encoder.eval()
+    device = next(encoder.parameters()).device  # the GPU path computes the cache on the GPU
     for rows in tqdm(length_sorted_batches(lengths, max_tokens), desc=desc, unit="batch", leave=False):
         encoded = tokenizer.encode_batch([texts[r] for r in rows])
-        ids = torch.tensor([e.ids for e in encoded], dtype=torch.long)
-        mask = torch.tensor([e.attention_mask for e in encoded], dtype=torch.long)
+        ids = torch.tensor([e.ids for e in encoded], dtype=torch.long, device=device)
+        mask = torch.tensor([e.attention_mask for e in encoded], dtype=torch.long, device=device)
         out = prefix_states(encoder, ids, mask, frozen_layers)
         if pooled_only:
-            states[offsets[rows]] = mean_pool(out, mask).numpy().astype(np.float16)
+            states[offsets[rows]] = mean_pool(out, mask).float().cpu().numpy().astype(np.float16)
             continue
-        out = out.numpy().astype(np.float16)
+        out = out.float().cpu().numpy().astype(np.float16)
         for j, row in enumerate(rows):
             states[offsets[row] : offsets[row + 1]] = out[j, : lengths[row]]
     encoder.train(was_training)

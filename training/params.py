@@ -13,6 +13,11 @@ from pathlib import Path
 
 import yaml
 
+from training.embedding_eval import HEADLINE
+
+# the systems ranked on dev after every epoch (Trainer.evaluate)
+DEV_SYSTEMS = ("de+clf", "de", "clf", "rae")
+
 
 @dataclass
 class TrainParams:
@@ -127,8 +132,12 @@ class TrainParams:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")
-        if "/" not in self.select_metric:
-            raise ValueError(f"select_metric {self.select_metric!r}: expected <system>/<metric>, e.g. rae/P@5")
+        system, _, metric = self.select_metric.partition("/")
+        if system not in DEV_SYSTEMS or metric not in HEADLINE:
+            raise ValueError(
+                f"select_metric {self.select_metric!r}: expected <system>/<metric> with system one of "
+                f"{', '.join(DEV_SYSTEMS)} and metric one of {', '.join(HEADLINE)}, e.g. rae/P@5"
+            )
         for name in ("batch_size", "epochs", "de_dim", "clf_dim", "max_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")

@@ -144,7 +144,7 @@ class Trainer:
         if not 0 <= params.frozen_layers <= depth:
             raise ValueError(f"frozen_layers must be in [0, {depth}] for this encoder")
         self.encoder_params = freeze_prefix(encoder, params.frozen_layers)
-        self._build_caches(encoder)
+        self._build_caches(encoder.to(self.device))
         self.state = RunState()
         self._pooled_memo: dict[tuple[str, int], np.ndarray] = {}
         self.model = self._init_model(encoder).to(self.device)
@@ -250,7 +250,8 @@ class Trainer:
         return pooled[order]
 
     def _token_lengths(self, side: TextSide, rows: np.ndarray) -> np.ndarray:
-        return np.array([len(e.ids) for e in self.tokenizer.encode_batch([side.texts[r] for r in rows])])
+        # the attention mask, not len(ids): the tokenizer pads to the longest text of the call
+        return np.array([sum(e.attention_mask) for e in self.tokenizer.encode_batch([side.texts[r] for r in rows])])
 
     def _pooled_chunk(self, model: UniDEC, side: TextSide, rows: np.ndarray) -> torch.Tensor:
         if side.cache is not None:
@@ -420,7 +421,10 @@ class Trainer:
         self.model.save_checkpoint(self.out / "checkpoint", self.encoder_dir, extra)
         system, _, metric = self.params.select_metric.partition("/")
         value = metrics.get(system, {}).get(metric)
-        if value is not None and value > self.state.best:
+        if value is None:  # no dev split, or eval_k below the metric's k: the last epoch is best known
+            log.warning("select_metric %s not measured; best/ is the last epoch", self.params.select_metric)
+            self.model.save_checkpoint(self.out / "best", self.encoder_dir, extra)
+        elif value is not None and value > self.state.best:
             self.state.best = value
             self.model.save_checkpoint(self.out / "best", self.encoder_dir, extra)
         torch.save(

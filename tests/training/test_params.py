@@ -34,3 +34,8 @@ def test_choices_are_checked():
         load_params(None, ["mine_with=tfidf"])
     with pytest.raises(ValueError, match="batch_size"):
         load_params(None, ["batch_size=0"])
+    # a misspelled system or metric would otherwise never select a best/ checkpoint
+    for bad in ("rae/P@10", "de_clf/P@5", "P@5"):
+        with pytest.raises(ValueError, match="select_metric"):
+            load_params(None, [f"select_metric={bad}"])
+    assert load_params(None, ["select_metric=de+clf/PSP@5"]).select_metric == "de+clf/PSP@5"

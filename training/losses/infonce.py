@@ -12,9 +12,11 @@ class InfoNCELoss(torch.nn.Module):
 
         ℓ(x) = −log  e^{s(x,p₁)} / Σ_{l∈L_B} e^{s(x,l)}
 
-    ``p₁`` is the query's first in-pool positive (the batcher puts a sampled positive first);
-    the query's other positives count as negatives, as in the single-label reduction that
-    UniDEC's PSL replaces. Kept as the baseline of the loss ablation.
+    ``p₁`` is one of the query's in-pool positives drawn uniformly at random (torch's seeded
+    generator; DPR's "one positive per question"); the query's other positives count as
+    negatives, as in the single-label reduction that UniDEC's PSL replaces. Kept as the
+    baseline of the loss ablation. (Not the first positive by column: the pool is sorted by
+    label id, so that would always favour the lowest id.)
 
     Args (forward):
         scores: [Q, P] logits.
@@ -29,7 +31,9 @@ class InfoNCELoss(torch.nn.Module):
         rows = positives.any(dim=1)
         if not rows.any():
             return scores.sum() * 0.0
-        first = positives.float().argmax(dim=1)
-        target = scores.gather(1, first.unsqueeze(1)).squeeze(1)
+        weights = positives.float()
+        weights[~rows] = 1.0  # rows without a positive are dropped below; multinomial needs mass
+        drawn = torch.multinomial(weights, 1)
+        target = scores.gather(1, drawn).squeeze(1)
         lse = masked_logsumexp(scores, ~ignore)
         return (lse - target)[rows].mean()
