@@ -1,7 +1,7 @@
 """A/B-shadow benchmark: the primary's latency with and without 100 % shadow traffic at the same
 offered load, and a reload loop under load.
 
-    python -m bench.ab_shadow [--bundle bundles/default] [--alt-bundle bundles/default-int8]
+    python -m bench.ab_shadow [--bundle bundles/default] [--alt-bundle bundles/default-fp32]
 
 1. Shadow cost: open-loop load at ``--rps`` against xmcserve with no shadow, then with every
    request mirrored (a) to a remote shadow xmcserve and (b) to the in-process candidate. On this
@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument(
         "--alt-bundle",
         type=Path,
-        default=Path("bundles/default-int8"),
+        default=Path("bundles/default-fp32"),
         help="second bundle (same root) for the in-process candidate and the reload loop",
     )
     parser.add_argument("--data", type=Path, default=Path("data/debian-sample"))
