@@ -31,10 +31,8 @@ import numpy as np
 import scipy.sparse as sp
 from sklearn.feature_extraction.text import TfidfVectorizer
 
-from training.data import XMCDataset, label_frequencies, load_jsonl_split
-from training.metrics import compute_all
-
-HEADLINE = ("P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@5", "R@10", "R@100")
+from training.data import XMCDataset, load_jsonl_split
+from training.embedding_eval import drop_excluded, score_ranking
 
 
 def sklearn_tfidf(train: XMCDataset, dev: XMCDataset) -> tuple[sp.csr_matrix, sp.csr_matrix]:
@@ -50,14 +48,6 @@ def pecos_tfidf(train: XMCDataset, dev: XMCDataset) -> tuple[sp.csr_matrix, sp.c
         vectorizer.predict(train.texts).tocsr().astype(np.float32),
         vectorizer.predict(dev.texts).tocsr().astype(np.float32),
     )
-
-
-def filtered_ranking(candidates: list[list[int]], exclude: list[set[int]], k: int) -> np.ndarray:
-    ranked = np.full((len(candidates), k), -1, dtype=np.int64)
-    for i, row in enumerate(candidates):
-        kept = [lab for lab in row if lab not in exclude[i]][:k]
-        ranked[i, : len(kept)] = kept
-    return ranked
 
 
 def pecos_xr_linear(X, Y, Xt, depth: int, threads: int) -> list[list[int]]:
@@ -147,10 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         X, Xt = featurize(train, dev)
         candidates = train_and_predict(X, Y, Xt, depth, args.threads)
         seconds = time.perf_counter() - started
-        ranked = filtered_ranking(candidates, exclude, args.k)
-        metrics = compute_all(ranked, dev.Y, label_frequencies(train.Y), len(train), recall_ks=(10, 100))
+        ranked = drop_excluded(candidates, exclude, args.k)
         results[name] = {
-            **{m: round(metrics[m], 2) for m in HEADLINE},
+            **score_ranking(ranked, dev, train),
             "train_seconds": round(seconds, 1),
             "notes": f"{features}; seconds = featurize + fit + predict {len(dev)} texts on {args.threads} "
             f"threads; {len(dev.filter_pairs)} filter pairs applied",

@@ -38,9 +38,15 @@ def rank_labels(
     """Top-k label ids per query by exact inner product, with each query's ``exclude`` removed."""
     widest = max((len(e) for e in exclude), default=0)
     ids, _ = exact_top(queries, labels, k + widest, chunk)
-    ranked = np.full((len(queries), k), -1, dtype=np.int64)
-    for i, row in enumerate(ids):
-        kept = [lab for lab in row if lab not in exclude[i]][:k] if exclude[i] else row[:k]
+    return drop_excluded(ids, exclude, k)
+
+
+def drop_excluded(candidates, exclude: list[set[int]], k: int) -> np.ndarray:
+    """The first ``k`` of each row's best-first ``candidates`` that are not in its ``exclude``
+    set, as a [rows, k] array padded with −1 (what the metrics read)."""
+    ranked = np.full((len(candidates), k), -1, dtype=np.int64)
+    for i, row in enumerate(candidates):
+        kept = [lab for lab in row if lab not in exclude[i]][:k] if exclude[i] else list(row[:k])
         ranked[i, : len(kept)] = kept
     return ranked
 

@@ -37,7 +37,7 @@ from training.batching import (
     mine_hard_negatives,
 )
 from training.cache import TokenStateCache, cached_states, length_sorted_batches
-from training.checkpoint import default_encoder_dir, fit_pca_head, l2_normalize, uses_sentence_normalize
+from training.checkpoint import default_encoder_dir, fit_pca_head, uses_sentence_normalize
 from training.data import XMCDataset, load_jsonl_split
 from training.embedding_eval import rank_labels, rank_rae, score_ranking
 from training.encoder_layers import freeze_prefix, num_layers
@@ -88,30 +88,23 @@ class TextSide:
 
 @dataclass
 class DevVectors:
-    """The halves of the serving vectors; ``query``/``label``/``memory`` are the served 64-d ones."""
+    """The served vectors (the model's ``ServingHead``, as export writes it) of the dev queries,
+    the labels and the training instances; the RAE memory is training instances + labels."""
 
-    query_de: np.ndarray
-    query_clf: np.ndarray
-    label_de: np.ndarray
-    label_clf: np.ndarray
-    train_de: np.ndarray
-    train_clf: np.ndarray
-
-    @staticmethod
-    def join(de: np.ndarray, clf: np.ndarray) -> np.ndarray:
-        return np.concatenate([de, clf], axis=1) / math.sqrt(2.0)
-
-    @property
-    def query(self) -> np.ndarray:
-        return self.join(self.query_de, self.query_clf)
-
-    @property
-    def label(self) -> np.ndarray:
-        return self.join(self.label_de, self.label_clf)
+    query: np.ndarray
+    label: np.ndarray
+    train: np.ndarray
+    de_dim: int
 
     @property
     def memory(self) -> np.ndarray:
-        return np.concatenate([self.join(self.train_de, self.train_clf), self.label])
+        return np.concatenate([self.train, self.label])
+
+    def half(self, vectors: np.ndarray, name: str) -> np.ndarray:
+        """The DE (``de``) or CLF (``clf``) block on its own: each block of a served vector is
+        unit-norm and scaled by 1/√2, so a slice times √2 is that half's own vector."""
+        block = vectors[:, : self.de_dim] if name == "de" else vectors[:, self.de_dim :]
+        return block * math.sqrt(2.0)
 
 
 @dataclass
@@ -290,13 +283,14 @@ class Trainer:
             self._pooled_memo[key] = self.pooled(model, side)
         return self._pooled_memo[key]
 
-    @torch.no_grad()
-    def serving_parts(self, side: TextSide) -> tuple[np.ndarray, np.ndarray]:
-        """(N(g1(Φ)), N(g2(Φ))) of a side's texts, numpy."""
-        pooled = torch.from_numpy(self.memo_pooled(self.model, side)).to(self.device)
-        de = self.model.de(pooled).float().cpu().numpy()
-        clf = F.normalize(self.model.clf(pooled), dim=-1).float().cpu().numpy()
-        return de, clf
+    def serving_vectors(self, side: TextSide, labels: bool = False, blocks: list[str] | None = None) -> np.ndarray:
+        """What the exported bundle would serve for a side's texts: ``[N(g1(Φ)) ⊕ N(g2(Φ))]/√2``,
+        or ``[N(g1(Φ)) ⊕ N(Ψ)]/√2`` for ``labels``; ``blocks`` restricts the head (e.g. ``["g1_de"]``)."""
+        head = self.model.serving_head()
+        if blocks is not None:
+            head = head.select(blocks)
+        pooled = self.memo_pooled(self.model, side)
+        return head.label_vectors(pooled) if labels else head.query_vectors(pooled)
 
     # ----------------------------------------------------------------- training
     def refresh(self, epoch: int) -> None:
@@ -304,13 +298,9 @@ class Trainer:
         half (UniDEC) or the whole serving vector (DE ⊕ N(Ψ), the space the service searches)."""
         started = time.perf_counter()
         p = self.params
-        query_de, query_clf = self.serving_parts(self.queries)
-        label_de, _ = self.serving_parts(self.labels)
-        if p.mine_with == "serving":
-            label_clf = l2_normalize(self.model.psi.detach().float().cpu().numpy())
-            queries, labels = DevVectors.join(query_de, query_clf), DevVectors.join(label_de, label_clf)
-        else:
-            queries, labels = query_de, label_de
+        blocks = None if p.mine_with == "serving" else ["g1_de"]
+        queries = self.serving_vectors(self.queries, blocks=blocks)
+        labels = self.serving_vectors(self.labels, labels=True, blocks=blocks)
         size = curriculum_cluster_size(epoch, p.cluster_size_start, p.cluster_size_max, p.cluster_grow_every)
         self.state.clusters = balanced_clusters(queries, size, self.rng)
         if p.negatives_per_query > 0:
@@ -394,11 +384,12 @@ class Trainer:
     # ----------------------------------------------------------------- evaluation
     def dev_vectors(self) -> DevVectors:
         """Serving vectors of the dev queries, the labels and the RAE memory (train + labels)."""
-        q_de, q_clf = self.serving_parts(self.dev_queries)
-        l_de, _ = self.serving_parts(self.labels)
-        l_clf = l2_normalize(self.model.psi.detach().float().cpu().numpy())
-        t_de, t_clf = self.serving_parts(self.queries)
-        return DevVectors(q_de, q_clf, l_de, l_clf, t_de, t_clf)
+        return DevVectors(
+            query=self.serving_vectors(self.dev_queries),
+            label=self.serving_vectors(self.labels, labels=True),
+            train=self.serving_vectors(self.queries),
+            de_dim=self.params.de_dim,
+        )
 
     def evaluate_dev(self) -> dict[str, dict[str, float]]:
         """Exact-search dev metrics of DE⊕CLF, DE, CLF and RAE over the current vectors."""
@@ -409,8 +400,8 @@ class Trainer:
         v = self.dev_vectors()
         rankings = {
             "de+clf": rank_labels(v.query, v.label, p.eval_k, exclude),
-            "de": rank_labels(v.query_de, v.label_de, p.eval_k, exclude),
-            "clf": rank_labels(v.query_clf, v.label_clf, p.eval_k, exclude),
+            "de": rank_labels(v.half(v.query, "de"), v.half(v.label, "de"), p.eval_k, exclude),
+            "clf": rank_labels(v.half(v.query, "clf"), v.half(v.label, "clf"), p.eval_k, exclude),
             "rae": rank_rae(v.query, v.memory, self.values, len(self.train), p.rae_tau, p.rae_top_b, p.eval_k, exclude),
         }
         return {name: score_ranking(ranked, self.dev, self.train) for name, ranked in rankings.items()}
