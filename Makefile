@@ -55,7 +55,7 @@ bench-ab: $(STAMP) $(BUNDLE)/manifest.json
 	$(PY) -m bench.ab_shadow --bundle $(BUNDLE) --alt-bundle $(BUNDLE)-fp32
 
 # Headless locust against a local server for 60 s; exits non-zero when an SLO is missed.
-LOADTEST_ARGS ?= --scenario steady --seconds 60 --users 16 --p99-ms 250 --max-failure-ratio 0.01 --min-rps 20
+LOADTEST_ARGS ?= --scenario steady --seconds 60 --users 8 --p99-ms 250 --max-failure-ratio 0.01 --min-rps 20
 loadtest: $(STAMP) $(BUNDLE)/manifest.json
 	$(PY) -m loadtest.run --bundle $(BUNDLE) $(LOADTEST_ARGS)
 
@@ -92,9 +92,11 @@ train-smoke: $(STAMP)
 	$(PY) -m training.train --config training/configs/smoke.yaml
 
 # Dev-split quality of the peers and of xmcserve's bundles -> bench/results/quality-debian-dev.*
+# The RAE settings of the trained memory are the best of `python -m training.sweep` on dev.
+QUALITY_ARGS ?= --rae-mode split --rae-tau 0.04 --rae-top-b 200
 bench-quality: $(STAMP) $(PEERS_VENV)/.installed
 	$(MAKE) EXTRAS=train,dev,bench install
-	$(PY) -m bench.quality --peers-python $(PEERS_VENV)/bin/python
+	$(PY) -m bench.quality --peers-python $(PEERS_VENV)/bin/python $(QUALITY_ARGS)
 
 clean:
 	rm -rf $(VENV) $(PEERS_VENV) bundles runs .pytest_cache .ruff_cache

@@ -25,8 +25,8 @@ from training.data import load_jsonl_split
 
 # A sample is charged to the first stage whose marker appears in its stack (innermost first).
 STAGES = (
-    ("onnx_run", ("onnxruntime", "run (")),
-    ("hnsw_search", ("knn_query",)),
+    ("onnx_run", ("Session.run (",)),
+    ("hnsw_search", ("knn_query", "Predictor.knn (")),
     ("rae_aggregate", ("aggregate (service/rae.py", "key_weights")),
     ("tokenize", ("encode_batch", "tokenize (service/encoder.py")),
     ("response_json", ("to_response", "json/encoder.py")),

@@ -1,6 +1,6 @@
 """Headless locust run against a local xmcserve, with SLO gates.
 
-    python -m loadtest.run [--scenario steady|ramp|spike] [--seconds 60] [--users 16]
+    python -m loadtest.run [--scenario steady|ramp|spike] [--seconds 60] [--users 8]
                            [--bundle bundles/default | --host http://127.0.0.1:8000]
                            [--p99-ms 250] [--max-failure-ratio 0.01] [--min-rps 20]
                            [--ab-keys] [--results loadtest/results]
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", default="steady", choices=["steady", "ramp", "spike"])
     parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--users", type=int, default=16)
+    parser.add_argument("--users", type=int, default=8)
     parser.add_argument("--bundle", type=Path, default=Path("bundles/default"))
     parser.add_argument("--host", default=None, help="a running server (loopback only); default: start one")
     parser.add_argument("--ab-keys", action="store_true", help="send a sticky X-Request-Key per user")
