@@ -346,7 +346,7 @@ class Trainer:
             parts["clf_q2l"] + p.lambda_clf_l2q * parts.get("clf_l2q", 0.0) + p.bce_weight * parts.get("clf_bce", 0.0)
         )
         total = p.lambda_mix * de_loss + (1.0 - p.lambda_mix) * clf_loss
-        return total, {name: float(value) for name, value in parts.items()}
+        return total, {name: float(value.detach()) for name, value in parts.items()}
 
     def train_epoch(self, epoch: int) -> dict:
         p = self.params
