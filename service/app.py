@@ -121,10 +121,13 @@ def build_shadow(settings: Settings, metrics: Metrics, variants: Variants) -> Sh
             raise LookupError("no candidate bundle loaded to shadow")
         return ranked_uids(await slot.batcher.submit(request.texts, request.k, request.ef, request.exclude))
 
-    # In process the shadow shares the CPU: it only takes requests while the primary has none queued.
-    return ShadowMirror(
-        call_candidate, config, metrics, "B", shadow_log, busy=lambda: variants[PRIMARY].batcher.depth > 0
-    )
+    # In process the shadow shares the CPU: it only takes requests while the primary has none
+    # queued and has spare capacity (its batch workers' recent busy share below the setting).
+    def primary_busy() -> bool:
+        batcher = variants[PRIMARY].batcher
+        return batcher.depth > 0 or batcher.busy_share() > settings.shadow_max_primary_busy
+
+    return ShadowMirror(call_candidate, config, metrics, "B", shadow_log, busy=primary_busy)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -12,6 +12,7 @@ idle server answers a lone request without waiting. A full queue refuses at once
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Collection
@@ -90,10 +91,30 @@ class MicroBatcher:
         self._workers: list[asyncio.Task] = []
         self._running: set[_Job] = set()
         self.in_flight_batches = 0
+        self._busy_share = 0.0  # decayed share of time the workers spent computing batches
+        self._busy_updated = time.perf_counter()
 
     @property
     def depth(self) -> int:
         return len(self._jobs)
+
+    # time constant of the busy share: long enough to see the load, short enough to follow it
+    BUSY_WINDOW_S = 1.0
+
+    def busy_share(self) -> float:
+        """Share of the last ~second (exponentially weighted) the batch workers spent computing,
+        0–1: how much of this variant's capacity its own traffic already uses."""
+        return self._busy_share * math.exp(-(time.perf_counter() - self._busy_updated) / self.BUSY_WINDOW_S)
+
+    def _record_busy(self, started: float, ended: float) -> None:
+        # u ← u·e^(−Δt/T) + (1 − e^(−Δt/T))·busy/Δt over the interval since the last update
+        elapsed = ended - self._busy_updated
+        if elapsed <= 0:
+            return
+        keep = math.exp(-elapsed / self.BUSY_WINDOW_S)
+        busy = min(ended - max(started, self._busy_updated), elapsed) / self.config.workers
+        self._busy_share = self._busy_share * keep + (1.0 - keep) * busy / elapsed
+        self._busy_updated = ended
 
     def start(self) -> None:
         self._workers = [asyncio.create_task(self._work(), name=f"batcher-{i}") for i in range(self.config.workers)]
@@ -162,6 +183,7 @@ class MicroBatcher:
                 answers = [exc] * len(batch)
             finally:
                 self.in_flight_batches -= 1
+                self._record_busy(started, time.perf_counter())
             # Reached only when not cancelled: on shutdown, stop() fails the jobs still in _running.
             self._running.difference_update(batch)
             if not isinstance(answers[0], Exception):
