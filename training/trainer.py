@@ -369,7 +369,7 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
             self.state.step += 1
-            totals["loss"] = totals.get("loss", 0.0) + float(loss)
+            totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
             for name, value in parts.items():
                 totals[name] = totals.get(name, 0.0) + value
         seconds = time.perf_counter() - started
