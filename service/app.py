@@ -201,7 +201,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return JSONResponse({"detail": str(exc)}, status_code=503)
         metrics.stage_seconds.labels(stage="queue", variant=slot.name).observe(answer.queue_wait_s)
         metrics.predicted_texts.inc(len(texts))
-        if slot.name == PRIMARY and request.headers.get("x-shadow") is None:
+        # The shadow copy (its uid lists built per label) only when mirroring is on at all.
+        mirroring = state.shadow.config.fraction > 0
+        if mirroring and slot.name == PRIMARY and request.headers.get("x-shadow") is None:
             state.shadow.offer(
                 ShadowRequest(
                     texts,
