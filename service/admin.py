@@ -156,5 +156,5 @@ def add_admin_routes(app: FastAPI) -> None:
         if body.split_b is not None:
             state.variants.split_b = body.split_b
         if body.shadow_fraction is not None and state.shadow is not None:
-            state.shadow.config.fraction = body.shadow_fraction
+            state.shadow.set_fraction(body.shadow_fraction)
         return state.describe()

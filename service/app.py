@@ -21,10 +21,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from service.admin import ServingState, add_admin_routes, load_predictor
 from service.batcher import BatchAnswer, BatcherConfig, BatcherStoppedError, QueueFullError
 from service.bundle import BundleError
+from service.cpu_priority import yield_cpu_process
 from service.metrics import Metrics
 from service.schemas import PredictResponse, build_predict_request
 from service.settings import Settings
-from service.shadow import ShadowConfig, ShadowLog, ShadowMirror, ShadowRequest, remote_shadow
+from service.shadow import ShadowConfig, ShadowLog, ShadowMirror, ShadowRequest, ranked, remote_shadow
+from service.shadow_lane import ShadowLane
 from service.variants import CANDIDATE, PRIMARY, Variants
 
 log = logging.getLogger("xmcserve")
@@ -69,11 +71,6 @@ class RequestMetricsMiddleware:
             ).observe(time.perf_counter() - start)
 
 
-def ranked_uids(answer: BatchAnswer) -> list[list[tuple[str, float]]]:
-    uids = answer.predictor.bundle.label_uids
-    return [[(uids[i], s) for i, s in zip(r.ids.tolist(), r.scores.tolist(), strict=True)] for r in answer.rankings]
-
-
 def to_response(answer: BatchAnswer, variant: str, k: int, ef: int) -> Response:
     """The PredictResponse JSON, serialised directly: FastAPI would otherwise validate the ~k
     label objects of every answer again (the model stays the documented response schema)."""
@@ -115,19 +112,11 @@ def build_shadow(settings: Settings, metrics: Metrics, variants: Variants) -> Sh
         call, close = remote_shadow(settings.shadow_url, config.timeout_s)
         return ShadowMirror(call, config, metrics, settings.shadow_url, shadow_log, close=close)
 
-    async def call_candidate(request: ShadowRequest):
-        slot = variants[CANDIDATE]
-        if not slot.ready:
-            raise LookupError("no candidate bundle loaded to shadow")
-        return ranked_uids(await slot.batcher.submit(request.texts, request.k, request.ef, request.exclude))
-
-    # In process the shadow shares the CPU: it only takes requests while the primary has none
-    # queued and has spare capacity (its batch workers' recent busy share below the setting).
-    def primary_busy() -> bool:
-        batcher = variants[PRIMARY].batcher
-        return batcher.depth > 0 or batcher.busy_share() > settings.shadow_max_primary_busy
-
-    return ShadowMirror(call_candidate, config, metrics, "B", shadow_log, busy=primary_busy)
+    # In process, B computes in an idle-priority child process (see service.shadow_lane).
+    lane = ShadowLane(
+        lambda: variants[CANDIDATE].predictor, settings.encoder_options(), settings.verify_checksums, config.timeout_s
+    )
+    return ShadowMirror(lane.call, config, metrics, "B", shadow_log, close=lane.close, warm=lane.warm)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -137,6 +126,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # Every thread so far, and by inheritance the ones ONNX Runtime and the batchers start.
+        app.state.cpu_priority = yield_cpu_process() if settings.cpu_priority == "idle" else "normal"
         config = BatcherConfig(
             settings.max_batch_size, settings.max_wait_ms, settings.max_queue, settings.batch_workers
         )
@@ -210,7 +201,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     body.k,
                     body.ef,
                     body.exclusions(),
-                    ranked_uids(answer),
+                    ranked(answer.rankings, answer.predictor.bundle.label_uids),
                     time.perf_counter() - started,
                     slot.name,
                 )
@@ -239,6 +230,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 "service_version": SERVICE_VERSION,
                 "bundle_path": str(primary.path),
                 "execution_provider": primary.encoder.provider,
+                "cpu_priority": request.app.state.cpu_priority,
                 "limits": {
                     "max_texts_per_request": settings.max_texts_per_request,
                     "max_text_bytes": settings.max_text_bytes,

@@ -12,13 +12,14 @@ idle server answers a lone request without waiting. A full queue refuses at once
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
+from service.encoder import OnnxEncoder
 from service.search import Predictor, Ranking, StageTimes
 
 
@@ -91,30 +92,10 @@ class MicroBatcher:
         self._workers: list[asyncio.Task] = []
         self._running: set[_Job] = set()
         self.in_flight_batches = 0
-        self._busy_share = 0.0  # decayed share of time the workers spent computing batches
-        self._busy_updated = time.perf_counter()
 
     @property
     def depth(self) -> int:
         return len(self._jobs)
-
-    # time constant of the busy share: long enough to see the load, short enough to follow it
-    BUSY_WINDOW_S = 1.0
-
-    def busy_share(self) -> float:
-        """Share of the last ~second (exponentially weighted) the batch workers spent computing,
-        0–1: how much of this variant's capacity its own traffic already uses."""
-        return self._busy_share * math.exp(-(time.perf_counter() - self._busy_updated) / self.BUSY_WINDOW_S)
-
-    def _record_busy(self, started: float, ended: float) -> None:
-        # u ← u·e^(−Δt/T) + (1 − e^(−Δt/T))·busy/Δt over the interval since the last update
-        elapsed = ended - self._busy_updated
-        if elapsed <= 0:
-            return
-        keep = math.exp(-elapsed / self.BUSY_WINDOW_S)
-        busy = min(ended - max(started, self._busy_updated), elapsed) / self.config.workers
-        self._busy_share = self._busy_share * keep + (1.0 - keep) * busy / elapsed
-        self._busy_updated = ended
 
     def start(self) -> None:
         self._workers = [asyncio.create_task(self._work(), name=f"batcher-{i}") for i in range(self.config.workers)]
@@ -183,7 +164,6 @@ class MicroBatcher:
                 answers = [exc] * len(batch)
             finally:
                 self.in_flight_batches -= 1
-                self._record_busy(started, time.perf_counter())
             # Reached only when not cancelled: on shutdown, stop() fails the jobs still in _running.
             self._running.difference_update(batch)
             if not isinstance(answers[0], Exception):
@@ -197,26 +177,44 @@ class MicroBatcher:
                     job.future.set_result(answer)
 
 
-def _run_batch(predictor: Predictor, batch: list[_Job], started: float) -> list[BatchAnswer]:
-    texts = [t for job in batch for t in job.texts]
-    ks = [job.k for job in batch for _ in job.texts]
-    exclude = [predictor.bundle.label_ids(e) for job in batch for e in job.exclude]
+class Job(Protocol):
+    """What a batched request carries (a queued request, a shadow copy)."""
+
+    texts: list[str]
+    k: int
+    ef: int | None
+    exclude: list[Collection[str]]
+
+
+def predict_jobs(
+    predictor: Predictor, jobs: Sequence[Job], encoder: OnnxEncoder | None = None
+) -> tuple[list[list[Ranking]], StageTimes, int]:
+    """Several requests as one prediction: their rankings (one list per job), the stage times
+    and the batch's text count."""
+    texts = [t for job in jobs for t in job.texts]
+    ks = [job.k for job in jobs for _ in job.texts]
+    exclude = [predictor.bundle.label_ids(e) for job in jobs for e in job.exclude]
     # One HNSW call for the batch at the widest ef any request is owed (its own, or the bundle's
     # default when it gave none): a wider search only adds recall, a narrower one would take
     # recall from requests that did not ask for it.
-    ef = max(job.ef or predictor.default_ef for job in batch)
-    prediction = predictor.predict(texts, ks, ef, exclude)
-    answers, offset = [], 0
-    for job in batch:
-        n = len(job.texts)
-        answers.append(
-            BatchAnswer(
-                rankings=prediction.rankings[offset : offset + n],
-                times=prediction.times,
-                queue_wait_s=started - job.enqueued,
-                batch_texts=len(texts),
-                predictor=predictor,
-            )
+    ef = max(job.ef or predictor.default_ef for job in jobs)
+    prediction = predictor.predict(texts, ks, ef, exclude, encoder=encoder)
+    per_job, offset = [], 0
+    for job in jobs:
+        per_job.append(prediction.rankings[offset : offset + len(job.texts)])
+        offset += len(job.texts)
+    return per_job, prediction.times, len(texts)
+
+
+def _run_batch(predictor: Predictor, batch: list[_Job], started: float) -> list[BatchAnswer]:
+    per_job, times, batch_texts = predict_jobs(predictor, batch)
+    return [
+        BatchAnswer(
+            rankings=rankings,
+            times=times,
+            queue_wait_s=started - job.enqueued,
+            batch_texts=batch_texts,
+            predictor=predictor,
         )
-        offset += n
-    return answers
+        for job, rankings in zip(batch, per_job, strict=True)
+    ]

@@ -138,6 +138,14 @@ def check_encoder(path: Path, encoder: OnnxEncoder, manifest: Manifest) -> None:
         raise BundleError(f"{path / ENCODER_FILE}: outputs are not finite unit vectors (norms {norms})")
 
 
+def open_encoder(path: Path, manifest: Manifest, options: EncoderOptions | None) -> OnnxEncoder:
+    """A session over the bundle's encoder; a bundle holds one, the in-process shadow opens a second."""
+    try:
+        return OnnxEncoder(path / ENCODER_FILE, path / TOKENIZER_FILE, manifest.tokenizer.max_length, options)
+    except Exception as exc:  # onnxruntime raises its own exception types
+        raise BundleError(f"{path}: cannot load encoder or tokenizer ({exc})") from None
+
+
 def load_bundle(path: Path | str, options: EncoderOptions | None = None, verify: bool = True) -> Bundle:
     """Load and verify a bundle; raises :class:`BundleError` with the reason on any problem."""
     path = Path(path).resolve()
@@ -158,15 +166,7 @@ def _load_bundle(path: Path, options: EncoderOptions | None, verify: bool) -> Bu
         raise BundleError(f"{path}: {len(label_uids)} labels in {LABELS_FILE}, manifest says {manifest.counts.labels}")
     index = load_index(path, manifest)
     values = load_values(path, manifest)
-    try:
-        encoder = OnnxEncoder(
-            path / ENCODER_FILE,
-            path / TOKENIZER_FILE,
-            manifest.tokenizer.max_length,
-            options,
-        )
-    except Exception as exc:  # onnxruntime raises its own exception types
-        raise BundleError(f"{path}: cannot load encoder or tokenizer ({exc})") from None
+    encoder = open_encoder(path, manifest, options)
     check_encoder(path, encoder, manifest)
     log.info(
         "loaded bundle %s from %s (%s, %d labels)",

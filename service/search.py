@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from service.bundle import Bundle
+from service.encoder import OnnxEncoder
 from service.rae import aggregate, top_k_of_row
 
 
@@ -62,8 +63,11 @@ class Predictor:
         k: int | Sequence[int],
         ef: int | None = None,
         exclude: Sequence[Collection[int]] | None = None,
+        encoder: OnnxEncoder | None = None,
     ) -> Prediction:
-        vectors, enc_times = self.bundle.encoder.encode(texts)
+        """``encoder`` replaces the bundle's own session (same model; the in-process shadow runs
+        its own one-thread session at idle priority)."""
+        vectors, enc_times = (encoder or self.bundle.encoder).encode(texts)
         prediction = self.search(vectors, k, ef, exclude)
         prediction.times.tokenize = enc_times.tokenize_s
         prediction.times.encode = enc_times.encode_s

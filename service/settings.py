@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.cpu_priority import CpuPriority
 from service.encoder import EncoderOptions
 
 
@@ -50,17 +51,16 @@ class Settings(BaseSettings):
     shadow_queue: int = Field(64, ge=1, description="most mirrored requests waiting; more are dropped")
     shadow_timeout_ms: float = Field(2000, gt=0, description="a later shadow answer is dropped")
     shadow_workers: int = Field(4, ge=1, description="mirrored requests in flight at once")
-    shadow_max_primary_busy: float = Field(
-        0.3,
-        ge=0.0,
-        le=1.0,
-        description="in-process shadow only: mirror only while A's batch workers were busy less than this "
-        "share of the last second (B computes on A's cores; it gets spare capacity only)",
-    )
     shadow_log: Path | None = Field(None, description="JSONL comparison log (rotated by size)")
     shadow_log_max_bytes: int = Field(10_000_000, ge=1024)
     shadow_log_backups: int = Field(3, ge=1, description="rotated files kept (logging rotates only with ≥ 1)")
     admin_token: SecretStr | None = Field(None, description="enables /admin/*; send as X-Admin-Token")
+
+    cpu_priority: CpuPriority = Field(
+        "normal",
+        description="idle: this server computes only on cores nothing else wants (Linux SCHED_IDLE), "
+        "for a shadow server sharing a host with the primary",
+    )
 
     log_level: str = "info"
 
@@ -70,5 +70,6 @@ class Settings(BaseSettings):
             intra_op_threads=self.intra_op_threads,
             call_cost_tokens=self.call_cost_tokens,
             max_chunk=self.max_chunk,
-            allow_spinning=self.allow_spinning,
+            # an idle-class server spinning would only burn the cycles it is given
+            allow_spinning=self.allow_spinning and self.cpu_priority != "idle",
         )

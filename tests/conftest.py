@@ -67,6 +67,28 @@ def tiny_rae_bundle(distilbert_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bundle_root(tmp_path_factory, tiny_rae_bundle, distilbert_dir) -> Path:
+    """A bundle root for reloads: ``tiny-rae``, ``tiny-labels`` (a labels-index bundle of the same
+    encoder) and ``corrupt`` (one flipped byte in its labels file); a dir outside it for escapes."""
+    import shutil
+
+    from export.build import ExportParams, build_bundle
+    from service.manifest import LABELS_FILE
+    from training.data import load_jsonl_split
+
+    root = tmp_path_factory.mktemp("bundle-root")
+    shutil.copytree(tiny_rae_bundle, root / "tiny-rae")
+    labels = load_jsonl_split(SAMPLE_DIR, "trn").labels
+    build_bundle(root / "tiny-labels", labels, None, distilbert_dir, ExportParams(index_kind="labels", dim=16))
+    shutil.copytree(tiny_rae_bundle, root / "corrupt")
+    data = bytearray((root / "corrupt" / LABELS_FILE).read_bytes())
+    data[5] ^= 0x01
+    (root / "corrupt" / LABELS_FILE).write_bytes(bytes(data))
+    (tmp_path_factory.getbasetemp() / "outside-bundle").mkdir(exist_ok=True)
+    return root
+
+
+@pytest.fixture(scope="session")
 def live_server(sample_bundle, tmp_path_factory) -> Iterator[Server]:
     server = start_server(sample_bundle, tmp_path_factory.mktemp("logs") / "uvicorn.log")
     yield server

@@ -30,7 +30,7 @@ class FakePredictor:
         self.efs: list[int | None] = []
         self.threads: set[str] = set()
 
-    def predict(self, texts, ks, ef=None, exclude=None):
+    def predict(self, texts, ks, ef=None, exclude=None, encoder=None):
         self.batches.append(list(texts))
         self.efs.append(ef)
         self.threads.add(threading.current_thread().name)
@@ -195,20 +195,3 @@ def test_a_request_without_ef_is_never_searched_below_the_bundle_default():
 
     asyncio.run(run_with(predictor, BatcherConfig(), scenario))
     assert predictor.efs == [10, FakePredictor.default_ef]
-
-
-def test_busy_share_follows_the_load_and_decays_when_idle():
-    predictor = FakePredictor(delay_s=0.05)
-
-    async def scenario(batcher):
-        assert batcher.busy_share() == 0.0
-        deadline = time.perf_counter() + 1.5
-        while time.perf_counter() < deadline:  # back to back: the worker is busy most of the time
-            await asyncio.gather(*[batcher.submit(["t"], 1, None, [()]) for _ in range(2)])
-        loaded = batcher.busy_share()
-        await asyncio.sleep(2.0)
-        return loaded, batcher.busy_share()
-
-    (loaded, idle), _ = asyncio.run(run_with(predictor, BatcherConfig(), scenario))
-    assert loaded > 0.6
-    assert idle < 0.15 * loaded

@@ -1,10 +1,12 @@
 import asyncio
 import json
 
+import numpy as np
 import pytest
+from scipy.stats import kendalltau
 
 from service.metrics import Metrics
-from service.shadow import ShadowConfig, ShadowLog, ShadowMirror, ShadowRequest, compare
+from service.shadow import ShadowConfig, ShadowLog, ShadowMirror, ShadowRequest, compare, kendall_tau_of_ranks
 from service.shadow_report import format_summary, main, read_records, summarise
 
 
@@ -28,11 +30,11 @@ def request(texts=("a",)) -> ShadowRequest:
     return ShadowRequest(texts, 2, None, [[] for _ in texts], [[("x", 1.0), ("y", 0.5)] for _ in texts], 0.01, "A")
 
 
-def run_mirror(call, config, offers, settle_s=0.3, busy=lambda: False, shadow_log=None):
+def run_mirror(call, config, offers, settle_s=0.3, shadow_log=None):
     metrics = Metrics()
 
     async def scenario():
-        mirror = ShadowMirror(call, config, metrics, "test", shadow_log, busy=busy)
+        mirror = ShadowMirror(call, config, metrics, "test", shadow_log)
         mirror.start()
         accepted = [mirror.offer(r) for r in offers]
         await asyncio.sleep(settle_s)
@@ -80,15 +82,38 @@ def test_slow_and_dead_shadows_are_counted_not_raised():
     assert metric(dead_metrics, "xmcserve_shadow_dropped_total", reason="error") == 1
 
 
-def test_sampling_fraction_and_busy_primary():
+def test_sampling_fraction():
     async def agree(req):
         return req.primary
 
     accepted, _ = run_mirror(agree, ShadowConfig(fraction=0.3, queue_size=10_000), [request()] * 4000, settle_s=0.5)
     assert accepted.count(True) / 4000 == pytest.approx(0.3, abs=0.04)
-    accepted, metrics = run_mirror(agree, ShadowConfig(fraction=1.0), [request()] * 5, busy=lambda: True)
+    accepted, _ = run_mirror(agree, ShadowConfig(fraction=0.0), [request()] * 50)
     assert not any(accepted)
-    assert metric(metrics, "xmcserve_shadow_dropped_total", reason="primary_busy") == 5
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_kendall_tau_of_ranks_matches_scipy(seed):
+    ranks = list(np.random.default_rng(seed).permutation(3 + 7 * seed))
+    assert kendall_tau_of_ranks(ranks) == pytest.approx(kendalltau(range(len(ranks)), ranks).statistic)
+    assert kendall_tau_of_ranks(sorted(ranks)) == 1.0
+    assert kendall_tau_of_ranks(sorted(ranks, reverse=True)) == -1.0
+
+
+def test_turning_the_shadow_on_warms_it_once():
+    warmed = []
+
+    async def scenario():
+        mirror = ShadowMirror(lambda r: None, ShadowConfig(fraction=0.0), Metrics(), "t", warm=lambda: warmed.append(1))
+        mirror.start()
+        mirror.set_fraction(0.5)
+        mirror.set_fraction(1.0)  # already on: no second warm-up
+        mirror.set_fraction(0.0)
+        await mirror.stop()
+        return mirror.config.fraction
+
+    assert asyncio.run(scenario()) == 0.0
+    assert warmed == [1]
 
 
 def test_log_rotation_bounds_disk_use(tmp_path):
