@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 
@@ -45,8 +46,23 @@ def cpu_steal_jiffies() -> tuple[int, int]:
 
 
 def shadow_counters(url: str) -> dict[str, float]:
+    """The shadow's compared and dropped totals, and dropped per reason (``dropped:<reason>``)."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {name: metric_total(text, name) for name in SHADOW_COUNTERS}
+    counters = {name: metric_total(text, name) for name in SHADOW_COUNTERS}
+    for line in text.splitlines():
+        if line.startswith("xmcserve_shadow_dropped_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            counters[f"dropped:{reason}"] = float(line.rsplit(" ", 1)[1])
+    return counters
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process's own threads (not its children), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def p99(latencies: np.ndarray) -> float:
@@ -80,7 +96,8 @@ def interleaved_run(bundle: Path, bodies, rps: float, segment_s: float, rounds: 
     server = start_server(bundle, logs / f"{name}.log", extra_env=env)
     per_round: list[dict[str, np.ndarray]] = []
     steal = {"off": [0, 0], "on": [0, 0]}
-    counters = {"off": dict.fromkeys(SHADOW_COUNTERS, 0.0), "on": dict.fromkeys(SHADOW_COUNTERS, 0.0)}
+    counters: dict[str, dict[str, float]] = {"off": {}, "on": {}}
+    primary_cpu = {"off": 0.0, "on": 0.0}
     statuses: dict[str, dict[str, int]] = {"off": {}, "on": {}}
     errors = {"off": 0, "on": 0}
     try:
@@ -92,12 +109,14 @@ def interleaved_run(bundle: Path, bodies, rps: float, segment_s: float, rounds: 
                 # copies of the last on-phase settle (answer or time out) before this one starts
                 time.sleep(settle_s)
                 before, steal_before = shadow_counters(server.url), cpu_steal_jiffies()
+                cpu_before = process_cpu_s(server.process.pid)
                 part = asyncio.run(open_loop(server.url, bodies, rps, segment_s))
                 # copies still computing when the phase ends are counted in the next phase
+                primary_cpu[phase] += process_cpu_s(server.process.pid) - cpu_before
                 after, steal_after = shadow_counters(server.url), cpu_steal_jiffies()
                 latencies[phase] = np.asarray(part.latencies_ms)
-                for name_ in SHADOW_COUNTERS:
-                    counters[phase][name_] += after[name_] - before[name_]
+                for name_, value in after.items():
+                    counters[phase][name_] = counters[phase].get(name_, 0.0) + value - before.get(name_, 0.0)
                 steal[phase][0] += steal_after[0] - steal_before[0]
                 steal[phase][1] += steal_after[1] - steal_before[1]
                 errors[phase] += part.errors + len(part.latencies_ms) - part.statuses.get(200, 0)
@@ -118,11 +137,20 @@ def interleaved_run(bundle: Path, bodies, rps: float, segment_s: float, rounds: 
             "p95_ms": round(float(np.percentile(pooled, 95)), 2),
             "p99_ms": round(p99(pooled), 2),
             "cpu_steal_share": round(steal[phase][0] / max(steal[phase][1], 1), 4),
-            "shadow_compared_texts": counters[phase]["xmcserve_shadow_compared_texts_total"],
-            "shadow_dropped": counters[phase]["xmcserve_shadow_dropped_total"],
+            # the primary process's own CPU per request (the in-process shadow's child excluded)
+            "primary_cpu_ms_per_request": round(1000 * primary_cpu[phase] / max(pooled.size, 1), 3),
+            "shadow_compared_texts": counters[phase].get("xmcserve_shadow_compared_texts_total", 0.0),
+            "shadow_dropped": counters[phase].get("xmcserve_shadow_dropped_total", 0.0),
+            "shadow_dropped_by_reason": {
+                k.split(":", 1)[1]: v for k, v in sorted(counters[phase].items()) if k.startswith("dropped:") and v
+            },
         }
     row["p99_ratio"] = round(row["on"]["p99_ms"] / row["off"]["p99_ms"], 3)
     row["p99_ratio_90pct_interval"] = round_interval(per_round)
+    off_cpu = row["off"]["primary_cpu_ms_per_request"]
+    row["primary_cpu_per_request_ratio"] = (
+        round(row["on"]["primary_cpu_ms_per_request"] / off_cpu, 3) if off_cpu else None
+    )
     row["p99_ratio_per_round"] = [round(p99(r["on"]) / p99(r["off"]), 3) for r in per_round]
     row["within_10pct"] = row["p99_ratio"] <= 1.10
     print(name, json.dumps({k: row[k] for k in ("p99_ratio", "p99_ratio_90pct_interval", "within_10pct")}), flush=True)
@@ -207,7 +235,7 @@ def main() -> None:
     parser.add_argument("--rps", type=float, default=None, help="offered load; default: --load-share of the peak")
     parser.add_argument("--load-share", type=float, default=0.5, help="offered load as a share of the measured peak")
     parser.add_argument("--segment-seconds", type=float, default=8.0, help="shadow on/off phase length")
-    parser.add_argument("--rounds", type=int, default=20, help="off/on pairs per shadow kind")
+    parser.add_argument("--rounds", type=int, default=30, help="off/on pairs per shadow kind")
     parser.add_argument("--reload-every", type=float, default=4.0)
     parser.add_argument("--reload-seconds", type=float, default=60.0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/ab-shadow.json"))
