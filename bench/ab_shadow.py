@@ -3,15 +3,18 @@ offered load, and a reload loop under load.
 
     python -m bench.ab_shadow [--bundle bundles/default] [--alt-bundle bundles/default-fp32]
 
+The offered load is ``--load-share`` (0.5) of the primary's closed-loop peak, measured first.
+
 1. Shadow cost, for (a) a remote shadow xmcserve on the same machine, started with
    ``XMCSERVE_CPU_PRIORITY=idle`` as the compose stack starts its shadow, and (b) the in-process
-   shadow (variant B on its idle-priority lane). One primary server per kind takes open-loop load
-   at ``--rps`` while ``/admin/config`` switches ``shadow_fraction`` between 0 and 1 every
-   ``--segment-seconds`` (off-on, on-off, …, ``--rounds`` pairs); latencies are pooled per phase.
-   Both phases share the process and the drift of this shared VM; separate runs do not (two
-   20 s runs of the same server differed 2x in p99 on this machine). Each kind reports the pooled
-   p99 ratio on/off, a 90 % interval for it from resampling whole rounds, the per-round ratios,
-   the CPU steal per phase and what the shadow compared and dropped while on.
+   shadow (variant B in its idle-class child process). One primary server per kind takes
+   open-loop load while ``/admin/config`` switches ``shadow_fraction`` between 0 and 1 every
+   ``--segment-seconds`` (off-on, on-off, …, ``--rounds`` pairs; before each segment a pause lets
+   the last phase's copies settle); latencies are pooled per phase. Both phases share the process
+   and the drift of this shared VM; separate runs do not (two 20 s runs of the same server
+   differed 2x in p99 on this machine). Each kind reports the pooled p99 ratio on/off, a 90 %
+   interval for it from resampling whole rounds, the per-round ratios, the primary process's
+   CPU per request, the CPU steal, and what the shadow compared and dropped (by reason).
 2. Reload loop: under open-loop load, the primary is reloaded with a different bundle every
    ``--reload-every`` seconds for ``--reload-seconds``; every request must succeed.
 """

@@ -102,6 +102,8 @@ def build_shadow(settings: Settings, metrics: Metrics, variants: Variants) -> Sh
         queue_size=settings.shadow_queue,
         timeout_s=settings.shadow_timeout_ms / 1000,
         workers=settings.shadow_workers,
+        batch_texts=settings.shadow_batch_texts,
+        batch_wait_s=settings.shadow_batch_wait_ms / 1000,
     )
     shadow_log = (
         ShadowLog(settings.shadow_log, settings.shadow_log_max_bytes, settings.shadow_log_backups)
@@ -231,6 +233,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 "bundle_path": str(primary.path),
                 "execution_provider": primary.encoder.provider,
                 "cpu_priority": request.app.state.cpu_priority,
+                "ort_spinning": settings.spinning(),
                 "limits": {
                     "max_texts_per_request": settings.max_texts_per_request,
                     "max_text_bytes": settings.max_text_bytes,

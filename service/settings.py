@@ -34,7 +34,12 @@ class Settings(BaseSettings):
         "into length-sorted chunks",
     )
     max_chunk: int = Field(64, ge=1, description="most texts in one ONNX call")
-    allow_spinning: bool = Field(True, description="ONNX Runtime intra-op threads spin while waiting for work")
+    allow_spinning: bool | None = Field(
+        None,
+        description="ONNX Runtime intra-op threads spin while waiting for work. Unset: spin unless "
+        "this server holds a candidate bundle at start-up or runs idle-class — spinning threads "
+        "take the cores an in-process shadow or B would compute on",
+    )
 
     max_texts_per_request: int = Field(64, ge=1, description="most texts one /predict may carry")
     max_text_bytes: int = Field(2048, ge=1, description="most UTF-8 bytes per text")
@@ -50,7 +55,11 @@ class Settings(BaseSettings):
     shadow_url: str | None = Field(None, description="remote xmcserve as shadow; default: the in-process B")
     shadow_queue: int = Field(64, ge=1, description="most mirrored requests waiting; more are dropped")
     shadow_timeout_ms: float = Field(2000, gt=0, description="a later shadow answer is dropped")
-    shadow_workers: int = Field(4, ge=1, description="mirrored requests in flight at once")
+    shadow_workers: int = Field(4, ge=1, description="shadow calls in flight at once")
+    shadow_batch_texts: int = Field(
+        32, ge=1, description="most texts one shadow call carries (≤ a remote shadow's MAX_TEXTS_PER_REQUEST)"
+    )
+    shadow_batch_wait_ms: float = Field(20, ge=0, description="how long a shadow call waits for more copies")
     shadow_log: Path | None = Field(None, description="JSONL comparison log (rotated by size)")
     shadow_log_max_bytes: int = Field(10_000_000, ge=1024)
     shadow_log_backups: int = Field(3, ge=1, description="rotated files kept (logging rotates only with ≥ 1)")
@@ -64,12 +73,23 @@ class Settings(BaseSettings):
 
     log_level: str = "info"
 
+    def spinning(self) -> bool:
+        """Whether ONNX Runtime threads spin: ``allow_spinning`` when set, else on for a lone
+        primary (lower tail at high load, bench/results/README.md) and off beside a candidate."""
+        if self.cpu_priority == "idle":
+            return False  # an idle-class server spinning would only burn the cycles it is given
+        if self.allow_spinning is not None:
+            return self.allow_spinning
+        # A's spinning threads keep the cores B's idle-class lane would compute on: at half of
+        # A's peak the lane fell behind (7-89 % of copies compared, none dropped without
+        # spinning) and A's p99 with mirroring on read x1.27 instead of x0.97 (bench/results).
+        return self.candidate_bundle_dir is None
+
     def encoder_options(self) -> EncoderOptions:
         return EncoderOptions(
             providers=self.providers,
             intra_op_threads=self.intra_op_threads,
             call_cost_tokens=self.call_cost_tokens,
             max_chunk=self.max_chunk,
-            # an idle-class server spinning would only burn the cycles it is given
-            allow_spinning=self.allow_spinning and self.cpu_priority != "idle",
+            allow_spinning=self.spinning(),
         )

@@ -174,7 +174,8 @@ def test_a_server_can_run_idle_class(bundle_root, tmp_path):
     env = {"XMCSERVE_CPU_PRIORITY": "idle"}
     srv = start_server(bundle_root / "tiny-rae", tmp_path / "idle.log", extra_env=env)
     try:
-        assert httpx.get(f"{srv.url}/info", timeout=30).json()["cpu_priority"] == "idle"
+        info = httpx.get(f"{srv.url}/info", timeout=30).json()
+        assert info["cpu_priority"] == "idle" and info["ort_spinning"] is False
         assert os.sched_getscheduler(srv.process.pid) == os.SCHED_IDLE
         threads = list(Path(f"/proc/{srv.process.pid}/task").iterdir())
         assert len(threads) > 1 and all(os.sched_getscheduler(int(t.name)) == os.SCHED_IDLE for t in threads)

@@ -58,6 +58,32 @@ def test_mirrored_requests_are_compared_and_logged(tmp_path):
     assert lines[0]["primary_top"] == ["x", "y"] and lines[0]["shadow_top"] == ["x", "z"]
 
 
+def test_waiting_copies_share_calls_and_answers_go_back_to_their_texts(tmp_path):
+    calls = []
+
+    async def echo(req):  # each text's answer names the text, so a mix-up shows in the log
+        calls.append((len(req.texts), req.k))
+        return [[(text, 1.0)] for text in req.texts]
+
+    offers = [request([f"t{i}"]) for i in range(10)] + [request(["u0", "u1"])]
+    offers[-1].k = 5  # another k: never in the same call as k = 2
+    log = ShadowLog(tmp_path / "shadow.jsonl", 1_000_000, 1)
+    config = ShadowConfig(fraction=1.0, batch_texts=4, batch_wait_s=0.01)
+    accepted, metrics = run_mirror(echo, config, offers, shadow_log=log)
+    assert all(accepted) and metric(metrics, "xmcserve_shadow_compared_texts_total") == 12
+    assert sorted(calls) == [(2, 2), (2, 5), (4, 2), (4, 2)]
+    lines = [json.loads(x) for x in (tmp_path / "shadow.jsonl").read_text().splitlines()]
+    assert len(lines) == 12 and all(x["shadow_top"] == [x["text"]] for x in lines)
+
+
+def test_a_failed_call_counts_every_copy_it_carried():
+    async def dead(req):
+        raise ConnectionError("refused")
+
+    _, metrics = run_mirror(dead, ShadowConfig(fraction=1.0, batch_texts=8), [request()] * 5, settle_s=0.1)
+    assert metric(metrics, "xmcserve_shadow_dropped_total", reason="error") == 5
+
+
 def test_a_full_queue_drops_without_waiting():
     async def never(req):
         await asyncio.sleep(10)
