@@ -5,9 +5,12 @@ offered load, and a reload loop under load.
 
 The offered load is ``--load-share`` (0.5) of the primary's closed-loop peak, measured first.
 
-1. Shadow cost, for (a) a remote shadow xmcserve on the same machine, started with
-   ``XMCSERVE_CPU_PRIORITY=idle`` as the compose stack starts its shadow, and (b) the in-process
-   shadow (variant B in its idle-class child process). One primary server per kind takes
+1. Shadow cost, for each of ``--kinds``: ``remote``, a remote shadow xmcserve on the same machine,
+   started with ``XMCSERVE_CPU_PRIORITY=idle`` as the compose stack starts its shadow (its own
+   cores with ``--shadow-cpus``, as a shadow in its own container or node has); ``in_process``,
+   variant B in the idle-class child that yields to the primary (the default,
+   ``service.primary_gate``); ``in_process_no_yield``, the same child without the gate
+   (``XMCSERVE_SHADOW_YIELD=false``), for what the gate buys. One primary server per kind takes
    open-loop load while ``/admin/config`` switches ``shadow_fraction`` between 0 and 1 every
    ``--segment-seconds`` (off-on, on-off, …, ``--rounds`` pairs; before each segment a pause lets
    the last phase's copies settle); latencies are pooled per phase. Both phases share the process
@@ -17,6 +20,10 @@ The offered load is ``--load-share`` (0.5) of the primary's closed-loop peak, me
    CPU per request, the CPU steal, and what the shadow compared and dropped (by reason).
 2. Reload loop: under open-loop load, the primary is reloaded with a different bundle every
    ``--reload-every`` seconds for ``--reload-seconds``; every request must succeed.
+
+``--primary-cpus``, ``--shadow-cpus`` and ``--loadgen-cpus`` (e.g. ``0-1``) pin the primary server,
+the remote shadow server and this process (the load generator) to cores, on a machine with cores
+to spare; by default nothing is pinned and everything shares the machine.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from bench.localserver import start_server, stop_server
 from training.data import load_jsonl_split
 
 TOKEN = "bench-admin-token"
+KINDS = ("remote", "in_process", "in_process_no_yield")
 SHADOW_COUNTERS = ("xmcserve_shadow_compared_texts_total", "xmcserve_shadow_dropped_total")
 
 
@@ -91,12 +99,33 @@ def set_shadow_fraction(url: str, fraction: float) -> None:
     ).raise_for_status()
 
 
-def interleaved_run(bundle: Path, bodies, rps: float, segment_s: float, rounds: int, env: dict, logs: Path, name: str):
+def parse_cpus(text: str | None) -> set[int] | None:
+    """``"0-1,4"`` → {0, 1, 4}; None or ``""`` → None (not pinned)."""
+    if not text:
+        return None
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def interleaved_run(
+    bundle: Path,
+    bodies,
+    rps: float,
+    segment_s: float,
+    rounds: int,
+    env: dict,
+    logs: Path,
+    name: str,
+    cpus: set[int] | None = None,
+):
     """One primary server; ``shadow_fraction`` switched between 0 and 1 every ``segment_s``
     (off-on, on-off, …), the open-loop latencies pooled per phase (see the module docstring)."""
     env = {**env, "XMCSERVE_ADMIN_TOKEN": TOKEN, "XMCSERVE_SHADOW_FRACTION": "0.0"}
     settle_s = float(env.get("XMCSERVE_SHADOW_TIMEOUT_MS", 2000)) / 1000 + 0.5
-    server = start_server(bundle, logs / f"{name}.log", extra_env=env)
+    server = start_server(bundle, logs / f"{name}.log", extra_env=env, cpus=cpus)
     per_round: list[dict[str, np.ndarray]] = []
     steal = {"off": [0, 0], "on": [0, 0]}
     counters: dict[str, dict[str, float]] = {"off": {}, "on": {}}
@@ -161,10 +190,10 @@ def interleaved_run(bundle: Path, bodies, rps: float, segment_s: float, rounds: 
     return row
 
 
-def measure_peak(bundle: Path, bodies, logs: Path, seconds: float = 10.0) -> float:
+def measure_peak(bundle: Path, bodies, logs: Path, seconds: float = 10.0, cpus: set[int] | None = None) -> float:
     """Closed-loop q/s of the primary alone (32 connections): the offered load is a share of it,
     so the benchmark asks the same of a fast and a slow moment of this VM."""
-    server = start_server(bundle, logs / "peak.log")
+    server = start_server(bundle, logs / "peak.log", cpus=cpus)
     try:
         asyncio.run(closed_loop(server.url, bodies, 8, 3.0))  # warm-up
         return asyncio.run(closed_loop(server.url, bodies, 32, seconds)).summary()["qps"]
@@ -196,10 +225,19 @@ async def reload_loop(url: str, relative: list[str], every_s: float, seconds: fl
     return events
 
 
-def reload_run(bundle: Path, alt: Path, bodies, rps: float, every_s: float, seconds: float, logs: Path) -> dict:
+def reload_run(
+    bundle: Path,
+    alt: Path,
+    bodies,
+    rps: float,
+    every_s: float,
+    seconds: float,
+    logs: Path,
+    cpus: set[int] | None = None,
+) -> dict:
     root = bundle.resolve().parent
     env = {"XMCSERVE_BUNDLE_ROOT": str(root), "XMCSERVE_ADMIN_TOKEN": TOKEN}
-    server = start_server(bundle, logs / "reload.log", extra_env=env)
+    server = start_server(bundle, logs / "reload.log", extra_env=env, cpus=cpus)
     names = [alt.resolve().relative_to(root).as_posix(), bundle.resolve().relative_to(root).as_posix()]
 
     async def both():
@@ -241,52 +279,61 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30, help="off/on pairs per shadow kind")
     parser.add_argument("--reload-every", type=float, default=4.0)
     parser.add_argument("--reload-seconds", type=float, default=60.0)
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    parser.add_argument("--primary-cpus", default=None, help="pin the primary server, e.g. 0-1")
+    parser.add_argument("--shadow-cpus", default=None, help="pin the remote shadow server, e.g. 2-3")
+    parser.add_argument("--loadgen-cpus", default=None, help="pin this process (the load generator)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/ab-shadow.json"))
     args = parser.parse_args()
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        parser.error(f"unknown kinds {unknown}; expected some of {', '.join(KINDS)}")
+    primary_cpus, shadow_cpus = parse_cpus(args.primary_cpus), parse_cpus(args.shadow_cpus)
+    if loadgen_cpus := parse_cpus(args.loadgen_cpus):
+        os.sched_setaffinity(0, loadgen_cpus)
     bodies = [json.dumps({"text": t, "k": 10}).encode() for t in load_jsonl_split(args.data, "dev").texts]
     logs = Path("/tmp/xmcserve-bench")
     logs.mkdir(exist_ok=True)
 
-    peak = measure_peak(args.bundle, bodies, logs) if args.rps is None else None
+    peak = measure_peak(args.bundle, bodies, logs, cpus=primary_cpus) if args.rps is None else None
     args.rps = args.rps or round(args.load_share * peak, 1)
-    result = {"peak_qps": peak, "offered_rps": args.rps, "segment_seconds": args.segment_seconds, "rounds": args.rounds}
+    result = {
+        "peak_qps": peak,
+        "offered_rps": args.rps,
+        "segment_seconds": args.segment_seconds,
+        "rounds": args.rounds,
+        "cpus": {"primary": args.primary_cpus, "shadow": args.shadow_cpus, "loadgen": args.loadgen_cpus},
+        "machine_cpus": os.cpu_count(),
+    }
     print("offered", args.rps, "q/s; peak", peak, flush=True)
-    shadow = start_server(args.alt_bundle, logs / "remote-shadow.log", extra_env={"XMCSERVE_CPU_PRIORITY": "idle"})
-    try:
-        result["remote_shadow"] = interleaved_run(
-            args.bundle,
-            bodies,
-            args.rps,
-            args.segment_seconds,
-            args.rounds,
-            {"XMCSERVE_SHADOW_URL": shadow.url},
-            logs,
-            "remote",
+
+    def run_kind(kind: str, env: dict) -> None:
+        result[f"{kind}_shadow" if kind == "remote" else kind] = interleaved_run(
+            args.bundle, bodies, args.rps, args.segment_seconds, args.rounds, env, logs, kind, primary_cpus
         )
-    finally:
-        stop_server(shadow)
-    result["in_process_shadow"] = interleaved_run(
-        args.bundle,
-        bodies,
-        args.rps,
-        args.segment_seconds,
-        args.rounds,
-        {"XMCSERVE_CANDIDATE_BUNDLE_DIR": str(args.alt_bundle)},
-        logs,
-        "in-process",
-    )
+
+    if "remote" in kinds:
+        shadow = start_server(
+            args.alt_bundle, logs / "remote-shadow.log", extra_env={"XMCSERVE_CPU_PRIORITY": "idle"}, cpus=shadow_cpus
+        )
+        try:
+            run_kind("remote", {"XMCSERVE_SHADOW_URL": shadow.url})
+        finally:
+            stop_server(shadow)
+    candidate = {"XMCSERVE_CANDIDATE_BUNDLE_DIR": str(args.alt_bundle)}
+    if "in_process" in kinds:
+        run_kind("in_process", {**candidate, "XMCSERVE_SHADOW_YIELD": "true"})
+    if "in_process_no_yield" in kinds:
+        run_kind("in_process_no_yield", {**candidate, "XMCSERVE_SHADOW_YIELD": "false"})
     result["reload_loop"] = reload_run(
-        args.bundle, args.alt_bundle, bodies, args.rps / 2, args.reload_every, args.reload_seconds, logs
+        args.bundle, args.alt_bundle, bodies, args.rps / 2, args.reload_every, args.reload_seconds, logs, primary_cpus
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(
-        json.dumps(
-            {f"p99_ratio_{kind}": result[kind]["p99_ratio"] for kind in ("remote_shadow", "in_process_shadow")}
-            | {"reload_failed_requests": result["reload_loop"]["failed_requests"]},
-            indent=2,
-        )
-    )
+    rows = {key: row for key, row in result.items() if isinstance(row, dict) and "p99_ratio" in row}
+    ratios = {f"p99_ratio_{key}": row["p99_ratio"] for key, row in rows.items()}
+    print(json.dumps(ratios | {"reload_failed_requests": result["reload_loop"]["failed_requests"]}, indent=2))
 
 
 if __name__ == "__main__":

@@ -37,8 +37,10 @@ def start_server(
     timeout_s: float = 90,
     app: str = "service.app:create_app",
     nice: int = 0,
+    cpus: set[int] | None = None,
 ) -> Server:
-    """Start ``uvicorn <app> --factory`` on a free loopback port serving ``bundle_dir``; wait for /readyz."""
+    """Start ``uvicorn <app> --factory`` on a free loopback port serving ``bundle_dir``; wait for
+    /readyz. ``cpus`` pins the server (and every thread and child it starts) to those cores."""
     port = free_port()
     env = {**os.environ, "XMCSERVE_BUNDLE_DIR": str(bundle_dir), **(extra_env or {})}
     with open(log_path, "w") as log_fh:  # the child keeps its own copy of the descriptor
@@ -60,6 +62,7 @@ def start_server(
             env=env,
             stdout=log_fh,
             stderr=subprocess.STDOUT,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
         )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s

@@ -23,6 +23,7 @@ from service.batcher import BatchAnswer, BatcherConfig, BatcherStoppedError, Que
 from service.bundle import BundleError
 from service.cpu_priority import yield_cpu_process
 from service.metrics import Metrics
+from service.primary_gate import PrimaryActivity
 from service.schemas import PredictResponse, build_predict_request
 from service.settings import Settings
 from service.shadow import ShadowConfig, ShadowLog, ShadowMirror, ShadowRequest, ranked, remote_shadow
@@ -39,11 +40,13 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 class RequestMetricsMiddleware:
     """Latency histogram by route template (not raw path: bounded label cardinality), status and
-    the variant that answered (``-`` for endpoints that do not predict)."""
+    the variant that answered (``-`` for endpoints that do not predict); every request also counts
+    in ``activity``, which the in-process shadow yields to."""
 
-    def __init__(self, app, metrics: Metrics):
+    def __init__(self, app, metrics: Metrics, activity: PrimaryActivity):
         self.app = app
         self.metrics = metrics
+        self.activity = activity
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -59,9 +62,11 @@ class RequestMetricsMiddleware:
 
         start = time.perf_counter()
         self.metrics.in_flight.inc()
+        self.activity.enter()
         try:
             await self.app(scope, receive, send_with_status)
         finally:
+            self.activity.leave()
             self.metrics.in_flight.dec()
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
@@ -96,7 +101,7 @@ def to_response(answer: BatchAnswer, variant: str, k: int, ef: int) -> Response:
     return Response(json.dumps(body, ensure_ascii=False, allow_nan=False), media_type="application/json")
 
 
-def build_shadow(settings: Settings, metrics: Metrics, variants: Variants) -> ShadowMirror:
+def build_shadow(settings: Settings, metrics: Metrics, variants: Variants, activity: PrimaryActivity) -> ShadowMirror:
     config = ShadowConfig(
         fraction=settings.shadow_fraction,
         queue_size=settings.shadow_queue,
@@ -114,9 +119,14 @@ def build_shadow(settings: Settings, metrics: Metrics, variants: Variants) -> Sh
         call, close = remote_shadow(settings.shadow_url, config.timeout_s)
         return ShadowMirror(call, config, metrics, settings.shadow_url, shadow_log, close=close)
 
-    # In process, B computes in an idle-priority child process (see service.shadow_lane).
+    # In process, B computes in an idle-class child process that yields to this server's requests
+    # (see service.shadow_lane and service.primary_gate).
     lane = ShadowLane(
-        lambda: variants[CANDIDATE].predictor, settings.encoder_options(), settings.verify_checksums, config.timeout_s
+        lambda: variants[CANDIDATE].predictor,
+        settings.encoder_options(),
+        settings.verify_checksums,
+        config.timeout_s,
+        activity if settings.shadow_yield else None,
     )
     return ShadowMirror(lane.call, config, metrics, "B", shadow_log, close=lane.close, warm=lane.warm)
 
@@ -124,6 +134,7 @@ def build_shadow(settings: Settings, metrics: Metrics, variants: Variants) -> Sh
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     metrics = Metrics()
+    activity = PrimaryActivity()
     PredictRequest = build_predict_request(settings)
 
     @asynccontextmanager
@@ -153,7 +164,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             except BundleError as exc:
                 log.error("candidate bundle refused, serving A only: %s", exc)
         variants.start()
-        state.shadow = build_shadow(settings, metrics, variants)
+        state.shadow = build_shadow(settings, metrics, variants, activity)
         state.shadow.start()
         app.state.serving = state
         log.info("serving bundle %s on %s", predictor.bundle.bundle_id, predictor.bundle.encoder.provider)
@@ -171,7 +182,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.serving = None
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics, activity=activity)
 
     @app.post("/predict", response_model=PredictResponse)
     async def predict(body: PredictRequest, request: Request) -> Response:  # type: ignore[valid-type]

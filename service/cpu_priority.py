@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Collection
 from typing import Literal
 
 CpuPriority = Literal["normal", "idle"]
@@ -31,16 +32,19 @@ def yield_cpu(pid: int = 0) -> str:
         return "normal"
 
 
-def yield_cpu_process() -> str:
+def yield_cpu_process(keep: Collection[int] = ()) -> str:
     """:func:`yield_cpu` for every thread this process has (thread pools that numerical
-    libraries started at import included) and, through inheritance, every later one."""
+    libraries started at import included) and, through inheritance, every later one, except the
+    threads whose native ids are in ``keep`` (a watcher that must react at normal priority: an
+    idle-class thread that wakes does not preempt a running one)."""
     got = yield_cpu()
     try:
         threads = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:  # no procfs: the calling thread (and its future children) only
         return got
     for tid in threads:
-        yield_cpu(tid)
+        if tid not in keep:
+            yield_cpu(tid)
     return got
 
 

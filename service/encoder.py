@@ -129,8 +129,9 @@ class OnnxEncoder:
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(texts)]
 
-    def run(self, token_ids: list[list[int]]) -> np.ndarray:
-        """One session call on a chunk, padded to its longest text."""
+    def run(self, token_ids: list[list[int]], run_options: ort.RunOptions | None = None) -> np.ndarray:
+        """One session call on a chunk, padded to its longest text; ``run_options`` lets another
+        thread abort it (``terminate``)."""
         longest = max(len(ids) for ids in token_ids)
         input_ids = np.full((len(token_ids), longest), self.pad_id, dtype=np.int64)
         mask = np.zeros((len(token_ids), longest), dtype=np.int64)
@@ -138,9 +139,9 @@ class OnnxEncoder:
             input_ids[row, : len(ids)] = ids
             mask[row, : len(ids)] = 1
         feeds = {"input_ids": input_ids, "attention_mask": mask}
-        return self.session.run(None, {name: feeds[name] for name in self.input_names})[0]
+        return self.session.run(None, {name: feeds[name] for name in self.input_names}, run_options)[0]
 
-    def encode(self, texts: list[str]) -> tuple[np.ndarray, EncodeTimes]:
+    def encode(self, texts: list[str], run_options: ort.RunOptions | None = None) -> tuple[np.ndarray, EncodeTimes]:
         """Vectors in input order: tokenise once, then one session call per length-sorted chunk."""
         t0 = time.perf_counter()
         token_ids = self.tokenize(texts)
@@ -150,7 +151,7 @@ class OnnxEncoder:
         out: np.ndarray | None = None
         for start, end in plan_chunks(lengths, self.options.call_cost_tokens, self.options.max_chunk):
             rows = order[start:end]
-            vectors = self.run([token_ids[i] for i in rows])
+            vectors = self.run([token_ids[i] for i in rows], run_options)
             if out is None:
                 out = np.empty((len(texts), vectors.shape[1]), dtype=np.float32)
             out[rows] = vectors

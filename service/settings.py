@@ -60,6 +60,11 @@ class Settings(BaseSettings):
         32, ge=1, description="most texts one shadow call carries (≤ a remote shadow's MAX_TEXTS_PER_REQUEST)"
     )
     shadow_batch_wait_ms: float = Field(20, ge=0, description="how long a shadow call waits for more copies")
+    shadow_yield: bool = Field(
+        True,
+        description="the in-process shadow computes only while this server has no request in flight, "
+        "and aborts its ONNX call when one arrives (false: whenever the idle CPU class lets it)",
+    )
     shadow_log: Path | None = Field(None, description="JSONL comparison log (rotated by size)")
     shadow_log_max_bytes: int = Field(10_000_000, ge=1024)
     shadow_log_backups: int = Field(3, ge=1, description="rotated files kept (logging rotates only with ≥ 1)")

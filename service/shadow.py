@@ -242,7 +242,7 @@ class ShadowMirror:
         started = time.perf_counter()
         try:
             shadow = await asyncio.wait_for(self._call(merged(batch)), self.config.timeout_s)
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, TimeoutError):  # the shadow's own give-up (deadline) counts the same
             self._metrics.shadow_dropped.labels(reason="timeout").inc(len(batch))
             return
         except Exception as exc:  # a dead or failing shadow is counted, never raised

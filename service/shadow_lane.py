@@ -1,17 +1,22 @@
-"""The in-process shadow's compute: variant B's bundle in a child process in the OS's idle CPU class.
+"""The in-process shadow's compute: variant B's bundle in a child process that yields to the primary.
 
 Why a process and not a thread: an idle-class *thread* shares the interpreter lock with the
 primary. It gets preempted while holding it whenever the primary's threads want both cores, and
 the primary then waits for a thread that cannot run (measured: the primary's p99 3.4x worse at
-100 q/s). A child process has its own lock and runs only on a core nothing else wants, so
-mirroring all of A's traffic cannot slow A: under load the copies wait, expire and are counted
-as dropped.
+100 q/s). A child process has its own lock.
+
+Why more than the idle CPU class: the child computed on the core the primary's single-threaded
+stages left free and evicted the primary's weights from the shared caches (the primary's p99 x3.9
+at half its peak). So, with a :class:`~service.primary_gate.PrimaryActivity` (the default), the
+child computes a copy in units of :data:`CHUNK_TEXTS` texts, each started only while the primary
+has no request in flight and aborted the moment one arrives (:class:`~service.primary_gate.PrimaryGate`).
+Under load the copies wait, expire and are counted as dropped (``timeout``): mirroring all of A's
+traffic takes only the moments A is idle.
 
 The child loads the bundle that slot B holds (each copy names it by path and bundle id, so a
-reload or promotion of B is followed on the next copy), batches the copies pending together,
-skips those past their deadline and answers (uid, score) rankings. It holds a second copy of B
-in memory. A child that dies fails its pending copies (counted by the mirror) and is started
-again on the next copy.
+reload or promotion of B is followed on the next copy), skips copies past their deadline and
+answers (uid, score) rankings. It holds a second copy of B in memory. A child that dies fails
+its pending copies (counted by the mirror) and is started again on the next copy.
 """
 
 from __future__ import annotations
@@ -25,25 +30,33 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from service.batcher import predict_jobs
+import numpy as np
+import onnxruntime as ort
+
 from service.bundle import load_bundle
-from service.cpu_priority import yield_cpu, yield_cpu_process
 from service.encoder import EncoderOptions
+from service.primary_gate import PrimaryActivity, PrimaryGate, lane_entry
 from service.search import Predictor
 from service.shadow import Ranked, ShadowRequest, ranked
 
 log = logging.getLogger(__name__)
 
-# texts the child puts in one batch at most
-MAX_BATCH_TEXTS = 64
+# Texts per unit of shadow work: one ONNX call that a quiet moment of the primary can hold
+# (a few milliseconds on one core) and whose abort wastes little.
+CHUNK_TEXTS = 8
+EXPIRED = "expired: the primary had no quiet moment before the copy's deadline"
 
 
 class ShadowLaneError(RuntimeError):
     """The lane could not compute a copy (no candidate, bundle refused, child gone)."""
+
+
+class ShadowLaneExpired(ShadowLaneError, TimeoutError):
+    """The copy's deadline passed before the primary left the child a quiet moment."""
 
 
 @dataclass
@@ -64,9 +77,17 @@ class ShadowLane:
     """Parent side: :meth:`call` sends a copy to the child and awaits its rankings."""
 
     def __init__(
-        self, candidate: Callable[[], Predictor | None], options: EncoderOptions, verify: bool, timeout_s: float
+        self,
+        candidate: Callable[[], Predictor | None],
+        options: EncoderOptions,
+        verify: bool,
+        timeout_s: float,
+        activity: PrimaryActivity | None = None,
     ):
+        """``activity``: the serving process's requests in flight; the child computes only while
+        there are none (None: it computes whenever the idle CPU class lets it)."""
         self._candidate = candidate
+        self._activity = activity
         # The child is idle-class: its intra-op threads may use every core nothing else wants,
         # spinning would only burn what the primary leaves.
         self._options = replace(options, allow_spinning=False)
@@ -91,12 +112,16 @@ class ShadowLane:
                 return
             context = multiprocessing.get_context("spawn")  # no forked copy of the server's threads
             parent, child = context.Pipe()
+            shared = self._activity.shared if self._activity is not None else None
+            # The options travel as a dict: unpickling an EncoderOptions would import ONNX Runtime
+            # before lane_entry has moved the child to the idle class.
             self._process = context.Process(
-                target=lane_main, args=(child, self._options, self._verify), name="xmcserve-shadow-lane", daemon=True
+                target=lane_entry,
+                args=(child, shared, asdict(self._options), self._verify),
+                name="xmcserve-shadow-lane",
+                daemon=True,
             )
             self._process.start()
-            # At once, before the child's imports and bundle load: those run idle-class too.
-            yield_cpu(self._process.pid)
             child.close()
             self._conn = parent
         threading.Thread(target=self._receive_loop, args=(parent,), name="xmcserve-shadow-recv", daemon=True).start()
@@ -165,7 +190,7 @@ class ShadowLane:
                 copy_id, outcome = conn.recv()
             except (EOFError, OSError):
                 break
-            self._settle(copy_id, ShadowLaneError(outcome) if isinstance(outcome, str) else outcome)
+            self._settle(copy_id, _outcome(outcome))
         if not self._closed:
             log.warning("shadow lane process exited; it restarts on the next copy")
         self._fail_waiting("shadow lane process exited")
@@ -183,6 +208,13 @@ class ShadowLane:
             self._settle(copy_id, ShadowLaneError(reason))
 
 
+def _outcome(sent):
+    """Rankings, or the child's error message as the exception the mirror counts."""
+    if not isinstance(sent, str):
+        return sent
+    return ShadowLaneExpired(sent) if sent == EXPIRED else ShadowLaneError(sent)
+
+
 def _set_outcome(future: asyncio.Future, outcome) -> None:
     if future.done():  # the mirror's timeout cancelled it
         return
@@ -195,44 +227,52 @@ def _set_outcome(future: asyncio.Future, outcome) -> None:
 # ---------------------------------------------------------------- child process
 
 
-def lane_main(conn: Connection, options: EncoderOptions, verify: bool) -> None:
-    """The child: idle CPU class first (every thread it starts inherits it), then copies until
-    the parent goes away. Outcomes are rankings or an error message (str)."""
-    yield_cpu_process()
+def lane_main(conn: Connection, gate: PrimaryGate, options: EncoderOptions, verify: bool) -> None:
+    """The child's loop (entered through :func:`~service.primary_gate.lane_entry`, idle-class):
+    copies until the parent goes away. Outcomes are rankings or an error message (str)."""
     loaded: tuple[str, str, Predictor] | None = None  # (path, bundle id, predictor)
-    while (batch := _next_batch(conn)) is not None:
-        now = time.monotonic()
-        live = [c for c in batch if c.deadline > now]
-        for copy in batch:
-            if copy.deadline <= now:
-                conn.send((copy.copy_id, "expired before the shadow had a free core"))
-        for key, copies in itertools.groupby(live, key=lambda c: (c.bundle_path, c.bundle_id)):
-            copies = list(copies)
-            try:
-                if loaded is None or loaded[:2] != key:
-                    loaded = (*key, _load(Path(key[0]), key[1], options, verify))
-                outcomes = [[] for _ in copies]  # a copy without texts only loads (warm)
-                asked = [i for i, c in enumerate(copies) if c.texts]
-                if asked:
-                    per_copy, _, _ = predict_jobs(loaded[2], [copies[i] for i in asked])
-                    for i, rankings in zip(asked, per_copy, strict=True):
-                        outcomes[i] = ranked(rankings, loaded[2].bundle.label_uids)
-            except Exception as exc:  # reported per copy; the lane keeps running
-                outcomes = [f"{type(exc).__name__}: {exc}"] * len(copies)
-            for copy, outcome in zip(copies, outcomes, strict=True):
-                conn.send((copy.copy_id, outcome))
+    while True:
+        try:
+            copy: _Copy = conn.recv()
+        except (EOFError, OSError):
+            return
+        if copy.deadline <= time.monotonic():
+            conn.send((copy.copy_id, EXPIRED))
+            continue
+        try:
+            key = (copy.bundle_path, copy.bundle_id)
+            if loaded is None or loaded[:2] != key:
+                loaded = (*key, _load(Path(copy.bundle_path), copy.bundle_id, options, verify))
+            outcome = _answer(loaded[2], copy, gate) if copy.texts else []  # a copy without texts only loads
+        except Exception as exc:  # reported per copy; the lane keeps running
+            outcome = f"{type(exc).__name__}: {exc}"
+        conn.send((copy.copy_id, outcome))
 
 
-def _next_batch(conn: Connection) -> list[_Copy] | None:
-    try:
-        first = conn.recv()
-    except (EOFError, OSError):
-        return None
-    batch, texts = [first], len(first.texts)
-    while texts < MAX_BATCH_TEXTS and conn.poll(0):
-        batch.append(conn.recv())
-        texts += len(batch[-1].texts)
-    return batch
+def _answer(predictor: Predictor, copy: _Copy, gate: PrimaryGate) -> Ranked | str:
+    """The candidate's rankings of one copy, computed in the primary's quiet moments."""
+    parts = []
+    for start in range(0, len(copy.texts), CHUNK_TEXTS):
+        vectors = _encode_when_quiet(predictor, copy.texts[start : start + CHUNK_TEXTS], gate, copy.deadline)
+        if vectors is None:
+            return EXPIRED
+        parts.append(vectors)
+    if not gate.wait_for_quiet(copy.deadline):
+        return EXPIRED
+    exclude = [predictor.bundle.label_ids(e) for e in copy.exclude]
+    prediction = predictor.search(np.concatenate(parts), copy.k, copy.ef, exclude)
+    return ranked(prediction.rankings, predictor.bundle.label_uids)
+
+
+def _encode_when_quiet(predictor: Predictor, texts: list[str], gate: PrimaryGate, deadline: float):
+    """Vectors of ``texts``, encoded again after every abort; None once ``deadline`` passes."""
+    encoder = predictor.bundle.encoder
+    while gate.wait_for_quiet(deadline):
+        run_options = ort.RunOptions()
+        vectors = gate.run(run_options, lambda options=run_options: encoder.encode(texts, options)[0])
+        if vectors is not None:
+            return vectors
+    return None
 
 
 def _load(path: Path, bundle_id: str, options: EncoderOptions, verify: bool) -> Predictor:

@@ -1,0 +1,200 @@
+"""The in-process shadow yields to the primary: shadow work runs only while the primary is quiet.
+
+The idle CPU class alone does not keep a co-located shadow off the primary's latency: an idle-class
+process still computes on the core the primary's single-threaded stages (HTTP, tokenizer, HNSW)
+leave free, and its model weights and activations evict the primary's from the shared caches
+(measured: the primary's p99 x3.9 at half its peak with the shadow lane comparing half the copies).
+So the shadow child also watches the primary's activity through shared memory:
+
+* :class:`PrimaryActivity` (server process): HTTP requests in flight and when the last one ended,
+  written by the event loop at every request's start and end (plain stores; a one-byte pipe write
+  when the primary goes idle while the shadow waits for it).
+* :class:`PrimaryGate` (shadow child): a unit of shadow work starts only after the primary has had
+  no request in flight for ``quiet_s``; waiting costs no CPU (the child sleeps on the pipe); while
+  a unit runs, a watcher thread at normal priority polls the activity and aborts the ONNX Runtime
+  call through its ``RunOptions.terminate`` flag the moment a request arrives. The interrupted
+  unit is computed again at the next quiet moment, or dropped as expired at its deadline.
+
+This module imports nothing heavy: :func:`lane_entry` is the child's entry point, and it starts the
+watcher and moves the rest of the process to the idle class *before* the child imports ONNX
+Runtime and loads a bundle, so all of that runs idle-class too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import os
+import select
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, TypeVar
+
+from service.cpu_priority import yield_cpu_process
+
+T = TypeVar("T")
+
+# How long the primary must have been without a request before a unit of shadow work starts.
+# Requests of one burst arrive a few hundred microseconds apart: starting in such a gap would
+# only be aborted again.
+QUIET_S = 0.002
+# How often the watcher looks at the primary while shadow work runs (its abort latency).
+WATCH_INTERVAL_S = 0.0005
+# A waiting shadow sleeps on the wake-up pipe; it also looks again this often, in case a wake-up
+# crossed its going to sleep (the two sides' flags are plain stores, not a lock).
+RECHECK_S = 0.05
+
+
+@dataclass
+class SharedActivity:
+    """What the child maps (a ``Process`` argument under spawn: the values are shared memory, the
+    connection's descriptor is duplicated into the child)."""
+
+    in_flight: Any  # RawValue(c_int32): requests in flight
+    quiet_since: Any  # RawValue(c_double): time.monotonic() when the last one ended
+    waiting: Any  # RawValue(c_int32): 1 while the child sleeps until the primary is idle
+    wake: Connection  # read end of the wake-up pipe
+
+
+class PrimaryActivity:
+    """The serving process's requests in flight, in shared memory a spawned child can map.
+
+    Only the event loop thread writes (``enter``/``leave``), so plain stores suffice; readers in
+    other processes tolerate a stale or torn value (it only moves one scheduling decision).
+    """
+
+    def __init__(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        read_end, self._wake_fd = os.pipe()
+        os.set_blocking(self._wake_fd, False)
+        self.shared = SharedActivity(
+            in_flight=context.RawValue(ctypes.c_int32, 0),
+            quiet_since=context.RawValue(ctypes.c_double, time.monotonic()),
+            waiting=context.RawValue(ctypes.c_int32, 0),
+            wake=Connection(read_end, writable=False),
+        )
+
+    def enter(self) -> None:
+        self.shared.in_flight.value += 1
+
+    def leave(self) -> None:
+        shared = self.shared
+        shared.in_flight.value -= 1
+        if shared.in_flight.value <= 0:
+            shared.quiet_since.value = time.monotonic()
+            if shared.waiting.value:
+                with contextlib.suppress(OSError):  # full: a wake-up is pending anyway
+                    os.write(self._wake_fd, b"\0")
+
+    @property
+    def in_flight(self) -> int:
+        return self.shared.in_flight.value
+
+
+class PrimaryGate:
+    """Child side. With ``shared=None`` (yielding off) every check passes and nothing is aborted."""
+
+    def __init__(
+        self,
+        shared: SharedActivity | None,
+        quiet_s: float = QUIET_S,
+        watch_interval_s: float = WATCH_INTERVAL_S,
+    ):
+        self._shared = shared
+        self._in_flight = shared.in_flight if shared is not None else None
+        self._quiet_since = shared.quiet_since if shared is not None else None
+        if shared is not None:
+            os.set_blocking(shared.wake.fileno(), False)
+        self.quiet_s = quiet_s
+        self._watch_interval_s = watch_interval_s
+        self._run_options: Any = None
+        self._running = threading.Event()
+        self.interrupted = 0  # units aborted because the primary got a request
+        self.watcher: threading.Thread | None = None
+        if self._in_flight is not None:
+            self.watcher = threading.Thread(target=self._watch, name="xmcserve-shadow-gate", daemon=True)
+            self.watcher.start()
+
+    @property
+    def enabled(self) -> bool:
+        return self._in_flight is not None
+
+    def primary_busy(self) -> bool:
+        return self._in_flight is not None and self._in_flight.value > 0
+
+    def quiet(self) -> bool:
+        """No primary request in flight, and none for ``quiet_s``."""
+        if self._in_flight is None:
+            return True
+        return self._in_flight.value <= 0 and time.monotonic() - self._quiet_since.value >= self.quiet_s
+
+    def wait_for_quiet(self, deadline: float) -> bool:
+        """Block until the primary is quiet (True) or ``deadline`` (``time.monotonic``) passes (False)."""
+        while not self.quiet():
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            if self._in_flight.value <= 0:  # idle, not yet for quiet_s
+                time.sleep(min(deadline, self._quiet_since.value + self.quiet_s) - now)
+            else:
+                self._sleep_until_idle(min(deadline - now, RECHECK_S))
+        return True
+
+    def _sleep_until_idle(self, timeout_s: float) -> None:
+        shared = self._shared
+        shared.waiting.value = 1
+        try:
+            if shared.in_flight.value > 0:  # looked at after raising the flag: leave() sees one or the other
+                select.select([shared.wake.fileno()], [], [], max(0.0, timeout_s))
+            try:
+                while os.read(shared.wake.fileno(), 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        finally:
+            shared.waiting.value = 0
+
+    def run(self, run_options: Any, work: Callable[[], T]) -> T | None:
+        """``work()``, aborted through ``run_options.terminate`` (an ONNX Runtime ``RunOptions``
+        that ``work`` passes to its session calls) if the primary gets a request meanwhile;
+        None when it was aborted."""
+        self._run_options = run_options
+        self._running.set()
+        try:
+            return work()
+        except Exception:
+            if getattr(run_options, "terminate", False):
+                self.interrupted += 1
+                return None
+            raise
+        finally:
+            self._running.clear()
+            self._run_options = None
+
+    def _watch(self) -> None:
+        while True:
+            self._running.wait()
+            while self._running.is_set():
+                options = self._run_options
+                if options is not None and self._in_flight.value > 0:
+                    options.terminate = True
+                time.sleep(self._watch_interval_s)
+
+
+def lane_entry(conn, activity: SharedActivity | None, options: dict, verify: bool) -> None:
+    """The shadow child's entry point (``multiprocessing`` spawn target).
+
+    The gate's watcher starts first and keeps the normal CPU class, which an unprivileged process
+    could not get back once it had yielded; everything else, the imports of ONNX Runtime and the
+    bundle load included, then runs in the idle class.
+    """
+    gate = PrimaryGate(activity)
+    yield_cpu_process(keep={gate.watcher.native_id} if gate.watcher else ())
+    from service.encoder import EncoderOptions
+    from service.shadow_lane import lane_main
+
+    lane_main(conn, gate, EncoderOptions(**options), verify)

@@ -1,0 +1,172 @@
+"""The in-process shadow yields to the primary: shadow work waits for a quiet primary and is
+aborted (ONNX Runtime's terminate flag) the moment a primary request arrives."""
+
+import asyncio
+import os
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from service.bundle import load_bundle
+from service.encoder import EncoderOptions
+from service.primary_gate import PrimaryActivity, PrimaryGate
+from service.search import Predictor
+from service.shadow import ShadowRequest
+from service.shadow_lane import ShadowLane, ShadowLaneExpired
+
+TEXTS = ["python3-numpy: fast arrays for Python", "libc6: GNU C Library: Shared libraries"]
+
+
+def test_activity_counts_requests_and_when_the_last_one_ended():
+    activity = PrimaryActivity()
+    gate = PrimaryGate(activity.shared, quiet_s=0.05)
+    time.sleep(0.06)
+    assert gate.quiet()
+    activity.enter()
+    activity.enter()
+    activity.leave()
+    assert activity.in_flight == 1 and gate.primary_busy() and not gate.quiet()
+    activity.leave()
+    assert activity.in_flight == 0 and not gate.primary_busy()
+    assert not gate.quiet()  # idle, but not for quiet_s yet
+    assert gate.wait_for_quiet(time.monotonic() + 5)
+    assert gate.quiet()
+
+
+def test_wait_for_quiet_gives_up_at_the_deadline_while_the_primary_is_busy():
+    activity = PrimaryActivity()
+    activity.enter()
+    gate = PrimaryGate(activity.shared, quiet_s=0.0)
+    started = time.monotonic()
+    assert not gate.wait_for_quiet(started + 0.05)
+    assert 0.05 <= time.monotonic() - started < 2
+
+
+def test_a_waiting_shadow_sleeps_until_the_primary_goes_idle():
+    activity = PrimaryActivity()
+    gate = PrimaryGate(activity.shared, quiet_s=0.01)
+    activity.enter()
+    seen = {}
+
+    def wait():
+        cpu = time.thread_time()
+        seen["quiet"] = gate.wait_for_quiet(time.monotonic() + 10)
+        seen["cpu_s"] = time.thread_time() - cpu
+        seen["at"] = time.monotonic()
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive()  # still waiting: the primary has a request in flight
+    left = time.monotonic()
+    activity.leave()  # the idle transition writes the wake-up byte
+    waiter.join(10)
+    assert seen["quiet"]
+    assert seen["at"] - left < 0.2  # woken by leave(), then quiet_s, not by a late re-check
+    assert seen["cpu_s"] < 0.1  # asleep while waiting, not polling
+
+
+def test_disabled_gate_never_waits_or_aborts():
+    gate = PrimaryGate(None)
+    assert not gate.enabled and gate.watcher is None and gate.quiet()
+    options = SimpleNamespace(terminate=False)
+    assert gate.run(options, lambda: 42) == 42
+
+
+def abortable_work(options, limit_s=10.0):
+    """Stands in for an ONNX call: runs until its terminate flag is set (or ``limit_s``)."""
+
+    def work():
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            if options.terminate:
+                raise RuntimeError("Exiting due to terminate flag being set to true.")
+            time.sleep(0.0005)
+        return "finished"
+
+    return work
+
+
+def test_a_primary_request_aborts_running_shadow_work():
+    activity = PrimaryActivity()
+    gate = PrimaryGate(activity.shared, quiet_s=0.0)
+    options = SimpleNamespace(terminate=False)
+    threading.Timer(0.05, activity.enter).start()
+    started = time.monotonic()
+    assert gate.run(options, abortable_work(options)) is None
+    assert time.monotonic() - started < 1.0  # aborted soon after the request, not at the 10 s limit
+    assert gate.interrupted == 1
+
+
+def test_failures_that_are_not_aborts_are_raised():
+    gate = PrimaryGate(PrimaryActivity().shared)
+
+    def broken():
+        raise ValueError("model broke")
+
+    with pytest.raises(ValueError, match="model broke"):
+        gate.run(SimpleNamespace(terminate=False), broken)
+    assert gate.interrupted == 0
+
+
+def test_onnx_runtime_call_is_aborted_through_run_options(tiny_rae_bundle):
+    encoder = load_bundle(tiny_rae_bundle).encoder
+    activity = PrimaryActivity()
+    gate = PrimaryGate(activity.shared, quiet_s=0.0)
+    options = ort.RunOptions()
+    runs = []
+
+    def encode_repeatedly():  # real session calls with the gate's options until one is refused
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            runs.append(encoder.encode(TEXTS * 8, options)[0])
+        return "finished"
+
+    threading.Timer(0.1, activity.enter).start()
+    assert gate.run(options, encode_repeatedly) is None
+    assert runs and all(np.isfinite(r).all() for r in runs)
+    # the flag aborts every later call with these options too: the lane makes new ones per unit
+    with pytest.raises(Exception, match="terminate"):
+        encoder.encode(TEXTS, options)
+
+
+def request() -> ShadowRequest:
+    return ShadowRequest(list(TEXTS), 5, None, [[] for _ in TEXTS], [], 0.01, "A")
+
+
+def test_lane_computes_only_once_the_primary_is_quiet(bundle_root):
+    predictor = Predictor(load_bundle(bundle_root / "tiny-rae"))
+    activity = PrimaryActivity()
+    lane = ShadowLane(lambda: predictor, EncoderOptions(), verify=False, timeout_s=60, activity=activity)
+
+    async def scenario():
+        await lane.call(request())  # child up and bundle loaded while the primary is idle
+        threads = os.listdir(f"/proc/{lane.pid}/task") if hasattr(os, "SCHED_IDLE") else []
+        normal = [t for t in threads if os.sched_getscheduler(int(t)) != os.SCHED_IDLE]
+        activity.enter()  # a primary request in flight
+        pending = asyncio.ensure_future(lane.call(request()))
+        await asyncio.sleep(0.5)
+        waited = not pending.done()
+        activity.leave()
+        answer = await asyncio.wait_for(pending, 60)
+        activity.enter()  # busy past the copy's deadline: the copy expires, nothing is computed
+        lane._timeout_s = 0.3
+        try:
+            await lane.call(request())
+            expired = None
+        except ShadowLaneExpired as exc:
+            expired = exc
+        activity.leave()
+        await lane.close()
+        return threads, normal, waited, answer, expired
+
+    threads, normal, waited, answer, expired = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert waited, "the copy was computed while the primary had a request in flight"
+    assert len(answer) == len(TEXTS) and all(answer)
+    assert isinstance(expired, TimeoutError)  # the mirror counts it as dropped (timeout)
+    if threads:  # only the gate's watcher keeps the normal class: it must preempt the lane's work
+        assert len(normal) == 1 and len(threads) > 1
