@@ -132,11 +132,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rae-tau", type=float, default=ExportParams.rae_tau, help="τ of the trained RAE memory")
     parser.add_argument("--rae-top-b", type=int, default=ExportParams.rae_top_b, help="b of the trained RAE memory")
     parser.add_argument("--rae-mode", default=ExportParams.rae_mode, help="joint | split, for the trained memory")
+    parser.add_argument("--name", default="xmcserve-unidec", help="row name prefix of the trained checkpoint")
+    parser.add_argument("--run-notes", default="", help="added to the trained rows' notes (e.g. where it trained)")
+    parser.add_argument(
+        "--add-run",
+        action="store_true",
+        help="evaluate only --run (DE⊕CLF label index and RAE rows, named --name) and add its rows and "
+        "λ sweep to the results already in --out; the peers and the other rows are kept as they are",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/quality-debian-dev.json"))
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     train = load_jsonl_split(args.data, "trn")
     dev = load_jsonl_split(args.data, "dev", labels=train.labels)
+    if args.add_run:
+        earlier = json.loads(args.out.read_text())
+        trained, sweep = trained_rows(args, ensure_trained(args.run, args.config), train, dev, halves=False, int8=False)
+        sweeps = {**earlier["rae_lambda_sweep"], f"{args.name} (trained)": sweep}
+        write_results(args.out, args.data, dev, {**earlier["systems"], **trained}, sweeps)
+        return 0
     systems: dict[str, dict] = {}
     if not args.skip_peers:
         systems.update(run_peers(args.peers_python, args.data, args.workdir))
@@ -153,64 +167,76 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     checkpoint = ensure_trained(args.run, args.config)
-    head = ServingHead.load(checkpoint)
-    train_seconds = float(head.extra.get("train_seconds", 0.0))
-    epoch = head.extra.get("epoch")
-    trained = {
-        "xmcserve-unidec-64d": ("all", "labels", "UniDEC DE⊕CLF label index"),
-        "xmcserve-unidec-de-32d": ("g1_de", "labels", "UniDEC DE half only"),
-        "xmcserve-unidec-clf-32d": ("g2_clf", "labels", "UniDEC CLF half only (N(Ψ) index)"),
-    }
-    for name, (blocks, kind, note) in trained.items():
-        out = args.workdir / name
-        ensure_bundle(out, train, ExportParams(index_kind=kind, head_blocks=blocks), checkpoint, args.data)
-        systems[name] = bundle_row(out, dev, train, train_seconds, f"{note}; {args.run.name} epoch {epoch}")
-
-    trained_rae = args.workdir / f"xmcserve-unidec-rae-64d-{args.rae_mode}-tau{args.rae_tau}-b{args.rae_top_b}"
-    rae_params = ExportParams(rae_tau=args.rae_tau, rae_top_b=args.rae_top_b, rae_mode=args.rae_mode)
-    ensure_bundle(trained_rae, train, rae_params, checkpoint, args.data)
-    print("λ sweep, trained encoder", flush=True)
-    sweeps = {"UniDEC (trained)": lambda_sweep(trained_rae, args.workdir, dev, train, LAMBDAS)}
+    trained, sweep = trained_rows(args, checkpoint, train, dev, halves=True, int8=True)
+    systems.update(trained)
+    sweeps = {"UniDEC (trained)": sweep}
     print("λ sweep, pretrained encoder", flush=True)
     sweeps["MiniLM (pretrained)"] = lambda_sweep(pretrained_rae, args.workdir, dev, train, LAMBDAS)
-    best = max(sweeps["UniDEC (trained)"], key=lambda r: (r["P@5"], r["P@1"]))
+    write_results(args.out, args.data, dev, systems, sweeps)
+    return 0
+
+
+def trained_rows(args, checkpoint: Path, train, dev, halves: bool, int8: bool) -> tuple[dict, list[dict]]:
+    """Rows of one trained checkpoint, named ``<args.name>-…``: DE⊕CLF label index, (its halves),
+    the RAE memory at the best dev λ of a sweep, (its int8 build); and the sweep."""
+    head = ServingHead.load(checkpoint)
+    train_seconds = float(head.extra.get("train_seconds", 0.0))
+    where = f"{args.run.name} epoch {head.extra.get('epoch')}" + (f", {args.run_notes}" if args.run_notes else "")
+    label_rows = {f"{args.name}-64d": ("all", "UniDEC DE⊕CLF label index")}
+    if halves:
+        label_rows[f"{args.name}-de-32d"] = ("g1_de", "UniDEC DE half only")
+        label_rows[f"{args.name}-clf-32d"] = ("g2_clf", "UniDEC CLF half only (N(Ψ) index)")
+    systems = {}
+    for name, (blocks, note) in label_rows.items():
+        out = args.workdir / name
+        ensure_bundle(out, train, ExportParams(index_kind="labels", head_blocks=blocks), checkpoint, args.data)
+        systems[name] = bundle_row(out, dev, train, train_seconds, f"{note}; {where}")
+
+    trained_rae = args.workdir / f"{args.name}-rae-64d-{args.rae_mode}-tau{args.rae_tau}-b{args.rae_top_b}"
+    rae_params = ExportParams(rae_tau=args.rae_tau, rae_top_b=args.rae_top_b, rae_mode=args.rae_mode)
+    ensure_bundle(trained_rae, train, rae_params, checkpoint, args.data)
+    print(f"λ sweep, {args.name}", flush=True)
+    sweep = lambda_sweep(trained_rae, args.workdir, dev, train, LAMBDAS)
+    best = max(sweep, key=lambda r: (r["P@5"], r["P@1"]))
     best_bundle = args.workdir / f"{trained_rae.name}-lambda{best['lambda']:.1f}"
-    systems["xmcserve-unidec-rae-64d"] = bundle_row(
+    systems[f"{args.name}-rae-64d"] = bundle_row(
         best_bundle,
         dev,
         train,
         train_seconds,
         f"UniDEC encoder as RAE memory ({args.rae_mode}), best dev λ {best['lambda']:.1f}, τ {args.rae_tau}, "
-        f"b {args.rae_top_b}",
+        f"b {args.rae_top_b}; {where}",
     )
-    # the serving-speed option: dynamic int8 weights, its quality cost measured on the same split
-    int8 = args.workdir / f"{trained_rae.name}-int8-lambda{best['lambda']:.1f}"
-    int8_params = ExportParams(
-        quantize="int8",
-        rae_lambda=best["lambda"],
-        rae_tau=args.rae_tau,
-        rae_top_b=args.rae_top_b,
-        rae_mode=args.rae_mode,
-    )
-    ensure_bundle(int8, train, int8_params, checkpoint, args.data)
-    systems["xmcserve-unidec-rae-64d-int8"] = bundle_row(
-        int8, dev, train, train_seconds, "as xmcserve-unidec-rae-64d, int8 dynamic quantization of the encoder"
-    )
+    if int8:  # the serving-speed option: dynamic int8 weights, its quality cost measured on the same split
+        out = args.workdir / f"{trained_rae.name}-int8-lambda{best['lambda']:.1f}"
+        int8_params = ExportParams(
+            quantize="int8",
+            rae_lambda=best["lambda"],
+            rae_tau=args.rae_tau,
+            rae_top_b=args.rae_top_b,
+            rae_mode=args.rae_mode,
+        )
+        ensure_bundle(out, train, int8_params, checkpoint, args.data)
+        systems[f"{args.name}-rae-64d-int8"] = bundle_row(
+            out, dev, train, train_seconds, f"as {args.name}-rae-64d, int8 dynamic quantization of the encoder"
+        )
+    return systems, sweep
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+def write_results(out: Path, data: Path, dev, systems: dict, sweeps: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
     result = {
-        "data": str(args.data),
+        "data": str(data),
         "split": "dev",
         "k": 100,
         "filter_pairs_applied": int(len(dev.filter_pairs)),
         "systems": systems,
         "rae_lambda_sweep": sweeps,
     }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown_table(systems))
-    plot_sweep(sweeps, args.out.with_name("quality-rae-lambda.png"))
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown_table(systems))
+    plot_sweep(sweeps, out.with_name("quality-rae-lambda.png"))
     print(markdown_table(systems))
-    return 0
 
 
 if __name__ == "__main__":
