@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request, Response
@@ -26,8 +27,8 @@ from service.metrics import Metrics
 from service.primary_gate import PrimaryActivity
 from service.schemas import PredictResponse, build_predict_request
 from service.settings import Settings
-from service.shadow import ShadowConfig, ShadowLog, ShadowMirror, ShadowRequest, ranked, remote_shadow
-from service.shadow_lane import ShadowLane
+from service.shadow import ShadowConfig, ShadowMirror, ShadowRequest, ranked
+from service.shadow_worker import ShadowWorker, WorkerSpec
 from service.variants import CANDIDATE, PRIMARY, Variants
 
 log = logging.getLogger("xmcserve")
@@ -102,6 +103,8 @@ def to_response(answer: BatchAnswer, variant: str, k: int, ef: int) -> Response:
 
 
 def build_shadow(settings: Settings, metrics: Metrics, variants: Variants, activity: PrimaryActivity) -> ShadowMirror:
+    """The mirror and its worker process: the remote at ``shadow_url``, else the in-process B,
+    computed in the worker's idle-class process while this server is quiet (service.shadow_worker)."""
     config = ShadowConfig(
         fraction=settings.shadow_fraction,
         queue_size=settings.shadow_queue,
@@ -109,26 +112,29 @@ def build_shadow(settings: Settings, metrics: Metrics, variants: Variants, activ
         workers=settings.shadow_workers,
         batch_texts=settings.shadow_batch_texts,
         batch_wait_s=settings.shadow_batch_wait_ms / 1000,
+        yield_to_primary=settings.shadow_yield,
     )
-    shadow_log = (
-        ShadowLog(settings.shadow_log, settings.shadow_log_max_bytes, settings.shadow_log_backups)
+    log_spec = (
+        {
+            "path": str(settings.shadow_log),
+            "max_bytes": settings.shadow_log_max_bytes,
+            "backups": settings.shadow_log_backups,
+        }
         if settings.shadow_log
         else None
     )
-    if settings.shadow_url:
-        call, close = remote_shadow(settings.shadow_url, config.timeout_s)
-        return ShadowMirror(call, config, metrics, settings.shadow_url, shadow_log, close=close)
-
-    # In process, B computes in an idle-class child process that yields to this server's requests
-    # (see service.shadow_lane and service.primary_gate).
-    lane = ShadowLane(
-        lambda: variants[CANDIDATE].predictor,
-        settings.encoder_options(),
-        settings.verify_checksums,
-        config.timeout_s,
-        activity if settings.shadow_yield else None,
+    target = settings.shadow_url or "B"
+    spec = WorkerSpec(
+        config=asdict(config),
+        remote_url=settings.shadow_url,
+        encoder=asdict(settings.encoder_options()),
+        verify=settings.verify_checksums,
+        log=log_spec,
+        target=target,
     )
-    return ShadowMirror(lane.call, config, metrics, "B", shadow_log, close=lane.close, warm=lane.warm)
+    worker = ShadowWorker(spec, activity if config.yield_to_primary else None)
+    candidate = None if settings.shadow_url else (lambda: variants[CANDIDATE].predictor)
+    return ShadowMirror(config, metrics, target, worker, candidate)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -15,7 +15,7 @@ So the shadow child also watches the primary's activity through shared memory:
   call through its ``RunOptions.terminate`` flag the moment a request arrives. The interrupted
   unit is computed again at the next quiet moment, or dropped as expired at its deadline.
 
-This module imports nothing heavy: :func:`lane_entry` is the child's entry point, and it starts the
+This module imports nothing heavy: :func:`worker_entry` is the child's entry point, and it starts the
 watcher and moves the rest of the process to the idle class *before* the child imports ONNX
 Runtime and loads a bundle, so all of that runs idle-class too.
 """
@@ -185,8 +185,8 @@ class PrimaryGate:
                 time.sleep(self._watch_interval_s)
 
 
-def lane_entry(conn, activity: SharedActivity | None, options: dict, verify: bool) -> None:
-    """The shadow child's entry point (``multiprocessing`` spawn target).
+def worker_entry(conn, results, activity: SharedActivity | None, spec: dict) -> None:
+    """The shadow worker's entry point (``multiprocessing`` spawn target).
 
     The gate's watcher starts first and keeps the normal CPU class, which an unprivileged process
     could not get back once it had yielded; everything else, the imports of ONNX Runtime and the
@@ -194,7 +194,6 @@ def lane_entry(conn, activity: SharedActivity | None, options: dict, verify: boo
     """
     gate = PrimaryGate(activity)
     yield_cpu_process(keep={gate.watcher.native_id} if gate.watcher else ())
-    from service.encoder import EncoderOptions
-    from service.shadow_lane import lane_main
+    from service.shadow_worker import worker_main
 
-    lane_main(conn, gate, EncoderOptions(**options), verify)
+    worker_main(conn, results, gate, spec)

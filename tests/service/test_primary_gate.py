@@ -1,8 +1,6 @@
 """The in-process shadow yields to the primary: shadow work waits for a quiet primary and is
 aborted (ONNX Runtime's terminate flag) the moment a primary request arrives."""
 
-import asyncio
-import os
 import threading
 import time
 from types import SimpleNamespace
@@ -12,11 +10,7 @@ import onnxruntime as ort
 import pytest
 
 from service.bundle import load_bundle
-from service.encoder import EncoderOptions
 from service.primary_gate import PrimaryActivity, PrimaryGate
-from service.search import Predictor
-from service.shadow import ShadowRequest
-from service.shadow_lane import ShadowLane, ShadowLaneExpired
 
 TEXTS = ["python3-numpy: fast arrays for Python", "libc6: GNU C Library: Shared libraries"]
 
@@ -132,41 +126,3 @@ def test_onnx_runtime_call_is_aborted_through_run_options(tiny_rae_bundle):
     # the flag aborts every later call with these options too: the lane makes new ones per unit
     with pytest.raises(Exception, match="terminate"):
         encoder.encode(TEXTS, options)
-
-
-def request() -> ShadowRequest:
-    return ShadowRequest(list(TEXTS), 5, None, [[] for _ in TEXTS], [], 0.01, "A")
-
-
-def test_lane_computes_only_once_the_primary_is_quiet(bundle_root):
-    predictor = Predictor(load_bundle(bundle_root / "tiny-rae"))
-    activity = PrimaryActivity()
-    lane = ShadowLane(lambda: predictor, EncoderOptions(), verify=False, timeout_s=60, activity=activity)
-
-    async def scenario():
-        await lane.call(request())  # child up and bundle loaded while the primary is idle
-        threads = os.listdir(f"/proc/{lane.pid}/task") if hasattr(os, "SCHED_IDLE") else []
-        normal = [t for t in threads if os.sched_getscheduler(int(t)) != os.SCHED_IDLE]
-        activity.enter()  # a primary request in flight
-        pending = asyncio.ensure_future(lane.call(request()))
-        await asyncio.sleep(0.5)
-        waited = not pending.done()
-        activity.leave()
-        answer = await asyncio.wait_for(pending, 60)
-        activity.enter()  # busy past the copy's deadline: the copy expires, nothing is computed
-        lane._timeout_s = 0.3
-        try:
-            await lane.call(request())
-            expired = None
-        except ShadowLaneExpired as exc:
-            expired = exc
-        activity.leave()
-        await lane.close()
-        return threads, normal, waited, answer, expired
-
-    threads, normal, waited, answer, expired = asyncio.run(asyncio.wait_for(scenario(), 120))
-    assert waited, "the copy was computed while the primary had a request in flight"
-    assert len(answer) == len(TEXTS) and all(answer)
-    assert isinstance(expired, TimeoutError)  # the mirror counts it as dropped (timeout)
-    if threads:  # only the gate's watcher keeps the normal class: it must preempt the lane's work
-        assert len(normal) == 1 and len(threads) > 1

@@ -1,5 +1,7 @@
 import asyncio
 import json
+import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -30,92 +32,89 @@ def request(texts=("a",)) -> ShadowRequest:
     return ShadowRequest(texts, 2, None, [[] for _ in texts], [[("x", 1.0), ("y", 0.5)] for _ in texts], 0.01, "A")
 
 
-def run_mirror(call, config, offers, settle_s=0.3, shadow_log=None):
-    metrics = Metrics()
+class FakeWorker:
+    """Stands in for the worker process: keeps what it is handed, answers when told."""
 
-    async def scenario():
-        mirror = ShadowMirror(call, config, metrics, "test", shadow_log)
-        mirror.start()
-        accepted = [mirror.offer(r) for r in offers]
-        await asyncio.sleep(settle_s)
-        await mirror.stop()
-        return accepted
+    def __init__(self):
+        self.copies, self.warmed, self.started, self.closed = [], [], 0, False
+        self.on_result = None
 
-    return asyncio.run(scenario()), metrics
+    @property
+    def outstanding(self):
+        return len(self.copies)
+
+    def start(self):
+        self.started += 1
+
+    def warm(self, bundle):
+        self.warmed.append(bundle)
+
+    def submit(self, copy):
+        self.copies.append(copy)
+
+    def close(self):
+        self.closed = True
+
+    def settle(self, result, copies):
+        del self.copies[:copies]
+        self.on_result(result)
 
 
-def test_mirrored_requests_are_compared_and_logged(tmp_path):
-    async def agree(req):
-        return [[("x", 0.9), ("z", 0.4)] for _ in req.texts]
+def mirror(config, candidate=None):
+    metrics, worker = Metrics(), FakeWorker()
+    return ShadowMirror(config, metrics, "test", worker, candidate), worker, metrics
 
-    log = ShadowLog(tmp_path / "shadow.jsonl", 1_000_000, 1)
-    accepted, metrics = run_mirror(agree, ShadowConfig(fraction=1.0), [request(["t1", "t2"])], shadow_log=log)
-    assert accepted == [True]
+
+def test_offer_hands_a_copy_with_its_deadline_and_never_blocks():
+    shadow, worker, _ = mirror(ShadowConfig(fraction=1.0, timeout_s=2.0))
+    before = time.monotonic()
+    assert shadow.offer(request(["t1", "t2"]))
+    (copy,) = worker.copies
+    assert copy.request.texts == ["t1", "t2"] and copy.bundle is None
+    assert before + 2.0 <= copy.deadline <= time.monotonic() + 2.0
+
+
+def test_results_become_metrics():
+    shadow, worker, metrics = mirror(ShadowConfig(fraction=1.0))
+    for _ in range(3):
+        shadow.offer(request())
+    worker.settle(("compared", 2, [1.0, 0.5], [0.8], [0.004, -0.002]), 2)
+    worker.settle(("dropped", "timeout", 1), 1)
     assert metric(metrics, "xmcserve_shadow_compared_texts_total") == 2
     assert metric(metrics, "xmcserve_shadow_overlap_count") == 2
-    lines = [json.loads(x) for x in (tmp_path / "shadow.jsonl").read_text().splitlines()]
-    assert [x["text"] for x in lines] == ["t1", "t2"] and lines[0]["overlap"] == 0.5
-    assert lines[0]["primary_top"] == ["x", "y"] and lines[0]["shadow_top"] == ["x", "z"]
+    assert metric(metrics, "xmcserve_shadow_overlap_sum") == 1.5
+    assert metric(metrics, "xmcserve_shadow_rank_correlation_count") == 1
+    assert metric(metrics, "xmcserve_shadow_latency_delta_seconds_count") == 2
+    assert metric(metrics, "xmcserve_shadow_dropped_total", reason="timeout") == 1
+    assert shadow.depth == 0
 
 
-def test_waiting_copies_share_calls_and_answers_go_back_to_their_texts(tmp_path):
-    calls = []
-
-    async def echo(req):  # each text's answer names the text, so a mix-up shows in the log
-        calls.append((len(req.texts), req.k))
-        return [[(text, 1.0)] for text in req.texts]
-
-    offers = [request([f"t{i}"]) for i in range(10)] + [request(["u0", "u1"])]
-    offers[-1].k = 5  # another k: never in the same call as k = 2
-    log = ShadowLog(tmp_path / "shadow.jsonl", 1_000_000, 1)
-    config = ShadowConfig(fraction=1.0, batch_texts=4, batch_wait_s=0.01)
-    accepted, metrics = run_mirror(echo, config, offers, shadow_log=log)
-    assert all(accepted) and metric(metrics, "xmcserve_shadow_compared_texts_total") == 12
-    assert sorted(calls) == [(2, 2), (2, 5), (4, 2), (4, 2)]
-    lines = [json.loads(x) for x in (tmp_path / "shadow.jsonl").read_text().splitlines()]
-    assert len(lines) == 12 and all(x["shadow_top"] == [x["text"]] for x in lines)
+def test_outstanding_copies_are_bounded_and_the_rest_dropped_at_once():
+    shadow, worker, metrics = mirror(ShadowConfig(fraction=1.0, queue_size=2))
+    accepted = [shadow.offer(request()) for _ in range(6)]
+    assert accepted == [True, True, False, False, False, False]
+    assert metric(metrics, "xmcserve_shadow_dropped_total", reason="queue_full") == 4
+    worker.settle(("dropped", "error", 1), 1)  # one settled: room for one more
+    assert shadow.offer(request()) and not shadow.offer(request())
 
 
-def test_a_failed_call_counts_every_copy_it_carried():
-    async def dead(req):
-        raise ConnectionError("refused")
-
-    _, metrics = run_mirror(dead, ShadowConfig(fraction=1.0, batch_texts=8), [request()] * 5, settle_s=0.1)
-    assert metric(metrics, "xmcserve_shadow_dropped_total", reason="error") == 5
-
-
-def test_a_full_queue_drops_without_waiting():
-    async def never(req):
-        await asyncio.sleep(10)
-
-    config = ShadowConfig(fraction=1.0, queue_size=2, workers=1, timeout_s=5)
-    accepted, metrics = run_mirror(never, config, [request() for _ in range(6)], settle_s=0.05)
-    # one taken by the worker, two queued, the rest dropped at once
-    assert accepted.count(True) in (2, 3) and accepted.count(False) >= 3
-    assert metric(metrics, "xmcserve_shadow_dropped_total", reason="queue_full") >= 3
-
-
-def test_slow_and_dead_shadows_are_counted_not_raised():
-    async def slow(req):
-        await asyncio.sleep(5)
-
-    async def dead(req):
-        raise ConnectionError("refused")
-
-    _, slow_metrics = run_mirror(slow, ShadowConfig(fraction=1.0, timeout_s=0.05), [request()], settle_s=0.3)
-    assert metric(slow_metrics, "xmcserve_shadow_dropped_total", reason="timeout") == 1
-    _, dead_metrics = run_mirror(dead, ShadowConfig(fraction=1.0), [request()], settle_s=0.1)
-    assert metric(dead_metrics, "xmcserve_shadow_dropped_total", reason="error") == 1
+def test_mirroring_to_b_without_b_counts_an_error():
+    current = {"p": None}
+    shadow, worker, metrics = mirror(ShadowConfig(fraction=1.0), candidate=lambda: current["p"])
+    assert not shadow.offer(request())
+    assert metric(metrics, "xmcserve_shadow_dropped_total", reason="error") == 1
+    current["p"] = SimpleNamespace(bundle=SimpleNamespace(path="bundles/b", bundle_id="b-1"))
+    assert shadow.offer(request())
+    assert worker.copies[0].bundle == ("bundles/b", "b-1")  # the child loads exactly what B holds
 
 
 def test_sampling_fraction():
-    async def agree(req):
-        return req.primary
-
-    accepted, _ = run_mirror(agree, ShadowConfig(fraction=0.3, queue_size=10_000), [request()] * 4000, settle_s=0.5)
+    shadow, worker, _ = mirror(ShadowConfig(fraction=0.3, queue_size=10_000))
+    accepted = [shadow.offer(request()) for _ in range(4000)]
     assert accepted.count(True) / 4000 == pytest.approx(0.3, abs=0.04)
-    accepted, _ = run_mirror(agree, ShadowConfig(fraction=0.0), [request()] * 50)
-    assert not any(accepted)
+    assert len(worker.copies) == accepted.count(True)
+    shadow, worker, _ = mirror(ShadowConfig(fraction=0.0))
+    assert not any(shadow.offer(request()) for _ in range(50)) and worker.started == 0
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -127,19 +126,15 @@ def test_kendall_tau_of_ranks_matches_scipy(seed):
 
 
 def test_turning_the_shadow_on_warms_it_once():
-    warmed = []
-
-    async def scenario():
-        mirror = ShadowMirror(lambda r: None, ShadowConfig(fraction=0.0), Metrics(), "t", warm=lambda: warmed.append(1))
-        mirror.start()
-        mirror.set_fraction(0.5)
-        mirror.set_fraction(1.0)  # already on: no second warm-up
-        mirror.set_fraction(0.0)
-        await mirror.stop()
-        return mirror.config.fraction
-
-    assert asyncio.run(scenario()) == 0.0
-    assert warmed == [1]
+    b = SimpleNamespace(bundle=SimpleNamespace(path="bundles/b", bundle_id="b-1"))
+    shadow, worker, _ = mirror(ShadowConfig(fraction=0.0), candidate=lambda: b)
+    shadow.start()  # off: nothing started
+    shadow.set_fraction(0.5)
+    shadow.set_fraction(1.0)  # already on: no second warm-up
+    shadow.set_fraction(0.0)
+    asyncio.run(shadow.stop())
+    assert shadow.config.fraction == 0.0
+    assert worker.started == 1 and worker.warmed == [("bundles/b", "b-1")] and worker.closed
 
 
 def test_log_rotation_bounds_disk_use(tmp_path):

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from training.params import TrainParams, load_params
@@ -39,3 +41,13 @@ def test_choices_are_checked():
         with pytest.raises(ValueError, match="select_metric"):
             load_params(None, [f"select_metric={bad}"])
     assert load_params(None, ["select_metric=de+clf/PSP@5"]).select_metric == "de+clf/PSP@5"
+
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "training" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_every_shipped_config_loads(config):
+    params = load_params(config)
+    if "gpu" in config.stem:  # the GPU recipe trains the whole encoder: no frozen prefix to cache
+        assert params.frozen_layers == 0 and params.device == "cuda"

@@ -1,0 +1,495 @@
+"""The shadow worker: a child process that does all of the shadow's work off the primary's process.
+
+Parent side, :class:`ShadowWorker`: copies from :class:`~service.shadow.ShadowMirror` go into a
+queue that a sending thread pickles to the child; a receiving thread hands the child's results to
+the mirror. That is all the primary's process does per mirrored request (a put, and a few
+histogram observations per call).
+
+Child side, :func:`worker_main` (entered through :func:`~service.primary_gate.worker_entry`, in the
+OS's idle CPU class): copies are gathered into calls of up to ``batch_texts`` texts (same k, ef
+and candidate bundle), each call is answered by the target, every text is compared with A's
+answer, the comparison is logged (JSONL) and the aggregates go back to the parent. Copies past
+their deadline are dropped (``timeout``), failures are counted (``error``), never raised.
+
+Targets:
+
+* the **candidate** (in-process B): the child loads the bundle slot B holds (a second copy of B in
+  memory; each copy names it by path and bundle id, so a reload or promotion of B is followed)
+  and computes one call at a time, in units of :data:`CHUNK_TEXTS` texts that start only while
+  the primary is quiet and are aborted when a primary request arrives (:mod:`service.primary_gate`);
+* a **remote** xmcserve: ``workers`` calls in flight, each POSTing the call's texts to
+  ``<url>/predict`` with ``X-Shadow: 1`` (so the remote does not mirror them again).
+
+Why a process: a thread shares the interpreter lock with the primary and, preempted while holding
+it, stalls A (A's p99 3.4x worse at 100 q/s); work on A's event loop delays every request
+queued behind it (the module docstring of :mod:`service.shadow`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import multiprocessing
+import os
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+
+import numpy as np
+
+from service.encoder import EncoderOptions
+from service.primary_gate import PrimaryActivity, PrimaryGate, worker_entry
+from service.shadow import Copy, Ranked, ShadowConfig, ShadowLog, ShadowRequest, compare
+
+log = logging.getLogger(__name__)
+
+PIPE_SIZE_SETTING = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux's fcntl code for a pipe's capacity
+# Texts per unit of candidate work: one ONNX call that a quiet moment of the primary can hold (a
+# few milliseconds on one core) and whose abort wastes little.
+CHUNK_TEXTS = 8
+
+
+class ShadowCallError(RuntimeError):
+    """A target could not answer a call (no candidate, bundle refused, remote failed)."""
+
+
+@dataclass
+class WorkerSpec:
+    """What the child is told at start (plain data: unpickling it must not import ONNX Runtime
+    before the child has moved itself to the idle CPU class).
+
+    Attributes:
+        config: the mirror's :class:`~service.shadow.ShadowConfig` as a dict.
+        remote_url: the remote shadow's base URL; None: the in-process candidate.
+        encoder: :class:`~service.encoder.EncoderOptions` as a dict (candidate only).
+        verify: sha256-check the candidate bundle's files when loading it.
+        log: ``{"path", "max_bytes", "backups"}`` of the JSONL comparison log, or None.
+    """
+
+    config: dict
+    remote_url: str | None = None
+    encoder: dict | None = None
+    verify: bool = True
+    log: dict | None = None
+    target: str = "B"  # how the comparison log names the shadow
+
+
+# ---------------------------------------------------------------- parent side
+
+
+class ShadowWorker:
+    """Parent-side handle of the child process, driven by the event loop alone.
+
+    No thread of its own: a thread woken per copy took the interpreter lock from A's batch
+    thread and event loop at every request (A's p99 x1.44 with copies only handed over and
+    dropped, x1.05 when at most one was outstanding). Copies are buffered and flushed together
+    every ``flush_s`` in one non-blocking write (framed as ``multiprocessing.connection``
+    frames, the rest written when the pipe has room); results are read when the loop sees them.
+
+    Every copy with texts is settled exactly once, which keeps :attr:`outstanding` exact: by the
+    child's result or, when the child dies, as lost with everything else outstanding.
+    """
+
+    def __init__(self, spec: WorkerSpec, activity: PrimaryActivity | None = None, flush_s: float = 0.02):
+        """``activity``: the serving process's requests in flight; the candidate target computes
+        only while there are none (None: whenever the idle CPU class lets it)."""
+        self.spec = spec
+        self.flush_s = flush_s
+        self.on_result: Callable[[tuple], None] = lambda result: None
+        self._activity = activity
+        self._submitted = 0
+        self._settled = 0
+        self._buffer: list[Copy] = []  # copies waiting for the next flush
+        self._unsent = bytearray()  # framed bytes the pipe had no room for yet
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._copies_fd: int | None = None  # write end of the copies pipe (non-blocking)
+        self._results: Connection | None = None  # read end of the results pipe
+        self._writing = False
+        self._closed = False
+
+    @property
+    def outstanding(self) -> int:
+        """Copies handed over and not yet compared or dropped."""
+        return self._submitted - self._settled
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def start(self) -> None:
+        """Start the child (on the running event loop) unless it runs."""
+        if self._closed or self._process is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        context = multiprocessing.get_context("spawn")  # no forked copy of the server's threads
+        copies_read, self._copies_fd = os.pipe()
+        os.set_blocking(self._copies_fd, False)
+        with contextlib.suppress(AttributeError, OSError):  # Linux: room for a burst of copies
+            fcntl.fcntl(self._copies_fd, PIPE_SIZE_SETTING, 1 << 20)
+        copies = Connection(copies_read, writable=False)
+        self._results, results_out = context.Pipe(duplex=False)
+        gated = self._activity is not None and self.spec.remote_url is None
+        self._process = context.Process(
+            target=worker_entry,
+            args=(copies, results_out, self._activity.shared if gated else None, asdict(self.spec)),
+            name="xmcserve-shadow",
+            daemon=True,
+        )
+        self._process.start()
+        copies.close()  # the child holds its own copies of these ends: EOF and EPIPE then mean it is gone
+        results_out.close()
+        self._loop.add_reader(self._results.fileno(), self._on_results)
+
+    def warm(self, bundle: tuple[str, str]) -> None:
+        """Load the candidate ``bundle`` (path, id) in the child before copies need it."""
+        self.start()
+        self._enqueue(Copy(ShadowRequest([], 0, None, [], [], 0.0, ""), time.monotonic() + 3600, bundle))
+
+    def submit(self, copy: Copy) -> None:
+        self.start()
+        self._submitted += 1
+        self._enqueue(copy)
+
+    def close(self) -> None:
+        self._closed = True
+        self._stop_child()
+
+    def _enqueue(self, copy: Copy) -> None:
+        self._buffer.append(copy)
+        if self._flush_handle is None and self._loop is not None:
+            self._flush_handle = self._loop.call_later(self.flush_s, self._flush)
+
+    def _flush(self) -> None:
+        self._flush_handle = None
+        if not self._buffer or self._copies_fd is None:
+            return
+        payload = ForkingPickler.dumps(self._buffer)
+        self._buffer = []
+        self._unsent += struct.pack("!i", len(payload)) + payload
+        self._write()
+
+    def _write(self) -> None:
+        try:
+            written = os.write(self._copies_fd, self._unsent)
+        except BlockingIOError:
+            written = 0
+        except OSError:  # the child is gone; its results pipe says so too
+            self._child_gone()
+            return
+        del self._unsent[:written]
+        if self._unsent and not self._writing:
+            self._loop.add_writer(self._copies_fd, self._write)
+            self._writing = True
+        elif not self._unsent and self._writing:
+            self._loop.remove_writer(self._copies_fd)
+            self._writing = False
+
+    def _on_results(self) -> None:
+        try:
+            while self._results is not None and self._results.poll(0):
+                self._settle(self._results.recv())
+        except (EOFError, OSError):
+            self._child_gone()
+
+    def _settle(self, result: tuple) -> None:
+        self._settled += result[2] if result[0] == "dropped" else result[1]
+        try:
+            self.on_result(result)
+        except Exception:  # metrics must not stop the results
+            log.exception("recording a shadow result failed")
+
+    def _child_gone(self) -> None:
+        if not self._closed:
+            log.warning("shadow worker process exited; it restarts on the next copy")
+        self._stop_child()
+        if self.outstanding > 0:  # sent, buffered or unsent: none of them will be answered
+            self._settle(("dropped", "error", self.outstanding))
+
+    def _stop_child(self) -> None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        self._buffer = []
+        self._unsent.clear()
+        if self._loop is not None and not self._loop.is_closed():
+            if self._results is not None:
+                self._loop.remove_reader(self._results.fileno())
+            if self._writing:
+                self._loop.remove_writer(self._copies_fd)
+        self._writing = False
+        if self._results is not None:
+            self._results.close()
+            self._results = None
+        if self._copies_fd is not None:
+            os.close(self._copies_fd)
+            self._copies_fd = None
+        if self._process is not None:
+            if self._process.is_alive():
+                self._process.terminate()
+            self._process = None
+
+
+# ---------------------------------------------------------------- child side
+
+
+def batch_key(copy: Copy) -> tuple:
+    return (copy.request.k, copy.request.ef, copy.bundle)
+
+
+def take_batch(pending: deque[Copy], batch_texts: int) -> list[Copy]:
+    """The oldest copy and the following ones with its k, ef and bundle, up to ``batch_texts``
+    texts (a copy with more texts than that still goes, alone); the rest stay in order."""
+    first = pending.popleft()
+    batch, texts, kept = [first], len(first.request.texts), deque()
+    while pending and texts < batch_texts:
+        copy = pending.popleft()
+        if batch_key(copy) == batch_key(first) and texts + len(copy.request.texts) <= batch_texts:
+            batch.append(copy)
+            texts += len(copy.request.texts)
+        else:
+            kept.append(copy)
+    pending.extendleft(reversed(kept))
+    return batch
+
+
+def split_answers(answers: Ranked, batch: list[Copy]) -> list[Ranked]:
+    """The call's answers (one per text, in the batch's order) back to their copies."""
+    out, offset = [], 0
+    for copy in batch:
+        out.append(answers[offset : offset + len(copy.request.texts)])
+        offset += len(copy.request.texts)
+    return out
+
+
+class CandidateTarget:
+    """The in-process B, loaded in the child from the bundle a copy names."""
+
+    def __init__(self, options: EncoderOptions, verify: bool, gate: PrimaryGate):
+        self._options = options
+        self._verify = verify
+        self._gate = gate
+        self._loaded: tuple[tuple[str, str], object] | None = None
+
+    def predictor(self, bundle: tuple[str, str]):
+        from service.bundle import load_bundle
+        from service.search import Predictor
+
+        if self._loaded is None or self._loaded[0] != bundle:
+            self._loaded = None  # free the old B before loading the new one
+            predictor = Predictor(load_bundle(Path(bundle[0]), self._options, verify=self._verify))
+            if predictor.bundle.bundle_id != bundle[1]:
+                held = predictor.bundle.bundle_id
+                raise ShadowCallError(f"{bundle[0]} now holds {held}, not the candidate {bundle[1]}")
+            self._loaded = (bundle, predictor)
+        return self._loaded[1]
+
+    def answer(self, batch: list[Copy]) -> Ranked | None:
+        """B's rankings of the batch's texts, computed in the primary's quiet moments; None when
+        the earliest deadline passed first."""
+        from service.shadow import ranked
+
+        predictor = self.predictor(batch[0].bundle)
+        first = batch[0].request
+        texts = [t for c in batch for t in c.request.texts]
+        deadline = min(c.deadline for c in batch)
+        parts = []
+        for start in range(0, len(texts), CHUNK_TEXTS):
+            vectors = self._encode_when_quiet(predictor, texts[start : start + CHUNK_TEXTS], deadline)
+            if vectors is None:
+                return None
+            parts.append(vectors)
+        if not self._gate.wait_for_quiet(deadline):
+            return None
+        exclude = [predictor.bundle.label_ids(e) for c in batch for e in c.request.exclude]
+        prediction = predictor.search(np.concatenate(parts), first.k, first.ef, exclude)
+        return ranked(prediction.rankings, predictor.bundle.label_uids)
+
+    def _encode_when_quiet(self, predictor, texts: list[str], deadline: float):
+        """Vectors of ``texts``, encoded again after every abort; None once ``deadline`` passes."""
+        import onnxruntime as ort
+
+        encoder = predictor.bundle.encoder
+        while self._gate.wait_for_quiet(deadline):
+            run_options = ort.RunOptions()
+            vectors = self._gate.run(run_options, lambda options=run_options: encoder.encode(texts, options)[0])
+            if vectors is not None:
+                return vectors
+        return None
+
+
+class RemoteTarget:
+    """Another xmcserve: the call's texts POSTed to ``<url>/predict``."""
+
+    def __init__(self, url: str, workers: int):
+        import httpx
+
+        self._client = httpx.Client(base_url=url, limits=httpx.Limits(max_connections=workers))
+
+    def answer(self, batch: list[Copy]) -> Ranked | None:
+        import httpx
+
+        first = batch[0].request
+        body = {
+            "texts": [t for c in batch for t in c.request.texts],
+            "k": first.k,
+            "exclude": [e for c in batch for e in c.request.exclude],
+        }
+        if first.ef is not None:
+            body["ef"] = first.ef
+        remaining = min(c.deadline for c in batch) - time.monotonic()
+        if remaining <= 0:
+            return None
+        try:
+            response = self._client.post("/predict", json=body, headers={"X-Shadow": "1"}, timeout=remaining)
+        except httpx.TimeoutException:
+            return None
+        response.raise_for_status()
+        return [[(x["uid"], x["score"]) for x in r["labels"]] for r in response.json()["results"]]
+
+
+class WorkerLoop:
+    """The child's main loop: receive copies, gather calls, run them on the target, report."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        results: Connection,
+        target,
+        config: ShadowConfig,
+        shadow_log: ShadowLog | None,
+        workers: int,
+        target_name: str = "",
+    ):
+        self._conn = conn
+        self._results = results
+        self._target = target
+        self._target_name = target_name
+        self._config = config
+        self._log = shadow_log
+        self._pending: deque[Copy] = deque()
+        self._send_lock = threading.Lock()
+        self._slots = threading.Semaphore(workers)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="xmcserve-shadow-call")
+
+    def run(self) -> None:
+        while self._receive(block=not self._pending):
+            # copies wait in the pipe (and then in the parent, bounded) while every call is busy
+            self._slots.acquire()
+            if not self._receive(block=False):
+                return
+            self._drop_expired()
+            if self._pending and self._pending_texts() < self._config.batch_texts:  # let a call's worth gather
+                deadline = time.monotonic() + self._config.batch_wait_s
+                while self._pending_texts() < self._config.batch_texts and self._conn.poll(
+                    max(0.0, deadline - time.monotonic())
+                ):
+                    if not self._receive(block=False):
+                        return
+            if not self._pending:
+                self._slots.release()
+                continue
+            self._pool.submit(self._call, take_batch(self._pending, self._config.batch_texts))
+
+    def _receive(self, block: bool) -> bool:
+        """Move what the parent sent into ``pending``; False once the parent is gone."""
+        try:
+            while block or self._conn.poll(0):
+                for copy in self._conn.recv():
+                    if copy.request.texts:
+                        self._pending.append(copy)
+                    else:  # a warm-up: load the candidate now
+                        self._warm(copy)
+                block = False
+        except (EOFError, OSError):
+            return False
+        return True
+
+    def _warm(self, copy: Copy) -> None:
+        if copy.bundle is None or not isinstance(self._target, CandidateTarget):
+            return
+        try:
+            self._target.predictor(copy.bundle)
+        except Exception as exc:  # a bad candidate shows in the first real copy's error
+            log.warning("shadow warm-up failed: %s", exc)
+
+    def _pending_texts(self) -> int:
+        return sum(len(c.request.texts) for c in self._pending)
+
+    def _drop_expired(self) -> None:
+        now = time.monotonic()
+        expired = [c for c in self._pending if c.deadline <= now]
+        if expired:
+            self._pending = deque(c for c in self._pending if c.deadline > now)
+            self._report(("dropped", "timeout", len(expired)))
+
+    def _call(self, batch: list[Copy]) -> None:
+        try:
+            started = time.monotonic()
+            try:
+                answers = self._target.answer(batch)
+            except Exception as exc:  # a dead or failing shadow is counted, never raised
+                log.debug("shadow call failed: %s", exc)
+                self._report(("dropped", "error", len(batch)))
+                return
+            if answers is None:
+                self._report(("dropped", "timeout", len(batch)))
+                return
+            self._report(self._compare(batch, split_answers(answers, batch), time.monotonic() - started))
+        finally:
+            self._slots.release()
+
+    def _compare(self, batch: list[Copy], answers: list[Ranked], shadow_seconds: float) -> tuple:
+        overlaps, taus, deltas = [], [], []
+        for copy, shadow in zip(batch, answers, strict=True):
+            request = copy.request
+            deltas.append(shadow_seconds - request.primary_seconds)
+            for text, primary, mirrored in zip(request.texts, request.primary, shadow, strict=False):
+                agreement = compare(primary, mirrored, request.k)
+                overlaps.append(agreement["overlap"])
+                if agreement["kendall_tau"] is not None:
+                    taus.append(agreement["kendall_tau"])
+                if self._log:
+                    self._log.write(
+                        {
+                            "ts": round(time.time(), 3),
+                            "target": self._target_name,
+                            "primary_variant": request.primary_variant,
+                            "text": text,
+                            "k": request.k,
+                            **agreement,
+                            "primary_ms": round(request.primary_seconds * 1000, 2),
+                            "shadow_ms": round(shadow_seconds * 1000, 2),
+                            "primary_top": [uid for uid, _ in primary[:10]],
+                            "shadow_top": [uid for uid, _ in mirrored[:10]],
+                        }
+                    )
+        return ("compared", len(batch), overlaps, taus, deltas)
+
+    def _report(self, result: tuple) -> None:
+        with self._send_lock, contextlib.suppress(OSError, ValueError):  # the parent is gone
+            self._results.send(result)
+
+
+def worker_main(conn: Connection, results: Connection, gate: PrimaryGate, spec: dict) -> None:
+    """The child, after :func:`~service.primary_gate.worker_entry` has moved it to the idle class."""
+    spec = WorkerSpec(**spec)
+    config = ShadowConfig(**spec.config)
+    shadow_log = ShadowLog(Path(spec.log["path"]), spec.log["max_bytes"], spec.log["backups"]) if spec.log else None
+    if spec.remote_url:
+        target, workers = RemoteTarget(spec.remote_url, config.workers), config.workers
+    else:
+        # The child is idle-class: spinning intra-op threads would only burn what the primary leaves.
+        options = EncoderOptions(**{**(spec.encoder or {}), "allow_spinning": False})
+        target, workers = CandidateTarget(options, spec.verify, gate), 1
+    WorkerLoop(conn, results, target, config, shadow_log, workers, spec.target).run()
