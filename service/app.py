@@ -113,6 +113,7 @@ def build_shadow(settings: Settings, metrics: Metrics, variants: Variants, activ
         batch_texts=settings.shadow_batch_texts,
         batch_wait_s=settings.shadow_batch_wait_ms / 1000,
         yield_to_primary=settings.shadow_yield,
+        max_texts_per_s=settings.shadow_max_texts_per_s,
     )
     log_spec = (
         {

@@ -7,13 +7,16 @@ leave free, and its model weights and activations evict the primary's from the s
 So the shadow child also watches the primary's activity through shared memory:
 
 * :class:`PrimaryActivity` (server process): HTTP requests in flight and when the last one ended,
-  written by the event loop at every request's start and end (plain stores; a one-byte pipe write
-  when the primary goes idle while the shadow waits for it).
+  written by the event loop at every request's start and end (plain stores). While the shadow
+  waits, an idle transition also arms a ``quiet_s`` timer on the loop, and a primary still idle
+  when it fires wakes the shadow with a one-byte pipe write.
 * :class:`PrimaryGate` (shadow child): a unit of shadow work starts only after the primary has had
-  no request in flight for ``quiet_s``; waiting costs no CPU (the child sleeps on the pipe); while
-  a unit runs, a watcher thread at normal priority polls the activity and aborts the ONNX Runtime
-  call through its ``RunOptions.terminate`` flag the moment a request arrives. The interrupted
-  unit is computed again at the next quiet moment, or dropped as expired at its deadline.
+  no request in flight for ``quiet_s``. Waiting costs the primary nothing: the child sleeps on the
+  pipe until woken (a child that woke itself at every idle transition of a busy primary was
+  preempted ~200 times a second). While a unit runs, a watcher thread at normal priority polls
+  the activity and aborts the ONNX Runtime call through its ``RunOptions.terminate`` flag the
+  moment a request arrives. The interrupted unit is computed again at the next quiet moment, or
+  dropped as expired at its deadline.
 
 This module imports nothing heavy: :func:`worker_entry` is the child's entry point, and it starts the
 watcher and moves the rest of the process to the idle class *before* the child imports ONNX
@@ -22,6 +25,7 @@ Runtime and loads a bundle, so all of that runs idle-class too.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import multiprocessing
@@ -46,7 +50,7 @@ QUIET_S = 0.002
 WATCH_INTERVAL_S = 0.0005
 # A waiting shadow sleeps on the wake-up pipe; it also looks again this often, in case a wake-up
 # crossed its going to sleep (the two sides' flags are plain stores, not a lock).
-RECHECK_S = 0.05
+RECHECK_S = 0.25
 
 
 @dataclass
@@ -56,8 +60,9 @@ class SharedActivity:
 
     in_flight: Any  # RawValue(c_int32): requests in flight
     quiet_since: Any  # RawValue(c_double): time.monotonic() when the last one ended
-    waiting: Any  # RawValue(c_int32): 1 while the child sleeps until the primary is idle
+    waiting: Any  # RawValue(c_int32): 1 while the child sleeps until the primary is quiet
     wake: Connection  # read end of the wake-up pipe
+    quiet_s: float = QUIET_S
 
 
 class PrimaryActivity:
@@ -67,7 +72,7 @@ class PrimaryActivity:
     other processes tolerate a stale or torn value (it only moves one scheduling decision).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, quiet_s: float = QUIET_S) -> None:
         context = multiprocessing.get_context("spawn")
         read_end, self._wake_fd = os.pipe()
         os.set_blocking(self._wake_fd, False)
@@ -76,7 +81,9 @@ class PrimaryActivity:
             quiet_since=context.RawValue(ctypes.c_double, time.monotonic()),
             waiting=context.RawValue(ctypes.c_int32, 0),
             wake=Connection(read_end, writable=False),
+            quiet_s=quiet_s,
         )
+        self._wake_timer: asyncio.TimerHandle | None = None
 
     def enter(self) -> None:
         self.shared.in_flight.value += 1
@@ -86,9 +93,29 @@ class PrimaryActivity:
         shared.in_flight.value -= 1
         if shared.in_flight.value <= 0:
             shared.quiet_since.value = time.monotonic()
-            if shared.waiting.value:
-                with contextlib.suppress(OSError):  # full: a wake-up is pending anyway
-                    os.write(self._wake_fd, b"\0")
+            if shared.waiting.value and self._wake_timer is None:
+                self._wake_when_quiet(shared.quiet_s)
+
+    def _wake_when_quiet(self, delay_s: float) -> None:
+        try:
+            self._wake_timer = asyncio.get_running_loop().call_later(delay_s, self._wake_if_quiet)
+        except RuntimeError:  # no event loop (a caller outside the server): wake now, it waits itself
+            self._wake()
+
+    def _wake_if_quiet(self) -> None:
+        self._wake_timer = None
+        shared = self.shared
+        if shared.in_flight.value > 0:  # busy again: the next idle transition arms the timer
+            return
+        remaining = shared.quiet_since.value + shared.quiet_s - time.monotonic()
+        if remaining > 0:
+            self._wake_when_quiet(remaining)
+        elif shared.waiting.value:
+            self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):  # full: a wake-up is pending anyway
+            os.write(self._wake_fd, b"\0")
 
     @property
     def in_flight(self) -> int:
@@ -98,18 +125,13 @@ class PrimaryActivity:
 class PrimaryGate:
     """Child side. With ``shared=None`` (yielding off) every check passes and nothing is aborted."""
 
-    def __init__(
-        self,
-        shared: SharedActivity | None,
-        quiet_s: float = QUIET_S,
-        watch_interval_s: float = WATCH_INTERVAL_S,
-    ):
+    def __init__(self, shared: SharedActivity | None, watch_interval_s: float = WATCH_INTERVAL_S):
         self._shared = shared
         self._in_flight = shared.in_flight if shared is not None else None
         self._quiet_since = shared.quiet_since if shared is not None else None
         if shared is not None:
             os.set_blocking(shared.wake.fileno(), False)
-        self.quiet_s = quiet_s
+        self.quiet_s = shared.quiet_s if shared is not None else 0.0
         self._watch_interval_s = watch_interval_s
         self._run_options: Any = None
         self._running = threading.Event()
@@ -138,13 +160,13 @@ class PrimaryGate:
             now = time.monotonic()
             if now >= deadline:
                 return False
-            if self._in_flight.value <= 0:  # idle, not yet for quiet_s
-                time.sleep(min(deadline, self._quiet_since.value + self.quiet_s) - now)
+            if self._in_flight.value <= 0:  # idle now, not yet for quiet_s: this wait costs A nothing
+                time.sleep(max(0.0, min(deadline, self._quiet_since.value + self.quiet_s) - now))
             else:
-                self._sleep_until_idle(min(deadline - now, RECHECK_S))
+                self._sleep_until_woken(min(deadline - now, RECHECK_S))
         return True
 
-    def _sleep_until_idle(self, timeout_s: float) -> None:
+    def _sleep_until_woken(self, timeout_s: float) -> None:
         shared = self._shared
         shared.waiting.value = 1
         try:

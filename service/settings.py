@@ -65,6 +65,12 @@ class Settings(BaseSettings):
         description="the in-process shadow computes only while this server has no request in flight, "
         "and aborts its ONNX call when one arrives (false: whenever the idle CPU class lets it)",
     )
+    shadow_max_texts_per_s: float = Field(
+        0.0,
+        ge=0,
+        description="most texts per second the in-process shadow starts to compute (0 = no cap): each "
+        "of its units can leave A's next request on cold caches",
+    )
     shadow_log: Path | None = Field(None, description="JSONL comparison log (rotated by size)")
     shadow_log_max_bytes: int = Field(10_000_000, ge=1024)
     shadow_log_backups: int = Field(3, ge=1, description="rotated files kept (logging rotates only with ≥ 1)")

@@ -120,6 +120,8 @@ class ShadowConfig:
     batch_wait_s: after the first copy, how long the worker waits for more before the call.
     yield_to_primary: the in-process candidate computes only while the primary has no request
         in flight (:mod:`service.primary_gate`).
+    max_texts_per_s: most texts per second the in-process candidate starts to encode (in units
+        of ``service.shadow_worker.CHUNK_TEXTS``); 0 = as many as the quiet moments allow.
     """
 
     fraction: float = 0.0
@@ -129,6 +131,7 @@ class ShadowConfig:
     batch_texts: int = 32
     batch_wait_s: float = 0.02
     yield_to_primary: bool = True
+    max_texts_per_s: float = 0.0
 
 
 class ShadowMirror:

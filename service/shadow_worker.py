@@ -272,13 +272,39 @@ def split_answers(answers: Ranked, batch: list[Copy]) -> list[Ranked]:
     return out
 
 
+class UnitBudget:
+    """Token bucket for candidate units: at most ``units_per_s`` started (aborted ones count too),
+    one at a time; ``units_per_s`` 0 = no cap.
+
+    Why a cap on top of the gate: a unit B starts in a quiet moment is often cut short by A's next
+    request, and that request then runs on caches B's weights have just evicted (A's p99 x1.34
+    with the gate and nothing ever finished; x0.86 when B never started a unit)."""
+
+    def __init__(self, units_per_s: float):
+        self._interval = 1.0 / units_per_s if units_per_s > 0 else 0.0
+        self._next = time.monotonic()
+
+    def take(self, deadline: float) -> bool:
+        """Wait for the next unit's turn; False if it comes after ``deadline``."""
+        if not self._interval:
+            return True
+        now = time.monotonic()
+        if self._next > deadline:
+            return False
+        if self._next > now:
+            time.sleep(self._next - now)
+        self._next = max(self._next, now) + self._interval
+        return True
+
+
 class CandidateTarget:
     """The in-process B, loaded in the child from the bundle a copy names."""
 
-    def __init__(self, options: EncoderOptions, verify: bool, gate: PrimaryGate):
+    def __init__(self, options: EncoderOptions, verify: bool, gate: PrimaryGate, max_texts_per_s: float = 0.0):
         self._options = options
         self._verify = verify
         self._gate = gate
+        self._budget = UnitBudget(max_texts_per_s / CHUNK_TEXTS)
         self._loaded: tuple[tuple[str, str], object] | None = None
 
     def predictor(self, bundle: tuple[str, str]):
@@ -320,7 +346,7 @@ class CandidateTarget:
         import onnxruntime as ort
 
         encoder = predictor.bundle.encoder
-        while self._gate.wait_for_quiet(deadline):
+        while self._budget.take(deadline) and self._gate.wait_for_quiet(deadline):
             run_options = ort.RunOptions()
             vectors = self._gate.run(run_options, lambda options=run_options: encoder.encode(texts, options)[0])
             if vectors is not None:
@@ -491,5 +517,5 @@ def worker_main(conn: Connection, results: Connection, gate: PrimaryGate, spec: 
     else:
         # The child is idle-class: spinning intra-op threads would only burn what the primary leaves.
         options = EncoderOptions(**{**(spec.encoder or {}), "allow_spinning": False})
-        target, workers = CandidateTarget(options, spec.verify, gate), 1
+        target, workers = CandidateTarget(options, spec.verify, gate, config.max_texts_per_s), 1
     WorkerLoop(conn, results, target, config, shadow_log, workers, spec.target).run()

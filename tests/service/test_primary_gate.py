@@ -1,6 +1,7 @@
 """The in-process shadow yields to the primary: shadow work waits for a quiet primary and is
 aborted (ONNX Runtime's terminate flag) the moment a primary request arrives."""
 
+import asyncio
 import threading
 import time
 from types import SimpleNamespace
@@ -16,8 +17,8 @@ TEXTS = ["python3-numpy: fast arrays for Python", "libc6: GNU C Library: Shared 
 
 
 def test_activity_counts_requests_and_when_the_last_one_ended():
-    activity = PrimaryActivity()
-    gate = PrimaryGate(activity.shared, quiet_s=0.05)
+    activity = PrimaryActivity(quiet_s=0.05)
+    gate = PrimaryGate(activity.shared)
     time.sleep(0.06)
     assert gate.quiet()
     activity.enter()
@@ -32,17 +33,17 @@ def test_activity_counts_requests_and_when_the_last_one_ended():
 
 
 def test_wait_for_quiet_gives_up_at_the_deadline_while_the_primary_is_busy():
-    activity = PrimaryActivity()
+    activity = PrimaryActivity(quiet_s=0.0)
     activity.enter()
-    gate = PrimaryGate(activity.shared, quiet_s=0.0)
+    gate = PrimaryGate(activity.shared)
     started = time.monotonic()
     assert not gate.wait_for_quiet(started + 0.05)
     assert 0.05 <= time.monotonic() - started < 2
 
 
 def test_a_waiting_shadow_sleeps_until_the_primary_goes_idle():
-    activity = PrimaryActivity()
-    gate = PrimaryGate(activity.shared, quiet_s=0.01)
+    activity = PrimaryActivity(quiet_s=0.01)
+    gate = PrimaryGate(activity.shared)
     activity.enter()
     seen = {}
 
@@ -62,6 +63,37 @@ def test_a_waiting_shadow_sleeps_until_the_primary_goes_idle():
     assert seen["quiet"]
     assert seen["at"] - left < 0.2  # woken by leave(), then quiet_s, not by a late re-check
     assert seen["cpu_s"] < 0.1  # asleep while waiting, not polling
+
+
+def test_on_the_event_loop_the_shadow_is_woken_only_once_the_primary_stayed_quiet():
+    activity = PrimaryActivity(quiet_s=0.2)
+    gate = PrimaryGate(activity.shared)
+    woken = threading.Event()
+
+    def wait():
+        if gate.wait_for_quiet(time.monotonic() + 20):
+            woken.set()
+
+    async def scenario():
+        activity.enter()
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        await asyncio.sleep(0.3)
+        activity.leave()  # idle: the loop arms a 0.2 s timer...
+        await asyncio.sleep(0.05)
+        activity.enter()  # ...but a request arrives before it fires: no wake-up
+        await asyncio.sleep(0.3)
+        early = woken.is_set()
+        activity.leave()
+        left = time.monotonic()
+        while not woken.is_set() and time.monotonic() - left < 5:
+            await asyncio.sleep(0.01)
+        waiter.join(5)
+        return early, time.monotonic() - left
+
+    early, after_s = asyncio.run(scenario())
+    assert not early
+    assert 0.19 <= after_s < 1.0  # woken once quiet for 0.2 s, not before
 
 
 def test_disabled_gate_never_waits_or_aborts():
@@ -86,8 +118,8 @@ def abortable_work(options, limit_s=10.0):
 
 
 def test_a_primary_request_aborts_running_shadow_work():
-    activity = PrimaryActivity()
-    gate = PrimaryGate(activity.shared, quiet_s=0.0)
+    activity = PrimaryActivity(quiet_s=0.0)
+    gate = PrimaryGate(activity.shared)
     options = SimpleNamespace(terminate=False)
     threading.Timer(0.05, activity.enter).start()
     started = time.monotonic()
@@ -109,8 +141,8 @@ def test_failures_that_are_not_aborts_are_raised():
 
 def test_onnx_runtime_call_is_aborted_through_run_options(tiny_rae_bundle):
     encoder = load_bundle(tiny_rae_bundle).encoder
-    activity = PrimaryActivity()
-    gate = PrimaryGate(activity.shared, quiet_s=0.0)
+    activity = PrimaryActivity(quiet_s=0.0)
+    gate = PrimaryGate(activity.shared)
     options = ort.RunOptions()
     runs = []
 

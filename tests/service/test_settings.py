@@ -20,3 +20,22 @@ def test_ort_spinning_follows_the_candidate_unless_set(monkeypatch, env, spins):
     assert settings.spinning() is spins
     assert settings.encoder_options().allow_spinning is spins
 
+
+
+def test_shadow_settings_reach_the_worker(monkeypatch, tmp_path):
+    from service.app import build_shadow
+    from service.metrics import Metrics
+    from service.primary_gate import PrimaryActivity
+
+    for name, value in {
+        "XMCSERVE_SHADOW_MAX_TEXTS_PER_S": "16",
+        "XMCSERVE_SHADOW_YIELD": "false",
+        "XMCSERVE_SHADOW_BATCH_TEXTS": "8",
+        "XMCSERVE_SHADOW_LOG": str(tmp_path / "s.jsonl"),
+    }.items():
+        monkeypatch.setenv(name, value)
+    mirror = build_shadow(Settings(), Metrics(), variants=None, activity=PrimaryActivity())
+    spec = mirror._worker.spec
+    assert spec.config["max_texts_per_s"] == 16 and spec.config["batch_texts"] == 8
+    assert spec.config["yield_to_primary"] is False and mirror._worker._activity is None  # not gated
+    assert spec.remote_url is None and spec.log["path"] == str(tmp_path / "s.jsonl") and mirror.target == "B"

@@ -19,7 +19,7 @@ from service.metrics import Metrics
 from service.primary_gate import PrimaryActivity
 from service.search import Predictor
 from service.shadow import Copy, ShadowConfig, ShadowMirror, ShadowRequest, ranked
-from service.shadow_worker import ShadowWorker, WorkerSpec, split_answers, take_batch
+from service.shadow_worker import ShadowWorker, UnitBudget, WorkerSpec, split_answers, take_batch
 
 TEXTS = ["python3-numpy: fast arrays for Python", "libc6: GNU C Library: Shared libraries"]
 
@@ -52,6 +52,17 @@ def test_split_answers_gives_each_copy_its_texts_answers():
     batch = [copy(["a"]), copy(["b", "c"])]
     answers = [[("A", 1.0)], [("B", 1.0)], [("C", 1.0)]]
     assert split_answers(answers, batch) == [[[("A", 1.0)]], [[("B", 1.0)], [("C", 1.0)]]]
+
+
+def test_unit_budget_spaces_units_and_gives_up_at_the_deadline():
+    budget = UnitBudget(units_per_s=20)  # one unit per 50 ms
+    started = time.monotonic()
+    assert all(budget.take(started + 5) for _ in range(4))
+    assert 0.14 <= time.monotonic() - started < 1.0  # the first at once, three more 50 ms apart
+    assert not budget.take(time.monotonic() - 1)  # its turn would come after the deadline
+    unlimited = UnitBudget(units_per_s=0)
+    started = time.monotonic()
+    assert all(unlimited.take(started) for _ in range(100)) and time.monotonic() - started < 0.1
 
 
 def start_mirror(spec: WorkerSpec, config: ShadowConfig, candidate=None, activity=None):
