@@ -114,6 +114,7 @@ def build_shadow(settings: Settings, metrics: Metrics, variants: Variants, activ
         batch_wait_s=settings.shadow_batch_wait_ms / 1000,
         yield_to_primary=settings.shadow_yield,
         max_texts_per_s=settings.shadow_max_texts_per_s,
+        abort_backoff_max_s=settings.shadow_abort_backoff_max_ms / 1000,
     )
     log_spec = (
         {

@@ -71,6 +71,12 @@ class Settings(BaseSettings):
         description="most texts per second the in-process shadow starts to compute (0 = no cap): each "
         "of its units can leave A's next request on cold caches",
     )
+    shadow_abort_backoff_max_ms: float = Field(
+        1000,
+        ge=0,
+        description="after an in-process shadow unit is aborted by a request, the next waits a back-off "
+        "doubling from 10 ms up to this (0 = none); a finished unit clears it",
+    )
     shadow_log: Path | None = Field(None, description="JSONL comparison log (rotated by size)")
     shadow_log_max_bytes: int = Field(10_000_000, ge=1024)
     shadow_log_backups: int = Field(3, ge=1, description="rotated files kept (logging rotates only with ≥ 1)")

@@ -122,6 +122,9 @@ class ShadowConfig:
         in flight (:mod:`service.primary_gate`).
     max_texts_per_s: most texts per second the in-process candidate starts to encode (in units
         of ``service.shadow_worker.CHUNK_TEXTS``); 0 = as many as the quiet moments allow.
+    abort_backoff_max_s: after a candidate unit is aborted by a primary request, the next waits
+        a back-off that doubles with each abort in a row up to this (0 = retry at the next quiet
+        moment); a finished unit clears it (``service.shadow_worker.UnitPacer``).
     """
 
     fraction: float = 0.0
@@ -132,6 +135,7 @@ class ShadowConfig:
     batch_wait_s: float = 0.02
     yield_to_primary: bool = True
     max_texts_per_s: float = 0.0
+    abort_backoff_max_s: float = 1.0
 
 
 class ShadowMirror:

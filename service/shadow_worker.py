@@ -272,39 +272,55 @@ def split_answers(answers: Ranked, batch: list[Copy]) -> list[Ranked]:
     return out
 
 
-class UnitBudget:
-    """Token bucket for candidate units: at most ``units_per_s`` started (aborted ones count too),
-    one at a time; ``units_per_s`` 0 = no cap.
+class UnitPacer:
+    """When the next candidate unit may start: at most ``units_per_s`` (aborted ones count too; 0 =
+    no cap), and after an aborted unit not before a back-off that doubles with every abort in a
+    row, from ``backoff_min_s`` up to ``backoff_max_s`` (0 = no back-off); a finished unit
+    clears it.
 
-    Why a cap on top of the gate: a unit B starts in a quiet moment is often cut short by A's next
-    request, and that request then runs on caches B's weights have just evicted (A's p99 x1.34
-    with the gate and nothing ever finished; x0.86 when B never started a unit)."""
+    Why: a unit B starts in a quiet moment is often cut short by A's next request, and that request
+    then runs on caches B's weights have just evicted (A's p99 x1.34 with the gate and nothing ever
+    finished; x0.86 when B never started a unit). An abort says A's gaps are shorter than a unit;
+    under sustained load the back-off lets B try about once per ``backoff_max_s`` instead of in
+    every gap, while at low load, where units finish, it never engages.
+    """
 
-    def __init__(self, units_per_s: float):
+    def __init__(self, units_per_s: float = 0.0, backoff_min_s: float = 0.01, backoff_max_s: float = 0.0):
         self._interval = 1.0 / units_per_s if units_per_s > 0 else 0.0
+        self._backoff_min_s = min(backoff_min_s, backoff_max_s)
+        self._backoff_max_s = backoff_max_s
+        self.backoff_s = 0.0
         self._next = time.monotonic()
 
     def take(self, deadline: float) -> bool:
-        """Wait for the next unit's turn; False if it comes after ``deadline``."""
-        if not self._interval:
-            return True
+        """Wait for the next unit's turn; False (at once) if it comes after ``deadline``."""
         now = time.monotonic()
         if self._next > deadline:
             return False
         if self._next > now:
             time.sleep(self._next - now)
-        self._next = max(self._next, now) + self._interval
+        if self._interval:
+            self._next = max(self._next, now) + self._interval
         return True
+
+    def aborted(self) -> None:
+        if self._backoff_max_s <= 0:
+            return
+        self.backoff_s = min(max(2 * self.backoff_s, self._backoff_min_s), self._backoff_max_s)
+        self._next = max(self._next, time.monotonic() + self.backoff_s)
+
+    def finished(self) -> None:
+        self.backoff_s = 0.0
 
 
 class CandidateTarget:
     """The in-process B, loaded in the child from the bundle a copy names."""
 
-    def __init__(self, options: EncoderOptions, verify: bool, gate: PrimaryGate, max_texts_per_s: float = 0.0):
+    def __init__(self, options: EncoderOptions, verify: bool, gate: PrimaryGate, pacer: UnitPacer | None = None):
         self._options = options
         self._verify = verify
         self._gate = gate
-        self._budget = UnitBudget(max_texts_per_s / CHUNK_TEXTS)
+        self._pacer = pacer or UnitPacer()
         self._loaded: tuple[tuple[str, str], object] | None = None
 
     def predictor(self, bundle: tuple[str, str]):
@@ -342,15 +358,17 @@ class CandidateTarget:
         return ranked(prediction.rankings, predictor.bundle.label_uids)
 
     def _encode_when_quiet(self, predictor, texts: list[str], deadline: float):
-        """Vectors of ``texts``, encoded again after every abort; None once ``deadline`` passes."""
+        """Vectors of ``texts``, encoded again after every abort (paced); None once ``deadline`` passes."""
         import onnxruntime as ort
 
         encoder = predictor.bundle.encoder
-        while self._budget.take(deadline) and self._gate.wait_for_quiet(deadline):
+        while self._pacer.take(deadline) and self._gate.wait_for_quiet(deadline):
             run_options = ort.RunOptions()
             vectors = self._gate.run(run_options, lambda options=run_options: encoder.encode(texts, options)[0])
             if vectors is not None:
+                self._pacer.finished()
                 return vectors
+            self._pacer.aborted()
         return None
 
 
@@ -517,5 +535,6 @@ def worker_main(conn: Connection, results: Connection, gate: PrimaryGate, spec: 
     else:
         # The child is idle-class: spinning intra-op threads would only burn what the primary leaves.
         options = EncoderOptions(**{**(spec.encoder or {}), "allow_spinning": False})
-        target, workers = CandidateTarget(options, spec.verify, gate, config.max_texts_per_s), 1
+        pacer = UnitPacer(config.max_texts_per_s / CHUNK_TEXTS, backoff_max_s=config.abort_backoff_max_s)
+        target, workers = CandidateTarget(options, spec.verify, gate, pacer), 1
     WorkerLoop(conn, results, target, config, shadow_log, workers, spec.target).run()

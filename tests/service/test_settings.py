@@ -29,6 +29,7 @@ def test_shadow_settings_reach_the_worker(monkeypatch, tmp_path):
 
     for name, value in {
         "XMCSERVE_SHADOW_MAX_TEXTS_PER_S": "16",
+        "XMCSERVE_SHADOW_ABORT_BACKOFF_MAX_MS": "250",
         "XMCSERVE_SHADOW_YIELD": "false",
         "XMCSERVE_SHADOW_BATCH_TEXTS": "8",
         "XMCSERVE_SHADOW_LOG": str(tmp_path / "s.jsonl"),
@@ -37,5 +38,6 @@ def test_shadow_settings_reach_the_worker(monkeypatch, tmp_path):
     mirror = build_shadow(Settings(), Metrics(), variants=None, activity=PrimaryActivity())
     spec = mirror._worker.spec
     assert spec.config["max_texts_per_s"] == 16 and spec.config["batch_texts"] == 8
+    assert spec.config["abort_backoff_max_s"] == 0.25
     assert spec.config["yield_to_primary"] is False and mirror._worker._activity is None  # not gated
     assert spec.remote_url is None and spec.log["path"] == str(tmp_path / "s.jsonl") and mirror.target == "B"

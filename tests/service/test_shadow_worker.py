@@ -19,7 +19,7 @@ from service.metrics import Metrics
 from service.primary_gate import PrimaryActivity
 from service.search import Predictor
 from service.shadow import Copy, ShadowConfig, ShadowMirror, ShadowRequest, ranked
-from service.shadow_worker import ShadowWorker, UnitBudget, WorkerSpec, split_answers, take_batch
+from service.shadow_worker import CandidateTarget, ShadowWorker, UnitPacer, WorkerSpec, split_answers, take_batch
 
 TEXTS = ["python3-numpy: fast arrays for Python", "libc6: GNU C Library: Shared libraries"]
 
@@ -54,15 +54,63 @@ def test_split_answers_gives_each_copy_its_texts_answers():
     assert split_answers(answers, batch) == [[[("A", 1.0)]], [[("B", 1.0)], [("C", 1.0)]]]
 
 
-def test_unit_budget_spaces_units_and_gives_up_at_the_deadline():
-    budget = UnitBudget(units_per_s=20)  # one unit per 50 ms
+def test_unit_pacer_spaces_units_and_gives_up_at_the_deadline():
+    pacer = UnitPacer(units_per_s=20)  # one unit per 50 ms
     started = time.monotonic()
-    assert all(budget.take(started + 5) for _ in range(4))
+    assert all(pacer.take(started + 5) for _ in range(4))
     assert 0.14 <= time.monotonic() - started < 1.0  # the first at once, three more 50 ms apart
-    assert not budget.take(time.monotonic() - 1)  # its turn would come after the deadline
-    unlimited = UnitBudget(units_per_s=0)
+    assert not pacer.take(time.monotonic() - 1)  # its turn would come after the deadline
+    unlimited = UnitPacer(units_per_s=0)
     started = time.monotonic()
     assert all(unlimited.take(started) for _ in range(100)) and time.monotonic() - started < 0.1
+
+
+def test_unit_pacer_backs_off_after_aborts_in_a_row_and_clears_when_a_unit_finishes():
+    pacer = UnitPacer(backoff_min_s=0.01, backoff_max_s=0.04)
+    seen = []
+    for _ in range(4):
+        pacer.aborted()
+        seen.append(pacer.backoff_s)
+    assert seen == [0.01, 0.02, 0.04, 0.04]  # doubling, capped
+    started = time.monotonic()
+    assert pacer.take(started + 5)
+    assert 0.03 <= time.monotonic() - started < 0.5  # waited the back-off
+    assert not (pacer.aborted() or pacer.take(time.monotonic()))  # the back-off outlasts the deadline
+    pacer.finished()
+    assert pacer.backoff_s == 0.0
+    off = UnitPacer(backoff_max_s=0.0)
+    off.aborted()
+    assert off.backoff_s == 0.0 and off.take(time.monotonic())
+
+
+class AlwaysInterrupted:
+    """A gate whose primary is never quiet for long: every unit is aborted at once."""
+
+    def __init__(self):
+        self.units = 0
+
+    def wait_for_quiet(self, deadline):
+        return time.monotonic() < deadline
+
+    def run(self, run_options, work):
+        self.units += 1
+        return None
+
+
+def test_a_candidate_that_is_always_cut_short_tries_seldom(predictors):
+    """Under sustained primary load units are aborted one after another: with the back-off the
+    candidate starts a handful in half a second instead of one per gap."""
+    predictor = predictors["tiny-rae"]
+    units = {}
+    for backoff_max_s in (0.08, 0.0):
+        gate = AlwaysInterrupted()
+        target = CandidateTarget(EncoderOptions(), True, gate, UnitPacer(backoff_max_s=backoff_max_s))
+        deadline = time.monotonic() + 0.5
+        assert target._encode_when_quiet(predictor, TEXTS, deadline) is None
+        units[backoff_max_s] = gate.units
+    # 0, 10, 30, 70, 150, 230, 310, 390, 470 ms: at most 9 starts (+1 for timer slack)
+    assert 5 <= units[0.08] <= 10
+    assert units[0.0] > 100
 
 
 def start_mirror(spec: WorkerSpec, config: ShadowConfig, candidate=None, activity=None):
@@ -244,11 +292,16 @@ def test_candidate_answers_like_b_in_place_follows_reloads_and_survives_a_killed
     assert metric(metrics, "xmcserve_shadow_compared_texts_total") == 5
 
 
-def test_a_killed_worker_settles_what_it_held_as_errors(predictors, tmp_path):
+def gated_candidate(predictors, tmp_path):
+    """A mirror to the in-process tiny-rae bundle that yields to a primary the test drives."""
     activity = PrimaryActivity()
     config = ShadowConfig(fraction=1.0, timeout_s=60)
     spec = candidate_spec(config, tmp_path / "shadow.jsonl")
-    shadow, worker, metrics = start_mirror(spec, config, lambda: predictors["tiny-rae"], activity)
+    return activity, start_mirror(spec, config, lambda: predictors["tiny-rae"], activity)
+
+
+def test_a_killed_worker_settles_what_it_held_as_errors(predictors, tmp_path):
+    activity, (shadow, worker, metrics) = gated_candidate(predictors, tmp_path)
 
     async def scenario():
         try:
@@ -269,10 +322,7 @@ def test_a_killed_worker_settles_what_it_held_as_errors(predictors, tmp_path):
 
 
 def test_candidate_computes_only_while_the_primary_is_quiet(predictors, tmp_path):
-    activity = PrimaryActivity()
-    config = ShadowConfig(fraction=1.0, timeout_s=60)
-    spec = candidate_spec(config, tmp_path / "shadow.jsonl")
-    shadow, worker, metrics = start_mirror(spec, config, lambda: predictors["tiny-rae"], activity)
+    activity, (shadow, worker, metrics) = gated_candidate(predictors, tmp_path)
 
     async def scenario():
         try:
