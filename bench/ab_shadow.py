@@ -8,9 +8,12 @@ The offered load is ``--load-share`` (0.5) of the primary's closed-loop peak, me
 1. Shadow cost, for each of ``--kinds``: ``remote``, a remote shadow xmcserve on the same machine,
    started with ``XMCSERVE_CPU_PRIORITY=idle`` as the compose stack starts its shadow (its own
    cores with ``--shadow-cpus``, as a shadow in its own container or node has); ``in_process``,
-   variant B in the idle-class child that yields to the primary (the default,
-   ``service.primary_gate``); ``in_process_no_yield``, the same child without the gate
-   (``XMCSERVE_SHADOW_YIELD=false``), for what the gate buys. One primary server per kind takes
+   variant B in the server's idle-class worker process with the default settings: yielding to
+   the primary (``service.primary_gate``) on the primary's cores, or, with ``--shadow-cpus``,
+   computing on those cores (``XMCSERVE_SHADOW_CPUS``, which also places a remote shadow's
+   calls there) without yielding;
+   ``in_process_no_yield``, the child without the gate (``XMCSERVE_SHADOW_YIELD=false``), for
+   what the gate buys. One primary server per kind takes
    open-loop load while ``/admin/config`` switches ``shadow_fraction`` between 0 and 1 every
    ``--segment-seconds`` (off-on, on-off, …, ``--rounds`` pairs; before each segment a pause lets
    the last phase's copies settle); latencies are pooled per phase. Both phases share the process
@@ -40,6 +43,7 @@ import numpy as np
 
 from bench.loadgen import closed_loop, open_loop
 from bench.localserver import start_server, stop_server
+from service.cpu_priority import parse_cpus
 from training.data import load_jsonl_split
 
 TOKEN = "bench-admin-token"
@@ -63,7 +67,8 @@ def shadow_counters(url: str) -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith("xmcserve_shadow_dropped_total{"):
             reason = line.split('reason="', 1)[1].split('"', 1)[0]
-            counters[f"dropped:{reason}"] = float(line.rsplit(" ", 1)[1])
+            key = f"dropped:{reason}"
+            counters[key] = counters.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return counters
 
 
@@ -97,17 +102,6 @@ def set_shadow_fraction(url: str, fraction: float) -> None:
     httpx.post(
         f"{url}/admin/config", json={"shadow_fraction": fraction}, headers={"X-Admin-Token": TOKEN}, timeout=10
     ).raise_for_status()
-
-
-def parse_cpus(text: str | None) -> set[int] | None:
-    """``"0-1,4"`` → {0, 1, 4}; None or ``""`` → None (not pinned)."""
-    if not text:
-        return None
-    cpus: set[int] = set()
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        cpus.update(range(int(low), int(high or low) + 1))
-    return cpus
 
 
 def interleaved_run(
@@ -281,7 +275,9 @@ def main() -> None:
     parser.add_argument("--reload-seconds", type=float, default=60.0)
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     parser.add_argument("--primary-cpus", default=None, help="pin the primary server, e.g. 0-1")
-    parser.add_argument("--shadow-cpus", default=None, help="pin the remote shadow server, e.g. 2-3")
+    parser.add_argument(
+        "--shadow-cpus", default=None, help="pin the remote shadow server and the primary's shadow worker, e.g. 2-3"
+    )
     parser.add_argument("--loadgen-cpus", default=None, help="pin this process (the load generator)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/ab-shadow.json"))
     args = parser.parse_args()
@@ -313,17 +309,20 @@ def main() -> None:
             args.bundle, bodies, args.rps, args.segment_seconds, args.rounds, env, logs, kind, primary_cpus
         )
 
+    # the primary's shadow worker process on the shadow's cores: B's compute (then not yielding),
+    # or the remote shadow's calls and comparisons
+    placement = {"XMCSERVE_SHADOW_CPUS": args.shadow_cpus} if args.shadow_cpus else {}
     if "remote" in kinds:
         shadow = start_server(
             args.alt_bundle, logs / "remote-shadow.log", extra_env={"XMCSERVE_CPU_PRIORITY": "idle"}, cpus=shadow_cpus
         )
         try:
-            run_kind("remote", {"XMCSERVE_SHADOW_URL": shadow.url})
+            run_kind("remote", {"XMCSERVE_SHADOW_URL": shadow.url, **placement})
         finally:
             stop_server(shadow)
-    candidate = {"XMCSERVE_CANDIDATE_BUNDLE_DIR": str(args.alt_bundle)}
+    candidate = {"XMCSERVE_CANDIDATE_BUNDLE_DIR": str(args.alt_bundle), **placement}
     if "in_process" in kinds:
-        run_kind("in_process", {**candidate, "XMCSERVE_SHADOW_YIELD": "true"})
+        run_kind("in_process", candidate)
     if "in_process_no_yield" in kinds:
         run_kind("in_process_no_yield", {**candidate, "XMCSERVE_SHADOW_YIELD": "false"})
     result["reload_loop"] = reload_run(

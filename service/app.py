@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from service.admin import ServingState, add_admin_routes, load_predictor
 from service.batcher import BatchAnswer, BatcherConfig, BatcherStoppedError, QueueFullError
 from service.bundle import BundleError
-from service.cpu_priority import yield_cpu_process
+from service.cpu_priority import parse_cpus, yield_cpu_process
 from service.metrics import Metrics
 from service.primary_gate import PrimaryActivity
 from service.schemas import PredictResponse, build_predict_request
@@ -112,7 +112,7 @@ def build_shadow(settings: Settings, metrics: Metrics, variants: Variants, activ
         workers=settings.shadow_workers,
         batch_texts=settings.shadow_batch_texts,
         batch_wait_s=settings.shadow_batch_wait_ms / 1000,
-        yield_to_primary=settings.shadow_yield,
+        yield_to_primary=settings.shadow_yields(),
         max_texts_per_s=settings.shadow_max_texts_per_s,
         abort_backoff_max_s=settings.shadow_abort_backoff_max_ms / 1000,
     )
@@ -133,10 +133,11 @@ def build_shadow(settings: Settings, metrics: Metrics, variants: Variants, activ
         verify=settings.verify_checksums,
         log=log_spec,
         target=target,
+        cpus=sorted(cpus) if (cpus := parse_cpus(settings.shadow_cpus)) else None,
     )
     worker = ShadowWorker(spec, activity if config.yield_to_primary else None)
     candidate = None if settings.shadow_url else (lambda: variants[CANDIDATE].predictor)
-    return ShadowMirror(config, metrics, target, worker, candidate)
+    return ShadowMirror(config, metrics, target, worker, candidate, variant=PRIMARY)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -159,6 +160,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             metrics.batches_in_flight.labels(variant=name).set_function(
                 lambda slot=slot: slot.batcher.in_flight_batches
             )
+            # counters exported at 0 from the start, so a rate() has a series before the first event
+            metrics.rejected.labels(variant=name)
+            metrics.predicted_texts.labels(variant=name)
         state = ServingState(settings, metrics, variants)
         predictor = await load_predictor(settings.bundle_dir, settings)
         state.install(PRIMARY, predictor, str(settings.bundle_dir))
@@ -207,12 +211,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             answer = await slot.batcher.submit(texts, body.k, body.ef, body.exclusions())
         except QueueFullError as exc:
-            metrics.rejected.inc()
+            metrics.rejected.labels(variant=slot.name).inc()
             return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": str(exc.retry_after_s)})
         except BatcherStoppedError as exc:
             return JSONResponse({"detail": str(exc)}, status_code=503)
         metrics.stage_seconds.labels(stage="queue", variant=slot.name).observe(answer.queue_wait_s)
-        metrics.predicted_texts.inc(len(texts))
+        metrics.predicted_texts.labels(variant=slot.name).inc(len(texts))
         # The shadow copy (its uid lists built per label) only when mirroring is on at all.
         mirroring = state.shadow.config.fraction > 0
         if mirroring and slot.name == PRIMARY and request.headers.get("x-shadow") is None:

@@ -16,6 +16,8 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
+from service.cpu_priority import confined_cpu_count
+
 log = logging.getLogger(__name__)
 
 CUDA_PROVIDER = "CUDAExecutionProvider"
@@ -81,7 +83,7 @@ class EncoderOptions:
 
     Attributes:
         providers: ``auto`` (CUDA when this onnxruntime has it, else CPU), ``cpu`` or ``cuda``.
-        intra_op_threads: ONNX Runtime intra-op threads; 0 = one per core.
+        intra_op_threads: ONNX Runtime intra-op threads; 0 = one per core this process may use.
         call_cost_tokens: fixed cost of one session call in token-equivalents (see :func:`plan_chunks`).
         max_chunk: most texts in one session call.
         allow_spinning: intra-op threads spin while waiting for work (lower latency, more CPU).
@@ -108,8 +110,12 @@ class OnnxEncoder:
         self.tokenizer, self.pad_id = load_tokenizer(tokenizer_path, max_length)
         session_options = ort.SessionOptions()
         session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if options.intra_op_threads > 0:
-            session_options.intra_op_num_threads = options.intra_op_threads
+        # ONNX Runtime's default pool pins one thread to each physical core of the machine,
+        # whatever the process's own CPU mask (a server under `taskset -c 0` got a thread on core
+        # 1); given a count, it leaves affinity alone and its threads stay within the mask.
+        threads = options.intra_op_threads or confined_cpu_count()
+        if threads:
+            session_options.intra_op_num_threads = threads
         if not options.allow_spinning:
             # Spinning intra-op threads cut single-call latency but burn the core the event
             # loop needs under load.

@@ -50,9 +50,16 @@ class Metrics:
             "xmcserve_batches_in_flight", "Micro-batches being computed", ["variant"], registry=self.registry
         )
         self.rejected = Counter(
-            "xmcserve_rejected_requests", "Requests refused because the queue was full", registry=self.registry
+            "xmcserve_rejected_requests",
+            "Requests refused because the variant's queue was full",
+            ["variant"],
+            registry=self.registry,
         )
-        self.predicted_texts = Counter("xmcserve_predicted_texts", "Texts answered by /predict", registry=self.registry)
+        self.predicted_texts = Counter(
+            "xmcserve_predicted_texts", "Texts answered by /predict", ["variant"], registry=self.registry
+        )
+        # Server-wide: a request's variant is known only once /predict has routed it (per-variant
+        # load is queue_depth and batches_in_flight).
         self.in_flight = Gauge("xmcserve_in_flight_requests", "HTTP requests being handled", registry=self.registry)
         self.bundle_info = Info(
             "xmcserve_bundle", "The bundle each variant serves", ["variant"], registry=self.registry
@@ -63,29 +70,43 @@ class Metrics:
             ["variant", "outcome"],
             registry=self.registry,
         )
+        # The shadow's comparisons, labelled with the variant whose answers are mirrored (A).
         self.shadow_overlap = Histogram(
             "xmcserve_shadow_overlap",
             "overlap@k between primary and shadow top-k, per mirrored text",
+            ["variant"],
             buckets=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0),
             registry=self.registry,
         )
         self.shadow_rank_correlation = Histogram(
             "xmcserve_shadow_rank_correlation",
             "Kendall tau of the shared labels' ranks, per mirrored text",
+            ["variant"],
             buckets=(-1.0, -0.5, 0.0, 0.25, 0.5, 0.75, 0.9, 1.0),
+            registry=self.registry,
+        )
+        self.shadow_score_delta = Histogram(
+            "xmcserve_shadow_score_delta",
+            "mean |primary score - shadow score| over the labels both top-k share, per mirrored text",
+            ["variant"],
+            buckets=(0.0, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
             registry=self.registry,
         )
         self.shadow_latency_delta = Histogram(
             "xmcserve_shadow_latency_delta_seconds",
             "shadow minus primary latency per mirrored request",
+            ["variant"],
             buckets=(-0.1, -0.03, -0.01, -0.003, 0.0, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
             registry=self.registry,
         )
         self.shadow_compared = Counter(
-            "xmcserve_shadow_compared_texts", "Mirrored texts compared", registry=self.registry
+            "xmcserve_shadow_compared_texts", "Mirrored texts compared", ["variant"], registry=self.registry
         )
         self.shadow_dropped = Counter(
-            "xmcserve_shadow_dropped", "Mirrored requests dropped, by reason", ["reason"], registry=self.registry
+            "xmcserve_shadow_dropped",
+            "Mirrored requests dropped, by reason",
+            ["reason", "variant"],
+            registry=self.registry,
         )
 
     def batch_observer(self, variant: str):

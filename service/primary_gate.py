@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from service.cpu_priority import yield_cpu_process
+from service.cpu_priority import pin_process, yield_cpu_process
 
 T = TypeVar("T")
 
@@ -210,10 +210,13 @@ class PrimaryGate:
 def worker_entry(conn, results, activity: SharedActivity | None, spec: dict) -> None:
     """The shadow worker's entry point (``multiprocessing`` spawn target).
 
-    The gate's watcher starts first and keeps the normal CPU class, which an unprivileged process
-    could not get back once it had yielded; everything else, the imports of ONNX Runtime and the
-    bundle load included, then runs in the idle class.
+    The child first moves to its own cores when ``spec["cpus"]`` names them (so ONNX Runtime,
+    loaded later, sizes its threads to them). The gate's watcher starts next and keeps the normal
+    CPU class, which an unprivileged process could not get back once it had yielded; everything
+    else, the imports of ONNX Runtime and the bundle load included, then runs in the idle class.
     """
+    if spec.get("cpus"):
+        pin_process(spec["cpus"])
     gate = PrimaryGate(activity)
     yield_cpu_process(keep={gate.watcher.native_id} if gate.watcher else ())
     from service.shadow_worker import worker_main

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.cpu_priority import CpuPriority
+from service.cpu_priority import CpuPriority, parse_cpus
 from service.encoder import EncoderOptions
 
 
@@ -60,10 +60,16 @@ class Settings(BaseSettings):
         32, ge=1, description="most texts one shadow call carries (≤ a remote shadow's MAX_TEXTS_PER_REQUEST)"
     )
     shadow_batch_wait_ms: float = Field(20, ge=0, description="how long a shadow call waits for more copies")
-    shadow_yield: bool = Field(
-        True,
+    shadow_cpus: str | None = Field(
+        None,
+        description="cores the shadow worker process runs on, e.g. '2-3' (Linux): the in-process B's "
+        "compute, or a remote shadow's calls and comparisons; unset: the cores this server runs on",
+    )
+    shadow_yield: bool | None = Field(
+        None,
         description="the in-process shadow computes only while this server has no request in flight, "
-        "and aborts its ONNX call when one arrives (false: whenever the idle CPU class lets it)",
+        "and aborts its ONNX call when one arrives (false: whenever the idle CPU class lets it). "
+        "Unset: yield, unless shadow_cpus gives the shadow cores of its own",
     )
     shadow_max_texts_per_s: float = Field(
         0.0,
@@ -89,6 +95,17 @@ class Settings(BaseSettings):
     )
 
     log_level: str = "info"
+
+    @field_validator("shadow_cpus")
+    @classmethod
+    def _cpu_list(cls, value: str | None) -> str | None:
+        parse_cpus(value)  # a malformed list fails at start-up, not in the shadow's child
+        return value
+
+    def shadow_yields(self) -> bool:
+        """Whether the in-process shadow yields to this server's requests: ``shadow_yield`` when
+        set, else only while it shares this server's cores."""
+        return self.shadow_yield if self.shadow_yield is not None else not self.shadow_cpus
 
     def spinning(self) -> bool:
         """Whether ONNX Runtime threads spin: ``allow_spinning`` when set, else on for a lone

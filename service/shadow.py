@@ -149,12 +149,16 @@ class ShadowMirror:
         target: str,
         worker,
         candidate: Callable[[], object | None] | None = None,
+        variant: str = "A",
     ):
         """``worker``: has ``start()``, ``submit(copy)``, ``warm(bundle)``, ``outstanding`` and
-        ``close()``. ``candidate``: the in-process B's predictor (None for a remote shadow)."""
+        ``close()``. ``candidate``: the in-process B's predictor (None for a remote shadow).
+        ``variant``: the variant whose answers are offered (labels every shadow metric)."""
         self.config = config
         self.target = target
+        self.variant = variant
         self._metrics = metrics
+        metrics.shadow_compared.labels(variant=variant)  # exported at 0 until the first comparison
         self._worker = worker
         self._candidate = candidate
         self._rng = random.Random()
@@ -191,29 +195,33 @@ class ShadowMirror:
         if self.config.fraction <= 0 or self._rng.random() >= self.config.fraction:
             return False
         if self._worker.outstanding >= self.config.queue_size:
-            self._metrics.shadow_dropped.labels(reason="queue_full").inc()
+            self._metrics.shadow_dropped.labels(reason="queue_full", variant=self.variant).inc()
             return False
         bundle = None
         if self._candidate is not None:
             bundle = self._candidate_bundle()
             if bundle is None:  # mirroring to B with no B loaded
-                self._metrics.shadow_dropped.labels(reason="error").inc()
+                self._metrics.shadow_dropped.labels(reason="error", variant=self.variant).inc()
                 return False
         self._worker.submit(Copy(request, time.monotonic() + self.config.timeout_s, bundle))
         return True
 
     def record(self, result: tuple) -> None:
-        """One worker result: ``("compared", copies, overlaps, taus, latency_deltas)`` or
-        ``("dropped", reason, copies)``."""
+        """One worker result: ``("compared", copies, overlaps, taus, score_deltas, latency_deltas)``
+        or ``("dropped", reason, copies)``."""
+        metrics, variant = self._metrics, self.variant
         if result[0] == "dropped":
             _, reason, copies = result
-            self._metrics.shadow_dropped.labels(reason=reason).inc(copies)
+            metrics.shadow_dropped.labels(reason=reason, variant=variant).inc(copies)
             return
-        _, _, overlaps, taus, deltas = result
-        self._metrics.shadow_compared.inc(len(overlaps))
-        for value in overlaps:
-            self._metrics.shadow_overlap.observe(value)
-        for value in taus:
-            self._metrics.shadow_rank_correlation.observe(value)
-        for value in deltas:
-            self._metrics.shadow_latency_delta.observe(value)
+        _, _, overlaps, taus, score_deltas, latency_deltas = result
+        metrics.shadow_compared.labels(variant=variant).inc(len(overlaps))
+        for histogram, values in (
+            (metrics.shadow_overlap, overlaps),
+            (metrics.shadow_rank_correlation, taus),
+            (metrics.shadow_score_delta, score_deltas),
+            (metrics.shadow_latency_delta, latency_deltas),
+        ):
+            child = histogram.labels(variant=variant)
+            for value in values:
+                child.observe(value)

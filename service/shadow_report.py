@@ -2,8 +2,9 @@
 
     python -m service.shadow_report shadow.jsonl [shadow.jsonl.1 ...] [--worst 10] [--json]
 
-Prints the agreement distribution (overlap@k, Kendall's τ on shared labels), the queries on which
-the two bundles disagree most, and the shadow-minus-primary latency percentiles.
+Prints the agreement distribution (overlap@k, Kendall's τ and the score delta on shared labels),
+the queries on which the two bundles disagree most, and the shadow-minus-primary latency
+percentiles.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def summarise(records: list[dict], worst: int = 10) -> dict:
         return {"records": 0}
     overlap = np.array([r["overlap"] for r in records])
     taus = np.array([r["kendall_tau"] for r in records if r.get("kendall_tau") is not None])
+    score_deltas = np.array([r["score_delta"] for r in records if r.get("score_delta") is not None])
     delta_ms = np.array([r["shadow_ms"] - r["primary_ms"] for r in records])
     counts, _ = np.histogram(overlap, bins=OVERLAP_BINS)
     disagree = sorted(records, key=lambda r: (r["overlap"], r.get("kendall_tau") or 0.0))[:worst]
@@ -57,6 +59,12 @@ def summarise(records: list[dict], worst: int = 10) -> dict:
             "p10": round(float(np.percentile(taus, 10)), 4) if taus.size else None,
             "records_with_2plus_shared": int(taus.size),
         },
+        "score_delta": {
+            "mean": round(float(score_deltas.mean()), 5) if score_deltas.size else None,
+            "p50": round(float(np.percentile(score_deltas, 50)), 5) if score_deltas.size else None,
+            "p95": round(float(np.percentile(score_deltas, 95)), 5) if score_deltas.size else None,
+            "records_with_shared": int(score_deltas.size),
+        },
         "latency_delta_ms": {f"p{q}": round(float(np.percentile(delta_ms, q)), 2) for q in (50, 95, 99)},
         "most_disagreeing": [
             {
@@ -75,6 +83,7 @@ def format_summary(summary: dict) -> str:
     if not summary["records"]:
         return "no shadow comparisons in the log"
     o, t, d = summary["overlap"], summary["kendall_tau"], summary["latency_delta_ms"]
+    s = summary["score_delta"]
     lines = [
         f"{summary['records']} mirrored texts",
         f"overlap@k   mean {o['mean']:.3f}   p10 {o['p10']:.3f}   p50 {o['p50']:.3f}   "
@@ -82,6 +91,7 @@ def format_summary(summary: dict) -> str:
         "  " + "   ".join(f"{bin_}: {count}" for bin_, count in o["histogram"].items()),
         f"kendall tau on shared labels   mean {t['mean']}   p10 {t['p10']}   "
         f"({t['records_with_2plus_shared']} texts with 2+ shared labels)",
+        f"|score A - score shadow| on shared labels   mean {s['mean']}   p50 {s['p50']}   p95 {s['p95']}",
         f"latency shadow - primary (ms)   p50 {d['p50']}   p95 {d['p95']}   p99 {d['p99']}",
         "most disagreeing:",
     ]

@@ -73,6 +73,7 @@ class WorkerSpec:
         encoder: :class:`~service.encoder.EncoderOptions` as a dict (candidate only).
         verify: sha256-check the candidate bundle's files when loading it.
         log: ``{"path", "max_bytes", "backups"}`` of the JSONL comparison log, or None.
+        cpus: cores the child confines itself to before it loads anything; None: the parent's.
     """
 
     config: dict
@@ -81,6 +82,7 @@ class WorkerSpec:
     verify: bool = True
     log: dict | None = None
     target: str = "B"  # how the comparison log names the shadow
+    cpus: list[int] | None = None
 
 
 # ---------------------------------------------------------------- parent side
@@ -494,15 +496,17 @@ class WorkerLoop:
             self._slots.release()
 
     def _compare(self, batch: list[Copy], answers: list[Ranked], shadow_seconds: float) -> tuple:
-        overlaps, taus, deltas = [], [], []
+        overlaps, taus, score_deltas, latency_deltas = [], [], [], []
         for copy, shadow in zip(batch, answers, strict=True):
             request = copy.request
-            deltas.append(shadow_seconds - request.primary_seconds)
+            latency_deltas.append(shadow_seconds - request.primary_seconds)
             for text, primary, mirrored in zip(request.texts, request.primary, shadow, strict=False):
                 agreement = compare(primary, mirrored, request.k)
                 overlaps.append(agreement["overlap"])
                 if agreement["kendall_tau"] is not None:
                     taus.append(agreement["kendall_tau"])
+                if agreement["score_delta"] is not None:
+                    score_deltas.append(agreement["score_delta"])
                 if self._log:
                     self._log.write(
                         {
@@ -518,7 +522,7 @@ class WorkerLoop:
                             "shadow_top": [uid for uid, _ in mirrored[:10]],
                         }
                     )
-        return ("compared", len(batch), overlaps, taus, deltas)
+        return ("compared", len(batch), overlaps, taus, score_deltas, latency_deltas)
 
     def _report(self, result: tuple) -> None:
         with self._send_lock, contextlib.suppress(OSError, ValueError):  # the parent is gone

@@ -33,5 +33,7 @@ def test_overload_gets_429_with_retry_after(small_queue_server):
     assert int(refused.headers["Retry-After"]) >= 1
     assert "queue full" in refused.json()["detail"]
     metrics = httpx.get(f"{small_queue_server.url}/metrics").text
-    assert "xmcserve_rejected_requests_total" in metrics
+    rejected = f'xmcserve_rejected_requests_total{{variant="A"}} {float(codes.count(429))}'
+    assert rejected in metrics.splitlines(), [line for line in metrics.splitlines() if "rejected" in line]
+    assert f'xmcserve_predicted_texts_total{{variant="A"}} {32.0 * codes.count(200)}' in metrics.splitlines()
     assert 'status="429"' in metrics

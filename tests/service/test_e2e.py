@@ -122,3 +122,10 @@ def test_metrics_are_exported(client):
     assert "xmcserve_batch_size_texts_bucket" in text
     assert 'xmcserve_queue_depth{variant="A"}' in text and 'xmcserve_batches_in_flight{variant="B"}' in text
     assert "xmcserve_in_flight_requests " in text
+    predicted = [line for line in text.splitlines() if line.startswith('xmcserve_predicted_texts_total{variant="A"}')]
+    assert predicted and float(predicted[0].rsplit(" ", 1)[1]) >= 1
+    assert 'xmcserve_rejected_requests_total{variant="B"} 0.0' in text
+    # every xmcserve series names its variant, but the server-wide count of HTTP requests in flight
+    series = [line for line in text.splitlines() if line.startswith("xmcserve_")]
+    unlabelled = [line for line in series if 'variant="' not in line and not line.startswith("xmcserve_in_flight")]
+    assert series and not unlabelled, unlabelled

@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -43,3 +47,29 @@ def test_chunked_encoding_matches_one_text_at_a_time(tiny_rae_bundle):
     assert times.encode_s > 0 and times.tokenize_s > 0
     ids = chunked.tokenize(["a much longer text " * 40])[0]
     assert len(ids) == 64  # truncated to the bundle's max length, not padded
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2+ cores to pin to one"
+)
+def test_onnx_runtime_threads_stay_on_the_cores_a_pinned_process_may_use(tiny_rae_bundle):
+    """ONNX Runtime's default pool pins a thread to every physical core of the machine; a server
+    under taskset (or a shadow on its own cores) must keep all of its threads within its mask."""
+    last = max(os.sched_getaffinity(0))
+    script = f"""
+import os
+from pathlib import Path
+from service.bundle import load_bundle
+encoder = load_bundle(Path({str(tiny_rae_bundle)!r})).encoder
+encoder.encode(["libc6: GNU C Library"] * 8)
+print(sorted(set().union(*(os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")))))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        preexec_fn=lambda: os.sched_setaffinity(0, {last}),
+    )
+    assert out.stdout.strip().splitlines()[-1] == f"[{last}]", out.stderr[-2000:]

@@ -1,4 +1,5 @@
 import pytest
+from pydantic import ValidationError
 
 from service.settings import Settings
 
@@ -41,3 +42,26 @@ def test_shadow_settings_reach_the_worker(monkeypatch, tmp_path):
     assert spec.config["abort_backoff_max_s"] == 0.25
     assert spec.config["yield_to_primary"] is False and mirror._worker._activity is None  # not gated
     assert spec.remote_url is None and spec.log["path"] == str(tmp_path / "s.jsonl") and mirror.target == "B"
+
+
+def test_a_shadow_on_cores_of_its_own_does_not_yield_unless_told(monkeypatch):
+    from service.app import build_shadow
+    from service.metrics import Metrics
+    from service.primary_gate import PrimaryActivity
+
+    monkeypatch.setenv("XMCSERVE_SHADOW_CPUS", "1,3-4")
+    mirror = build_shadow(Settings(), Metrics(), variants=None, activity=PrimaryActivity())
+    assert mirror._worker.spec.cpus == [1, 3, 4]
+    assert mirror.config.yield_to_primary is False and mirror._worker._activity is None
+    monkeypatch.setenv("XMCSERVE_SHADOW_YIELD", "true")
+    assert build_shadow(Settings(), Metrics(), variants=None, activity=PrimaryActivity()).config.yield_to_primary
+    monkeypatch.delenv("XMCSERVE_SHADOW_CPUS")
+    monkeypatch.delenv("XMCSERVE_SHADOW_YIELD")
+    mirror = build_shadow(Settings(), Metrics(), variants=None, activity=PrimaryActivity())
+    assert mirror._worker.spec.cpus is None and mirror.config.yield_to_primary  # shares A's cores: yields
+
+
+def test_a_malformed_shadow_cpu_list_fails_at_start_up(monkeypatch):
+    monkeypatch.setenv("XMCSERVE_SHADOW_CPUS", "2-1")
+    with pytest.raises(ValidationError, match="bad CPU range"):
+        Settings()

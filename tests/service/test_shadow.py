@@ -13,7 +13,8 @@ from service.shadow_report import format_summary, main, read_records, summarise
 
 
 def metric(metrics: Metrics, name: str, **labels) -> float:
-    return metrics.registry.get_sample_value(name, labels) or 0.0
+    """A shadow metric's value; every one is labelled with the mirrored variant, A here."""
+    return metrics.registry.get_sample_value(name, {"variant": "A", **labels}) or 0.0
 
 
 def test_compare_by_hand():
@@ -78,13 +79,16 @@ def test_results_become_metrics():
     shadow, worker, metrics = mirror(ShadowConfig(fraction=1.0))
     for _ in range(3):
         shadow.offer(request())
-    worker.settle(("compared", 2, [1.0, 0.5], [0.8], [0.004, -0.002]), 2)
+    worker.settle(("compared", 2, [1.0, 0.5], [0.8], [0.01, 0.03], [0.004, -0.002]), 2)
     worker.settle(("dropped", "timeout", 1), 1)
     assert metric(metrics, "xmcserve_shadow_compared_texts_total") == 2
     assert metric(metrics, "xmcserve_shadow_overlap_count") == 2
     assert metric(metrics, "xmcserve_shadow_overlap_sum") == 1.5
     assert metric(metrics, "xmcserve_shadow_rank_correlation_count") == 1
+    assert metric(metrics, "xmcserve_shadow_score_delta_count") == 2
+    assert metric(metrics, "xmcserve_shadow_score_delta_sum") == pytest.approx(0.04)
     assert metric(metrics, "xmcserve_shadow_latency_delta_seconds_count") == 2
+    assert metric(metrics, "xmcserve_shadow_latency_delta_seconds_sum") == pytest.approx(0.002)
     assert metric(metrics, "xmcserve_shadow_dropped_total", reason="timeout") == 1
     assert shadow.depth == 0
 
@@ -154,6 +158,7 @@ def test_report_summarises_agreement_and_worst_queries(tmp_path, capsys):
             "text": "good",
             "overlap": 1.0,
             "kendall_tau": 1.0,
+            "score_delta": 0.01,
             "primary_ms": 5,
             "shadow_ms": 6,
             "primary_top": ["a"],
@@ -172,6 +177,7 @@ def test_report_summarises_agreement_and_worst_queries(tmp_path, capsys):
             "text": "mid",
             "overlap": 0.5,
             "kendall_tau": 0.2,
+            "score_delta": 0.03,
             "primary_ms": 5,
             "shadow_ms": 7,
             "primary_top": ["a"],
@@ -186,6 +192,7 @@ def test_report_summarises_agreement_and_worst_queries(tmp_path, capsys):
     assert [r["text"] for r in summary["most_disagreeing"]] == ["bad", "mid"]
     assert summary["kendall_tau"]["records_with_2plus_shared"] == 2
     assert summary["latency_delta_ms"]["p50"] == 2.0
-    assert "3 mirrored texts" in format_summary(summary)
+    assert summary["score_delta"] == {"mean": 0.02, "p50": 0.02, "p95": 0.029, "records_with_shared": 2}
+    assert "3 mirrored texts" in format_summary(summary) and "mean 0.02" in format_summary(summary)
     assert main([str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["records"] == 3

@@ -34,7 +34,8 @@ def copy(texts, k=2, bundle=None) -> Copy:
 
 
 def metric(metrics: Metrics, name: str, **labels) -> float:
-    return metrics.registry.get_sample_value(name, labels) or 0.0
+    """A shadow metric's value; every one is labelled with the mirrored variant, A here."""
+    return metrics.registry.get_sample_value(name, {"variant": "A", **labels}) or 0.0
 
 
 def test_take_batch_keeps_k_ef_and_bundle_apart_and_the_rest_in_order():
@@ -186,6 +187,9 @@ def test_remote_copies_share_calls_and_are_compared_and_logged_in_the_worker(ech
     run(scenario())
     assert metric(metrics, "xmcserve_shadow_compared_texts_total") == 12
     assert metric(metrics, "xmcserve_shadow_overlap_count") == 12
+    # the one label both share, "x": 1.0 in A's answer, 0.5 in the echo's
+    assert metric(metrics, "xmcserve_shadow_score_delta_count") == 12
+    assert metric(metrics, "xmcserve_shadow_score_delta_sum") == 6.0
     assert sum(n for n, _ in EchoShadow.calls) == 12
     assert all(n <= 4 for n, _ in EchoShadow.calls) and len(EchoShadow.calls) < 11  # copies shared calls
     assert (2, 5) in EchoShadow.calls  # the k = 5 copy went alone
@@ -354,3 +358,29 @@ def test_candidate_computes_only_while_the_primary_is_quiet(predictors, tmp_path
     assert metric(metrics, "xmcserve_shadow_dropped_total", reason="timeout") == 1
     if tasks:  # only the gate's watcher keeps the normal class: it must preempt the worker's compute
         assert len(normal) == 1 and len(tasks) > 1
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2+ cores to pin to one"
+)
+def test_a_candidate_on_cores_of_its_own_computes_only_there(predictors, tmp_path):
+    last = max(os.sched_getaffinity(0))
+    config = ShadowConfig(fraction=1.0, timeout_s=60, yield_to_primary=False)
+    spec = candidate_spec(config, tmp_path / "shadow.jsonl")
+    spec.cpus = [last]
+    shadow, worker, metrics = start_mirror(spec, config, lambda: predictors["tiny-rae"])
+
+    async def scenario():
+        try:
+            shadow.start()
+            assert shadow.offer(request(TEXTS, k=5))
+            await settle(worker)
+            tasks = os.listdir(f"/proc/{worker.pid}/task")
+            return {frozenset(os.sched_getaffinity(int(t))) for t in tasks}, len(tasks)
+        finally:
+            worker.close()
+
+    masks, threads = run(scenario())
+    assert masks == {frozenset({last})} and threads > 1  # every thread, ONNX Runtime's included
+    assert metric(metrics, "xmcserve_shadow_compared_texts_total") == 2
+    assert logged_tops(tmp_path / "shadow.jsonl") == in_place_top(predictors["tiny-rae"])
