@@ -16,7 +16,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 
 .PHONY: install serve bundle test lint evaluate sample clean bench-serving bench-ann bench-ab loadtest \
-	train train-smoke bench-quality peers-venv bench-ab-shared-cores
+	train train-smoke bench-quality peers-venv bench-ab-own-cores
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,18 +51,19 @@ bench-ann:
 	$(PY) -m bench.ann_scale
 
 # A/B shadow cost (candidate B = the fp32 build of the default bundle) and the reload loop.
-# bench-ab: as a shadow of all traffic is meant to run, on cores of its own (primary on core 0;
-# the shadow, in-process worker or remote server, and the load generator on core 1).
-# bench-ab-shared-cores: nothing pinned, the shadow gets only what the primary leaves.
+# bench-ab: the default settings, nothing pinned: the shadow gets what the primary leaves.
+# bench-ab-own-cores: the shadow (in-process worker or remote server) and the load generator on
+# core 1, the primary alone on core 0, as a shadow of all traffic is meant to run.
 AB_PLACEMENT ?= --primary-cpus 0 --shadow-cpus 1 --loadgen-cpus 1
 $(BUNDLE)-fp32/manifest.json: | $(STAMP)
 	$(PY) -m export.build --data $(DATA) --out $(BUNDLE)-fp32 --quantize none
 
 bench-ab: $(STAMP) $(BUNDLE)/manifest.json $(BUNDLE)-fp32/manifest.json
-	$(PY) -m bench.ab_shadow --bundle $(BUNDLE) --alt-bundle $(BUNDLE)-fp32 --kinds remote,in_process $(AB_PLACEMENT)
+	$(PY) -m bench.ab_shadow --bundle $(BUNDLE) --alt-bundle $(BUNDLE)-fp32
 
-bench-ab-shared-cores: $(STAMP) $(BUNDLE)/manifest.json $(BUNDLE)-fp32/manifest.json
-	$(PY) -m bench.ab_shadow --bundle $(BUNDLE) --alt-bundle $(BUNDLE)-fp32 --out bench/results/ab-shadow-shared-cores.json
+bench-ab-own-cores: $(STAMP) $(BUNDLE)/manifest.json $(BUNDLE)-fp32/manifest.json
+	$(PY) -m bench.ab_shadow --bundle $(BUNDLE) --alt-bundle $(BUNDLE)-fp32 --kinds remote,in_process \
+		$(AB_PLACEMENT) --out bench/results/ab-shadow-own-cores.json
 
 # Headless locust against a local server for 60 s; exits non-zero when an SLO is missed.
 LOADTEST_ARGS ?= --scenario steady --seconds 60 --users 8 --p99-ms 250 --max-failure-ratio 0.01 --min-rps 20

@@ -59,7 +59,12 @@ class Settings(BaseSettings):
     shadow_batch_texts: int = Field(
         32, ge=1, description="most texts one shadow call carries (≤ a remote shadow's MAX_TEXTS_PER_REQUEST)"
     )
-    shadow_batch_wait_ms: float = Field(20, ge=0, description="how long a shadow call waits for more copies")
+    shadow_batch_wait_ms: float = Field(
+        100,
+        ge=0,
+        description="how long a shadow call waits for more copies: each call streams B's weights once, "
+        "and that memory traffic slows A even from other cores",
+    )
     shadow_cpus: str | None = Field(
         None,
         description="cores the shadow worker process runs on, e.g. '2-3' (Linux): the in-process B's "

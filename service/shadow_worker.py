@@ -348,8 +348,11 @@ class CandidateTarget:
         texts = [t for c in batch for t in c.request.texts]
         deadline = min(c.deadline for c in batch)
         parts = []
-        for start in range(0, len(texts), CHUNK_TEXTS):
-            vectors = self._encode_when_quiet(predictor, texts[start : start + CHUNK_TEXTS], deadline)
+        # Units small enough to fit A's quiet moments only while yielding to A; on cores of its
+        # own B encodes the call at once (B's weights streamed once per unit, not per 8 texts).
+        unit = CHUNK_TEXTS if self._gate.enabled else len(texts)
+        for start in range(0, len(texts), unit):
+            vectors = self._encode_when_quiet(predictor, texts[start : start + unit], deadline)
             if vectors is None:
                 return None
             parts.append(vectors)
