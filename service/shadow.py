@@ -123,8 +123,8 @@ class ShadowConfig:
         so fuller, fewer calls cost A less; the comparison is not latency-critical.
     yield_to_primary: the in-process candidate computes only while the primary has no request
         in flight (:mod:`service.primary_gate`).
-    max_texts_per_s: most texts per second the in-process candidate starts to encode (in units
-        of ``service.shadow_worker.CHUNK_TEXTS``); 0 = as many as the quiet moments allow.
+    max_texts_per_s: most texts per second the in-process candidate starts to encode (a unit,
+        aborted or not, counts all its texts); 0 = as many as the quiet moments allow.
     abort_backoff_max_s: after a candidate unit is aborted by a primary request, the next waits
         a back-off that doubles with each abort in a row up to this (0 = retry at the next quiet
         moment); a finished unit clears it (``service.shadow_worker.UnitPacer``).

@@ -275,10 +275,10 @@ def split_answers(answers: Ranked, batch: list[Copy]) -> list[Ranked]:
 
 
 class UnitPacer:
-    """When the next candidate unit may start: at most ``units_per_s`` (aborted ones count too; 0 =
-    no cap), and after an aborted unit not before a back-off that doubles with every abort in a
-    row, from ``backoff_min_s`` up to ``backoff_max_s`` (0 = no back-off); a finished unit
-    clears it.
+    """When the next candidate unit may start: units started (aborted ones too) stay within
+    ``texts_per_s``, each counted by its texts (0 = no cap), and after an aborted unit not before
+    a back-off that doubles with every abort in a row, from ``backoff_min_s`` up to
+    ``backoff_max_s`` (0 = no back-off); a finished unit clears it.
 
     Why: a unit B starts in a quiet moment is often cut short by A's next request, and that request
     then runs on caches B's weights have just evicted (A's p99 x1.34 with the gate and nothing ever
@@ -287,22 +287,23 @@ class UnitPacer:
     every gap, while at low load, where units finish, it never engages.
     """
 
-    def __init__(self, units_per_s: float = 0.0, backoff_min_s: float = 0.01, backoff_max_s: float = 0.0):
-        self._interval = 1.0 / units_per_s if units_per_s > 0 else 0.0
+    def __init__(self, texts_per_s: float = 0.0, backoff_min_s: float = 0.01, backoff_max_s: float = 0.0):
+        self._seconds_per_text = 1.0 / texts_per_s if texts_per_s > 0 else 0.0
         self._backoff_min_s = min(backoff_min_s, backoff_max_s)
         self._backoff_max_s = backoff_max_s
         self.backoff_s = 0.0
         self._next = time.monotonic()
 
-    def take(self, deadline: float) -> bool:
-        """Wait for the next unit's turn; False (at once) if it comes after ``deadline``."""
+    def take(self, deadline: float, texts: int = 1) -> bool:
+        """Wait for the turn of the next unit (of ``texts`` texts); False (at once) if it comes
+        after ``deadline``."""
         now = time.monotonic()
         if self._next > deadline:
             return False
         if self._next > now:
             time.sleep(self._next - now)
-        if self._interval:
-            self._next = max(self._next, now) + self._interval
+        if self._seconds_per_text:
+            self._next = max(self._next, now) + texts * self._seconds_per_text
         return True
 
     def aborted(self) -> None:
@@ -367,7 +368,7 @@ class CandidateTarget:
         import onnxruntime as ort
 
         encoder = predictor.bundle.encoder
-        while self._pacer.take(deadline) and self._gate.wait_for_quiet(deadline):
+        while self._pacer.take(deadline, len(texts)) and self._gate.wait_for_quiet(deadline):
             run_options = ort.RunOptions()
             vectors = self._gate.run(run_options, lambda options=run_options: encoder.encode(texts, options)[0])
             if vectors is not None:
@@ -542,6 +543,6 @@ def worker_main(conn: Connection, results: Connection, gate: PrimaryGate, spec: 
     else:
         # The child is idle-class: spinning intra-op threads would only burn what the primary leaves.
         options = EncoderOptions(**{**(spec.encoder or {}), "allow_spinning": False})
-        pacer = UnitPacer(config.max_texts_per_s / CHUNK_TEXTS, backoff_max_s=config.abort_backoff_max_s)
+        pacer = UnitPacer(config.max_texts_per_s, backoff_max_s=config.abort_backoff_max_s)
         target, workers = CandidateTarget(options, spec.verify, gate, pacer), 1
     WorkerLoop(conn, results, target, config, shadow_log, workers, spec.target).run()

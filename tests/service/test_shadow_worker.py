@@ -56,12 +56,16 @@ def test_split_answers_gives_each_copy_its_texts_answers():
 
 
 def test_unit_pacer_spaces_units_and_gives_up_at_the_deadline():
-    pacer = UnitPacer(units_per_s=20)  # one unit per 50 ms
+    pacer = UnitPacer(texts_per_s=20)  # one one-text unit per 50 ms
     started = time.monotonic()
     assert all(pacer.take(started + 5) for _ in range(4))
     assert 0.14 <= time.monotonic() - started < 1.0  # the first at once, three more 50 ms apart
     assert not pacer.take(time.monotonic() - 1)  # its turn would come after the deadline
-    unlimited = UnitPacer(units_per_s=0)
+    four_texts = UnitPacer(texts_per_s=80)  # a four-text unit also takes 50 ms of the budget
+    started = time.monotonic()
+    assert all(four_texts.take(started + 5, texts=4) for _ in range(4))
+    assert 0.14 <= time.monotonic() - started < 1.0
+    unlimited = UnitPacer(texts_per_s=0)
     started = time.monotonic()
     assert all(unlimited.take(started) for _ in range(100)) and time.monotonic() - started < 0.1
 
