@@ -137,7 +137,7 @@ def build_shadow(settings: Settings, metrics: Metrics, variants: Variants, activ
     )
     worker = ShadowWorker(spec, activity if config.yield_to_primary else None)
     candidate = None if settings.shadow_url else (lambda: variants[CANDIDATE].predictor)
-    return ShadowMirror(config, metrics, target, worker, candidate, variant=PRIMARY)
+    return ShadowMirror(config, metrics, target, worker, candidate)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

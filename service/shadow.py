@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from service.search import Ranking
+from service.variants import PRIMARY
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class ShadowMirror:
         target: str,
         worker,
         candidate: Callable[[], object | None] | None = None,
-        variant: str = "A",
+        variant: str = PRIMARY,
     ):
         """``worker``: has ``start()``, ``submit(copy)``, ``warm(bundle)``, ``outstanding`` and
         ``close()``. ``candidate``: the in-process B's predictor (None for a remote shadow).
