@@ -35,7 +35,7 @@ $(BUNDLE)/manifest.json: | $(STAMP)
 bundle: $(BUNDLE)/manifest.json
 
 serve: $(STAMP) $(BUNDLE)/manifest.json
-	XMCSERVE_BUNDLE_DIR=$(BUNDLE) $(VENV)/bin/uvicorn service.app:create_app --factory \
+	XMCSERVE_BUNDLE_DIR=$(BUNDLE) $(VENV)/bin/uvicorn service.http.app:create_app --factory \
 		--host $(HOST) --port $(PORT) --no-access-log
 
 evaluate: $(STAMP) $(BUNDLE)/manifest.json

@@ -21,8 +21,8 @@ import httpx
 import numpy as np
 
 from bench.localserver import start_server, stop_server
-from service.bundle import load_bundle
-from service.search import Predictor
+from service.engine.bundle import load_bundle
+from service.engine.search import Predictor
 from training.data import load_jsonl_split
 
 

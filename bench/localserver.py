@@ -35,7 +35,7 @@ def start_server(
     log_path: Path,
     extra_env: dict | None = None,
     timeout_s: float = 90,
-    app: str = "service.app:create_app",
+    app: str = "service.http.app:create_app",
     nice: int = 0,
     cpus: set[int] | None = None,
 ) -> Server:

@@ -16,8 +16,8 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from transformers import AutoModel, AutoTokenizer
 
-from service.bundle import load_bundle
-from service.rae import aggregate, top_k_of_row
+from service.engine.bundle import load_bundle
+from service.engine.rae import aggregate, top_k_of_row
 from training.checkpoint import ServingHead, default_encoder_dir
 
 

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from export.build import ExportParams, build_bundle, derive_rae_bundle
-from service.bundle import load_bundle
+from service.engine.bundle import load_bundle
 from training.checkpoint import ServingHead
 from training.data import load_jsonl_split
 from training.evaluate import evaluate_bundle

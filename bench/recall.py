@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.bundle import Bundle
-from service.rae import aggregate, top_k_of_row
-from service.search import Predictor
+from service.engine.bundle import Bundle
+from service.engine.rae import aggregate, top_k_of_row
+from service.engine.search import Predictor
 
 
 def bundle_keys(bundle: Bundle) -> np.ndarray:

@@ -29,7 +29,7 @@ from onnx import TensorProto, helper, numpy_helper
 from bench.loadgen import closed_loop, open_loop
 from bench.localserver import start_server, stop_server
 from bench.recall import ann_recall
-from service.bundle import load_bundle
+from service.engine.bundle import load_bundle
 from training.checkpoint import default_encoder_dir
 from training.data import load_jsonl_split
 

@@ -41,8 +41,8 @@ from export.onnx_export import (
     quantize_int8,
     random_texts,
 )
-from service.encoder import EncoderOptions, OnnxEncoder
-from service.manifest import (
+from service.engine.encoder import EncoderOptions, OnnxEncoder
+from service.engine.manifest import (
     ENCODER_FILE,
     INDEX_FILE,
     LABELS_FILE,
@@ -59,7 +59,7 @@ from service.manifest import (
     sha256_file,
     utc_now,
 )
-from service.rae import RAE_MODES, build_values
+from service.engine.rae import RAE_MODES, build_values
 from training.checkpoint import default_encoder_dir, fit_pca_head, load_checkpoint, uses_sentence_normalize
 from training.data import LabelSpace, XMCDataset, load_jsonl_split
 from training.params import parse_bool
@@ -83,7 +83,7 @@ class ExportParams:
         rae_tau: softmax temperature τ (0.04 in the paper for unit vectors).
         rae_top_b: keys retrieved per query, b (200 in the paper).
         rae_mode: ``joint`` (one softmax over all top-b keys, the paper) or ``split`` (instance
-            and label keys normalised separately; see :mod:`service.rae`).
+            and label keys normalised separately; see :mod:`service.engine.rae`).
         batch_size: least texts per encoding block (each block is length-sorted and chunked).
         parity_texts: random texts in the ONNX-vs-torch parity check.
         parity_tolerance: largest allowed max |onnx − torch|.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import scipy.sparse as sp
 
-from service.rae import aggregate, top_k_of_row
+from service.engine.rae import aggregate, top_k_of_row
 from training.data import XMCDataset, label_frequencies
 from training.metrics import compute_all
 

@@ -3,7 +3,7 @@
     python -m training.evaluate --bundle bundles/default --data data/debian-sample --split dev \\
         [--out results.json] [--k 100] [--ef 300] [--propensity default|amazon|wikipedia]
 
-Queries go through :class:`service.search.Predictor` (ONNX encoder, HNSW, RAE aggregation), the
+Queries go through :class:`service.engine.search.Predictor` (ONNX encoder, HNSW, RAE aggregation), the
 split's filter file is applied as per-query ``exclude`` (so same-item labels are removed before
 the RAE softmax and before top-k, exactly as a caller's ``exclude`` would be), and metrics come
 from :mod:`training.metrics`. The training split supplies label frequencies for PSP@k and the
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from service.bundle import Bundle, load_bundle
-from service.search import Predictor
+from service.engine.bundle import Bundle, load_bundle
+from service.engine.search import Predictor
 from training.data import XMCDataset, label_frequencies, load_jsonl_split
 from training.metrics import PROPENSITY_PRESETS, Segments, compute_all
 

@@ -16,7 +16,7 @@ import logging
 import sys
 from pathlib import Path
 
-from service.rae import build_values
+from service.engine.rae import build_values
 from training.embedding_eval import rank_rae, score_ranking
 from training.params import load_params
 from training.trainer import PARAMS_FILE, Trainer
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lambdas", default="0.3,0.5,0.7")
     parser.add_argument("--taus", default="0.03,0.04,0.06")
     parser.add_argument("--top-b", default="100,200,400")
-    parser.add_argument("--modes", default="joint,split", help="RAE weighting modes (service.rae)")
+    parser.add_argument("--modes", default="joint,split", help="RAE weighting modes (service.engine.rae)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     params = load_params(args.run / PARAMS_FILE, [f"out_dir={args.run}"])

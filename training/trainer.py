@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from service.rae import build_values
+from service.engine.rae import build_values
 from training.batching import (
     Batch,
     PslBatcher,

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from service.app import create_app
-from service.metrics import Metrics
-from service.settings import Settings
+from service.http.app import create_app
+from service.http.metrics import Metrics
+from service.http.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

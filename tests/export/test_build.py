@@ -10,9 +10,9 @@ import torch
 from export.build import ExportParams, build_bundle
 from export.model import ServingEncoder, load_encoder, load_fast_tokenizer
 from export.onnx_export import ParityError, check_parity, export_onnx, random_texts
-from service.bundle import load_bundle
-from service.manifest import MANIFEST_FILE, sha256_file
-from service.search import Predictor
+from service.engine.bundle import load_bundle
+from service.engine.manifest import MANIFEST_FILE, sha256_file
+from service.engine.search import Predictor
 from training.checkpoint import HeadBlock, ServingHead, fit_pca_head
 from training.data import LabelSpace, load_jsonl_split
 

@@ -31,7 +31,7 @@ print("imported", len(names), "modules:", ", ".join(names))
 def test_service_imports_without_torch_or_transformers():
     result = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "service.app" in result.stdout and "service.search" in result.stdout
+    assert "service.http.app" in result.stdout and "service.engine.search" in result.stdout
 
 
 def test_the_blocker_really_blocks():

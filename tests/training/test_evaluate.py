@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from service.bundle import load_bundle
-from service.search import Predictor
+from service.engine.bundle import load_bundle
+from service.engine.search import Predictor
 from training.data import load_jsonl_split
 from training.evaluate import main, rank_split
 

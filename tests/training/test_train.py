@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from export.build import ExportParams, build_bundle
-from service.bundle import load_bundle
-from service.search import Predictor
+from service.engine.bundle import load_bundle
+from service.engine.search import Predictor
 from training.checkpoint import ServingHead, load_checkpoint
 from training.params import load_params
 from training.train import main as train_main

@@ -17,27 +17,20 @@ from pathlib import Path
 import anyio
 from fastapi import Depends, FastAPI, HTTPException, Request
 
-from service.bundle import BundleError, load_bundle
-from service.metrics import Metrics
-from service.schemas import ConfigUpdate, ReloadRequest
-from service.search import Predictor
-from service.settings import Settings
-from service.shadow import ShadowMirror
-from service.variants import Variants
+from service import engine
+from service.engine import BundleError, Predictor
+from service.http.metrics import Metrics
+from service.http.schemas import ConfigUpdate, ReloadRequest
+from service.http.settings import Settings
+from service.rollout.shadow import ShadowMirror
+from service.rollout.variants import Variants
 
 
 async def load_predictor(path: Path, settings: Settings) -> Predictor:
     """Load, verify and warm a bundle off the event loop (the loop keeps serving meanwhile)."""
-
-    def load() -> Predictor:
-        predictor = Predictor(load_bundle(path, settings.encoder_options(), verify=settings.verify_checksums))
-        try:
-            predictor.predict(["warm-up query"], k=10)  # first search and aggregation, off the request path
-        except Exception as exc:  # a bundle that cannot answer is refused like a corrupt one
-            raise BundleError(f"{path}: warm-up prediction failed ({type(exc).__name__}: {exc})") from None
-        return predictor
-
-    return await anyio.to_thread.run_sync(load)
+    return await anyio.to_thread.run_sync(
+        lambda: engine.load_predictor(path, settings.encoder_options(), settings.verify_checksums)
+    )
 
 
 def confined_bundle_path(root: Path, requested: str) -> Path:
@@ -87,7 +80,7 @@ class ServingState:
 
 
 def require_admin(request: Request) -> None:
-    expected = request.app.state.settings.admin_token
+    expected = request.app.state.settings.admin.token
     if expected is None or not expected.get_secret_value():
         raise HTTPException(403, "admin API disabled: set XMCSERVE_ADMIN_TOKEN")
     given = request.headers.get("x-admin-token")
@@ -118,7 +111,7 @@ def add_admin_routes(app: FastAPI) -> None:
     async def reload(body: ReloadRequest, request: Request) -> dict:
         state = serving_state(request)
         try:
-            path = confined_bundle_path(state.settings.bundle_root, body.bundle)
+            path = confined_bundle_path(state.settings.admin.bundle_root, body.bundle)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
         async with state.reload_lock:
@@ -156,5 +149,7 @@ def add_admin_routes(app: FastAPI) -> None:
         if body.split_b is not None:
             state.variants.split_b = body.split_b
         if body.shadow_fraction is not None and state.shadow is not None:
+            if body.shadow_fraction > 0 and not state.shadow.target:
+                raise HTTPException(409, "no shadow configured: set XMCSERVE_SHADOW_URL")
             state.shadow.set_fraction(body.shadow_fraction)
         return state.describe()

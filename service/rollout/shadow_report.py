@@ -1,6 +1,6 @@
 """Summarise shadow comparison logs, to decide whether to promote the candidate.
 
-    python -m service.shadow_report shadow.jsonl [shadow.jsonl.1 ...] [--worst 10] [--json]
+    python -m service.rollout.shadow_report shadow.jsonl [shadow.jsonl.1 ...] [--worst 10] [--json]
 
 Prints the agreement distribution (overlap@k, Kendall's τ and the score delta on shared labels),
 the queries on which the two bundles disagree most, and the shadow-minus-primary latency

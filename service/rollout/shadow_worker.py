@@ -1,28 +1,20 @@
-"""The shadow worker: a child process that does all of the shadow's work off the primary's process.
+"""The shadow worker: a child process that calls the remote shadow, off the primary's process.
 
-Parent side, :class:`ShadowWorker`: copies from :class:`~service.shadow.ShadowMirror` go into a
-queue that a sending thread pickles to the child; a receiving thread hands the child's results to
-the mirror. That is all the primary's process does per mirrored request (a put, and a few
-histogram observations per call).
+Parent side, :class:`ShadowWorker`: copies from :class:`~service.rollout.shadow.ShadowMirror` are
+buffered and written to the child in one non-blocking write per flush; the child's per-call
+results are read when the event loop sees them and handed to the mirror. That is all the
+primary's process does per mirrored request (an append, and a few histogram observations per call).
 
-Child side, :func:`worker_main` (entered through :func:`~service.primary_gate.worker_entry`, in the
-OS's idle CPU class): copies are gathered into calls of up to ``batch_texts`` texts (same k, ef
-and candidate bundle), each call is answered by the target, every text is compared with A's
+Child side, :func:`worker_main`: copies are gathered into calls of up to ``batch_texts`` texts
+(same k and ef), each call POSTs its texts to ``<url>/predict`` with ``X-Shadow: 1`` (so the
+shadow does not mirror them again), ``workers`` calls in flight; every text is compared with A's
 answer, the comparison is logged (JSONL) and the aggregates go back to the parent. Copies past
-their deadline are dropped (``timeout``), failures are counted (``error``), never raised.
+their deadline are dropped (``timeout``), failures (a dead shadow, a non-200, an answer that is
+not a /predict answer) are counted (``error``), never raised.
 
-Targets:
-
-* the **candidate** (in-process B): the child loads the bundle slot B holds (a second copy of B in
-  memory; each copy names it by path and bundle id, so a reload or promotion of B is followed)
-  and computes one call at a time, in units of :data:`CHUNK_TEXTS` texts that start only while
-  the primary is quiet and are aborted when a primary request arrives (:mod:`service.primary_gate`);
-* a **remote** xmcserve: ``workers`` calls in flight, each POSTing the call's texts to
-  ``<url>/predict`` with ``X-Shadow: 1`` (so the remote does not mirror them again).
-
-Why a process: a thread shares the interpreter lock with the primary and, preempted while holding
-it, stalls A (A's p99 3.4x worse at 100 q/s); work on A's event loop delays every request
-queued behind it (the module docstring of :mod:`service.shadow`).
+Why a process, like a mirroring sidecar: a thread shares the interpreter lock with the primary
+and, preempted while holding it, stalls A; the httpx call and the comparisons on A's event loop
+tripled A's median at half its peak on an idle 16-core machine (bench/results/README.md).
 """
 
 from __future__ import annotations
@@ -44,45 +36,25 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
-import numpy as np
-
-from service.encoder import EncoderOptions
-from service.primary_gate import PrimaryActivity, PrimaryGate, worker_entry
-from service.shadow import Copy, Ranked, ShadowConfig, ShadowLog, ShadowRequest, compare
+from service.rollout.shadow import Copy, Ranked, ShadowConfig, ShadowLog, compare
 
 log = logging.getLogger(__name__)
 
 PIPE_SIZE_SETTING = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux's fcntl code for a pipe's capacity
-# Texts per unit of candidate work: one ONNX call that a quiet moment of the primary can hold (a
-# few milliseconds on one core) and whose abort wastes little.
-CHUNK_TEXTS = 8
-
-
-class ShadowCallError(RuntimeError):
-    """A target could not answer a call (no candidate, bundle refused, remote failed)."""
-
 
 @dataclass
 class WorkerSpec:
-    """What the child is told at start (plain data: unpickling it must not import ONNX Runtime
-    before the child has moved itself to the idle CPU class).
+    """What the child is told at start (plain data).
 
     Attributes:
-        config: the mirror's :class:`~service.shadow.ShadowConfig` as a dict.
-        remote_url: the remote shadow's base URL; None: the in-process candidate.
-        encoder: :class:`~service.encoder.EncoderOptions` as a dict (candidate only).
-        verify: sha256-check the candidate bundle's files when loading it.
+        config: the mirror's :class:`~service.rollout.shadow.ShadowConfig` as a dict.
+        url: the shadow's base URL (``<url>/predict`` answers the copies).
         log: ``{"path", "max_bytes", "backups"}`` of the JSONL comparison log, or None.
-        cpus: cores the child confines itself to before it loads anything; None: the parent's.
     """
 
     config: dict
-    remote_url: str | None = None
-    encoder: dict | None = None
-    verify: bool = True
+    url: str
     log: dict | None = None
-    target: str = "B"  # how the comparison log names the shadow
-    cpus: list[int] | None = None
 
 
 # ---------------------------------------------------------------- parent side
@@ -101,13 +73,10 @@ class ShadowWorker:
     child's result or, when the child dies, as lost with everything else outstanding.
     """
 
-    def __init__(self, spec: WorkerSpec, activity: PrimaryActivity | None = None, flush_s: float = 0.02):
-        """``activity``: the serving process's requests in flight; the candidate target computes
-        only while there are none (None: whenever the idle CPU class lets it)."""
+    def __init__(self, spec: WorkerSpec, flush_s: float = 0.02):
         self.spec = spec
         self.flush_s = flush_s
         self.on_result: Callable[[tuple], None] = lambda result: None
-        self._activity = activity
         self._submitted = 0
         self._settled = 0
         self._buffer: list[Copy] = []  # copies waiting for the next flush
@@ -141,10 +110,9 @@ class ShadowWorker:
             fcntl.fcntl(self._copies_fd, PIPE_SIZE_SETTING, 1 << 20)
         copies = Connection(copies_read, writable=False)
         self._results, results_out = context.Pipe(duplex=False)
-        gated = self._activity is not None and self.spec.remote_url is None
         self._process = context.Process(
-            target=worker_entry,
-            args=(copies, results_out, self._activity.shared if gated else None, asdict(self.spec)),
+            target=worker_main,
+            args=(copies, results_out, asdict(self.spec)),
             name="xmcserve-shadow",
             daemon=True,
         )
@@ -152,11 +120,6 @@ class ShadowWorker:
         copies.close()  # the child holds its own copies of these ends: EOF and EPIPE then mean it is gone
         results_out.close()
         self._loop.add_reader(self._results.fileno(), self._on_results)
-
-    def warm(self, bundle: tuple[str, str]) -> None:
-        """Load the candidate ``bundle`` (path, id) in the child before copies need it."""
-        self.start()
-        self._enqueue(Copy(ShadowRequest([], 0, None, [], [], 0.0, ""), time.monotonic() + 3600, bundle))
 
     def submit(self, copy: Copy) -> None:
         self.start()
@@ -246,11 +209,11 @@ class ShadowWorker:
 
 
 def batch_key(copy: Copy) -> tuple:
-    return (copy.request.k, copy.request.ef, copy.bundle)
+    return (copy.request.k, copy.request.ef)
 
 
 def take_batch(pending: deque[Copy], batch_texts: int) -> list[Copy]:
-    """The oldest copy and the following ones with its k, ef and bundle, up to ``batch_texts``
+    """The oldest copy and the following ones with its k and ef, up to ``batch_texts``
     texts (a copy with more texts than that still goes, alone); the rest stay in order."""
     first = pending.popleft()
     batch, texts, kept = [first], len(first.request.texts), deque()
@@ -274,112 +237,8 @@ def split_answers(answers: Ranked, batch: list[Copy]) -> list[Ranked]:
     return out
 
 
-class UnitPacer:
-    """When the next candidate unit may start: units started (aborted ones too) stay within
-    ``texts_per_s``, each counted by its texts (0 = no cap), and after an aborted unit not before
-    a back-off that doubles with every abort in a row, from ``backoff_min_s`` up to
-    ``backoff_max_s`` (0 = no back-off); a finished unit clears it.
-
-    Why: a unit B starts in a quiet moment is often cut short by A's next request, and that request
-    then runs on caches B's weights have just evicted (A's p99 x1.34 with the gate and nothing ever
-    finished; x0.86 when B never started a unit). An abort says A's gaps are shorter than a unit;
-    under sustained load the back-off lets B try about once per ``backoff_max_s`` instead of in
-    every gap, while at low load, where units finish, it never engages.
-    """
-
-    def __init__(self, texts_per_s: float = 0.0, backoff_min_s: float = 0.01, backoff_max_s: float = 0.0):
-        self._seconds_per_text = 1.0 / texts_per_s if texts_per_s > 0 else 0.0
-        self._backoff_min_s = min(backoff_min_s, backoff_max_s)
-        self._backoff_max_s = backoff_max_s
-        self.backoff_s = 0.0
-        self._next = time.monotonic()
-
-    def take(self, deadline: float, texts: int = 1) -> bool:
-        """Wait for the turn of the next unit (of ``texts`` texts); False (at once) if it comes
-        after ``deadline``."""
-        now = time.monotonic()
-        if self._next > deadline:
-            return False
-        if self._next > now:
-            time.sleep(self._next - now)
-        if self._seconds_per_text:
-            self._next = max(self._next, now) + texts * self._seconds_per_text
-        return True
-
-    def aborted(self) -> None:
-        if self._backoff_max_s <= 0:
-            return
-        self.backoff_s = min(max(2 * self.backoff_s, self._backoff_min_s), self._backoff_max_s)
-        self._next = max(self._next, time.monotonic() + self.backoff_s)
-
-    def finished(self) -> None:
-        self.backoff_s = 0.0
-
-
-class CandidateTarget:
-    """The in-process B, loaded in the child from the bundle a copy names."""
-
-    def __init__(self, options: EncoderOptions, verify: bool, gate: PrimaryGate, pacer: UnitPacer | None = None):
-        self._options = options
-        self._verify = verify
-        self._gate = gate
-        self._pacer = pacer or UnitPacer()
-        self._loaded: tuple[tuple[str, str], object] | None = None
-
-    def predictor(self, bundle: tuple[str, str]):
-        from service.bundle import load_bundle
-        from service.search import Predictor
-
-        if self._loaded is None or self._loaded[0] != bundle:
-            self._loaded = None  # free the old B before loading the new one
-            predictor = Predictor(load_bundle(Path(bundle[0]), self._options, verify=self._verify))
-            if predictor.bundle.bundle_id != bundle[1]:
-                held = predictor.bundle.bundle_id
-                raise ShadowCallError(f"{bundle[0]} now holds {held}, not the candidate {bundle[1]}")
-            self._loaded = (bundle, predictor)
-        return self._loaded[1]
-
-    def answer(self, batch: list[Copy]) -> Ranked | None:
-        """B's rankings of the batch's texts, computed in the primary's quiet moments; None when
-        the earliest deadline passed first."""
-        from service.shadow import ranked
-
-        predictor = self.predictor(batch[0].bundle)
-        first = batch[0].request
-        texts = [t for c in batch for t in c.request.texts]
-        deadline = min(c.deadline for c in batch)
-        parts = []
-        # Units small enough to fit A's quiet moments only while yielding to A; on cores of its
-        # own B encodes the call at once (B's weights streamed once per unit, not per 8 texts).
-        unit = CHUNK_TEXTS if self._gate.enabled else len(texts)
-        for start in range(0, len(texts), unit):
-            vectors = self._encode_when_quiet(predictor, texts[start : start + unit], deadline)
-            if vectors is None:
-                return None
-            parts.append(vectors)
-        if not self._gate.wait_for_quiet(deadline):
-            return None
-        exclude = [predictor.bundle.label_ids(e) for c in batch for e in c.request.exclude]
-        prediction = predictor.search(np.concatenate(parts), first.k, first.ef, exclude)
-        return ranked(prediction.rankings, predictor.bundle.label_uids)
-
-    def _encode_when_quiet(self, predictor, texts: list[str], deadline: float):
-        """Vectors of ``texts``, encoded again after every abort (paced); None once ``deadline`` passes."""
-        import onnxruntime as ort
-
-        encoder = predictor.bundle.encoder
-        while self._pacer.take(deadline, len(texts)) and self._gate.wait_for_quiet(deadline):
-            run_options = ort.RunOptions()
-            vectors = self._gate.run(run_options, lambda options=run_options: encoder.encode(texts, options)[0])
-            if vectors is not None:
-                self._pacer.finished()
-                return vectors
-            self._pacer.aborted()
-        return None
-
-
 class RemoteTarget:
-    """Another xmcserve: the call's texts POSTed to ``<url>/predict``."""
+    """The shadow: the call's texts POSTed to ``<url>/predict``."""
 
     def __init__(self, url: str, workers: int):
         import httpx
@@ -405,7 +264,10 @@ class RemoteTarget:
         except httpx.TimeoutException:
             return None
         response.raise_for_status()
-        return [[(x["uid"], x["score"]) for x in r["labels"]] for r in response.json()["results"]]
+        results = response.json()["results"]
+        if len(results) != len(body["texts"]):
+            raise ValueError(f"shadow answered {len(results)} results for {len(body['texts'])} texts")
+        return [[(str(x["uid"]), float(x["score"])) for x in r["labels"]] for r in results]
 
 
 class WorkerLoop:
@@ -455,23 +317,11 @@ class WorkerLoop:
         """Move what the parent sent into ``pending``; False once the parent is gone."""
         try:
             while block or self._conn.poll(0):
-                for copy in self._conn.recv():
-                    if copy.request.texts:
-                        self._pending.append(copy)
-                    else:  # a warm-up: load the candidate now
-                        self._warm(copy)
+                self._pending.extend(self._conn.recv())
                 block = False
         except (EOFError, OSError):
             return False
         return True
-
-    def _warm(self, copy: Copy) -> None:
-        if copy.bundle is None or not isinstance(self._target, CandidateTarget):
-            return
-        try:
-            self._target.predictor(copy.bundle)
-        except Exception as exc:  # a bad candidate shows in the first real copy's error
-            log.warning("shadow warm-up failed: %s", exc)
 
     def _pending_texts(self) -> int:
         return sum(len(c.request.texts) for c in self._pending)
@@ -533,16 +383,10 @@ class WorkerLoop:
             self._results.send(result)
 
 
-def worker_main(conn: Connection, results: Connection, gate: PrimaryGate, spec: dict) -> None:
-    """The child, after :func:`~service.primary_gate.worker_entry` has moved it to the idle class."""
+def worker_main(conn: Connection, results: Connection, spec: dict) -> None:
+    """The child process: call the shadow for the copies the parent sends until it goes away."""
     spec = WorkerSpec(**spec)
     config = ShadowConfig(**spec.config)
     shadow_log = ShadowLog(Path(spec.log["path"]), spec.log["max_bytes"], spec.log["backups"]) if spec.log else None
-    if spec.remote_url:
-        target, workers = RemoteTarget(spec.remote_url, config.workers), config.workers
-    else:
-        # The child is idle-class: spinning intra-op threads would only burn what the primary leaves.
-        options = EncoderOptions(**{**(spec.encoder or {}), "allow_spinning": False})
-        pacer = UnitPacer(config.max_texts_per_s, backoff_max_s=config.abort_backoff_max_s)
-        target, workers = CandidateTarget(options, spec.verify, gate, pacer), 1
-    WorkerLoop(conn, results, target, config, shadow_log, workers, spec.target).run()
+    target = RemoteTarget(spec.url, config.workers)
+    WorkerLoop(conn, results, target, config, shadow_log, config.workers, spec.url).run()

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from scipy.stats import kendalltau
 
-from service.metrics import Metrics
-from service.shadow import ShadowConfig, ShadowLog, ShadowMirror, ShadowRequest, compare, kendall_tau_of_ranks
-from service.shadow_report import format_summary, main, read_records, summarise
+from service.http.metrics import Metrics
+from service.rollout.shadow import ShadowConfig, ShadowLog, ShadowMirror, ShadowRequest, compare, kendall_tau_of_ranks
+from service.rollout.shadow_report import format_summary, main, read_records, summarise
 
 
 def metric(metrics: Metrics, name: str, **labels) -> float:

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from service.variants import CANDIDATE, PRIMARY, key_fraction, route
+from service.rollout.variants import CANDIDATE, PRIMARY, key_fraction, route
 
 
 def test_split_fraction_holds_over_many_keys():
@@ -44,8 +44,8 @@ def test_key_fraction_is_uniform_enough():
 
 
 def test_requests_queued_for_b_when_it_is_promoted_are_served_by_the_new_a():
-    from service.batcher import BatcherConfig
-    from service.variants import Variants
+    from service.engine.batcher import BatcherConfig
+    from service.rollout.variants import Variants
 
     variants = Variants.create(BatcherConfig(), lambda name: lambda n, t: None)
     old_a, candidate = object(), object()

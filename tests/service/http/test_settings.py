@@ -1,7 +1,7 @@
 import pytest
 from pydantic import ValidationError
 
-from service.settings import Settings
+from service.http.settings import Settings
 
 
 @pytest.mark.parametrize(
@@ -24,8 +24,8 @@ def test_ort_spinning_follows_the_candidate_unless_set(monkeypatch, env, spins):
 
 
 def test_shadow_settings_reach_the_worker(monkeypatch, tmp_path):
-    from service.app import build_shadow
-    from service.metrics import Metrics
+    from service.http.app import build_shadow
+    from service.http.metrics import Metrics
     from service.primary_gate import PrimaryActivity
 
     for name, value in {
@@ -45,8 +45,8 @@ def test_shadow_settings_reach_the_worker(monkeypatch, tmp_path):
 
 
 def test_a_shadow_on_cores_of_its_own_does_not_yield_unless_told(monkeypatch):
-    from service.app import build_shadow
-    from service.metrics import Metrics
+    from service.http.app import build_shadow
+    from service.http.metrics import Metrics
     from service.primary_gate import PrimaryActivity
 
     monkeypatch.setenv("XMCSERVE_SHADOW_CPUS", "1,3-4")

@@ -8,6 +8,7 @@ one session call.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +17,24 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from service.cpu_priority import confined_cpu_count
-
 log = logging.getLogger(__name__)
 
 CUDA_PROVIDER = "CUDAExecutionProvider"
 CPU_PROVIDER = "CPUExecutionProvider"
+# How a batch is cut into length-sorted session calls (:func:`plan_chunks`): the fixed cost of one
+# call in token-equivalents, and the most texts one call carries (measured with bench/serving.py).
+CALL_COST_TOKENS = 16.0
+MAX_CHUNK = 64
+
+
+def confined_cpu_count() -> int | None:
+    """How many cores this process may run on, when that is fewer than the machine has (a
+    ``taskset``, a cpuset container); None when it may use them all."""
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    return allowed if allowed < (os.cpu_count() or allowed) else None
 
 
 def choose_providers(preference: str) -> list[str]:
@@ -84,15 +97,11 @@ class EncoderOptions:
     Attributes:
         providers: ``auto`` (CUDA when this onnxruntime has it, else CPU), ``cpu`` or ``cuda``.
         intra_op_threads: ONNX Runtime intra-op threads; 0 = one per core this process may use.
-        call_cost_tokens: fixed cost of one session call in token-equivalents (see :func:`plan_chunks`).
-        max_chunk: most texts in one session call.
         allow_spinning: intra-op threads spin while waiting for work (lower latency, more CPU).
     """
 
     providers: str = "auto"
     intra_op_threads: int = 0
-    call_cost_tokens: float = 16.0
-    max_chunk: int = 64
     allow_spinning: bool = True
 
 
@@ -124,6 +133,13 @@ class OnnxEncoder:
             str(onnx_path), session_options, providers=choose_providers(options.providers)
         )
         self.provider = self.session.get_providers()[0]
+        if options.providers == "cuda" and self.provider != CUDA_PROVIDER:
+            # ORT falls back to the CPU when the CUDA provider is listed but cannot be created
+            # (missing CUDA/cuDNN libraries, no device): asked for CUDA, that is a failed start.
+            raise RuntimeError(
+                f"CUDA execution provider requested but the session runs on {self.session.get_providers()}: "
+                "the CUDA provider could not be created (see ONNX Runtime's log above for the missing library)"
+            )
         self.input_names = [i.name for i in self.session.get_inputs()]
         log.info("encoder %s on %s", onnx_path, self.provider)
 
@@ -135,9 +151,8 @@ class OnnxEncoder:
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(texts)]
 
-    def run(self, token_ids: list[list[int]], run_options: ort.RunOptions | None = None) -> np.ndarray:
-        """One session call on a chunk, padded to its longest text; ``run_options`` lets another
-        thread abort it (``terminate``)."""
+    def run(self, token_ids: list[list[int]]) -> np.ndarray:
+        """One session call on a chunk, padded to its longest text."""
         longest = max(len(ids) for ids in token_ids)
         input_ids = np.full((len(token_ids), longest), self.pad_id, dtype=np.int64)
         mask = np.zeros((len(token_ids), longest), dtype=np.int64)
@@ -145,9 +160,9 @@ class OnnxEncoder:
             input_ids[row, : len(ids)] = ids
             mask[row, : len(ids)] = 1
         feeds = {"input_ids": input_ids, "attention_mask": mask}
-        return self.session.run(None, {name: feeds[name] for name in self.input_names}, run_options)[0]
+        return self.session.run(None, {name: feeds[name] for name in self.input_names})[0]
 
-    def encode(self, texts: list[str], run_options: ort.RunOptions | None = None) -> tuple[np.ndarray, EncodeTimes]:
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, EncodeTimes]:
         """Vectors in input order: tokenise once, then one session call per length-sorted chunk."""
         t0 = time.perf_counter()
         token_ids = self.tokenize(texts)
@@ -155,9 +170,9 @@ class OnnxEncoder:
         order = np.argsort([len(ids) for ids in token_ids], kind="stable")
         lengths = [len(token_ids[i]) for i in order]
         out: np.ndarray | None = None
-        for start, end in plan_chunks(lengths, self.options.call_cost_tokens, self.options.max_chunk):
+        for start, end in plan_chunks(lengths, CALL_COST_TOKENS, MAX_CHUNK):
             rows = order[start:end]
-            vectors = self.run([token_ids[i] for i in rows], run_options)
+            vectors = self.run([token_ids[i] for i in rows])
             if out is None:
                 out = np.empty((len(texts), vectors.shape[1]), dtype=np.float32)
             out[rows] = vectors

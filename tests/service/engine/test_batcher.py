@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from service.batcher import BatcherConfig, BatcherStoppedError, MicroBatcher, QueueFullError
-from service.search import Prediction, Ranking, StageTimes
+from service.engine.batcher import BatcherConfig, BatcherStoppedError, MicroBatcher, QueueFullError
+from service.engine.search import Prediction, Ranking, StageTimes
 
 
 class FakeBundle:

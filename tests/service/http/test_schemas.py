@@ -1,8 +1,8 @@
 import pytest
 from pydantic import ValidationError
 
-from service.schemas import build_predict_request
-from service.settings import Settings
+from service.http.schemas import build_predict_request
+from service.http.settings import Settings
 
 PredictRequest = build_predict_request(Settings(max_texts_per_request=3, max_text_bytes=20, max_k=50))
 

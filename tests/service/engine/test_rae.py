@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from service.rae import aggregate, build_values, softmax, top_k_of_row
+from service.engine.rae import aggregate, build_values, softmax, top_k_of_row
 
 # Memory: 2 training instances over 3 labels, then the 3 label keys (ids 2, 3, 4).
 Y_TRAIN = sp.csr_matrix(np.array([[1, 1, 0], [0, 1, 1]], dtype=np.float32))

@@ -19,8 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from service.encoder import OnnxEncoder
-from service.search import Predictor, Ranking, StageTimes
+from service.engine.search import Prediction, Predictor, Ranking, StageTimes
 
 
 class QueueFullError(RuntimeError):
@@ -54,13 +53,15 @@ class BatcherConfig:
 
 @dataclass
 class BatchAnswer:
-    """One request's share of a batch."""
+    """One request's share of a batch; ``ef`` is what the batch's search ran at (at least the
+    request's own)."""
 
     rankings: list[Ranking]
     times: StageTimes
     queue_wait_s: float
     batch_texts: int
     predictor: Predictor
+    ef: int
 
 
 @dataclass(eq=False)  # identity hashing: jobs live in a set while they run
@@ -178,7 +179,7 @@ class MicroBatcher:
 
 
 class Job(Protocol):
-    """What a batched request carries (a queued request, a shadow copy)."""
+    """What a batched request carries."""
 
     texts: list[str]
     k: int
@@ -186,11 +187,9 @@ class Job(Protocol):
     exclude: list[Collection[str]]
 
 
-def predict_jobs(
-    predictor: Predictor, jobs: Sequence[Job], encoder: OnnxEncoder | None = None
-) -> tuple[list[list[Ranking]], StageTimes, int]:
-    """Several requests as one prediction: their rankings (one list per job), the stage times
-    and the batch's text count."""
+def predict_jobs(predictor: Predictor, jobs: Sequence[Job]) -> tuple[list[list[Ranking]], Prediction, int]:
+    """Several requests as one prediction: their rankings (one list per job), the prediction
+    (stage times, the ef it ran at) and the batch's text count."""
     texts = [t for job in jobs for t in job.texts]
     ks = [job.k for job in jobs for _ in job.texts]
     exclude = [predictor.bundle.label_ids(e) for job in jobs for e in job.exclude]
@@ -198,23 +197,24 @@ def predict_jobs(
     # default when it gave none): a wider search only adds recall, a narrower one would take
     # recall from requests that did not ask for it.
     ef = max(job.ef or predictor.default_ef for job in jobs)
-    prediction = predictor.predict(texts, ks, ef, exclude, encoder=encoder)
+    prediction = predictor.predict(texts, ks, ef, exclude)
     per_job, offset = [], 0
     for job in jobs:
         per_job.append(prediction.rankings[offset : offset + len(job.texts)])
         offset += len(job.texts)
-    return per_job, prediction.times, len(texts)
+    return per_job, prediction, len(texts)
 
 
 def _run_batch(predictor: Predictor, batch: list[_Job], started: float) -> list[BatchAnswer]:
-    per_job, times, batch_texts = predict_jobs(predictor, batch)
+    per_job, prediction, batch_texts = predict_jobs(predictor, batch)
     return [
         BatchAnswer(
             rankings=rankings,
-            times=times,
+            times=prediction.times,
             queue_wait_s=started - job.enqueued,
             batch_texts=batch_texts,
             predictor=predictor,
+            ef=prediction.ef,
         )
         for job, rankings in zip(batch, per_job, strict=True)
     ]

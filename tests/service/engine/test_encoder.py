@@ -5,8 +5,8 @@ import sys
 import numpy as np
 import pytest
 
-from service import encoder as enc
-from service.encoder import EncoderOptions, OnnxEncoder, choose_providers, plan_chunks
+from service.engine import encoder as enc
+from service.engine.encoder import EncoderOptions, OnnxEncoder, choose_providers, plan_chunks
 
 
 def test_plan_chunks_covers_every_text_once_in_order():
@@ -37,10 +37,20 @@ def test_provider_choice(monkeypatch):
         choose_providers("tpu")
 
 
-def test_chunked_encoding_matches_one_text_at_a_time(tiny_rae_bundle):
+def test_cuda_asked_for_but_not_created_fails_instead_of_running_on_cpu(tiny_rae_bundle, monkeypatch):
+    """onnxruntime-gpu lists the CUDA provider even where it cannot create it (no device, a
+    missing cuDNN) and then silently runs the session on the CPU; asked for CUDA, that must fail."""
+    monkeypatch.setattr(enc.ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    path = tiny_rae_bundle
+    with pytest.raises(RuntimeError, match="could not be created"):
+        OnnxEncoder(path / "encoder.onnx", path / "tokenizer.json", 64, EncoderOptions(providers="cuda"))
+
+
+def test_chunked_encoding_matches_one_text_at_a_time(tiny_rae_bundle, monkeypatch):
     path = tiny_rae_bundle
     texts = ["a", "a much longer text " * 6, "libc6: GNU C Library", "x y", "python3-numpy: fast arrays"] * 3
-    chunked = OnnxEncoder(path / "encoder.onnx", path / "tokenizer.json", 64, EncoderOptions(call_cost_tokens=4))
+    monkeypatch.setattr(enc, "CALL_COST_TOKENS", 4.0)  # cheap calls: several chunks per batch
+    chunked = OnnxEncoder(path / "encoder.onnx", path / "tokenizer.json", 64, EncoderOptions())
     vectors, times = chunked.encode(texts)
     singles = np.concatenate([chunked.encode([t])[0] for t in texts])
     np.testing.assert_allclose(vectors, singles, atol=1e-5)
@@ -54,12 +64,12 @@ def test_chunked_encoding_matches_one_text_at_a_time(tiny_rae_bundle):
 )
 def test_onnx_runtime_threads_stay_on_the_cores_a_pinned_process_may_use(tiny_rae_bundle):
     """ONNX Runtime's default pool pins a thread to every physical core of the machine; a server
-    under taskset (or a shadow on its own cores) must keep all of its threads within its mask."""
+    under taskset or in a cpuset container must keep all of its threads within its mask."""
     last = max(os.sched_getaffinity(0))
     script = f"""
 import os
 from pathlib import Path
-from service.bundle import load_bundle
+from service.engine.bundle import load_bundle
 encoder = load_bundle(Path({str(tiny_rae_bundle)!r})).encoder
 encoder.encode(["libc6: GNU C Library"] * 8)
 print(sorted(set().union(*(os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")))))

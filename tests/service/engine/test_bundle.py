@@ -6,8 +6,8 @@ import shutil
 import pytest
 
 from bench.localserver import start_server
-from service.bundle import BundleError, load_bundle
-from service.manifest import INDEX_FILE, LABELS_FILE, MANIFEST_FILE, VALUES_FILE
+from service.engine.bundle import BundleError, load_bundle
+from service.engine.manifest import INDEX_FILE, LABELS_FILE, MANIFEST_FILE, VALUES_FILE
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from service.batcher import BatcherConfig, MicroBatcher
-from service.search import Predictor, StageTimes
+from service.engine.batcher import BatcherConfig, MicroBatcher
+from service.engine.search import Predictor, StageTimes
 
 PRIMARY = "A"
 CANDIDATE = "B"

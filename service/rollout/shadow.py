@@ -1,20 +1,18 @@
-"""Shadow traffic: mirror a sampled fraction of primary requests to a shadow and compare.
+"""Shadow traffic: mirror a sampled fraction of primary requests to a remote shadow and compare.
 
-The shadow is the in-process candidate bundle (variant B) or a remote xmcserve URL. The primary's
-process does only two things for it: :meth:`ShadowMirror.offer`, after the primary answer is
-ready, samples the request and hands a copy to the shadow worker (a non-blocking put; a copy over
-``queue_size`` outstanding is dropped and counted), and a receiving thread turns the worker's
-per-call results into Prometheus observations. Everything else — batching copies into calls,
-computing B or calling the remote, comparing the rankings, writing the comparison log — runs in
-the worker's child process (:mod:`service.shadow_worker`), outside the primary's interpreter
-lock and event loop. Measured on an idle 16-core machine with both servers pinned to their own
-cores, doing the httpx call and the comparisons on A's event loop had tripled A's median latency
-at half its peak (5.4 → 14.6 ms) for 3.6 % more CPU: blocking stretches of the loop, not CPU.
+The shadow is another xmcserve (or anything that answers ``POST /predict``) on hardware of its
+own — a compose service, a k8s Deployment — as Istio/Envoy mirroring does it. The primary's
+process does two things for it: :meth:`ShadowMirror.offer`, after the primary answer is ready,
+samples the request and hands a copy to the shadow worker (a non-blocking append; a copy over
+``queue_size`` outstanding is dropped and counted), and the worker's per-call results become
+Prometheus observations. Batching copies into calls, calling the shadow, comparing the rankings
+and writing the comparison log run in the worker's child process
+(:mod:`service.rollout.shadow_worker`), outside the primary's interpreter lock and event loop.
 
 Per mirrored text: overlap@k = |top-k A ∩ top-k B| / k, Kendall's τ of the shared labels' ranks,
 the mean |score A − score B| over shared labels, and the latency delta (the shadow call that
 carried the text − the primary request), into Prometheus histograms and a size-bounded rotating
-JSONL log (see ``service.shadow_report``).
+JSONL log (see ``service.rollout.shadow_report``).
 """
 
 from __future__ import annotations
@@ -24,14 +22,13 @@ import logging
 import logging.handlers
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from service.search import Ranking
-from service.variants import PRIMARY
+from service.engine.search import Ranking
+from service.rollout.variants import PRIMARY
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +56,6 @@ class Copy:
 
     request: ShadowRequest
     deadline: float
-    bundle: tuple[str, str] | None = None  # (path, bundle id) of the candidate; None for a remote shadow
 
 
 def kendall_tau_of_ranks(ranks: list[int]) -> float:
@@ -114,85 +110,54 @@ class ShadowConfig:
     queue_size: most copies outstanding (handed to the worker and not yet compared or dropped);
         more are dropped at once, never waited for.
     timeout_s: a copy not compared this long after A answered is dropped.
-    workers: remote shadow calls in flight at once (the in-process candidate computes one call
-        at a time: it has only the cores A leaves).
-    batch_texts: most texts one shadow call carries (waiting copies with the same k and ef, and
-        the same candidate bundle, share a call). Keep it ≤ a remote's ``max_texts_per_request``.
-    batch_wait_s: after the first copy, how long the worker waits for more before the call. Each
-        call streams B's weights through the memory A shares (a memory-bound process on the
-        other core of this VM cost A's encoder 16 % throughput, +7 % for a compute-bound one),
-        so fuller, fewer calls cost A less; the comparison is not latency-critical.
-    yield_to_primary: the in-process candidate computes only while the primary has no request
-        in flight (:mod:`service.primary_gate`).
-    max_texts_per_s: most texts per second the in-process candidate starts to encode (a unit,
-        aborted or not, counts all its texts); 0 = as many as the quiet moments allow.
-    abort_backoff_max_s: after a candidate unit is aborted by a primary request, the next waits
-        a back-off that doubles with each abort in a row up to this (0 = retry at the next quiet
-        moment); a finished unit clears it (``service.shadow_worker.UnitPacer``).
+    batch_texts: most texts one shadow call carries (waiting copies with the same k and ef share
+        a call: a call costs a fixed ~1.4 ms of CPU in httpx whatever it carries). Keep it ≤ the
+        shadow's ``max_texts_per_request``.
+    workers: shadow calls in flight at once.
+    batch_wait_s: after the first copy, how long the worker waits for more before the call (the
+        comparison is not latency-critical; fuller calls cost both sides less).
     """
 
     fraction: float = 0.0
     queue_size: int = 64
     timeout_s: float = 2.0
-    workers: int = 4
     batch_texts: int = 32
+    workers: int = 4
     batch_wait_s: float = 0.1
-    yield_to_primary: bool = True
-    max_texts_per_s: float = 0.0
-    abort_backoff_max_s: float = 1.0
 
 
 class ShadowMirror:
-    """Samples primary requests and hands copies to a shadow worker (``service.shadow_worker``);
-    the worker's results arrive through :meth:`record` (on the worker's receiving thread)."""
+    """Samples primary requests and hands copies to a shadow worker (``service.rollout.shadow_worker``);
+    the worker's results arrive through :meth:`record`."""
 
-    def __init__(
-        self,
-        config: ShadowConfig,
-        metrics,
-        target: str,
-        worker,
-        candidate: Callable[[], object | None] | None = None,
-        variant: str = PRIMARY,
-    ):
-        """``worker``: has ``start()``, ``submit(copy)``, ``warm(bundle)``, ``outstanding`` and
-        ``close()``. ``candidate``: the in-process B's predictor (None for a remote shadow).
-        ``variant``: the variant whose answers are offered (labels every shadow metric)."""
+    def __init__(self, config: ShadowConfig, metrics, target: str, worker, variant: str = PRIMARY):
+        """``worker``: has ``start()``, ``submit(copy)``, ``outstanding`` and ``close()``.
+        ``target``: the shadow's URL, as /info and the log name it. ``variant``: the variant
+        whose answers are offered (labels every shadow metric)."""
         self.config = config
         self.target = target
         self.variant = variant
         self._metrics = metrics
         metrics.shadow_compared.labels(variant=variant)  # exported at 0 until the first comparison
         self._worker = worker
-        self._candidate = candidate
         self._rng = random.Random()
         worker.on_result = self.record
 
     def start(self) -> None:
         if self.config.fraction > 0:
-            self._warm()
+            self._worker.start()
 
     async def stop(self) -> None:
         self._worker.close()
 
     def set_fraction(self, fraction: float) -> None:
-        if fraction > 0 >= self.config.fraction:
-            self._warm()
+        if fraction > 0:
+            self._worker.start()
         self.config.fraction = fraction
 
     @property
     def depth(self) -> int:
         return self._worker.outstanding
-
-    def _candidate_bundle(self) -> tuple[str, str] | None:
-        predictor = self._candidate() if self._candidate is not None else None
-        return (str(predictor.bundle.path), predictor.bundle.bundle_id) if predictor is not None else None
-
-    def _warm(self) -> None:
-        """Start the worker (and load the candidate in it) before the first copies need it."""
-        self._worker.start()
-        if (bundle := self._candidate_bundle()) is not None:
-            self._worker.warm(bundle)
 
     def offer(self, request: ShadowRequest) -> bool:
         """Mirror ``request`` if sampled and there is room; never blocks."""
@@ -201,15 +166,8 @@ class ShadowMirror:
         if self._worker.outstanding >= self.config.queue_size:
             self._metrics.shadow_dropped.labels(reason="queue_full", variant=self.variant).inc()
             return False
-        bundle = None
-        if self._candidate is not None:
-            bundle = self._candidate_bundle()
-            if bundle is None:  # mirroring to B with no B loaded
-                self._metrics.shadow_dropped.labels(reason="error", variant=self.variant).inc()
-                return False
-        self._worker.submit(Copy(request, time.monotonic() + self.config.timeout_s, bundle))
+        self._worker.submit(Copy(request, time.monotonic() + self.config.timeout_s))
         return True
-
     def record(self, result: tuple) -> None:
         """One worker result: ``("compared", copies, overlaps, taus, score_deltas, latency_deltas)``
         or ``("dropped", reason, copies)``."""

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from service.settings import Settings
+from service.http.settings import LimitSettings
 
 EXAMPLE_SINGLE = {"text": "python3-numpy: Fast array facility to the Python 3 language", "k": 5}
 EXAMPLE_BATCH = {
@@ -40,8 +40,8 @@ class PredictRequestBase(BaseModel):
         return [list(self.exclude) for _ in range(n)]
 
 
-def build_predict_request(settings: Settings) -> type[PredictRequestBase]:
-    max_bytes = settings.max_text_bytes
+def build_predict_request(limits: LimitSettings) -> type[PredictRequestBase]:
+    max_bytes = limits.max_text_bytes
 
     def check_text(value: str) -> str:
         if not value.strip():
@@ -60,12 +60,12 @@ def build_predict_request(settings: Settings) -> type[PredictRequestBase]:
         texts: list[str] | None = Field(
             None,
             min_length=1,
-            max_length=settings.max_texts_per_request,
-            description=f"several texts, at most {settings.max_texts_per_request}, answered in order",
+            max_length=limits.max_texts_per_request,
+            description=f"several texts, at most {limits.max_texts_per_request}, answered in order",
         )
-        k: int = Field(settings.default_k, ge=1, le=settings.max_k, description="labels to return per text")
+        k: int = Field(limits.default_k, ge=1, le=limits.max_k, description="labels to return per text")
         ef: int | None = Field(
-            None, ge=1, le=settings.max_ef, description="HNSW search breadth; default: the bundle's ef"
+            None, ge=1, le=limits.max_ef, description="HNSW search breadth; default: the bundle's ef"
         )
         variant: Literal["A", "B"] | None = Field(
             None, description="force a variant (testing); default: routed by the A/B split"

@@ -1,4 +1,7 @@
-"""FastAPI app factory: ``uvicorn service.app:create_app --factory``.
+"""FastAPI app factory: ``uvicorn service.http.app:create_app --factory``.
+
+A thin front end over the engine (:mod:`service.engine`) and the rollout state
+(:mod:`service.rollout`).
 
 The lifespan loads and verifies the primary bundle named by ``XMCSERVE_BUNDLE_DIR`` (a bundle
 that fails verification stops start-up with the reason), the optional candidate (a bad candidate
@@ -12,24 +15,21 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import asdict
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from service.admin import ServingState, add_admin_routes, load_predictor
-from service.batcher import BatchAnswer, BatcherConfig, BatcherStoppedError, QueueFullError
-from service.bundle import BundleError
-from service.cpu_priority import parse_cpus, yield_cpu_process
-from service.metrics import Metrics
-from service.primary_gate import PrimaryActivity
-from service.schemas import PredictResponse, build_predict_request
-from service.settings import Settings
-from service.shadow import ShadowConfig, ShadowMirror, ShadowRequest, ranked
-from service.shadow_worker import ShadowWorker, WorkerSpec
-from service.variants import CANDIDATE, PRIMARY, Variants
+from service.engine.batcher import BatchAnswer, BatcherStoppedError, QueueFullError
+from service.engine.bundle import BundleError
+from service.http.admin import ServingState, add_admin_routes, load_predictor
+from service.http.metrics import Metrics
+from service.http.schemas import PredictResponse, build_predict_request
+from service.http.settings import Settings
+from service.rollout.shadow import ShadowMirror, ShadowRequest, ranked
+from service.rollout.shadow_worker import ShadowWorker, WorkerSpec
+from service.rollout.variants import CANDIDATE, PRIMARY, Variants
 
 log = logging.getLogger("xmcserve")
 
@@ -41,13 +41,11 @@ except PackageNotFoundError:  # running from a source tree that is not installed
 
 class RequestMetricsMiddleware:
     """Latency histogram by route template (not raw path: bounded label cardinality), status and
-    the variant that answered (``-`` for endpoints that do not predict); every request also counts
-    in ``activity``, which the in-process shadow yields to."""
+    the variant that answered (``-`` for endpoints that do not predict)."""
 
-    def __init__(self, app, metrics: Metrics, activity: PrimaryActivity):
+    def __init__(self, app, metrics: Metrics):
         self.app = app
         self.metrics = metrics
-        self.activity = activity
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -63,11 +61,9 @@ class RequestMetricsMiddleware:
 
         start = time.perf_counter()
         self.metrics.in_flight.inc()
-        self.activity.enter()
         try:
             await self.app(scope, receive, send_with_status)
         finally:
-            self.activity.leave()
             self.metrics.in_flight.dec()
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
@@ -77,7 +73,7 @@ class RequestMetricsMiddleware:
             ).observe(time.perf_counter() - start)
 
 
-def to_response(answer: BatchAnswer, variant: str, k: int, ef: int) -> Response:
+def to_response(answer: BatchAnswer, variant: str, k: int) -> Response:
     """The PredictResponse JSON, serialised directly: FastAPI would otherwise validate the ~k
     label objects of every answer again (the model stays the documented response schema)."""
     bundle = answer.predictor.bundle
@@ -96,65 +92,34 @@ def to_response(answer: BatchAnswer, variant: str, k: int, ef: int) -> Response:
         "variant": variant,
         "index_kind": bundle.manifest.index_kind,
         "k": k,
-        "ef": ef,
+        "ef": answer.ef,
         "results": results,
     }
     return Response(json.dumps(body, ensure_ascii=False, allow_nan=False), media_type="application/json")
 
 
-def build_shadow(settings: Settings, metrics: Metrics, variants: Variants, activity: PrimaryActivity) -> ShadowMirror:
-    """The mirror and its worker process: the remote at ``shadow_url``, else the in-process B,
-    computed in the worker's idle-class process while this server is quiet (service.shadow_worker)."""
-    config = ShadowConfig(
-        fraction=settings.shadow_fraction,
-        queue_size=settings.shadow_queue,
-        timeout_s=settings.shadow_timeout_ms / 1000,
-        workers=settings.shadow_workers,
-        batch_texts=settings.shadow_batch_texts,
-        batch_wait_s=settings.shadow_batch_wait_ms / 1000,
-        yield_to_primary=settings.shadow_yields(),
-        max_texts_per_s=settings.shadow_max_texts_per_s,
-        abort_backoff_max_s=settings.shadow_abort_backoff_max_ms / 1000,
-    )
+def build_shadow(settings: Settings, metrics: Metrics) -> ShadowMirror:
+    """The mirror to ``XMCSERVE_SHADOW_URL`` (off without one) and its worker process."""
+    shadow = settings.shadow
     log_spec = (
-        {
-            "path": str(settings.shadow_log),
-            "max_bytes": settings.shadow_log_max_bytes,
-            "backups": settings.shadow_log_backups,
-        }
-        if settings.shadow_log
+        {"path": str(shadow.log), "max_bytes": shadow.log_max_bytes, "backups": shadow.log_backups}
+        if shadow.log
         else None
     )
-    target = settings.shadow_url or "B"
-    spec = WorkerSpec(
-        config=asdict(config),
-        remote_url=settings.shadow_url,
-        encoder=asdict(settings.encoder_options()),
-        verify=settings.verify_checksums,
-        log=log_spec,
-        target=target,
-        cpus=sorted(cpus) if (cpus := parse_cpus(settings.shadow_cpus)) else None,
-    )
-    worker = ShadowWorker(spec, activity if config.yield_to_primary else None)
-    candidate = None if settings.shadow_url else (lambda: variants[CANDIDATE].predictor)
-    return ShadowMirror(config, metrics, target, worker, candidate)
+    config = shadow.config()
+    worker = ShadowWorker(WorkerSpec(config=vars(config).copy(), url=shadow.url or "", log=log_spec))
+    return ShadowMirror(config, metrics, shadow.url or "", worker)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     metrics = Metrics()
-    activity = PrimaryActivity()
-    PredictRequest = build_predict_request(settings)
+    PredictRequest = build_predict_request(settings.limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        # Every thread so far, and by inheritance the ones ONNX Runtime and the batchers start.
-        app.state.cpu_priority = yield_cpu_process() if settings.cpu_priority == "idle" else "normal"
-        config = BatcherConfig(
-            settings.max_batch_size, settings.max_wait_ms, settings.max_queue, settings.batch_workers
-        )
-        variants = Variants.create(config, metrics.batch_observer)
-        variants.split_b = settings.split_b
+        variants = Variants.create(settings.batching.config(), metrics.batch_observer)
+        variants.split_b = settings.rollout.split_b
         for name, slot in variants.slots.items():
             metrics.queue_depth.labels(variant=name).set_function(lambda slot=slot: slot.batcher.depth)
             metrics.batches_in_flight.labels(variant=name).set_function(
@@ -166,17 +131,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state = ServingState(settings, metrics, variants)
         predictor = await load_predictor(settings.bundle_dir, settings)
         state.install(PRIMARY, predictor, str(settings.bundle_dir))
-        if settings.candidate_bundle_dir:
+        if candidate_dir := settings.rollout.candidate_bundle_dir:
             try:
-                state.install(
-                    CANDIDATE,
-                    await load_predictor(settings.candidate_bundle_dir, settings),
-                    str(settings.candidate_bundle_dir),
-                )
+                state.install(CANDIDATE, await load_predictor(candidate_dir, settings), str(candidate_dir))
             except BundleError as exc:
                 log.error("candidate bundle refused, serving A only: %s", exc)
         variants.start()
-        state.shadow = build_shadow(settings, metrics, variants, activity)
+        state.shadow = build_shadow(settings, metrics)
         state.shadow.start()
         app.state.serving = state
         log.info("serving bundle %s on %s", predictor.bundle.bundle_id, predictor.bundle.encoder.provider)
@@ -194,7 +155,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.serving = None
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics, activity=activity)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
 
     @app.post("/predict", response_model=PredictResponse)
     async def predict(body: PredictRequest, request: Request) -> Response:  # type: ignore[valid-type]
@@ -231,7 +192,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     slot.name,
                 )
             )
-        return to_response(answer, slot.name, body.k, body.ef or answer.predictor.default_ef)
+        return to_response(answer, slot.name, body.k)
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -255,14 +216,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 "service_version": SERVICE_VERSION,
                 "bundle_path": str(primary.path),
                 "execution_provider": primary.encoder.provider,
-                "cpu_priority": request.app.state.cpu_priority,
-                "ort_spinning": settings.spinning(),
-                "limits": {
-                    "max_texts_per_request": settings.max_texts_per_request,
-                    "max_text_bytes": settings.max_text_bytes,
-                    "max_k": settings.max_k,
-                    "max_ef": settings.max_ef,
-                },
+                "ort_spinning": primary.encoder.options.allow_spinning,
+                "limits": settings.limits.model_dump(),
                 "routing": state.describe(),
                 "manifest": primary.manifest.model_dump(mode="json"),
             }

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from bench.localserver import free_port
-from service.bundle import load_bundle
-from service.encoder import EncoderOptions
-from service.metrics import Metrics
+from service.engine.bundle import load_bundle
+from service.engine.encoder import EncoderOptions
+from service.http.metrics import Metrics
 from service.primary_gate import PrimaryActivity
-from service.search import Predictor
-from service.shadow import Copy, ShadowConfig, ShadowMirror, ShadowRequest, ranked
-from service.shadow_worker import CandidateTarget, ShadowWorker, UnitPacer, WorkerSpec, split_answers, take_batch
+from service.engine.search import Predictor
+from service.rollout.shadow import Copy, ShadowConfig, ShadowMirror, ShadowRequest, ranked
+from service.rollout.shadow_worker import CandidateTarget, ShadowWorker, UnitPacer, WorkerSpec, split_answers, take_batch
 
 TEXTS = ["python3-numpy: fast arrays for Python", "libc6: GNU C Library: Shared libraries"]
 

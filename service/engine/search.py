@@ -10,12 +10,13 @@ import threading
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-from service.bundle import Bundle
-from service.encoder import OnnxEncoder
-from service.rae import aggregate, top_k_of_row
+from service.engine.bundle import Bundle, BundleError, load_bundle
+from service.engine.encoder import EncoderOptions
+from service.engine.rae import aggregate, top_k_of_row
 
 
 @dataclass
@@ -41,8 +42,12 @@ class Ranking:
 
 @dataclass
 class Prediction:
+    """Rankings in query order, the stage times, and the HNSW ef the search ran at (the asked
+    ef or the bundle's default, raised to the number of neighbours fetched when that is larger)."""
+
     rankings: list[Ranking]
     times: StageTimes = field(default_factory=StageTimes)
+    ef: int = 0
 
 
 class Predictor:
@@ -63,11 +68,8 @@ class Predictor:
         k: int | Sequence[int],
         ef: int | None = None,
         exclude: Sequence[Collection[int]] | None = None,
-        encoder: OnnxEncoder | None = None,
     ) -> Prediction:
-        """``encoder`` replaces the bundle's own session (same model; the in-process shadow runs
-        its own one-thread session at idle priority)."""
-        vectors, enc_times = (encoder or self.bundle.encoder).encode(texts)
+        vectors, enc_times = self.bundle.encoder.encode(texts)
         prediction = self.search(vectors, k, ef, exclude)
         prediction.times.tokenize = enc_times.tokenize_s
         prediction.times.encode = enc_times.encode_s
@@ -90,32 +92,43 @@ class Predictor:
             return self._search_rae(vectors, ks, ef, exclude)
         return self._search_labels(vectors, ks, ef, exclude)
 
-    def knn(self, vectors: np.ndarray, n: int, ef: int | None) -> tuple[np.ndarray, np.ndarray]:
-        """Best-first (key ids, inner-product similarities) of the ``n`` nearest keys."""
+    def knn(self, vectors: np.ndarray, n: int, ef: int | None) -> tuple[np.ndarray, np.ndarray, int]:
+        """Best-first (key ids, inner-product similarities) of the ``n`` nearest keys, and the ef used."""
         n = min(n, self.bundle.index.get_current_count())
         ef = max(ef or self.default_ef, n)
         with self._search_lock:
             self.bundle.index.set_ef(ef)
             keys, distances = self.bundle.index.knn_query(vectors, k=n)
-        return keys.astype(np.int64), (1.0 - distances).astype(np.float32)
+        return keys.astype(np.int64), (1.0 - distances).astype(np.float32), ef
 
     def _search_labels(self, vectors, ks, ef, exclude) -> Prediction:
         t0 = time.perf_counter()
-        keys, sims = self.knn(vectors, max(k + len(e) for k, e in zip(ks, exclude, strict=True)), ef)
+        keys, sims, ef = self.knn(vectors, max(k + len(e) for k, e in zip(ks, exclude, strict=True)), ef)
         t1 = time.perf_counter()
         rankings = []
         for i, (k, excluded) in enumerate(zip(ks, exclude, strict=True)):
             keep = ~np.isin(keys[i], np.fromiter(excluded, dtype=np.int64)) if excluded else slice(None)
             rankings.append(Ranking(ids=keys[i][keep][:k], scores=sims[i][keep][:k]))
-        return Prediction(rankings, StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1))
+        return Prediction(rankings, StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1), ef)
 
     def _search_rae(self, vectors, ks, ef, exclude) -> Prediction:
         rae = self.bundle.manifest.rae
         t0 = time.perf_counter()
-        keys, sims = self.knn(vectors, rae.top_b + max(len(e) for e in exclude), ef)
+        keys, sims, ef = self.knn(vectors, rae.top_b + max(len(e) for e in exclude), ef)
         t1 = time.perf_counter()
         scores = aggregate(
             keys, sims, self.bundle.values, self.bundle.num_train_keys, rae.tau, rae.top_b, exclude, rae.mode
         )
         rankings = [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
-        return Prediction(rankings, StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1))
+        return Prediction(rankings, StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1), ef)
+
+
+def load_predictor(path: Path | str, options: EncoderOptions | None = None, verify: bool = True) -> Predictor:
+    """A bundle loaded, verified and warmed by one prediction (the first search and aggregation
+    allocate); a bundle that cannot answer is refused like a corrupt one (:class:`BundleError`)."""
+    predictor = Predictor(load_bundle(path, options, verify=verify))
+    try:
+        predictor.predict(["warm-up query"], k=10)
+    except Exception as exc:
+        raise BundleError(f"{path}: warm-up prediction failed ({type(exc).__name__}: {exc})") from None
+    return predictor

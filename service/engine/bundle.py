@@ -12,8 +12,8 @@ import numpy as np
 import scipy.sparse as sp
 from pydantic import ValidationError
 
-from service.encoder import EncoderOptions, OnnxEncoder
-from service.manifest import (
+from service.engine.encoder import EncoderOptions, OnnxEncoder
+from service.engine.manifest import (
     ENCODER_FILE,
     INDEX_FILE,
     LABELS_FILE,

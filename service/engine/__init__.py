@@ -1,0 +1,42 @@
+"""The serving engine: bundle → encoder → search → RAE aggregation, and the micro-batcher.
+
+A library with no HTTP in it; the uvicorn app (:mod:`service.http`) is one front end over it.
+The public surface:
+
+* :func:`load_predictor` — open a bundle directory, verify it (checksums, shapes, a warm-up
+  prediction) and return a :class:`Predictor`; :func:`load_bundle` without the warm-up.
+* :class:`Predictor` — ``predict(texts, k, ef, exclude)`` (encode + search) and
+  ``search(vectors, k, ef, exclude)`` (search only), both returning a :class:`Prediction`:
+  one :class:`Ranking` (label ids and scores, best first) per text, the :class:`StageTimes`,
+  and the HNSW ef the search ran at. ``exclude`` holds label *ids* per text;
+  ``predictor.bundle.label_ids(uids)`` maps uids to ids.
+* :class:`MicroBatcher` — an asyncio queue of requests (``submit(texts, k, ef, exclude_uids)``)
+  batched onto one predictor per batch, bounded (:class:`QueueFullError`), stoppable
+  (:class:`BatcherStoppedError`); configured by :class:`BatcherConfig`.
+* :class:`EncoderOptions` — how the ONNX encoder runs (provider, threads, spinning).
+
+Everything is thread-safe for concurrent ``predict`` calls on one predictor.
+"""
+
+from service.engine.batcher import BatchAnswer, BatcherConfig, BatcherStoppedError, MicroBatcher, QueueFullError
+from service.engine.bundle import Bundle, BundleError, load_bundle
+from service.engine.encoder import EncoderOptions, OnnxEncoder
+from service.engine.search import Prediction, Predictor, Ranking, StageTimes, load_predictor
+
+__all__ = [
+    "BatchAnswer",
+    "BatcherConfig",
+    "BatcherStoppedError",
+    "Bundle",
+    "BundleError",
+    "EncoderOptions",
+    "MicroBatcher",
+    "OnnxEncoder",
+    "Prediction",
+    "Predictor",
+    "QueueFullError",
+    "Ranking",
+    "StageTimes",
+    "load_bundle",
+    "load_predictor",
+]

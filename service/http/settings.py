@@ -1,0 +1,154 @@
+"""Server settings from the environment, grouped: every variable starts with ``XMCSERVE_``.
+
+``Settings()`` reads the whole tree; each group is its own ``BaseSettings`` with its own prefix,
+so a variable's name is its group's prefix + the field name (``XMCSERVE_MAX_K``,
+``XMCSERVE_SHADOW_URL``, ``XMCSERVE_ADMIN_TOKEN``). docs/operations.md has the table of every
+variable; ``tests/service/http/test_settings.py`` checks that table against these classes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.engine.batcher import BatcherConfig
+from service.engine.encoder import EncoderOptions
+from service.rollout.shadow import ShadowConfig
+
+ENV_PREFIX = "XMCSERVE_"
+
+
+def _group(prefix: str = "") -> SettingsConfigDict:
+    return SettingsConfigDict(env_prefix=ENV_PREFIX + prefix, extra="ignore", populate_by_name=True)
+
+
+class LimitSettings(BaseSettings):
+    """What one /predict may ask for; anything beyond is a 422 before any work."""
+
+    model_config = _group()
+
+    max_texts_per_request: int = Field(64, ge=1, description="most texts one /predict may carry")
+    max_text_bytes: int = Field(2048, ge=1, description="most UTF-8 bytes per text")
+    max_k: int = Field(1000, ge=1, description="largest k a request may ask for")
+    max_ef: int = Field(4096, ge=1, description="largest HNSW ef a request may ask for")
+    default_k: int = Field(10, ge=1, description="k of a request that gives none")
+
+
+class BatchingSettings(BaseSettings):
+    """The micro-batcher of each variant (defaults measured with bench/serving.py)."""
+
+    model_config = _group()
+
+    max_batch_size: int = Field(32, ge=1, description="most texts per micro-batch")
+    max_wait_ms: float = Field(
+        0.0, ge=0, description="how long a non-full batch waits for more requests (0: take what is queued)"
+    )
+    max_queue: int = Field(128, ge=1, description="most requests waiting per variant; beyond it 429 + Retry-After")
+    batch_workers: int = Field(1, ge=1, description="micro-batches computed in parallel")
+
+    def config(self) -> BatcherConfig:
+        return BatcherConfig(self.max_batch_size, self.max_wait_ms, self.max_queue, self.batch_workers)
+
+
+class RolloutSettings(BaseSettings):
+    """The candidate (B) and the share of live traffic it answers."""
+
+    model_config = _group()
+
+    candidate_bundle_dir: Path | None = Field(None, description="variant B loaded at start-up (optional)")
+    split_b: float = Field(0.0, ge=0.0, le=1.0, description="share of requests routed to B (sticky per X-Request-Key)")
+
+
+class ShadowSettings(BaseSettings):
+    """Mirroring to a remote shadow (another xmcserve, or anything answering /predict)."""
+
+    model_config = _group("SHADOW_")
+
+    url: str | None = Field(None, description="base URL of the shadow; unset: no mirroring")
+    fraction: float = Field(0.0, ge=0.0, le=1.0, description="share of A's requests mirrored")
+    queue: int = Field(64, ge=1, description="most copies outstanding; more are dropped and counted")
+    timeout_ms: float = Field(2000, gt=0, description="a copy not compared this long after A answered is dropped")
+    batch_texts: int = Field(
+        32, ge=1, description="most texts one shadow call carries (≤ the shadow's XMCSERVE_MAX_TEXTS_PER_REQUEST)"
+    )
+    log: Path | None = Field(None, description="JSONL comparison log, rotated by size (unset: no log)")
+    log_max_bytes: int = Field(10_000_000, ge=1024, description="size at which the log rotates")
+    log_backups: int = Field(3, ge=1, description="rotated log files kept")
+
+    def config(self) -> ShadowConfig:
+        return ShadowConfig(
+            fraction=self.fraction if self.url else 0.0,
+            queue_size=self.queue,
+            timeout_s=self.timeout_ms / 1000,
+            batch_texts=self.batch_texts,
+        )
+
+
+class AdminSettings(BaseSettings):
+    """The token-protected /admin/* API."""
+
+    model_config = _group("ADMIN_")
+
+    token: SecretStr | None = Field(
+        None, description="enables /admin/*; clients send it as X-Admin-Token or Authorization: Bearer"
+    )
+    bundle_root: Path = Field(
+        Path("bundles"),
+        validation_alias=AliasChoices("XMCSERVE_BUNDLE_ROOT", "bundle_root"),
+        description="admin reloads may only load bundles under this directory",
+    )
+
+
+class Settings(BaseSettings):
+    """The whole server configuration: the bundle and its runtime, then one group per concern."""
+
+    model_config = _group()
+
+    bundle_dir: Path = Field(Path("bundles/default"), description="bundle served at start-up")
+    providers: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="ONNX Runtime provider: auto (CUDA when available, else CPU), cpu, cuda (or fail)"
+    )
+    intra_op_threads: int = Field(0, ge=0, description="ONNX Runtime intra-op threads (0: one per core)")
+    verify_checksums: bool = Field(True, description="sha256-check every bundle file before serving it")
+
+    limits: LimitSettings = Field(default_factory=LimitSettings)
+    batching: BatchingSettings = Field(default_factory=BatchingSettings)
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
+    shadow: ShadowSettings = Field(default_factory=ShadowSettings)
+    admin: AdminSettings = Field(default_factory=AdminSettings)
+
+    def encoder_options(self) -> EncoderOptions:
+        # Spinning intra-op threads cut single-call latency but keep their cores busy: beside a
+        # candidate the two variants' pools would spin against each other.
+        return EncoderOptions(
+            providers=self.providers,
+            intra_op_threads=self.intra_op_threads,
+            allow_spinning=self.rollout.candidate_bundle_dir is None,
+        )
+
+
+GROUPS: dict[str, type[BaseSettings]] = {
+    "": Settings,
+    "limits": LimitSettings,
+    "batching": BatchingSettings,
+    "rollout": RolloutSettings,
+    "shadow": ShadowSettings,
+    "admin": AdminSettings,
+}
+
+
+def environment_variables() -> dict[str, str]:
+    """Every variable the server reads → its description (the documented table is checked against this)."""
+    out = {}
+    for cls in GROUPS.values():
+        prefix = cls.model_config["env_prefix"]
+        for name, field in cls.model_fields.items():
+            if isinstance(field.default_factory, type) and issubclass(field.default_factory, BaseSettings):
+                continue  # a group, not a variable
+            alias = field.validation_alias
+            env = alias.choices[0] if isinstance(alias, AliasChoices) else (prefix + name).upper()
+            out[env] = field.description or ""
+    return out
