@@ -29,7 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from export.build import ExportParams, build_bundle, derive_rae_bundle
+from export.build import ExportParams, build_bundle
+from export.derive import derive_rae_bundle
 from service.engine.bundle import load_bundle
 from training.checkpoint import ServingHead
 from training.data import load_jsonl_split

@@ -1,7 +1,13 @@
-"""ONNX export of :class:`export.model.ServingEncoder` and the parity check every export runs."""
+"""The ONNX side of an export: graph export, ORT fusion, int8 quantization and the parity checks.
+
+Every graph a bundle is built with goes through :func:`export_checked_graph` (export, fuse,
+check against torch); the served graph may then be quantized by :func:`quantize_checked`, which
+refuses an int8 graph that drifts too far from the float one. Nothing that was not checked is kept.
+"""
 
 from __future__ import annotations
 
+import logging
 import random
 import warnings
 from dataclasses import dataclass
@@ -13,6 +19,9 @@ import torch
 from tokenizers import Tokenizer
 
 from export.model import ServingEncoder, tokenize_batch
+from export.params import Quantize
+
+log = logging.getLogger("xmcserve.export")
 
 INPUT_NAMES = ["input_ids", "attention_mask"]
 OUTPUT_NAME = "embedding"
@@ -150,3 +159,80 @@ def min_cosine(reference: Path, candidate: Path, tokenizer: Tokenizer, texts: li
         a, b = (s.run(None, feeds)[0] for s in sessions)
         worst = min(worst, float((a * b).sum(axis=1).min()))
     return worst
+
+
+def attention_shape(config) -> tuple[int, int]:
+    """(attention heads, hidden size) of a BERT-like or DistilBERT config."""
+    heads = getattr(config, "num_attention_heads", None) or config.n_heads
+    hidden = getattr(config, "hidden_size", None) or config.dim
+    return heads, hidden
+
+
+def fuse_or_keep(plain: Path, path: Path, config, fuse: bool = True) -> dict:
+    """Move the graph ``plain`` to ``path``, fused when ``fuse`` and ORT has fusions for the
+    architecture (otherwise as it is, with a warning); returns the fusion counts ({} if unfused)."""
+    if fuse:
+        try:
+            fusions = optimize_onnx(plain, path, config.model_type, *attention_shape(config))
+        except ValueError as exc:
+            log.warning("graph not fused: %s", exc)
+        else:
+            plain.unlink()
+            return fusions
+    plain.rename(path)
+    return {}
+
+
+def export_checked_graph(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    config,
+    path: Path,
+    parity_texts: list[str],
+    tolerance: float,
+    fuse: bool = True,
+) -> dict:
+    """Write ``model`` to ``path`` as ONNX, fused when ``fuse``, and check it against torch on
+    ``parity_texts`` (:class:`ParityError` beyond ``tolerance``).
+
+    Returns ``{"fusions": counts, "parity": report}`` for the manifest's params.
+    """
+    plain = path.with_suffix(".plain.onnx")
+    export_onnx(model, tokenizer, plain)
+    report = {"fusions": fuse_or_keep(plain, path, config, fuse)}
+    report["parity"] = check_parity(model, tokenizer, path, parity_texts, tolerance).as_dict()
+    log.info("ONNX parity of %s: %s; fusions: %s", path.name, report["parity"], report["fusions"])
+    return report
+
+
+def quantize_checked(path: Path, tokenizer: Tokenizer, parity_texts: list[str], least_cosine: float) -> float:
+    """Replace the float graph at ``path`` by its int8 version; returns the smallest cosine between
+    the two graphs' outputs on ``parity_texts`` and raises :class:`ParityError` below ``least_cosine``."""
+    float_graph = path.with_suffix(".float.onnx")
+    path.rename(float_graph)
+    quantize_int8(float_graph, path)
+    cosine = min_cosine(float_graph, path, tokenizer, parity_texts)
+    float_graph.unlink()
+    if cosine < least_cosine:
+        raise ParityError(f"int8 graph drifts too far: min cosine {cosine:.3f} < {least_cosine}")
+    return cosine
+
+
+def export_serving_graph(
+    model: ServingEncoder,
+    tokenizer: Tokenizer,
+    config,
+    path: Path,
+    parity_texts: list[str],
+    *,
+    tolerance: float,
+    fuse: bool,
+    quantize: Quantize,
+    int8_min_cosine: float,
+) -> dict:
+    """The served graph at ``path``: :func:`export_checked_graph`, then int8 when ``quantize`` says
+    so (:func:`quantize_checked`). Returns what was done (fusions, parity, int8 drift)."""
+    report = export_checked_graph(model, tokenizer, config, path, parity_texts, tolerance, fuse)
+    if quantize == "int8":
+        report["int8_min_cosine"] = quantize_checked(path, tokenizer, parity_texts, int8_min_cosine)
+    return report

@@ -93,3 +93,13 @@ def live_server(sample_bundle, tmp_path_factory) -> Iterator[Server]:
     server = start_server(sample_bundle, tmp_path_factory.mktemp("logs") / "uvicorn.log")
     yield server
     stop_server(server)
+
+
+@pytest.fixture(autouse=True)
+def _no_xmcserve_environment(monkeypatch):
+    """Every test starts from the documented defaults: a developer's or CI's own ``XMCSERVE_*``
+    variables (a bundle dir, a token) must not leak into settings or the servers tests start."""
+    import os
+
+    for name in [n for n in os.environ if n.startswith("XMCSERVE_")]:
+        monkeypatch.delenv(name)

@@ -24,11 +24,14 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from service.engine.search import Ranking
-from service.rollout.variants import PRIMARY
+from service.rollout import PRIMARY
+
+if TYPE_CHECKING:  # the worker's child process imports this module without the engine
+    from service.engine.search import Ranking
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 from service.engine.batcher import BatcherConfig, MicroBatcher
 from service.engine.search import Predictor, StageTimes
+from service.rollout import CANDIDATE, PRIMARY
 
-PRIMARY = "A"
-CANDIDATE = "B"
+__all__ = ["CANDIDATE", "PRIMARY", "Variants", "VariantSlot", "route", "key_fraction"]
 
 
 def key_fraction(key: str) -> float:

@@ -13,11 +13,11 @@ import yaml
 
 from service.http.app import create_app
 from service.http.metrics import Metrics
-from service.http.settings import Settings
+from service.http.settings import Settings, environment_variables
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-SETTING_NAMES = {f"XMCSERVE_{name.upper()}" for name in Settings.model_fields}
+SETTING_NAMES = set(environment_variables())
 ROUTES = {route.path for route in create_app(Settings()).routes}
 SERVING_IMAGE = "xmcserve-serve:0.1.0"
 
@@ -26,11 +26,23 @@ def load(path: Path):
     return yaml.safe_load(path.read_text())
 
 
-def k8s(kind: str) -> dict:
+def k8s(kind: str, name: str = "xmcserve") -> dict:
     docs = [d for p in sorted((DEPLOY / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(p.read_text())]
-    matches = [d for d in docs if d and d["kind"] == kind]
-    assert len(matches) == 1, kind
+    matches = [d for d in docs if d and d["kind"] == kind and d["metadata"]["name"].startswith(name)]
+    matches = [d for d in matches if d["metadata"]["name"] == name] or matches
+    assert len(matches) == 1, (kind, name)
     return matches[0]
+
+
+def test_k8s_wires_the_primary_to_a_shadow_service_of_its_own():
+    url = k8s("ConfigMap")["data"]["XMCSERVE_SHADOW_URL"]
+    service = k8s("Service", "xmcserve-shadow")
+    assert url == f"http://{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    shadow = k8s("Deployment", "xmcserve-shadow")
+    assert service["spec"]["selector"] == shadow["spec"]["selector"]["matchLabels"]
+    container = shadow["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["requests"]["cpu"]  # CPU of its own, not the primary's
+    assert {e["name"] for e in container["env"]} <= SETTING_NAMES
 
 
 def test_compose_services_and_dependencies():
@@ -61,12 +73,29 @@ def test_prometheus_scrapes_api_and_shadow_metrics():
     assert "/metrics" in ROUTES
 
 
+def exported_series_names() -> set[str]:
+    """The sample names a live registry exports once every labelled metric has one observation
+    (prometheus-client leaves out ``_sum`` for a histogram with negative buckets, so the names
+    come from the samples themselves, not from the metric types)."""
+    metrics = Metrics()
+    for collector in vars(metrics).values():
+        labelnames = getattr(collector, "_labelnames", None)
+        if labelnames is None:
+            continue
+        child = collector.labels(**{name: "x" for name in labelnames}) if labelnames else collector
+        for action in ("observe", "inc", "set", "info"):
+            if hasattr(child, action):
+                getattr(child, action)({"k": "v"} if action == "info" else 0.5)
+                break
+    return {sample.name for family in metrics.registry.collect() for sample in family.samples}
+
+
 def test_grafana_dashboard_uses_real_metric_names():
     dashboard = json.loads((DEPLOY / "grafana/dashboards/xmcserve.json").read_text())
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     used = {m for e in exprs for m in re.findall(r"\bxmcserve_[a-z_]+", e)}
-    suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",), "gauge": ("",), "info": ("_info",)}
-    exported = {f.name + suffix for f in Metrics().registry.collect() for suffix in suffixes.get(f.type, ("",))}
+    exported = exported_series_names()
+    assert "xmcserve_shadow_rank_correlation_sum" not in exported  # negative buckets: no _sum
     assert used and used <= exported, used - exported
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
     for topic in ("qps", "latency", "stage", "batch", "queue", "overlap", "errors"):

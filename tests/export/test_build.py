@@ -1,19 +1,20 @@
-"""Export: DistilBERT (small random config) and trained-head checkpoints to bundles, parity checks."""
+"""export.build: DistilBERT (small random config) and trained-head checkpoints to bundles; the CLI."""
 
 import json
+import re
 import shutil
+from pathlib import Path
+from typing import get_args
 
 import numpy as np
 import pytest
-import torch
 
-from export.build import ExportParams, build_bundle
-from export.model import ServingEncoder, load_encoder, load_fast_tokenizer
-from export.onnx_export import ParityError, check_parity, export_onnx, random_texts
+from export.build import ExportParams, build_bundle, build_parser
+from export.onnx_export import ParityError
 from service.engine.bundle import load_bundle
-from service.engine.manifest import MANIFEST_FILE, sha256_file
+from service.engine.manifest import MANIFEST_FILE, IndexKind, sha256_file
 from service.engine.search import Predictor
-from training.checkpoint import HeadBlock, ServingHead, fit_pca_head
+from training.checkpoint import HeadBlock, ServingHead
 from training.data import LabelSpace, load_jsonl_split
 
 
@@ -102,28 +103,6 @@ def test_trained_head_checkpoint_uses_label_table_on_the_label_side(distilbert_d
     np.testing.assert_allclose(np.linalg.norm(stored[:, :8], axis=1), half, atol=1e-5)  # N(g1) half
 
 
-def test_parity_check_fails_when_onnx_and_torch_disagree(distilbert_dir, tmp_path):
-    tokenizer = load_fast_tokenizer(distilbert_dir, 32)
-    encoder = load_encoder(distilbert_dir)
-    head = fit_pca_head(np.random.default_rng(0).normal(size=(64, 32)), 8, pre_normalize=False)
-    model = ServingEncoder(encoder, head).eval()
-    export_onnx(model, tokenizer, tmp_path / "m.onnx")
-    texts = random_texts(tokenizer, 16)
-    assert check_parity(model, tokenizer, tmp_path / "m.onnx", texts).max_abs_diff <= 1e-4
-    with torch.no_grad():
-        # torch now differs from the exported graph (a random change: a constant one would be
-        # invisible, LayerNorm outputs sum to ~0)
-        model.blocks[0].weight.add_(0.1 * torch.randn_like(model.blocks[0].weight))
-    with pytest.raises(ParityError, match="ONNX parity failed"):
-        check_parity(model, tokenizer, tmp_path / "m.onnx", texts)
-
-
-def test_random_texts_vary_in_length_and_hit_truncation(distilbert_dir):
-    tokenizer = load_fast_tokenizer(distilbert_dir, 32)
-    lengths = {len(tokenizer.encode(t).ids) for t in random_texts(tokenizer, 64)}
-    assert min(lengths) <= 5 and max(lengths) == 32
-
-
 def test_one_half_of_a_trained_head_can_be_served_alone(distilbert_dir, small_labels, tmp_path):
     rng = np.random.default_rng(1)
     ckpt = tmp_path / "ckpt"
@@ -147,35 +126,74 @@ def test_one_half_of_a_trained_head_can_be_served_alone(distilbert_dir, small_la
         build_bundle(tmp_path / "bad", small_labels, None, ckpt, ExportParams(index_kind="labels", head_blocks="g3"))
 
 
-def test_derived_rae_bundle_changes_only_the_rae_parameters(tiny_rae_bundle, sample_dir, tmp_path):
-    import scipy.sparse as sp
-
-    from export.build import derive_rae_bundle
-
-    train = load_jsonl_split(sample_dir, "trn").subset(np.arange(300))
-    source = load_bundle(tiny_rae_bundle)
-    derived_manifest = derive_rae_bundle(tiny_rae_bundle, tmp_path / "d", train.Y, lam=0.8, tau=0.1)
-    derived = load_bundle(tmp_path / "d")  # checksums verified
-    assert derived.manifest.rae.lam == 0.8 and derived.manifest.rae.tau == 0.1
-    assert derived.manifest.rae.top_b == source.manifest.rae.top_b
-    assert derived_manifest.bundle_id != source.bundle_id
-    assert derived.manifest.files["encoder.onnx"] == source.manifest.files["encoder.onnx"]
-    expected = sp.vstack([0.8 * (train.Y > 0), 0.2 * sp.identity(train.num_labels)]).toarray()
-    np.testing.assert_allclose(derived.values.toarray(), expected, atol=1e-6)
-    # only τ changes: same files, still a different bundle (τ is part of what it serves)
-    only_tau = derive_rae_bundle(tiny_rae_bundle, tmp_path / "t", train.Y, tau=0.2)
-    assert only_tau.files == source.manifest.files and only_tau.bundle_id != source.bundle_id
-    with pytest.raises(ValueError, match="does not match"):
-        derive_rae_bundle(tiny_rae_bundle, tmp_path / "x", train.Y[:10], lam=0.3)
-    with pytest.raises(FileExistsError):
-        derive_rae_bundle(tiny_rae_bundle, tmp_path / "d", train.Y, lam=0.3)
+def options(parser) -> list:
+    return [action for action in parser._actions if action.option_strings]
 
 
-def test_boolean_flags_parse_false():
-    from export.build import main
-    from training.params import parse_bool
+def test_every_cli_option_has_a_help():
+    undocumented = [a.option_strings for a in options(build_parser()) if not (a.help or "").strip()]
+    assert undocumented == []
 
-    assert parse_bool("False") is False and parse_bool("true") is True
 
-    with pytest.raises(SystemExit):
-        main(["--data", "x", "--out", "y", "--optimize", "maybe"])
+def test_cli_choices_come_from_the_params_types():
+    by_flag = {a.option_strings[0]: a for a in options(build_parser())}
+    assert tuple(by_flag["--index-kind"].choices) == get_args(IndexKind)
+    assert tuple(by_flag["--quantize"].choices) == ("none", "int8")
+    assert tuple(by_flag["--rae-mode"].choices) == ("joint", "split")
+    for bad in (["--quantize", "int4"], ["--index-kind", "ivf"], ["--optimize", "maybe"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--data", "x", "--out", "y", *bad])
+
+
+def export_commands(text: str) -> list[str]:
+    """The ``export.build`` command lines in ``text``, backslash continuations joined."""
+    joined = re.sub(r"\\\n", " ", text)
+    return [line[line.index("export.build") :] for line in joined.splitlines() if "export.build" in line]
+
+
+def test_every_flag_the_repo_passes_to_export_build_exists():
+    root = Path(__file__).resolve().parents[2]
+    sources = [root / "Makefile", root / "README.md", root / "docker-compose.yml"]
+    sources += [p for folder in ("deploy", "docs", "bench") for p in (root / folder).rglob("*") if p.is_file()]
+    used = set()
+    for path in sources:
+        for command in export_commands(path.read_text(errors="ignore")):
+            used |= set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", command))
+    known = {flag for action in options(build_parser()) for flag in action.option_strings}
+    assert {"--data", "--out", "--quantize", "--index-kind"} <= used  # the scan found the call sites
+    assert used <= known, used - known
+
+
+# Every option `python -m export.build` had before export/ was restructured: scripts call them by name.
+FLAGS = [
+    "--data",
+    "--out",
+    "--checkpoint",
+    "--split",
+    "--force",
+    "--index-kind",
+    "--dim",
+    "--max-length",
+    "--hnsw-m",
+    "--ef-construction",
+    "--ef-search",
+    "--rae-lambda",
+    "--rae-tau",
+    "--rae-top-b",
+    "--rae-mode",
+    "--batch-size",
+    "--optimize",
+    "--quantize",
+    "--int8-min-cosine",
+    "--parity-texts",
+    "--parity-tolerance",
+    "--max-train",
+    "--head-blocks",
+    "--build-threads",
+    "--seed",
+]
+
+
+def test_no_flag_name_was_lost():
+    known = {flag for action in options(build_parser()) for flag in action.option_strings}
+    assert set(FLAGS) <= known, set(FLAGS) - known

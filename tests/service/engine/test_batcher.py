@@ -1,8 +1,11 @@
-"""Micro-batcher: batching under concurrency, bounds, errors, shutdown."""
+"""Micro-batcher: batching under concurrency, routing per requester, bounds, errors, shutdown.
+
+The fake predictor blocks on an event until the test releases it, so "a batch is running while
+others queue" is a state the test creates, not a timing it hopes for."""
 
 import asyncio
 import threading
-import time
+import zlib
 
 import numpy as np
 import pytest
@@ -11,34 +14,54 @@ from service.engine.batcher import BatcherConfig, BatcherStoppedError, MicroBatc
 from service.engine.search import Prediction, Ranking, StageTimes
 
 
+def text_code(text: str) -> float:
+    return float(zlib.crc32(text.encode()))
+
+
 class FakeBundle:
     @staticmethod
     def label_ids(uids):
         return {int(u) for u in uids}
 
 
-class FakePredictor:
-    """Records the batches it is given; each takes ``delay_s`` on the batch thread."""
+class EchoPredictor:
+    """Answers each text with its excluded label ids (sorted) as ids and the text's crc32 as every
+    score, so an answer names the request it belongs to. ``hold``: each batch waits for a release."""
 
     default_ef = 100
     bundle = FakeBundle()
 
-    def __init__(self, delay_s=0.05, fail=False):
-        self.delay_s = delay_s
-        self.fail = fail
+    def __init__(self, hold: bool = False, fail: bool = False):
+        self.hold, self.fail = hold, fail
         self.batches: list[list[str]] = []
         self.efs: list[int | None] = []
         self.threads: set[str] = set()
+        self.entered = threading.Semaphore(0)  # released once per batch that started
+        self.released = threading.Semaphore(0)
 
-    def predict(self, texts, ks, ef=None, exclude=None, encoder=None):
+    def release(self, batches: int = 1) -> None:
+        for _ in range(batches):
+            self.released.release()
+
+    def predict(self, texts, ks, ef=None, exclude=None):
         self.batches.append(list(texts))
         self.efs.append(ef)
         self.threads.add(threading.current_thread().name)
-        time.sleep(self.delay_s)
+        self.entered.release()
+        if self.hold:
+            assert self.released.acquire(timeout=30), "test never released the batch"
         if self.fail:
             raise RuntimeError("model exploded")
-        rankings = [Ranking(ids=np.arange(k), scores=np.full(k, float(i))) for i, k in enumerate(ks)]
-        return Prediction(rankings, StageTimes(encode=self.delay_s))
+        rankings = []
+        for text, k, excluded in zip(texts, ks, exclude, strict=True):
+            ids = np.array(sorted(excluded) or [0] * k, dtype=np.int64)
+            rankings.append(Ranking(ids=ids, scores=np.full(len(ids), text_code(text))))
+        return Prediction(rankings, StageTimes(encode=0.001), ef=ef or self.default_ef)
+
+
+async def batch_started(predictor: EchoPredictor) -> None:
+    """Wait (off the loop) until the predictor has entered one more batch."""
+    assert await asyncio.to_thread(predictor.entered.acquire, True, 30)
 
 
 async def run_with(predictor, config, coro_factory):
@@ -46,93 +69,122 @@ async def run_with(predictor, config, coro_factory):
     batcher = MicroBatcher(lambda: predictor, config, on_batch_done=lambda n, t: done_batches.append(n))
     batcher.start()
     try:
-        return await coro_factory(batcher), done_batches
+        return await asyncio.wait_for(coro_factory(batcher), 60), done_batches
     finally:
+        predictor.hold = False
+        predictor.release(100)
         await batcher.stop()
 
 
-def test_concurrent_requests_share_batches_and_keep_their_own_k():
-    predictor = FakePredictor()
+async def submit_behind_a_running_batch(batcher, predictor, first, rest):
+    """Submit ``first`` (text, k, ef, exclude), wait until its batch runs, queue ``rest``, release."""
+    running = asyncio.create_task(batcher.submit(*first))
+    await batch_started(predictor)
+    queued = [asyncio.create_task(batcher.submit(*job)) for job in rest]
+    await asyncio.sleep(0)  # let the queued tasks enqueue
+    predictor.release(len(rest) + 1)
+    return await asyncio.gather(running, *queued)
+
+
+def test_every_requester_gets_its_own_texts_and_exclusions_back():
+    predictor = EchoPredictor(hold=True)
+    jobs = [([f"req{i}-a", f"req{i}-b"], 3, None, [[str(i)], [str(i), str(i + 100)]]) for i in range(12)]
 
     async def scenario(batcher):
-        first = asyncio.create_task(batcher.submit(["t0"], 1, None, [()]))
-        await asyncio.sleep(0.01)  # t0 is running; the next ten queue up behind it
-        rest = [asyncio.create_task(batcher.submit([f"t{i}"], i, None, [()])) for i in range(1, 11)]
-        return await asyncio.gather(first, *rest)
+        return await submit_behind_a_running_batch(batcher, predictor, (["first"], 1, None, [()]), jobs)
+
+    answers, _ = asyncio.run(run_with(predictor, BatcherConfig(max_batch_size=8), scenario))
+    for (texts, _, _, exclude), answer in zip(jobs, answers[1:], strict=True):
+        assert [r.scores[0] for r in answer.rankings] == [text_code(t) for t in texts]
+        assert [r.ids.tolist() for r in answer.rankings] == [sorted(int(u) for u in e) for e in exclude]
+    assert len(predictor.batches) > 2  # the twelve were spread over several batches
+
+
+def test_concurrent_requests_share_batches_and_keep_their_own_k():
+    predictor = EchoPredictor(hold=True)
+
+    async def scenario(batcher):
+        rest = [([f"t{i}"], i, None, [()]) for i in range(1, 11)]
+        return await submit_behind_a_running_batch(batcher, predictor, (["t0"], 1, None, [()]), rest)
 
     answers, done = asyncio.run(run_with(predictor, BatcherConfig(max_batch_size=32), scenario))
     assert [len(b) for b in predictor.batches] == [1, 10]
     assert done == [1, 10]
     for i, answer in enumerate(answers):
         assert len(answer.rankings) == 1 and len(answer.rankings[0].ids) == max(i, 1)
-    assert answers[5].batch_texts == 10 and answers[5].queue_wait_s > 0.03
+    assert answers[5].batch_texts == 10 and answers[5].queue_wait_s > 0
     assert predictor.threads and all(name.startswith("xmcserve-batch") for name in predictor.threads)
 
 
 def test_batches_never_exceed_max_batch_size_and_requests_stay_whole():
-    predictor = FakePredictor(delay_s=0.02)
+    predictor = EchoPredictor(hold=True)
 
     async def scenario(batcher):
-        blocker = asyncio.create_task(batcher.submit(["x"], 1, None, [()]))
-        await asyncio.sleep(0.005)
-        jobs = [
-            asyncio.create_task(batcher.submit([f"a{i}", f"b{i}", f"c{i}"], 2, None, [(), (), ()])) for i in range(5)
-        ]
-        return await asyncio.gather(blocker, *jobs)
+        rest = [([f"a{i}", f"b{i}", f"c{i}"], 2, None, [(), (), ()]) for i in range(5)]
+        return await submit_behind_a_running_batch(batcher, predictor, (["x"], 1, None, [()]), rest)
 
     answers, _ = asyncio.run(run_with(predictor, BatcherConfig(max_batch_size=7), scenario))
     assert [len(b) for b in predictor.batches] == [1, 6, 6, 3]
     assert all(len(a.rankings) == 3 for a in answers[1:])
 
 
-def test_widest_ef_of_a_batch_is_used():
-    predictor = FakePredictor()
+def test_the_widest_ef_of_a_batch_is_used_and_reported_to_every_request():
+    predictor = EchoPredictor(hold=True)
 
     async def scenario(batcher):
-        blocker = asyncio.create_task(batcher.submit(["x"], 1, 10, [()]))
-        await asyncio.sleep(0.01)
-        jobs = [asyncio.create_task(batcher.submit(["y"], 1, ef, [()])) for ef in (None, 50, 400)]
-        return await asyncio.gather(blocker, *jobs)
+        rest = [(["y"], 1, ef, [()]) for ef in (None, 50, 400)]
+        return await submit_behind_a_running_batch(batcher, predictor, (["x"], 1, 10, [()]), rest)
+
+    answers, _ = asyncio.run(run_with(predictor, BatcherConfig(), scenario))
+    assert predictor.efs == [10, 400]
+    assert [a.ef for a in answers] == [10, 400, 400, 400]  # what each answer's search ran at
+
+
+def test_a_request_without_ef_is_never_searched_below_the_bundle_default():
+    predictor = EchoPredictor(hold=True)
+
+    async def scenario(batcher):
+        rest = [(["y"], 1, ef, [()]) for ef in (None, 20)]
+        return await submit_behind_a_running_batch(batcher, predictor, (["x"], 1, 10, [()]), rest)
 
     asyncio.run(run_with(predictor, BatcherConfig(), scenario))
-    assert predictor.efs == [10, 400]
+    assert predictor.efs == [10, EchoPredictor.default_ef]
 
 
-def test_max_wait_gathers_requests_that_arrive_soon_after():
-    predictor = FakePredictor(delay_s=0.0)
+def test_max_wait_gathers_requests_that_arrive_within_it():
+    predictor = EchoPredictor()
 
     async def scenario(batcher):
         first = asyncio.create_task(batcher.submit(["a"], 1, None, [()]))
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0)
         second = asyncio.create_task(batcher.submit(["b"], 1, None, [()]))
         return await asyncio.gather(first, second)
 
-    asyncio.run(run_with(predictor, BatcherConfig(max_wait_ms=200), scenario))
+    # a wait far longer than the test: the batch closes because it is full, not because time passed
+    asyncio.run(run_with(predictor, BatcherConfig(max_wait_ms=60_000, max_batch_size=2), scenario))
     assert [len(b) for b in predictor.batches] == [2]
 
 
 def test_full_queue_is_refused_at_once():
-    predictor = FakePredictor(delay_s=0.2)
+    predictor = EchoPredictor(hold=True)
 
     async def scenario(batcher):
         running = asyncio.create_task(batcher.submit(["run"], 1, None, [()]))
-        await asyncio.sleep(0.02)
+        await batch_started(predictor)
         queued = [asyncio.create_task(batcher.submit([f"q{i}"], 1, None, [()])) for i in range(2)]
         await asyncio.sleep(0)
-        started = time.perf_counter()
         with pytest.raises(QueueFullError) as info:
-            await batcher.submit(["one too many"], 1, None, [()])
-        refused_after = time.perf_counter() - started
+            await batcher.submit(["one too many"], 1, None, [()])  # refused while the batch is still held
+        predictor.release(3)
         await asyncio.gather(running, *queued)
-        return info.value, refused_after
+        return info.value
 
-    (error, refused_after), _ = asyncio.run(run_with(predictor, BatcherConfig(max_queue=2), scenario))
+    error, _ = asyncio.run(run_with(predictor, BatcherConfig(max_queue=2, max_batch_size=1), scenario))
     assert error.retry_after_s >= 1 and "queue full" in str(error)
-    assert refused_after < 0.05
 
 
 def test_a_model_error_reaches_every_request_of_the_batch_and_the_worker_survives():
-    predictor = FakePredictor(delay_s=0.01, fail=True)
+    predictor = EchoPredictor(fail=True)
 
     async def scenario(batcher):
         results = await asyncio.gather(
@@ -148,24 +200,25 @@ def test_a_model_error_reaches_every_request_of_the_batch_and_the_worker_survive
 
 
 def test_stop_fails_requests_running_or_queued():
-    predictor = FakePredictor(delay_s=0.2)
+    predictor = EchoPredictor(hold=True)
 
     async def scenario():
         batcher = MicroBatcher(lambda: predictor, BatcherConfig(max_batch_size=1))
         batcher.start()
         running = asyncio.create_task(batcher.submit(["a"], 1, None, [()]))
-        await asyncio.sleep(0.02)
+        await batch_started(predictor)
         queued = asyncio.create_task(batcher.submit(["b"], 1, None, [()]))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0)
         await batcher.stop()
+        predictor.release(2)
         return await asyncio.gather(running, queued, return_exceptions=True)
 
-    running, queued = asyncio.run(asyncio.wait_for(scenario(), 10))
+    running, queued = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert isinstance(running, BatcherStoppedError) and isinstance(queued, BatcherStoppedError)
 
 
 def test_a_swapped_predictor_takes_the_next_batch():
-    old, new = FakePredictor(delay_s=0.05), FakePredictor(delay_s=0.0)
+    old, new = EchoPredictor(hold=True), EchoPredictor()
     current = {"p": old}
 
     async def scenario():
@@ -173,25 +226,13 @@ def test_a_swapped_predictor_takes_the_next_batch():
         batcher.start()
         try:
             running = asyncio.create_task(batcher.submit(["on old"], 1, None, [()]))
-            await asyncio.sleep(0.01)
+            await batch_started(old)
             current["p"] = new
+            old.release()
             after = await batcher.submit(["on new"], 1, None, [()])
             return await running, after
         finally:
             await batcher.stop()
 
-    first, second = asyncio.run(scenario())
+    first, second = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert first.predictor is old and second.predictor is new
-
-
-def test_a_request_without_ef_is_never_searched_below_the_bundle_default():
-    predictor = FakePredictor()
-
-    async def scenario(batcher):
-        blocker = asyncio.create_task(batcher.submit(["x"], 1, 10, [()]))
-        await asyncio.sleep(0.01)
-        jobs = [asyncio.create_task(batcher.submit(["y"], 1, ef, [()])) for ef in (None, 20)]
-        return await asyncio.gather(blocker, *jobs)
-
-    asyncio.run(run_with(predictor, BatcherConfig(), scenario))
-    assert predictor.efs == [10, FakePredictor.default_ef]

@@ -2,9 +2,9 @@ import pytest
 from pydantic import ValidationError
 
 from service.http.schemas import build_predict_request
-from service.http.settings import Settings
+from service.http.settings import LimitSettings
 
-PredictRequest = build_predict_request(Settings(max_texts_per_request=3, max_text_bytes=20, max_k=50))
+PredictRequest = build_predict_request(LimitSettings(max_texts_per_request=3, max_text_bytes=20, max_k=50))
 
 
 def error_text(**body) -> str:
@@ -45,7 +45,7 @@ def test_bad_requests_say_what_is_wrong(body, message):
 
 
 def test_openapi_examples_are_valid_requests():
-    model = build_predict_request(Settings())
+    model = build_predict_request(LimitSettings())
     examples = model.model_json_schema()["examples"]
     assert len(examples) == 2
     for example in examples:

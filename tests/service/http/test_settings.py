@@ -1,67 +1,82 @@
+import re
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
-from service.http.settings import Settings
+from service.http.settings import Settings, environment_variables
+
+OPERATIONS_DOC = Path(__file__).resolve().parents[3] / "docs" / "operations.md"
 
 
-@pytest.mark.parametrize(
-    ("env", "spins"),
-    [
-        ({}, True),  # a lone primary spins: lower tail at high load
-        ({"XMCSERVE_CANDIDATE_BUNDLE_DIR": "bundles/b"}, False),  # leaves the cores to B's lane
-        ({"XMCSERVE_CANDIDATE_BUNDLE_DIR": "bundles/b", "XMCSERVE_ALLOW_SPINNING": "true"}, True),
-        ({"XMCSERVE_ALLOW_SPINNING": "false"}, False),
-        ({"XMCSERVE_CPU_PRIORITY": "idle", "XMCSERVE_ALLOW_SPINNING": "true"}, False),
-    ],
-)
-def test_ort_spinning_follows_the_candidate_unless_set(monkeypatch, env, spins):
-    for name, value in env.items():
+def documented_variables() -> set[str]:
+    """The variables named in the first column of docs/operations.md's settings table."""
+    section = OPERATIONS_DOC.read_text().split("## Settings", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `(XMCSERVE_[A-Z_]+)`", section, re.M))
+
+
+def test_every_variable_the_server_reads_is_documented_and_nothing_else():
+    read = set(environment_variables())
+    documented = documented_variables()
+    assert read - documented == set(), "read but not documented"
+    assert documented - read == set(), "documented but not read"
+
+
+def test_groups_read_their_own_prefixes(monkeypatch, tmp_path):
+    for name, value in {
+        "XMCSERVE_MAX_K": "7",
+        "XMCSERVE_MAX_QUEUE": "9",
+        "XMCSERVE_SPLIT_B": "0.25",
+        "XMCSERVE_SHADOW_URL": "http://127.0.0.1:9",
+        "XMCSERVE_SHADOW_FRACTION": "0.5",
+        "XMCSERVE_SHADOW_BATCH_TEXTS": "8",
+        "XMCSERVE_SHADOW_LOG": str(tmp_path / "s.jsonl"),
+        "XMCSERVE_ADMIN_TOKEN": "t0k",
+        "XMCSERVE_BUNDLE_ROOT": str(tmp_path),
+    }.items():
         monkeypatch.setenv(name, value)
     settings = Settings()
-    assert settings.spinning() is spins
-    assert settings.encoder_options().allow_spinning is spins
+    assert settings.limits.max_k == 7 and settings.batching.max_queue == 9 and settings.rollout.split_b == 0.25
+    assert settings.shadow.url == "http://127.0.0.1:9" and settings.shadow.batch_texts == 8
+    assert settings.admin.token.get_secret_value() == "t0k" and settings.admin.bundle_root == tmp_path
 
+
+def test_out_of_range_values_fail_at_start_up(monkeypatch):
+    monkeypatch.setenv("XMCSERVE_SPLIT_B", "1.5")
+    with pytest.raises(ValidationError, match="split_b"):
+        Settings()
+
+
+@pytest.mark.parametrize(("env", "spins"), [({}, True), ({"XMCSERVE_CANDIDATE_BUNDLE_DIR": "bundles/b"}, False)])
+def test_ort_spinning_only_for_a_lone_primary(monkeypatch, env, spins):
+    """Spinning pools of A and B would keep each other's cores busy."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert Settings().encoder_options().allow_spinning is spins
 
 
 def test_shadow_settings_reach_the_worker(monkeypatch, tmp_path):
     from service.http.app import build_shadow
     from service.http.metrics import Metrics
-    from service.primary_gate import PrimaryActivity
 
     for name, value in {
-        "XMCSERVE_SHADOW_MAX_TEXTS_PER_S": "16",
-        "XMCSERVE_SHADOW_ABORT_BACKOFF_MAX_MS": "250",
-        "XMCSERVE_SHADOW_YIELD": "false",
+        "XMCSERVE_SHADOW_URL": "http://127.0.0.1:9",
+        "XMCSERVE_SHADOW_FRACTION": "0.5",
         "XMCSERVE_SHADOW_BATCH_TEXTS": "8",
+        "XMCSERVE_SHADOW_TIMEOUT_MS": "250",
         "XMCSERVE_SHADOW_LOG": str(tmp_path / "s.jsonl"),
     }.items():
         monkeypatch.setenv(name, value)
-    mirror = build_shadow(Settings(), Metrics(), variants=None, activity=PrimaryActivity())
+    mirror = build_shadow(Settings(), Metrics())
     spec = mirror._worker.spec
-    assert spec.config["max_texts_per_s"] == 16 and spec.config["batch_texts"] == 8
-    assert spec.config["abort_backoff_max_s"] == 0.25
-    assert spec.config["yield_to_primary"] is False and mirror._worker._activity is None  # not gated
-    assert spec.remote_url is None and spec.log["path"] == str(tmp_path / "s.jsonl") and mirror.target == "B"
+    assert spec.config["batch_texts"] == 8 and spec.config["timeout_s"] == 0.25 and spec.config["fraction"] == 0.5
+    assert spec.url == "http://127.0.0.1:9" and spec.log["path"] == str(tmp_path / "s.jsonl")
+    assert mirror.target == "http://127.0.0.1:9"
 
 
-def test_a_shadow_on_cores_of_its_own_does_not_yield_unless_told(monkeypatch):
+def test_no_shadow_url_means_no_mirroring(monkeypatch):
     from service.http.app import build_shadow
     from service.http.metrics import Metrics
-    from service.primary_gate import PrimaryActivity
 
-    monkeypatch.setenv("XMCSERVE_SHADOW_CPUS", "1,3-4")
-    mirror = build_shadow(Settings(), Metrics(), variants=None, activity=PrimaryActivity())
-    assert mirror._worker.spec.cpus == [1, 3, 4]
-    assert mirror.config.yield_to_primary is False and mirror._worker._activity is None
-    monkeypatch.setenv("XMCSERVE_SHADOW_YIELD", "true")
-    assert build_shadow(Settings(), Metrics(), variants=None, activity=PrimaryActivity()).config.yield_to_primary
-    monkeypatch.delenv("XMCSERVE_SHADOW_CPUS")
-    monkeypatch.delenv("XMCSERVE_SHADOW_YIELD")
-    mirror = build_shadow(Settings(), Metrics(), variants=None, activity=PrimaryActivity())
-    assert mirror._worker.spec.cpus is None and mirror.config.yield_to_primary  # shares A's cores: yields
-
-
-def test_a_malformed_shadow_cpu_list_fails_at_start_up(monkeypatch):
-    monkeypatch.setenv("XMCSERVE_SHADOW_CPUS", "2-1")
-    with pytest.raises(ValidationError, match="bad CPU range"):
-        Settings()
+    monkeypatch.setenv("XMCSERVE_SHADOW_FRACTION", "1.0")
+    assert build_shadow(Settings(), Metrics()).config.fraction == 0.0

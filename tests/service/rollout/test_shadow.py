@@ -1,7 +1,6 @@
 import asyncio
 import json
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -37,7 +36,7 @@ class FakeWorker:
     """Stands in for the worker process: keeps what it is handed, answers when told."""
 
     def __init__(self):
-        self.copies, self.warmed, self.started, self.closed = [], [], 0, False
+        self.copies, self.started, self.closed = [], 0, False
         self.on_result = None
 
     @property
@@ -46,9 +45,6 @@ class FakeWorker:
 
     def start(self):
         self.started += 1
-
-    def warm(self, bundle):
-        self.warmed.append(bundle)
 
     def submit(self, copy):
         self.copies.append(copy)
@@ -61,9 +57,9 @@ class FakeWorker:
         self.on_result(result)
 
 
-def mirror(config, candidate=None):
+def mirror(config):
     metrics, worker = Metrics(), FakeWorker()
-    return ShadowMirror(config, metrics, "test", worker, candidate), worker, metrics
+    return ShadowMirror(config, metrics, "test", worker), worker, metrics
 
 
 def test_offer_hands_a_copy_with_its_deadline_and_never_blocks():
@@ -71,7 +67,7 @@ def test_offer_hands_a_copy_with_its_deadline_and_never_blocks():
     before = time.monotonic()
     assert shadow.offer(request(["t1", "t2"]))
     (copy,) = worker.copies
-    assert copy.request.texts == ["t1", "t2"] and copy.bundle is None
+    assert copy.request.texts == ["t1", "t2"]
     assert before + 2.0 <= copy.deadline <= time.monotonic() + 2.0
 
 
@@ -102,16 +98,6 @@ def test_outstanding_copies_are_bounded_and_the_rest_dropped_at_once():
     assert shadow.offer(request()) and not shadow.offer(request())
 
 
-def test_mirroring_to_b_without_b_counts_an_error():
-    current = {"p": None}
-    shadow, worker, metrics = mirror(ShadowConfig(fraction=1.0), candidate=lambda: current["p"])
-    assert not shadow.offer(request())
-    assert metric(metrics, "xmcserve_shadow_dropped_total", reason="error") == 1
-    current["p"] = SimpleNamespace(bundle=SimpleNamespace(path="bundles/b", bundle_id="b-1"))
-    assert shadow.offer(request())
-    assert worker.copies[0].bundle == ("bundles/b", "b-1")  # the child loads exactly what B holds
-
-
 def test_sampling_fraction():
     shadow, worker, _ = mirror(ShadowConfig(fraction=0.3, queue_size=10_000))
     accepted = [shadow.offer(request()) for _ in range(4000)]
@@ -129,16 +115,15 @@ def test_kendall_tau_of_ranks_matches_scipy(seed):
     assert kendall_tau_of_ranks(sorted(ranks, reverse=True)) == -1.0
 
 
-def test_turning_the_shadow_on_warms_it_once():
-    b = SimpleNamespace(bundle=SimpleNamespace(path="bundles/b", bundle_id="b-1"))
-    shadow, worker, _ = mirror(ShadowConfig(fraction=0.0), candidate=lambda: b)
+def test_turning_the_shadow_on_starts_the_worker_and_stop_closes_it():
+    shadow, worker, _ = mirror(ShadowConfig(fraction=0.0))
     shadow.start()  # off: nothing started
+    assert worker.started == 0
     shadow.set_fraction(0.5)
-    shadow.set_fraction(1.0)  # already on: no second warm-up
     shadow.set_fraction(0.0)
     asyncio.run(shadow.stop())
     assert shadow.config.fraction == 0.0
-    assert worker.started == 1 and worker.warmed == [("bundles/b", "b-1")] and worker.closed
+    assert worker.started == 1 and worker.closed
 
 
 def test_log_rotation_bounds_disk_use(tmp_path):

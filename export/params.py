@@ -1,0 +1,155 @@
+"""Export parameters: one dataclass with documented defaults, and the CLI options derived from it.
+
+Each attribute of :class:`ExportParams` is a ``--kebab-case`` option of ``python -m export.build``:
+its help is the attribute's entry in the docstring, its ``choices`` come from the attribute's
+``Literal`` type, so neither is written twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import re
+from dataclasses import asdict, dataclass, fields
+from typing import Literal, get_args, get_origin, get_type_hints
+
+from service.engine.manifest import IndexKind, RaeParams
+from training.params import parse_bool
+
+Quantize = Literal["none", "int8"]
+# The values of service.engine.manifest.RaeParams.mode; tests/export/test_params.py checks the two agree.
+RaeMode = Literal["joint", "split"]
+ALL_HEAD_BLOCKS = "all"
+# The ExportParams attribute of each field of the manifest's RaeParams.
+RAE_ATTRIBUTES = {"lam": "rae_lambda", "tau": "rae_tau", "top_b": "rae_top_b", "mode": "rae_mode"}
+
+__all__ = [
+    "ALL_HEAD_BLOCKS",
+    "RAE_ATTRIBUTES",
+    "ExportParams",
+    "IndexKind",
+    "Quantize",
+    "RaeMode",
+    "add_arguments",
+    "from_arguments",
+]
+
+
+@dataclass
+class ExportParams:
+    """Export parameters; the defaults build the default serving bundle.
+
+    Attributes:
+        index_kind: ``rae_memory``: training instances and labels as keys, RAE aggregation;
+            ``labels``: label vectors only, pure dual-encoder retrieval (default: rae_memory)
+        dim: serving dimension of the PCA head, ignored when the checkpoint has a trained head (default: 64)
+        max_length: tokenizer truncation, in tokens; Debian titles average ~21 (default: 128)
+        hnsw_m: HNSW graph degree M (default: 32)
+        ef_construction: HNSW build breadth (default: 200)
+        ef_search: default HNSW search breadth stored in the manifest; RAE-XMC uses 300 (default: 300)
+        rae_lambda: λ in V = [λY ; (1−λ)I], RAE-XMC §3.3; 0.5 in the paper (default: 0.5)
+        rae_tau: softmax temperature τ; 0.04 in the paper for unit vectors (default: 0.04)
+        rae_top_b: keys retrieved per query, b; 200 in the paper (default: 200)
+        rae_mode: ``joint``: one softmax over all top-b keys, the paper; ``split``: instance and
+            label keys normalised separately, see service.engine.rae (default: joint)
+        batch_size: least texts per encoding block; each block is length-sorted and chunked (default: 128)
+        optimize: fuse the served graph with onnxruntime's transformer optimizer (BERT-class
+            encoders); the parity check runs on the fused graph (default: true)
+        quantize: ``none``, or ``int8``: dynamic int8 MatMul weights, ~2x faster on CPU, lossy; the
+            parity check then runs on the float graph, and the int8 graph's smallest cosine to it
+            on the parity texts is recorded and must reach int8_min_cosine (default: none)
+        int8_min_cosine: refuse an int8 graph whose outputs drift further than this (default: 0.85)
+        parity_texts: random texts in the ONNX-vs-torch parity check (default: 64)
+        parity_tolerance: largest allowed max |onnx − torch| (default: 0.0001)
+        max_train: use only the first N training instances as memory; 0 = all (default: 0)
+        head_blocks: ``all``, or a comma list of the trained head's block names to serve:
+            ``g1_de`` = the DE half only, ``g2_clf`` = the classifier half only (default: all)
+        build_threads: HNSW insertion threads; 1 makes the index, and so the bundle id,
+            reproducible from the same inputs; 0 uses every core: faster, order-dependent graph (default: 1)
+        seed: seed for the random parity texts and HNSW construction (default: 0)
+    """
+
+    index_kind: IndexKind = "rae_memory"
+    dim: int = 64
+    max_length: int = 128
+    hnsw_m: int = 32
+    ef_construction: int = 200
+    ef_search: int = 300
+    rae_lambda: float = 0.5
+    rae_tau: float = 0.04
+    rae_top_b: int = 200
+    rae_mode: RaeMode = "joint"
+    batch_size: int = 128
+    optimize: bool = True
+    quantize: Quantize = "none"
+    int8_min_cosine: float = 0.85
+    parity_texts: int = 64
+    parity_tolerance: float = 1e-4
+    max_train: int = 0
+    head_blocks: str = ALL_HEAD_BLOCKS
+    build_threads: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        # Checked here, not deep inside the build, so a typo fails before minutes of encoding.
+        for name, allowed in choices().items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"unknown {name} {getattr(self, name)!r} ({', '.join(allowed)})")
+
+    def rae(self) -> RaeParams:
+        """The RAE parameters as the manifest records them."""
+        return RaeParams(**{field: getattr(self, attribute) for field, attribute in RAE_ATTRIBUTES.items()})
+
+    def head_block_names(self) -> list[str] | None:
+        """The trained head's blocks to serve; ``None`` serves all of them."""
+        if self.head_blocks == ALL_HEAD_BLOCKS:
+            return None
+        return [name.strip() for name in self.head_blocks.split(",")]
+
+
+@functools.cache
+def choices() -> dict[str, tuple[str, ...]]:
+    """The allowed values of every ``Literal``-typed parameter, by name."""
+    hints = get_type_hints(ExportParams)
+    return {f.name: get_args(hints[f.name]) for f in fields(ExportParams) if get_origin(hints[f.name]) is Literal}
+
+
+def attribute_docs(cls: type) -> dict[str, str]:
+    """``{attribute: description}`` from the ``Attributes:`` section of ``cls``'s docstring: one
+    ``name: text`` entry per attribute, its continuation lines indented deeper."""
+    lines = inspect.cleandoc(cls.__doc__ or "").splitlines()
+    docs: dict[str, str] = {}
+    name = None
+    for line in lines[lines.index("Attributes:") + 1 :] if "Attributes:" in lines else []:
+        entry = re.fullmatch(r" {4}(\w+): (.+)", line)
+        if entry:
+            name = entry[1]
+            docs[name] = entry[2]
+        elif name and line.startswith(" " * 8):
+            docs[name] += " " + line.strip()
+        else:
+            break
+    return docs
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One ``--kebab-case`` option per :class:`ExportParams` attribute."""
+    defaults = asdict(ExportParams())
+    docs = attribute_docs(ExportParams)
+    allowed = choices()
+    for name, default in defaults.items():
+        option = {"default": default, "help": docs[name].replace("``", "")}  # no reST markup in a terminal
+        if name in allowed:
+            option["choices"] = allowed[name]
+        elif isinstance(default, bool):
+            # argparse's type=bool would take "false" as true
+            option.update(type=parse_bool, metavar="{true,false}")
+        else:
+            option["type"] = type(default)
+        parser.add_argument(f"--{name.replace('_', '-')}", **option)
+
+
+def from_arguments(args: argparse.Namespace) -> ExportParams:
+    """The :class:`ExportParams` of parsed options (see :func:`add_arguments`)."""
+    return ExportParams(**{f.name: getattr(args, f.name) for f in fields(ExportParams)})
