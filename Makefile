@@ -51,8 +51,8 @@ bench-ann:
 	$(PY) -m bench.ann_scale
 
 # A/B shadow cost (candidate B = the fp32 build of the default bundle) and the reload loop.
-# bench-ab: the default settings, nothing pinned: the shadow gets what the primary leaves.
-# bench-ab-own-cores: the shadow (in-process worker or remote server) and the load generator on
+# bench-ab: nothing pinned: the shadow server shares this machine's cores with the primary.
+# bench-ab-own-cores: the shadow server and the load generator on
 # core 1, the primary alone on core 0, as a shadow of all traffic is meant to run.
 AB_PLACEMENT ?= --primary-cpus 0 --shadow-cpus 1 --loadgen-cpus 1
 $(BUNDLE)-fp32/manifest.json: | $(STAMP)
@@ -62,7 +62,7 @@ bench-ab: $(STAMP) $(BUNDLE)/manifest.json $(BUNDLE)-fp32/manifest.json
 	$(PY) -m bench.ab_shadow --bundle $(BUNDLE) --alt-bundle $(BUNDLE)-fp32
 
 bench-ab-own-cores: $(STAMP) $(BUNDLE)/manifest.json $(BUNDLE)-fp32/manifest.json
-	$(PY) -m bench.ab_shadow --bundle $(BUNDLE) --alt-bundle $(BUNDLE)-fp32 --kinds remote,in_process \
+	$(PY) -m bench.ab_shadow --bundle $(BUNDLE) --alt-bundle $(BUNDLE)-fp32 \
 		$(AB_PLACEMENT) --out bench/results/ab-shadow-own-cores.json
 
 # Headless locust against a local server for 60 s; exits non-zero when an SLO is missed.

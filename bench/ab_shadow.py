@@ -1,32 +1,24 @@
-"""A/B-shadow benchmark: the primary's latency with and without 100 % shadow traffic at the same
-offered load, and a reload loop under load.
+"""A/B-shadow benchmark: the primary's latency and CPU with and without 100 % mirroring to a
+remote shadow at the same offered load, and a reload loop under load.
 
     python -m bench.ab_shadow [--bundle bundles/default] [--alt-bundle bundles/default-fp32]
 
 The offered load is ``--load-share`` (0.5) of the primary's closed-loop peak, measured first.
 
-1. Shadow cost, for each of ``--kinds``: ``remote``, a remote shadow xmcserve on the same machine,
-   started with ``XMCSERVE_CPU_PRIORITY=idle`` as the compose stack starts its shadow (its own
-   cores with ``--shadow-cpus``, as a shadow in its own container or node has); ``in_process``,
-   variant B in the server's idle-class worker process with the default settings: yielding to
-   the primary (``service.primary_gate``) on the primary's cores, or, with ``--shadow-cpus``,
-   computing on those cores (``XMCSERVE_SHADOW_CPUS``, which also places a remote shadow's
-   calls there) without yielding;
-   ``in_process_no_yield``, the child without the gate (``XMCSERVE_SHADOW_YIELD=false``), for
-   what the gate buys. One primary server per kind takes
-   open-loop load while ``/admin/config`` switches ``shadow_fraction`` between 0 and 1 every
-   ``--segment-seconds`` (off-on, on-off, …, ``--rounds`` pairs; before each segment a pause lets
-   the last phase's copies settle); latencies are pooled per phase. Both phases share the process
-   and the drift of this shared VM; separate runs do not (two 20 s runs of the same server
-   differed 2x in p99 on this machine). Each kind reports the pooled p99 ratio on/off, a 90 %
-   interval for it from resampling whole rounds, the per-round ratios, the primary process's
-   CPU per request, the CPU steal, and what the shadow compared and dropped (by reason).
+1. Shadow cost: a shadow xmcserve serving ``--alt-bundle`` on this machine; one primary server
+   takes open-loop load while ``/admin/config`` switches ``shadow_fraction`` between 0 and 1
+   every ``--segment-seconds`` (off-on, on-off, …, ``--rounds`` pairs; before each segment a
+   pause lets the last phase's copies settle); latencies are pooled per phase. Both phases share
+   the process and the drift of this shared VM; separate runs do not. Reported: the pooled p99
+   ratio on/off with a 90 % interval from resampling whole rounds, the per-round ratios, the
+   primary's CPU per request (its server process, and with its shadow worker child), the CPU
+   steal, and what the shadow compared and dropped (by reason).
 2. Reload loop: under open-loop load, the primary is reloaded with a different bundle every
    ``--reload-every`` seconds for ``--reload-seconds``; every request must succeed.
 
 ``--primary-cpus``, ``--shadow-cpus`` and ``--loadgen-cpus`` (e.g. ``0-1``) pin the primary server,
-the remote shadow server and this process (the load generator) to cores, on a machine with cores
-to spare; by default nothing is pinned and everything shares the machine.
+the shadow server and this process (the load generator) to cores, as a shadow on hardware of
+its own runs; by default nothing is pinned and everything shares the machine.
 """
 
 from __future__ import annotations
@@ -42,12 +34,10 @@ import httpx
 import numpy as np
 
 from bench.loadgen import closed_loop, open_loop
-from bench.localserver import start_server, stop_server
-from service.cpu_priority import parse_cpus
+from bench.localserver import parse_cpus, start_server, stop_server
 from training.data import load_jsonl_split
 
 TOKEN = "bench-admin-token"
-KINDS = ("remote", "in_process", "in_process_no_yield")
 SHADOW_COUNTERS = ("xmcserve_shadow_compared_texts_total", "xmcserve_shadow_dropped_total")
 
 
@@ -70,6 +60,15 @@ def shadow_counters(url: str) -> dict[str, float]:
             key = f"dropped:{reason}"
             counters[key] = counters.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return counters
+
+
+def with_children_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and its live children (the primary and its shadow worker)."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return process_cpu_s(pid) + sum(process_cpu_s(int(child)) for child in children)
 
 
 def process_cpu_s(pid: int) -> float:
@@ -124,6 +123,7 @@ def interleaved_run(
     steal = {"off": [0, 0], "on": [0, 0]}
     counters: dict[str, dict[str, float]] = {"off": {}, "on": {}}
     primary_cpu = {"off": 0.0, "on": 0.0}
+    with_worker_cpu = {"off": 0.0, "on": 0.0}
     statuses: dict[str, dict[str, int]] = {"off": {}, "on": {}}
     errors = {"off": 0, "on": 0}
     try:
@@ -136,9 +136,11 @@ def interleaved_run(
                 time.sleep(settle_s)
                 before, steal_before = shadow_counters(server.url), cpu_steal_jiffies()
                 cpu_before = process_cpu_s(server.process.pid)
+                all_cpu_before = with_children_cpu_s(server.process.pid)
                 part = asyncio.run(open_loop(server.url, bodies, rps, segment_s))
-                # copies still computing when the phase ends are counted in the next phase
+                # copies still in flight when the phase ends are counted in the next phase
                 primary_cpu[phase] += process_cpu_s(server.process.pid) - cpu_before
+                with_worker_cpu[phase] += with_children_cpu_s(server.process.pid) - all_cpu_before
                 after, steal_after = shadow_counters(server.url), cpu_steal_jiffies()
                 latencies[phase] = np.asarray(part.latencies_ms)
                 for name_, value in after.items():
@@ -163,8 +165,9 @@ def interleaved_run(
             "p95_ms": round(float(np.percentile(pooled, 95)), 2),
             "p99_ms": round(p99(pooled), 2),
             "cpu_steal_share": round(steal[phase][0] / max(steal[phase][1], 1), 4),
-            # the primary process's own CPU per request (the in-process shadow's child excluded)
+            # the primary server process's own CPU per request, and with its shadow worker child
             "primary_cpu_ms_per_request": round(1000 * primary_cpu[phase] / max(pooled.size, 1), 3),
+            "primary_with_worker_cpu_ms_per_request": round(1000 * with_worker_cpu[phase] / max(pooled.size, 1), 3),
             "shadow_compared_texts": counters[phase].get("xmcserve_shadow_compared_texts_total", 0.0),
             "shadow_dropped": counters[phase].get("xmcserve_shadow_dropped_total", 0.0),
             "shadow_dropped_by_reason": {
@@ -176,6 +179,10 @@ def interleaved_run(
     off_cpu = row["off"]["primary_cpu_ms_per_request"]
     row["primary_cpu_per_request_ratio"] = (
         round(row["on"]["primary_cpu_ms_per_request"] / off_cpu, 3) if off_cpu else None
+    )
+    off_all = row["off"]["primary_with_worker_cpu_ms_per_request"]
+    row["primary_with_worker_cpu_per_request_ratio"] = (
+        round(row["on"]["primary_with_worker_cpu_ms_per_request"] / off_all, 3) if off_all else None
     )
     row["p99_ratio_per_round"] = [round(p99(r["on"]) / p99(r["off"]), 3) for r in per_round]
     row["within_10pct"] = row["p99_ratio"] <= 1.10
@@ -264,7 +271,7 @@ def main() -> None:
         "--alt-bundle",
         type=Path,
         default=Path("bundles/default-fp32"),
-        help="second bundle (same root) for the in-process candidate and the reload loop",
+        help="second bundle (same root): what the shadow serves, and the reload loop's other bundle",
     )
     parser.add_argument("--data", type=Path, default=Path("data/debian-sample"))
     parser.add_argument("--rps", type=float, default=None, help="offered load; default: --load-share of the peak")
@@ -273,18 +280,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30, help="off/on pairs per shadow kind")
     parser.add_argument("--reload-every", type=float, default=4.0)
     parser.add_argument("--reload-seconds", type=float, default=60.0)
-    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     parser.add_argument("--primary-cpus", default=None, help="pin the primary server, e.g. 0-1")
-    parser.add_argument(
-        "--shadow-cpus", default=None, help="pin the remote shadow server and the primary's shadow worker, e.g. 2-3"
-    )
+    parser.add_argument("--shadow-cpus", default=None, help="pin the shadow server, e.g. 2-3")
     parser.add_argument("--loadgen-cpus", default=None, help="pin this process (the load generator)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/ab-shadow.json"))
     args = parser.parse_args()
-    kinds = [k for k in args.kinds.split(",") if k]
-    unknown = sorted(set(kinds) - set(KINDS))
-    if unknown:
-        parser.error(f"unknown kinds {unknown}; expected some of {', '.join(KINDS)}")
     primary_cpus, shadow_cpus = parse_cpus(args.primary_cpus), parse_cpus(args.shadow_cpus)
     if loadgen_cpus := parse_cpus(args.loadgen_cpus):
         os.sched_setaffinity(0, loadgen_cpus)
@@ -304,27 +304,14 @@ def main() -> None:
     }
     print("offered", args.rps, "q/s; peak", peak, flush=True)
 
-    def run_kind(kind: str, env: dict) -> None:
-        result[f"{kind}_shadow" if kind == "remote" else kind] = interleaved_run(
-            args.bundle, bodies, args.rps, args.segment_seconds, args.rounds, env, logs, kind, primary_cpus
+    shadow = start_server(args.alt_bundle, logs / "remote-shadow.log", cpus=shadow_cpus)
+    try:
+        result["remote_shadow"] = interleaved_run(
+            args.bundle, bodies, args.rps, args.segment_seconds, args.rounds,
+            {"XMCSERVE_SHADOW_URL": shadow.url}, logs, "remote", primary_cpus,
         )
-
-    # the primary's shadow worker process on the shadow's cores: B's compute (then not yielding),
-    # or the remote shadow's calls and comparisons
-    placement = {"XMCSERVE_SHADOW_CPUS": args.shadow_cpus} if args.shadow_cpus else {}
-    if "remote" in kinds:
-        shadow = start_server(
-            args.alt_bundle, logs / "remote-shadow.log", extra_env={"XMCSERVE_CPU_PRIORITY": "idle"}, cpus=shadow_cpus
-        )
-        try:
-            run_kind("remote", {"XMCSERVE_SHADOW_URL": shadow.url, **placement})
-        finally:
-            stop_server(shadow)
-    candidate = {"XMCSERVE_CANDIDATE_BUNDLE_DIR": str(args.alt_bundle), **placement}
-    if "in_process" in kinds:
-        run_kind("in_process", candidate)
-    if "in_process_no_yield" in kinds:
-        run_kind("in_process_no_yield", {**candidate, "XMCSERVE_SHADOW_YIELD": "false"})
+    finally:
+        stop_server(shadow)
     result["reload_loop"] = reload_run(
         args.bundle, args.alt_bundle, bodies, args.rps / 2, args.reload_every, args.reload_seconds, logs, primary_cpus
     )

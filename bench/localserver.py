@@ -14,6 +14,20 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def parse_cpus(spec: str | None) -> set[int] | None:
+    """A Linux CPU list (``0-1,4``) as a set of cores; None for an empty or missing list."""
+    if not spec:
+        return None
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.strip().partition("-")
+        start, end = int(first), int(last or first)
+        if end < start:
+            raise ValueError(f"bad CPU range {part!r}")
+        cpus.update(range(start, end + 1))
+    return cpus
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
