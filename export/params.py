@@ -14,12 +14,10 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, get_args, get_origin, get_type_hints
 
-from service.engine.manifest import IndexKind, RaeParams
+from service.engine.manifest import IndexKind, RaeMode, RaeParams
 from training.params import parse_bool
 
 Quantize = Literal["none", "int8"]
-# The values of service.engine.manifest.RaeParams.mode; tests/export/test_params.py checks the two agree.
-RaeMode = Literal["joint", "split"]
 ALL_HEAD_BLOCKS = "all"
 # The ExportParams attribute of each field of the manifest's RaeParams.
 RAE_ATTRIBUTES = {"lam": "rae_lambda", "tau": "rae_tau", "top_b": "rae_top_b", "mode": "rae_mode"}

@@ -32,6 +32,7 @@ INDEX_FILE = "index.hnsw"
 VALUES_FILE = "values.npz"
 
 IndexKind = Literal["labels", "rae_memory"]
+RaeMode = Literal["joint", "split"]
 
 
 class _Strict(BaseModel):
@@ -67,7 +68,7 @@ class RaeParams(_Strict):
     lam: float = Field(ge=0.0, le=1.0, description="λ: weight of the training-instance memory")
     tau: float = Field(gt=0.0, description="τ: softmax temperature")
     top_b: int = Field(gt=0, description="b: number of keys retrieved per query")
-    mode: Literal["joint", "split"] = Field(
+    mode: RaeMode = Field(
         "joint",
         description="joint: one softmax over all top-b keys (RAE-XMC eq. 7); split: one over the instance "
         "keys and one over the label keys, so λ is exactly the instance memory's share",

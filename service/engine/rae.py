@@ -18,9 +18,12 @@ Two weightings of the retrieved keys (the bundle's ``rae.mode``):
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import get_args
 
 import numpy as np
 import scipy.sparse as sp
+
+from service.engine.manifest import RaeMode
 
 
 def softmax(similarities: np.ndarray, tau: float) -> np.ndarray:
@@ -30,7 +33,7 @@ def softmax(similarities: np.ndarray, tau: float) -> np.ndarray:
     return w / w.sum()
 
 
-RAE_MODES = ("joint", "split")
+RAE_MODES = get_args(RaeMode)
 
 
 def key_weights(keys: np.ndarray, sims: np.ndarray, num_train: int, tau: float, mode: str) -> np.ndarray:
