@@ -21,7 +21,7 @@ Everything is thread-safe for concurrent ``predict`` calls on one predictor.
 from service.engine.batcher import BatchAnswer, BatcherConfig, BatcherStoppedError, MicroBatcher, QueueFullError
 from service.engine.bundle import Bundle, BundleError, load_bundle
 from service.engine.encoder import EncoderOptions, OnnxEncoder
-from service.engine.search import Prediction, Predictor, Ranking, StageTimes, load_predictor
+from service.engine.search import Prediction, Predictor, Ranking, StageTimes, load_predictor, vet_in_child
 
 __all__ = [
     "BatchAnswer",
@@ -39,4 +39,5 @@ __all__ = [
     "StageTimes",
     "load_bundle",
     "load_predictor",
+    "vet_in_child",
 ]

@@ -34,6 +34,14 @@ class BatcherStoppedError(RuntimeError):
     """The batcher was stopped (shutdown) before the request ran."""
 
 
+class DeadlineExceededError(RuntimeError):
+    """The request could not start before its deadline; it was taken out of the queue unrun."""
+
+    def __init__(self, waited_s: float, retry_after_s: int = 1):
+        super().__init__(f"request could not start within its deadline ({waited_s * 1000:.0f} ms in the queue)")
+        self.retry_after_s = retry_after_s
+
+
 @dataclass
 class BatcherConfig:
     """Micro-batching parameters (defaults measured with ``bench/serving.py``).
@@ -76,23 +84,31 @@ class _Job:
 
 class MicroBatcher:
     """Batches requests for the predictor returned by ``predictor_source`` (read per batch, so a
-    swapped-in bundle takes the next batch while the running one finishes on the old)."""
+    swapped-in bundle takes the next batch while the running one finishes on the old).
+
+    A request leaves the queue unrun, and ``on_drop(reason)`` is called, when its caller stops
+    waiting (the awaiting task is cancelled, e.g. the HTTP client went away: ``"client_gone"``)
+    or when it is still queued at its deadline (``"deadline"``, :class:`DeadlineExceededError`).
+    A request already computing is answered however late: its batch is paid for."""
 
     def __init__(
         self,
         predictor_source: Callable[[], Predictor],
         config: BatcherConfig | None = None,
         on_batch_done: Callable[[int, StageTimes], None] | None = None,
+        on_drop: Callable[[str], None] | None = None,
     ):
         self.config = config or BatcherConfig()
         self._predictor_source = predictor_source
         self._on_batch_done = on_batch_done or (lambda texts, times: None)
+        self._on_drop = on_drop or (lambda reason: None)
         self._jobs: deque[_Job] = deque()
         self._arrived = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="xmcserve-batch")
         self._workers: list[asyncio.Task] = []
         self._running: set[_Job] = set()
         self.in_flight_batches = 0
+        self._seconds_per_text = 0.0  # moving average of the compute time per text of recent batches
 
     @property
     def depth(self) -> int:
@@ -113,15 +129,51 @@ class MicroBatcher:
         # Without waiting: a batch still on its thread finishes there, unobserved.
         self._executor.shutdown(wait=False)
 
-    async def submit(self, texts: list[str], k: int, ef: int | None, exclude: list[Collection[str]]) -> BatchAnswer:
+    async def submit(
+        self,
+        texts: list[str],
+        k: int,
+        ef: int | None,
+        exclude: list[Collection[str]],
+        timeout_s: float | None = None,
+    ) -> BatchAnswer:
         """Queue one request; ``exclude`` holds label *uids* per text, mapped to ids by the bundle
-        that runs the batch (a reload may swap bundles between submit and run)."""
+        that runs the batch (a reload may swap bundles between submit and run). ``timeout_s``:
+        how long it may wait to start (None: as long as it takes)."""
         if len(self._jobs) >= self.config.max_queue:
             raise QueueFullError(len(self._jobs), retry_after_s=1)
+        if timeout_s is not None and self.expected_wait_s() > timeout_s:
+            # refused now, in microseconds, rather than after waiting out the deadline
+            self._on_drop("deadline")
+            raise DeadlineExceededError(0.0)
         job = _Job(texts, k, ef, exclude, asyncio.get_running_loop().create_future(), time.perf_counter())
         self._jobs.append(job)
         self._arrived.set()
-        return await job.future
+        try:
+            if timeout_s is not None:
+                await asyncio.wait({job.future}, timeout=timeout_s)
+                if not job.future.done() and self._withdraw(job, "deadline"):
+                    raise DeadlineExceededError(time.perf_counter() - job.enqueued)
+            return await job.future
+        except asyncio.CancelledError:
+            self._withdraw(job, "client_gone")
+            raise
+
+    def expected_wait_s(self) -> float:
+        """How long a request queued now would wait to start: the texts ahead of it (queued and
+        computing) at the recent compute time per text, spread over the workers."""
+        ahead = sum(len(job.texts) for job in self._jobs) + sum(len(job.texts) for job in self._running)
+        return ahead * self._seconds_per_text / self.config.workers
+
+    def _withdraw(self, job: _Job, reason: str) -> bool:
+        """Take a job that has not started out of the queue; False when it already runs."""
+        try:
+            self._jobs.remove(job)
+        except ValueError:
+            return False
+        job.future.cancel()
+        self._on_drop(reason)
+        return True
 
     async def _next_batch(self) -> list[_Job]:
         while not self._jobs:
@@ -167,6 +219,9 @@ class MicroBatcher:
                 self.in_flight_batches -= 1
             # Reached only when not cancelled: on shutdown, stop() fails the jobs still in _running.
             self._running.difference_update(batch)
+            texts = sum(len(job.texts) for job in batch)
+            per_text = (time.perf_counter() - started) / texts
+            self._seconds_per_text += 0.2 * (per_text - self._seconds_per_text) if self._seconds_per_text else per_text
             if not isinstance(answers[0], Exception):
                 self._on_batch_done(answers[0].batch_texts, answers[0].times)
             for job, answer in zip(batch, answers, strict=True):
@@ -192,7 +247,13 @@ def predict_jobs(predictor: Predictor, jobs: Sequence[Job]) -> tuple[list[list[R
     (stage times, the ef it ran at) and the batch's text count."""
     texts = [t for job in jobs for t in job.texts]
     ks = [job.k for job in jobs for _ in job.texts]
-    exclude = [predictor.bundle.label_ids(e) for job in jobs for e in job.exclude]
+    # A request's flat exclude list is one object shared by all its texts: mapped once.
+    mapped: dict[int, set[int]] = {}
+    exclude = [
+        mapped[id(e)] if id(e) in mapped else mapped.setdefault(id(e), predictor.bundle.label_ids(e))
+        for job in jobs
+        for e in job.exclude
+    ]
     # One HNSW call for the batch at the widest ef any request is owed (its own, or the bundle's
     # default when it gave none): a wider search only adds recall, a narrower one would take
     # recall from requests that did not ask for it.

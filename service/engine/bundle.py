@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,7 +70,18 @@ def read_manifest(path: Path) -> Manifest:
         raise BundleError(
             f"{manifest_path}: schema version {manifest.schema_version}, this service reads {SCHEMA_VERSION}"
         )
+    check_confined(path, [*manifest.files, *required_files(manifest.index_kind)])
     return manifest
+
+
+def check_confined(path: Path, names: list[str]) -> None:
+    """Every file a bundle names stays inside its directory: no absolute paths, no ``..``, no
+    symlink that leads out (a manifest could otherwise make the server read any file)."""
+    root = path.resolve()
+    for name in names:
+        relative = Path(name)
+        if relative.is_absolute() or ".." in relative.parts or not (root / relative).resolve().is_relative_to(root):
+            raise BundleError(f"{path}: file name {name!r} leads outside the bundle directory")
 
 
 def verify_checksums(path: Path, manifest: Manifest) -> None:
@@ -98,7 +110,43 @@ def read_labels(path: Path) -> tuple[list[str], list[str]]:
     return uids, texts
 
 
+# hnswlib's saveIndex header (hnswalg.h): offsetLevel0, max_elements, cur_element_count,
+# size_data_per_element, label_offset, offsetData (size_t), maxlevel (int), enterpoint (uint32),
+# maxM, maxM0, M (size_t), mult (double), ef_construction (size_t).
+HNSW_HEADER = struct.Struct("<QQQQQQiIQQQdQ")
+# Room an index file may declare beyond its keys (hnswlib allocates max_elements up front).
+HNSW_GROWTH_ALLOWANCE = 2
+
+
+def check_index_header(file: Path, manifest: Manifest) -> None:
+    """The HNSW file's header against the manifest, before hnswlib allocates what the header
+    asks for: a file whose checksums match but whose header claims 2^27 elements would make
+    hnswlib allocate gigabytes inside the serving process."""
+    size = file.stat().st_size if file.is_file() else 0
+    if size < HNSW_HEADER.size:
+        raise BundleError(f"{file}: {size} bytes, shorter than an HNSW header")
+    with file.open("rb") as f:
+        (_, max_elements, count, per_element, label_offset, data_offset, max_level, entry, max_m, max_m0, m, _, _) = (
+            HNSW_HEADER.unpack(f.read(HNSW_HEADER.size))
+        )
+    keys, dim, expected_m = manifest.counts.memory_rows, manifest.dim, manifest.hnsw.M
+    links = max_m0 * 4 + 4  # level-0 neighbour ids (uint32) and their count
+    problems = [
+        (count != keys, f"holds {count} keys, manifest says {keys}"),
+        (max_elements > HNSW_GROWTH_ALLOWANCE * keys, f"declares room for {max_elements} elements for {keys} keys"),
+        ((m, max_m, max_m0) != (expected_m, expected_m, 2 * expected_m), f"M {m}/{max_m}/{max_m0}, not {expected_m}"),
+        (data_offset != links or label_offset != links + 4 * dim, f"element layout is not {dim}-d float32"),
+        (per_element != links + 4 * dim + 8, f"{per_element} bytes per element, expected {links + 4 * dim + 8}"),
+        (max_level < 0 or (count and entry >= count), "entry point or top level out of range"),
+        (size < HNSW_HEADER.size + count * (per_element + 4), f"{size} bytes, too short for {count} elements"),
+    ]
+    for failed, problem in problems:
+        if failed:
+            raise BundleError(f"{file}: HNSW header refused: {problem}")
+
+
 def load_index(path: Path, manifest: Manifest) -> hnswlib.Index:
+    check_index_header(path / INDEX_FILE, manifest)
     index = hnswlib.Index(space=manifest.hnsw.space, dim=manifest.dim)
     try:
         index.load_index(str(path / INDEX_FILE))

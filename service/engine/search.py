@@ -6,6 +6,8 @@ numbers ``evaluate`` prints are the numbers the service gives.
 
 from __future__ import annotations
 
+import multiprocessing
+import resource
 import threading
 import time
 from collections.abc import Collection, Sequence
@@ -132,3 +134,47 @@ def load_predictor(path: Path | str, options: EncoderOptions | None = None, veri
     except Exception as exc:
         raise BundleError(f"{path}: warm-up prediction failed ({type(exc).__name__}: {exc})") from None
     return predictor
+
+
+def vet_in_child(
+    path: Path | str, options: EncoderOptions | None = None, verify: bool = True, memory_limit_bytes: int = 0
+) -> None:
+    """:func:`load_predictor` in a child process under an address-space limit (0: none): a bundle
+    that would crash the loader or make it allocate without bound costs the child, not the server
+    that keeps serving. Raises :class:`BundleError` with the child's reason."""
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(
+        target=_vet, args=(str(path), options, verify, memory_limit_bytes, sender), name="xmcserve-vet", daemon=True
+    )
+    child.start()
+    sender.close()
+    try:
+        reason = receiver.recv() if receiver.poll(VET_TIMEOUT_S) else f"not loaded within {VET_TIMEOUT_S} s"
+    except EOFError:  # the child died without a word: killed, out of memory, a crash in native code
+        child.join(5)
+        reason = f"the loader process died (exit code {child.exitcode})"
+    finally:
+        receiver.close()
+        if child.is_alive():
+            child.kill()
+        child.join(5)
+    if reason is not None:
+        raise BundleError(f"{path}: {reason}")
+
+
+VET_TIMEOUT_S = 300
+
+
+def _vet(path: str, options, verify: bool, memory_limit_bytes: int, sender) -> None:
+    if memory_limit_bytes:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
+    try:
+        load_predictor(path, options, verify)
+        sender.send(None)
+    except MemoryError:
+        sender.send(f"loading needs more than the {memory_limit_bytes >> 20} MiB allowed")
+    except BundleError as exc:
+        sender.send(str(exc).removeprefix(f"{path}: "))
+    except Exception as exc:
+        sender.send(f"cannot be loaded ({type(exc).__name__}: {exc})")

@@ -25,12 +25,20 @@ from service.http.settings import Settings
 from service.rollout.shadow import ShadowMirror
 from service.rollout.variants import Variants
 
+# A vetting child may map this much beyond the bundle's files (interpreter, ONNX Runtime, arenas).
+VET_BASE_BYTES = 1 << 30
 
-async def load_predictor(path: Path, settings: Settings) -> Predictor:
-    """Load, verify and warm a bundle off the event loop (the loop keeps serving meanwhile)."""
-    return await anyio.to_thread.run_sync(
-        lambda: engine.load_predictor(path, settings.encoder_options(), settings.verify_checksums)
-    )
+
+async def load_predictor(path: Path, settings: Settings, vet: bool = True) -> Predictor:
+    """Load, verify and warm a bundle off the event loop (the loop keeps serving meanwhile).
+    With ``vet``, a child process under a memory limit (1 GiB + 4x the bundle's files) loads it
+    first, so a bundle that would crash or exhaust the loader is refused before it enters here."""
+    options = settings.encoder_options()
+    if vet:
+        files = sum(f.stat().st_size for f in Path(path).glob("*") if f.is_file())
+        limit = VET_BASE_BYTES + 4 * files
+        await anyio.to_thread.run_sync(lambda: engine.vet_in_child(path, options, settings.verify_checksums, limit))
+    return await anyio.to_thread.run_sync(lambda: engine.load_predictor(path, options, settings.verify_checksums))
 
 
 def confined_bundle_path(root: Path, requested: str) -> Path:

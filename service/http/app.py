@@ -11,19 +11,22 @@ is logged and skipped: it never takes the primary down) and the shadow mirror; `
 
 # No `from __future__ import annotations` here: FastAPI must resolve the locally built
 # request model from the endpoint annotation at runtime.
+import asyncio
 import json
 import logging
 import time
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from service.engine.batcher import BatchAnswer, BatcherStoppedError, QueueFullError
+from service.engine.batcher import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
 from service.engine.bundle import BundleError
-from service.http.admin import ServingState, add_admin_routes, load_predictor
+from service.http.admin import ServingState, add_admin_routes, load_predictor, require_admin
+from service.http.guards import BodyLimitMiddleware, method_label
 from service.http.metrics import Metrics
 from service.http.schemas import PredictResponse, build_predict_request
 from service.http.settings import Settings
@@ -69,7 +72,7 @@ class RequestMetricsMiddleware:
             endpoint = getattr(route, "path", None) or "unmatched"
             variant = scope.get("state", {}).get("variant", "-")
             self.metrics.request_seconds.labels(
-                endpoint=endpoint, method=scope["method"], status=str(status), variant=variant
+                endpoint=endpoint, method=method_label(scope["method"]), status=str(status), variant=variant
             ).observe(time.perf_counter() - start)
 
 
@@ -98,6 +101,35 @@ def to_response(answer: BatchAnswer, variant: str, k: int) -> Response:
     return Response(json.dumps(body, ensure_ascii=False, allow_nan=False), media_type="application/json")
 
 
+def validation_error(request: Request, exc: RequestValidationError) -> Response:
+    """422 with what is wrong and where, never the input itself: a 2 MB text would come back
+    whole, and input that is not valid Unicode could not be encoded at all (ASCII JSON escapes
+    whatever a location or message carries)."""
+    detail = [{"type": e["type"], "loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]
+    return Response(json.dumps({"detail": detail}), status_code=422, media_type="application/json")
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def answer_unless_gone(request: Request, submitted) -> BatchAnswer | None:
+    """The batcher's answer, or None when the client went away first: the request is then
+    cancelled, which takes it out of the queue if it has not started (TEI's queue does the same)."""
+    work = asyncio.ensure_future(submitted)
+    watch = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    return None
+
+
 def build_shadow(settings: Settings, metrics: Metrics) -> ShadowMirror:
     """The mirror to ``XMCSERVE_SHADOW_URL`` (off without one) and its worker process."""
     shadow = settings.shadow
@@ -118,7 +150,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        variants = Variants.create(settings.batching.config(), metrics.batch_observer)
+        variants = Variants.create(settings.batching.config(), metrics.batch_observer, metrics.drop_observer)
         variants.split_b = settings.rollout.split_b
         for name, slot in variants.slots.items():
             metrics.queue_depth.labels(variant=name).set_function(lambda slot=slot: slot.batcher.depth)
@@ -129,7 +161,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             metrics.rejected.labels(variant=name)
             metrics.predicted_texts.labels(variant=name)
         state = ServingState(settings, metrics, variants)
-        predictor = await load_predictor(settings.bundle_dir, settings)
+        # nothing serves yet: a primary that fails stops start-up, no need to vet it apart
+        predictor = await load_predictor(settings.bundle_dir, settings, vet=False)
         state.install(PRIMARY, predictor, str(settings.bundle_dir))
         if candidate_dir := settings.rollout.candidate_bundle_dir:
             try:
@@ -151,17 +184,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=SERVICE_VERSION,
         description="Extreme multi-label classification: the k most relevant labels for a short text.",
         lifespan=lifespan,
+        exception_handlers={RequestValidationError: validation_error},
     )
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.serving = None
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    limits = settings.limits
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, read_timeout_s=limits.body_timeout_s)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: it counts the refusals too
 
     @app.post("/predict", response_model=PredictResponse)
     async def predict(body: PredictRequest, request: Request) -> Response:  # type: ignore[valid-type]
         state: ServingState | None = request.app.state.serving
         if state is None:
             return JSONResponse({"detail": "no bundle loaded yet"}, status_code=503)
+        if body.variant is not None:
+            try:
+                require_admin(request)  # forcing the unvetted candidate is an operator's decision
+            except HTTPException as exc:
+                return JSONResponse({"detail": f"forcing a variant needs the admin token: {exc.detail}"}, 403)
         try:
             slot = state.variants.choose(request.headers.get("x-request-key"), body.variant)
         except LookupError as exc:
@@ -169,13 +210,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         request.state.variant = slot.name
         texts = body.all_texts()
         started = time.perf_counter()
+        timeout_s = (body.timeout_ms or settings.limits.request_timeout_ms) / 1000
         try:
-            answer = await slot.batcher.submit(texts, body.k, body.ef, body.exclusions())
-        except QueueFullError as exc:
-            metrics.rejected.labels(variant=slot.name).inc()
-            return JSONResponse({"detail": str(exc)}, status_code=429, headers={"Retry-After": str(exc.retry_after_s)})
+            answer = await answer_unless_gone(
+                request, slot.batcher.submit(texts, body.k, body.ef, body.exclusions(), timeout_s)
+            )
+        except (QueueFullError, DeadlineExceededError) as exc:
+            if isinstance(exc, QueueFullError):
+                metrics.rejected.labels(variant=slot.name).inc()
+            status = 429 if isinstance(exc, QueueFullError) else 503
+            return JSONResponse({"detail": str(exc)}, status, headers={"Retry-After": str(exc.retry_after_s)})
         except BatcherStoppedError as exc:
-            return JSONResponse({"detail": str(exc)}, status_code=503)
+            return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
+        if answer is None:  # nobody is listening; 499 is what nginx logs for it
+            return Response(status_code=499)
         metrics.stage_seconds.labels(stage="queue", variant=slot.name).observe(answer.queue_wait_s)
         metrics.predicted_texts.labels(variant=slot.name).inc(len(texts))
         # The shadow copy (its uid lists built per label) only when mirroring is on at all.

@@ -55,6 +55,13 @@ class Metrics:
             ["variant"],
             registry=self.registry,
         )
+        self.dropped_requests = Counter(
+            "xmcserve_dropped_requests",
+            "Queued requests taken out unrun: the client went away (client_gone) or the request could "
+            "not start before its deadline (deadline, answered 503)",
+            ["variant", "reason"],
+            registry=self.registry,
+        )
         self.predicted_texts = Counter(
             "xmcserve_predicted_texts", "Texts answered by /predict", ["variant"], registry=self.registry
         )
@@ -108,6 +115,12 @@ class Metrics:
             ["reason", "variant"],
             registry=self.registry,
         )
+
+    def drop_observer(self, variant: str):
+        def observe(reason: str) -> None:
+            self.dropped_requests.labels(variant=variant, reason=reason).inc()
+
+        return observe
 
     def batch_observer(self, variant: str):
         def observe(texts: int, times) -> None:

@@ -31,25 +31,49 @@ class PredictRequestBase(BaseModel):
         return [self.text] if self.text is not None else list(self.texts)
 
     def exclusions(self) -> list[list[str]]:
-        """One list of excluded label uids per text."""
+        """One list of excluded label uids per text; a flat list is one object shared by all
+        texts (never copied per text: 64 copies of a large list were 64 times its memory)."""
         n = len(self.all_texts())
         if not self.exclude:
-            return [[] for _ in range(n)]
+            return [[]] * n
         if isinstance(self.exclude[0], list):
-            return [list(e) for e in self.exclude]
-        return [list(self.exclude) for _ in range(n)]
+            return self.exclude
+        return [self.exclude] * n
+
+
+def utf8_size(value: str, what: str) -> int:
+    """Bytes of ``value`` as UTF-8; a string that has none (a lone surrogate from a ``\\ud800``
+    JSON escape) is a validation error, not a crash later."""
+    try:
+        return len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} is not valid Unicode (it contains a lone surrogate)") from None
 
 
 def build_predict_request(limits: LimitSettings) -> type[PredictRequestBase]:
     max_bytes = limits.max_text_bytes
 
     def check_text(value: str) -> str:
+        size = utf8_size(value, "text")
         if not value.strip():
             raise ValueError("text is empty or whitespace only")
-        size = len(value.encode("utf-8"))
         if size > max_bytes:
             raise ValueError(f"text is {size} bytes of UTF-8; the limit is {max_bytes}")
         return value
+
+    def check_exclude(exclude: list[str] | list[list[str]]) -> None:
+        lists = exclude if exclude and isinstance(exclude[0], list) else [exclude]
+        total = 0
+        for i, uids in enumerate(lists):
+            where = f"exclude[{i}]" if lists is exclude else "exclude"
+            if len(uids) > limits.max_exclude_per_text:
+                raise ValueError(f"{where} has {len(uids)} uids; the limit per text is {limits.max_exclude_per_text}")
+            total += len(uids)
+            for uid in uids:
+                if utf8_size(uid, f"a uid in {where}") > limits.max_uid_bytes:
+                    raise ValueError(f"a uid in {where} is over {limits.max_uid_bytes} bytes of UTF-8")
+        if total > limits.max_exclude_total:
+            raise ValueError(f"'exclude' has {total} uids in all; the limit is {limits.max_exclude_total}")
 
     class PredictRequest(PredictRequestBase):
         """Give exactly one of ``text`` or ``texts``."""
@@ -68,12 +92,23 @@ def build_predict_request(limits: LimitSettings) -> type[PredictRequestBase]:
             None, ge=1, le=limits.max_ef, description="HNSW search breadth; default: the bundle's ef"
         )
         variant: Literal["A", "B"] | None = Field(
-            None, description="force a variant (testing); default: routed by the A/B split"
+            None,
+            description="force a variant (an operator's test: needs the admin token in X-Admin-Token); "
+            "default: routed by the A/B split",
         )
         exclude: list[str] | list[list[str]] = Field(
             default_factory=list,
+            max_length=max(limits.max_exclude_total, limits.max_texts_per_request),
             description="label uids never to return (e.g. the query's own item): one list for all texts, "
-            "or one list per text",
+            f"or one list per text; at most {limits.max_exclude_per_text} per text, "
+            f"{limits.max_exclude_total} in all, {limits.max_uid_bytes} UTF-8 bytes each",
+        )
+        timeout_ms: int | None = Field(
+            None,
+            ge=1,
+            le=limits.request_timeout_ms,
+            description="how long the request may wait to start; past it: 503 with Retry-After "
+            f"(default and most: {limits.request_timeout_ms})",
         )
 
         @field_validator("text")
@@ -92,6 +127,12 @@ def build_predict_request(limits: LimitSettings) -> type[PredictRequestBase]:
                 except ValueError as exc:
                     raise ValueError(f"texts[{i}]: {exc}") from None
             return values
+
+        @field_validator("exclude")
+        @classmethod
+        def _exclude_ok(cls, exclude: list[str] | list[list[str]]) -> list[str] | list[list[str]]:
+            check_exclude(exclude)
+            return exclude
 
         @model_validator(mode="after")
         def _one_input(self) -> PredictRequest:

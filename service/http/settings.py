@@ -35,6 +35,16 @@ class LimitSettings(BaseSettings):
     max_k: int = Field(1000, ge=1, description="largest k a request may ask for")
     max_ef: int = Field(4096, ge=1, description="largest HNSW ef a request may ask for")
     default_k: int = Field(10, ge=1, description="k of a request that gives none")
+    max_exclude_per_text: int = Field(1000, ge=0, description="most excluded uids per text")
+    max_exclude_total: int = Field(10_000, ge=0, description="most excluded uids in one request")
+    max_uid_bytes: int = Field(256, ge=1, description="most UTF-8 bytes of one excluded uid")
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="most bytes of any request body, admin included (413 beyond)"
+    )
+    body_timeout_s: float = Field(10.0, gt=0, description="a request body must arrive within this (408 beyond)")
+    request_timeout_ms: int = Field(
+        1000, ge=1, description="how long a request may wait in the queue to start (503 + Retry-After beyond)"
+    )
 
 
 class BatchingSettings(BaseSettings):

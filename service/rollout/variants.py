@@ -39,13 +39,14 @@ class VariantSlot:
     name: str
     config: BatcherConfig
     on_batch_done: Callable[[int, StageTimes], None]
+    on_drop: Callable[[str], None] | None = None
     predictor: Predictor | None = None
     source: str | None = None
     fallback: VariantSlot | None = None
     batcher: MicroBatcher = field(init=False)
 
     def __post_init__(self) -> None:
-        self.batcher = MicroBatcher(self.current_predictor, self.config, self.on_batch_done)
+        self.batcher = MicroBatcher(self.current_predictor, self.config, self.on_batch_done, self.on_drop)
 
     def current_predictor(self) -> Predictor | None:
         """This slot's bundle; when it was emptied (B after a promote) with requests still queued,
@@ -73,9 +74,15 @@ class Variants:
 
     @classmethod
     def create(
-        cls, config: BatcherConfig, on_batch_done: Callable[[str], Callable[[int, StageTimes], None]]
+        cls,
+        config: BatcherConfig,
+        on_batch_done: Callable[[str], Callable[[int, StageTimes], None]],
+        on_drop: Callable[[str], Callable[[str], None]] = lambda name: None,
     ) -> Variants:
-        slots = {name: VariantSlot(name, config, on_batch_done(name)) for name in (PRIMARY, CANDIDATE)}
+        """``on_batch_done(name)`` / ``on_drop(name)``: each slot's batcher callbacks."""
+        slots = {
+            name: VariantSlot(name, config, on_batch_done(name), on_drop(name)) for name in (PRIMARY, CANDIDATE)
+        }
         slots[CANDIDATE].fallback = slots[PRIMARY]
         return cls(slots=slots)
 

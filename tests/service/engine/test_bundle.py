@@ -64,7 +64,7 @@ def test_unknown_schema_version(bundle_copy):
 
 def test_shape_mismatch_is_caught_even_without_checksums(bundle_copy):
     edit_manifest(bundle_copy, lambda m: m["counts"].update(memory_rows=m["counts"]["memory_rows"] + 1))
-    with pytest.raises(BundleError, match="index holds"):
+    with pytest.raises(BundleError, match="holds [0-9]+ keys, manifest says"):
         load_bundle(bundle_copy, verify=False)
 
 
@@ -83,3 +83,73 @@ def test_server_refuses_to_start_on_a_corrupt_bundle(bundle_copy, tmp_path):
     (bundle_copy / VALUES_FILE).write_bytes(b"garbage")
     with pytest.raises(RuntimeError, match="checksum mismatch for values.npz"):
         start_server(bundle_copy, tmp_path / "server.log", timeout_s=60)
+
+
+def rewrite_index_header(path, **fields):
+    """Change header fields of the bundle's HNSW file and re-sign it, as a careless or hostile
+    exporter would: the checksums match, only the header lies."""
+    from service.engine.bundle import HNSW_HEADER
+    from service.engine.manifest import sha256_file
+
+    names = ("level0", "max_elements", "count", "per_element", "label_offset", "data_offset", "max_level",
+             "entry", "max_m", "max_m0", "m", "mult", "ef_construction")  # fmt: skip
+    data = bytearray((path / INDEX_FILE).read_bytes())
+    header = dict(zip(names, HNSW_HEADER.unpack_from(data), strict=True)) | fields
+    HNSW_HEADER.pack_into(data, 0, *(header[name] for name in names))
+    (path / INDEX_FILE).write_bytes(bytes(data))
+    edit_manifest(path, lambda m: m["files"].__setitem__(INDEX_FILE, sha256_file(path / INDEX_FILE)))
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"max_elements": 2**27}, "declares room for 134217728 elements"),
+        ({"count": 10}, "holds 10 keys"),
+        ({"m": 64, "max_m": 64, "max_m0": 128}, "M 64/64/128"),
+        ({"per_element": 10**6}, "bytes per element"),
+        ({"entry": 10**9}, "entry point"),
+    ],
+)
+def test_an_index_header_that_lies_is_refused_before_hnswlib_reads_it(bundle_copy, fields, fragment):
+    rewrite_index_header(bundle_copy, **fields)
+    with pytest.raises(BundleError, match=fragment):
+        load_bundle(bundle_copy)
+
+
+def test_a_truncated_index_is_refused(bundle_copy):
+    data = (bundle_copy / INDEX_FILE).read_bytes()
+    (bundle_copy / INDEX_FILE).write_bytes(data[: len(data) // 3])
+    with pytest.raises(BundleError, match="too short"):
+        load_bundle(bundle_copy, verify=False)
+
+
+@pytest.mark.parametrize("name", ["../outside.txt", "/etc/passwd", "sub/../../x"])
+def test_manifest_file_names_stay_inside_the_bundle(bundle_copy, name):
+    edit_manifest(bundle_copy, lambda m: m["files"].__setitem__(name, "0" * 64))
+    with pytest.raises(BundleError, match="leads outside the bundle directory"):
+        load_bundle(bundle_copy, verify=False)
+
+
+def test_a_symlink_out_of_the_bundle_is_refused(bundle_copy, tmp_path):
+    outside = tmp_path / "elsewhere.jsonl"
+    shutil.copy(bundle_copy / LABELS_FILE, outside)
+    (bundle_copy / LABELS_FILE).unlink()
+    (bundle_copy / LABELS_FILE).symlink_to(outside)
+    with pytest.raises(BundleError, match="leads outside"):
+        load_bundle(bundle_copy)
+
+
+def test_vetting_in_a_child_accepts_a_good_bundle_and_reports_a_bad_one(tiny_rae_bundle, bundle_copy):
+    from service.engine import vet_in_child
+
+    vet_in_child(tiny_rae_bundle, memory_limit_bytes=2 << 30)
+    rewrite_index_header(bundle_copy, count=10)
+    with pytest.raises(BundleError, match="holds 10 keys"):
+        vet_in_child(bundle_copy)
+
+
+def test_a_loader_that_needs_more_memory_than_allowed_is_refused_not_fatal(tiny_rae_bundle):
+    from service.engine import vet_in_child
+
+    with pytest.raises(BundleError, match="MiB allowed|died|cannot be loaded"):
+        vet_in_child(tiny_rae_bundle, memory_limit_bytes=64 << 20)  # less than the interpreter needs

@@ -114,7 +114,7 @@ def test_reload_ab_split_promote_flow(server):
     assert loaded.status_code == 200, loaded.text
     b_id = loaded.json()["bundle_id"]
     assert b_id != a_id
-    forced = post(server, "/predict", {**TEXT, "variant": "B"}).json()
+    forced = post(server, "/predict", {**TEXT, "variant": "B"}, ADMIN).json()
     assert forced["variant"] == "B" and forced["bundle_id"] == b_id
 
     # split 30 %: sticky per key, about 30 % of keys on B
@@ -132,7 +132,7 @@ def test_reload_ab_split_promote_flow(server):
     assert promoted["promoted_bundle_id"] == b_id and promoted["split_b"] == 0.0
     after = post(server, "/predict", TEXT).json()
     assert after["bundle_id"] == b_id and after["variant"] == "A"
-    assert post(server, "/predict", {**TEXT, "variant": "B"}).status_code == 409  # B is empty now
+    assert post(server, "/predict", {**TEXT, "variant": "B"}, ADMIN).status_code == 409  # B is empty now
     metrics = httpx.get(f"{server.url}/metrics").text
     assert 'xmcserve_reloads_total{outcome="refused",variant="A"} 1.0' in metrics
     assert 'variant="B"' in metrics
