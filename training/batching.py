@@ -8,7 +8,11 @@
 * The batch label pool is the union; every in-pool positive of a query counts as a positive,
   which for most torso/tail queries recovers all of their positives (UniDEC §3.2).
 * A training instance's own label (the filter file's same-item pairs) is neither positive nor
-  negative: it has the instance's exact text, so pushing it away would fight the encoder.
+  negative: it has the instance's exact text, so pushing it away would fight the encoder, and
+  pulling it in teaches nothing. That holds when the label is also one of the instance's
+  targets: it is dropped from the targets, never sampled or marked as a positive (a positive
+  left out of its own softmax denominator would make the loss unbounded below). An instance
+  whose only target is its own label has no positive; the losses skip such a query.
 """
 
 from __future__ import annotations
@@ -37,6 +41,18 @@ class Batch:
     positives: np.ndarray
     ignore: np.ndarray
     related: np.ndarray
+
+
+def without_own_labels(Y: sp.csr_matrix, own_labels: list[set[int]]) -> sp.csr_matrix:
+    """``Y`` with each instance's own labels (filter-file pairs) removed from its row; the other
+    entries keep their order, so sampling from an untouched row draws what it drew before."""
+    targets = Y.copy()
+    for row, own in enumerate(own_labels):
+        if own:
+            entries = slice(targets.indptr[row], targets.indptr[row + 1])
+            targets.data[entries] *= ~np.isin(targets.indices[entries], list(own))
+    targets.eliminate_zeros()
+    return targets
 
 
 def _normalize(x: np.ndarray) -> np.ndarray:
@@ -113,7 +129,8 @@ class PslBatcher:
     """Builds :class:`Batch` objects: PSL positives + mined hard negatives, pooled.
 
     Args:
-        Y: training label matrix (CSR, n × L).
+        Y: training label matrix (CSR, n × L); ``related`` reads all of it, positives only the
+            targets that are not the instance's own item.
         own_labels: per training instance, the label ids of its own item (filter file).
         positives_per_query: β.
         negatives_per_query: η.
@@ -129,6 +146,7 @@ class PslBatcher:
         rng: np.random.Generator,
     ):
         self.Y = (Y > 0).astype(np.float32).tocsr()
+        self.targets = without_own_labels(self.Y, own_labels)
         self.own_labels = own_labels
         self.beta = positives_per_query
         self.eta = negatives_per_query
@@ -136,7 +154,7 @@ class PslBatcher:
         self.hard_negatives: list[np.ndarray] | None = None
 
     def sample_positives(self, row: int) -> np.ndarray:
-        labels = self.Y.indices[self.Y.indptr[row] : self.Y.indptr[row + 1]]
+        labels = self.targets.indices[self.targets.indptr[row] : self.targets.indptr[row + 1]]
         if len(labels) <= self.beta:
             return labels
         return self.rng.choice(labels, size=self.beta, replace=False)
@@ -152,8 +170,7 @@ class PslBatcher:
     def make(self, queries: np.ndarray) -> Batch:
         picked = [np.concatenate([self.sample_positives(q), self.sample_negatives(q)]) for q in queries]
         pool = np.unique(np.concatenate(picked)).astype(np.int64)
-        block = self.Y[queries]
-        positives = block[:, pool].toarray() > 0
+        positives = self.targets[queries][:, pool].toarray() > 0
         column = {int(label): j for j, label in enumerate(pool)}
         ignore = np.zeros_like(positives)
         for i, q in enumerate(queries):
@@ -161,5 +178,6 @@ class PslBatcher:
                 j = column.get(label)
                 if j is not None:
                     ignore[i, j] = True
+        block = self.Y[queries]
         related = (block @ block.T).toarray() > 0
         return Batch(queries=np.asarray(queries), pool=pool, positives=positives, ignore=ignore, related=related)

@@ -247,6 +247,22 @@ def load_raw_split(
     return XMCDataset(texts=texts, uids=uids, Y=Y, labels=labels, filter_pairs=pairs)
 
 
+def first_rows(dataset: XMCDataset, limit: int) -> XMCDataset:
+    """The first ``limit`` instances (0 = all): the smoke-run cut of ``max_train``/``max_dev``."""
+    return dataset.subset(np.arange(min(limit, len(dataset)))) if limit else dataset
+
+
+def load_train_and_dev(
+    data_dir: Path | str, train_split: str, dev_split: str, max_train: int = 0, max_dev: int = 0
+) -> tuple[XMCDataset, XMCDataset | None]:
+    """A training run's splits: the (cut) training split, and the (cut) dev split read over the
+    training split's label space so that label ids agree; ``dev_split=""`` gives no dev split."""
+    train = first_rows(load_jsonl_split(data_dir, train_split), max_train)
+    if not dev_split:
+        return train, None
+    return train, first_rows(load_jsonl_split(data_dir, dev_split, labels=train.labels), max_dev)
+
+
 def label_frequencies(Y: sp.csr_matrix) -> np.ndarray:
     """Number of instances each label is positive for (the propensity and segment input)."""
     return np.asarray((Y > 0).sum(axis=0)).ravel().astype(np.int64)

@@ -7,6 +7,9 @@ training run can track DE⊕CLF, DE, CLF and RAE quality every epoch in seconds.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
 import scipy.sparse as sp
 
@@ -79,3 +82,45 @@ def rank_rae(
 def score_ranking(ranked: np.ndarray, dev: XMCDataset, train: XMCDataset) -> dict[str, float]:
     metrics = compute_all(ranked, dev.Y, label_frequencies(train.Y), len(train), recall_ks=(10, 100))
     return {name: round(metrics[name], 2) for name in HEADLINE if name in metrics}
+
+
+@dataclass
+class DevVectors:
+    """The served vectors (:class:`training.embedder.Embedder`, as export writes them) of the dev
+    queries, the labels and the training instances; the RAE memory is training instances + labels."""
+
+    query: np.ndarray
+    label: np.ndarray
+    train: np.ndarray
+    de_dim: int
+
+    @property
+    def memory(self) -> np.ndarray:
+        return np.concatenate([self.train, self.label])
+
+    def half(self, vectors: np.ndarray, name: str) -> np.ndarray:
+        """The DE (``de``) or CLF (``clf``) block on its own: each block of a served vector is
+        unit-norm and scaled by 1/√2, so a slice times √2 is that half's own vector."""
+        block = vectors[:, : self.de_dim] if name == "de" else vectors[:, self.de_dim :]
+        return block * math.sqrt(2.0)
+
+
+def score_dev_systems(
+    v: DevVectors,
+    dev: XMCDataset,
+    train: XMCDataset,
+    values: sp.csr_matrix,
+    k: int,
+    rae_tau: float,
+    rae_top_b: int,
+) -> dict[str, dict[str, float]]:
+    """Exact-search dev metrics of the four systems a run tracks: DE⊕CLF, DE, CLF and RAE
+    (``values`` = the RAE memory's label values, :func:`service.engine.rae.build_values`)."""
+    exclude = dev.filter_sets()
+    rankings = {
+        "de+clf": rank_labels(v.query, v.label, k, exclude),
+        "de": rank_labels(v.half(v.query, "de"), v.half(v.label, "de"), k, exclude),
+        "clf": rank_labels(v.half(v.query, "clf"), v.half(v.label, "clf"), k, exclude),
+        "rae": rank_rae(v.query, v.memory, values, len(train), rae_tau, rae_top_b, k, exclude),
+    }
+    return {name: score_ranking(ranked, dev, train) for name, ranked in rankings.items()}

@@ -14,6 +14,9 @@ whatever attention implementation the model was loaded with.
 from __future__ import annotations
 
 import torch
+
+# transformers 5.0 added create_bidirectional_mask and 5.2 named its argument inputs_embeds (as
+# called below): hence the transformers>=5.2 floor in pyproject.toml
 from transformers.masking_utils import create_bidirectional_mask
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from transformers import AutoModel, AutoTokenizer
 
-from training.checkpoint import ENCODER_SUBDIR, HeadBlock, ServingHead
+from training.checkpoint import ENCODER_SUBDIR, HeadBlock, ServingHead, fit_pca_head
 from training.encoder_layers import num_layers, prefix_states, run_layers
 
 TOKENIZER_FILES = (
@@ -114,6 +114,35 @@ class UniDEC(torch.nn.Module):
         self.psi = torch.nn.Parameter(label_table.detach().clone().float())
         self.frozen_layers = frozen_layers
         self.pre_normalize = pre_normalize
+
+    @classmethod
+    def with_placeholder_heads(cls, encoder: torch.nn.Module, frozen_layers: int, pre_normalize: bool) -> UniDEC:
+        """Φ with 1×1 stand-ins for g1, g2 and Ψ: pooling runs only Φ, so Φ of the texts can be
+        computed for :meth:`init_heads_by_pca` before the heads exist."""
+        placeholder_g1, placeholder_g2 = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+        return cls(encoder, placeholder_g1, placeholder_g2, torch.zeros(1, 1), frozen_layers, pre_normalize)
+
+    def init_heads_by_pca(
+        self, pooled_queries: np.ndarray, pooled_labels: np.ndarray, de_dim: int, clf_dim: int
+    ) -> None:
+        """g1 and g2 start as the PCA projection export uses for untrained encoders; Ψ starts as
+        g2 of the labels' own text, so every label (tail and zero-shot too) starts meaningful."""
+        pca = fit_pca_head(np.concatenate([pooled_queries, pooled_labels]), max(de_dim, clf_dim), False)
+        block = pca.blocks[0]
+        self.g1 = linear_from_block(HeadBlock("g1", block.weight[:de_dim], block.bias[:de_dim]))
+        self.g2 = linear_from_block(HeadBlock("g2", block.weight[:clf_dim], block.bias[:clf_dim]))
+        with torch.no_grad():
+            psi = self.g2(torch.from_numpy(pooled_labels))
+        self.psi = torch.nn.Parameter(psi.float())
+
+    @classmethod
+    def from_serving_head(cls, encoder: torch.nn.Module, head: ServingHead, frozen_layers: int) -> UniDEC:
+        """The model behind a trained checkpoint's head: the inverse of :meth:`serving_head`."""
+        names = [b.name for b in head.blocks]
+        if names != ["g1_de", "g2_clf"] or head.label_table is None or head.label_table_block != 1:
+            raise ValueError(f"not a UniDEC head: blocks {names}, label table block {head.label_table_block}")
+        g1, g2 = (linear_from_block(b) for b in head.blocks)
+        return cls(encoder, g1, g2, torch.from_numpy(head.label_table), frozen_layers, head.pre_normalize)
 
     @property
     def trains_encoder(self) -> bool:

@@ -15,8 +15,12 @@ import yaml
 
 from training.embedding_eval import HEADLINE
 
-# the systems ranked on dev after every epoch (Trainer.evaluate)
+# the systems ranked on dev after every epoch (training.embedding_eval.score_dev_systems)
 DEV_SYSTEMS = ("de+clf", "de", "clf", "rae")
+# how the q→l and l→q losses of a head combine (training.objective.symmetric_loss)
+SYMMETRIC_FORMS = ("additive", "convex")
+# the resolved parameters, written into the run directory (training.sweep reads them back)
+PARAMS_FILE = "params.yaml"
 
 
 @dataclass
@@ -55,6 +59,12 @@ class TrainParams:
         clf_normalize: use cosines for the CLF logits in training too (the serving form).
         lambda_mix: λ, weight of the DE loss; the CLF loss gets 1 − λ.
         lambda_de_l2q / lambda_clf_l2q: λ_D, λ_C, weights of the label→query direction.
+        symmetric_form: how a head's two directions combine (:mod:`training.objective`):
+            ``additive`` ℒ_q→l + λ_D·ℒ_l→q, or ``convex`` λ_D·ℒ_q→l + (1 − λ_D)·ℒ_l→q (the UniDEC
+            paper's form; then λ_D, λ_C must lie in [0, 1]). The default is ``additive``
+            because every run and result so far was trained with it; ``convex`` with λ = 0.5 is
+            the additive loss at λ = 1, halved. Under ``convex`` the weight goes to q→l, so
+            λ_C = 0 (this default) trains the CLF head on l→q only: set λ_C = 1 for q→l only.
         bce_weight: auxiliary BCE on the CLF logits.
         rae_weight: weight of the RAE-XMC loss (DE logits, in-batch instances that share no
             label as extra negatives).
@@ -101,6 +111,7 @@ class TrainParams:
     lambda_mix: float = 0.5
     lambda_de_l2q: float = 0.5
     lambda_clf_l2q: float = 0.0
+    symmetric_form: str = "additive"
     bce_weight: float = 0.0
     rae_weight: float = 0.0
 
@@ -128,10 +139,16 @@ class TrainParams:
             "loss": ("decoupled_softmax", "multi_positive_softmax", "infonce", "bce"),
             "mine_with": ("de", "serving"),
             "attention": ("sdpa", "eager"),
+            "symmetric_form": SYMMETRIC_FORMS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if self.symmetric_form == "convex":
+            # outside [0, 1] one direction would get a negative weight: a loss to be maximised
+            for name in ("lambda_de_l2q", "lambda_clf_l2q"):
+                if not 0.0 <= getattr(self, name) <= 1.0:
+                    raise ValueError(f"{name} must be in [0, 1] with symmetric_form=convex")
         system, _, metric = self.select_metric.partition("/")
         if system not in DEV_SYSTEMS or metric not in HEADLINE:
             raise ValueError(

@@ -1,10 +1,13 @@
 """Tune the inference-time RAE parameters (λ, τ, b) of a trained run on the dev split.
 
-    python -m training.sweep --run runs/debian-unidec [--lambdas 0.3,0.5,0.7] [--taus 0.03,0.05] [--top-b 100,200]
+    python -m training.sweep --run runs/debian-unidec [--checkpoint checkpoint|best] \\
+        [--lambdas 0.3,0.5,0.7] [--taus 0.03,0.05] [--top-b 100,200]
 
-Loads the run's state (as ``--resume`` does), computes the dev, label and memory vectors once,
-and ranks every combination by exact search (seconds each). For choosing what to export; the
-numbers to report come from the exported bundle through ``training.evaluate``.
+Loads the run's exported checkpoint (``checkpoint/``, the last epoch, as ``--resume`` would
+continue from; or ``best/``) through :class:`training.embedder.Embedder` with the run's own
+params and prefix caches, computes the dev, label and memory vectors once, and ranks every
+combination by exact search (seconds each). For choosing what to export; the numbers to report
+come from the exported bundle through ``training.evaluate``.
 """
 
 from __future__ import annotations
@@ -17,18 +20,32 @@ import sys
 from pathlib import Path
 
 from service.engine.rae import build_values
-from training.embedding_eval import rank_rae, score_ranking
-from training.params import load_params
-from training.trainer import PARAMS_FILE, Trainer
+from training.checkpoint import default_encoder_dir
+from training.data import XMCDataset, load_train_and_dev
+from training.embedder import Embedder, pick_device
+from training.embedding_eval import DevVectors, rank_rae, score_ranking
+from training.params import PARAMS_FILE, TrainParams, load_params
 
 
 def floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
 
 
+def run_vectors(params: TrainParams, checkpoint: Path, train: XMCDataset, dev: XMCDataset) -> DevVectors:
+    """The served dev, label and training-instance vectors of ``checkpoint``."""
+    base_encoder_dir = Path(params.encoder_dir) if params.encoder_dir else default_encoder_dir()
+    embedder = Embedder.from_checkpoint(checkpoint, params, base_encoder_dir, pick_device(params.device))
+    return embedder.dev_vectors(
+        embedder.side(dev.texts, "dev"),
+        embedder.side(train.labels.texts, "labels"),
+        embedder.side(train.texts, "train"),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=Path, required=True)
+    parser.add_argument("--checkpoint", default="checkpoint", help="the run's checkpoint to sweep: checkpoint | best")
     parser.add_argument("--lambdas", default="0.3,0.5,0.7")
     parser.add_argument("--taus", default="0.03,0.04,0.06")
     parser.add_argument("--top-b", default="100,200,400")
@@ -36,19 +53,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     params = load_params(args.run / PARAMS_FILE, [f"out_dir={args.run}"])
-    trainer = Trainer(params)
-    trainer.resume()
-    vectors = trainer.dev_vectors()
+    train, dev = load_train_and_dev(
+        params.data_dir, params.train_split, params.dev_split, params.max_train, params.max_dev
+    )
+    if dev is None:
+        parser.error(f"{args.run / PARAMS_FILE}: the run has no dev split to sweep on")
+    vectors = run_vectors(params, args.run / args.checkpoint, train, dev)
     query, memory = vectors.query, vectors.memory
-    exclude = trainer.dev.filter_sets()
+    exclude = dev.filter_sets()
     rows = []
     grid = itertools.product(
         args.modes.split(","), floats(args.lambdas), floats(args.taus), [int(b) for b in args.top_b.split(",")]
     )
     for mode, lam, tau, top_b in grid:
-        values = build_values(trainer.train.Y, lam)
-        ranked = rank_rae(query, memory, values, len(trainer.train), tau, top_b, params.eval_k, exclude, mode)
-        scores = score_ranking(ranked, trainer.dev, trainer.train)
+        values = build_values(train.Y, lam)
+        ranked = rank_rae(query, memory, values, len(train), tau, top_b, params.eval_k, exclude, mode)
+        scores = score_ranking(ranked, dev, train)
         rows.append({"mode": mode, "lambda": lam, "tau": tau, "top_b": top_b, **scores})
         print(json.dumps(rows[-1]), flush=True)
     return 0

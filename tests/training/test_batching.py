@@ -7,6 +7,7 @@ from training.batching import (
     cluster_batches,
     curriculum_cluster_size,
     mine_hard_negatives,
+    without_own_labels,
 )
 
 
@@ -88,3 +89,35 @@ def test_mined_negatives_skip_positives_and_own_item():
     for i in range(3):
         assert len(mined[i]) == 5
         assert i not in mined[i] and 10 + i not in mined[i]
+
+
+def test_own_label_that_is_also_a_target_is_neither_positive_nor_sampled():
+    """The filter file says instance 0 *is* label 1 and instance 1 *is* label 2, and both are
+    also among their targets: they must be ignored only, never positives (a masked-out positive
+    is an unbounded loss term). Instance 1 is left without a positive."""
+    Y = sp.csr_matrix(np.array([[1, 1, 0], [0, 0, 1], [0, 1, 0]], dtype=np.float32))
+    own = [{1}, {2}, set()]
+    batcher = PslBatcher(Y, own, positives_per_query=5, negatives_per_query=0, rng=np.random.default_rng(0))
+    assert set(batcher.sample_positives(0).tolist()) == {0}
+    assert batcher.sample_positives(1).size == 0
+    batch = batcher.make(np.array([0, 1, 2]))
+    assert batch.pool.tolist() == [0, 1]  # label 1 comes in as instance 2's positive
+    assert batch.positives.tolist() == [[True, False], [False, False], [False, True]]
+    assert batch.ignore.tolist() == [[False, True], [False, False], [False, False]]
+    assert not (batch.positives & batch.ignore).any()
+    # instances 0 and 2 share label 1 in the data: still related (not RAE negatives of each other)
+    assert batch.related[0, 2] and batch.related[2, 0]
+
+
+def test_a_batch_of_queries_without_usable_labels_has_an_empty_pool():
+    Y = sp.csr_matrix(np.array([[0, 1]], dtype=np.float32))
+    batcher = PslBatcher(Y, [{1}], positives_per_query=2, negatives_per_query=0, rng=np.random.default_rng(0))
+    batch = batcher.make(np.array([0]))
+    assert batch.pool.size == 0 and batch.positives.shape == (1, 0) and batch.ignore.shape == (1, 0)
+
+
+def test_without_own_labels_keeps_the_other_entries_in_order():
+    Y = sp.csr_matrix((np.ones(4, dtype=np.float32), np.array([3, 0, 2, 1]), np.array([0, 3, 4])), shape=(2, 4))
+    targets = without_own_labels(Y, [{0}, {1}])
+    assert targets.indices.tolist() == [3, 2] and targets.indptr.tolist() == [0, 2, 2]
+    assert Y.nnz == 4  # the input is not modified

@@ -9,6 +9,7 @@ from training.data import (
     label_frequencies,
     load_jsonl_split,
     load_raw_split,
+    load_train_and_dev,
     read_filter,
     read_instances_jsonl,
     read_sparse_matrix,
@@ -49,6 +50,15 @@ def test_jsonl_split_reads_texts_labels_and_filter(jsonl_dir):
     assert ds.filter_pairs.tolist() == [[0, 1], [1, 1]]
     assert ds.filter_sets() == [{1}, {1}]
     assert label_frequencies(ds.Y).tolist() == [1, 0, 1]
+
+
+def test_a_runs_splits_are_cut_and_share_the_label_space(jsonl_dir):
+    write_gz(jsonl_dir / "dev.json.gz", [{"uid": "z", "title": "third", "target_ind": [1]}] * 3)
+    train, dev = load_train_and_dev(jsonl_dir, "trn", "dev", max_train=1, max_dev=2)
+    assert train.texts == ["first"] and train.filter_sets() == [{1}]
+    assert len(dev) == 2 and dev.labels is train.labels
+    full, none = load_train_and_dev(jsonl_dir, "trn", "")
+    assert len(full) == 2 and none is None
 
 
 def test_content_is_appended_only_on_request(jsonl_dir):

@@ -12,9 +12,12 @@ from export.build import ExportParams, build_bundle
 from service.engine.bundle import load_bundle
 from service.engine.search import Predictor
 from training.checkpoint import ServingHead, load_checkpoint
+from training.embedder import TextSide
 from training.params import load_params
+from training.sweep import main as sweep_main
+from training.sweep import run_vectors
 from training.train import main as train_main
-from training.trainer import LOG_FILE, STATE_FILE, TextSide, Trainer
+from training.trainer import LOG_FILE, STATE_FILE, Trainer
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,6 +69,22 @@ def test_checkpoint_layout_is_what_export_reads(smoke_run):
     assert (Path(params.out_dir) / STATE_FILE).is_file()
 
 
+def test_sweep_embeds_the_checkpoint_as_training_did_without_a_trainer(smoke_run, capsys):
+    tmp, params, trainer = smoke_run
+    # the epoch-2 vectors the trainer evaluated last, against the epoch-2 checkpoint reloaded
+    trained = trainer.embedder.dev_vectors(trainer.dev_queries, trainer.labels, trainer.queries)
+    swept = run_vectors(params, tmp / "epoch2", trainer.train, trainer.dev)
+    for name in ("query", "label", "train"):
+        np.testing.assert_allclose(getattr(swept, name), getattr(trained, name), atol=1e-5)
+    assert swept.de_dim == trained.de_dim == params.de_dim
+    # the sweep's row for the run's own RAE settings is the trainer's epoch-2 dev score
+    grid = ["--lambdas", str(params.rae_lambda), "--taus", str(params.rae_tau), "--top-b", str(params.rae_top_b)]
+    assert sweep_main(["--run", params.out_dir, "--checkpoint", str(tmp / "epoch2"), *grid, "--modes", "joint"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    epoch2 = next(line for line in read_log(Path(params.out_dir)) if line["epoch"] == 2)
+    assert row["P@1"] == pytest.approx(epoch2["dev"]["rae"]["P@1"], abs=0.5)
+
+
 def test_resume_continues_from_the_saved_epoch(smoke_run):
     tmp, params, trainer = smoke_run
     before = trainer.model.psi.detach().clone()
@@ -95,7 +114,7 @@ def test_exported_bundle_serves_the_trained_vectors(smoke_run):
     texts = [t for t, e in zip(candidates, encoded, strict=True) if sum(e.attention_mask) < params.max_length][:16]
     assert len(texts) == 16
     served, _ = bundle.encoder.encode(texts)
-    np.testing.assert_allclose(served, trainer.serving_vectors(TextSide(texts, None)), atol=2e-4)
+    np.testing.assert_allclose(served, trainer.embedder.serving_vectors(TextSide(texts, None)), atol=2e-4)
     # the label side is N(g1(Φ(z_l))) ⊕ N(Ψ_l)
     stored = np.asarray(bundle.index.get_items([0, 1, 2]))
     psi = trainer.model.psi.detach().numpy()[:3]

@@ -1,8 +1,16 @@
-"""Shared helpers of the losses: masked log-sum-exp and the per-query mean over positives."""
+"""Shared helpers of the losses: the usable positives, masked log-sum-exp and the per-query mean
+over positives."""
 
 from __future__ import annotations
 
 import torch
+
+
+def usable_positives(positives: torch.Tensor, ignore: torch.Tensor) -> torch.Tensor:
+    """The positives that are not ignored. An entry marked both (a query's own item that is also
+    one of its targets) is neither: left in as a positive while out of the softmax denominator,
+    its term log Σ − s would fall without bound as s grows."""
+    return positives & ~ignore
 
 
 def masked_logsumexp(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from training.losses._masking import masked_logsumexp, mean_over_positives
+from training.losses._masking import masked_logsumexp, mean_over_positives, usable_positives
 
 
 class DecoupledSoftmaxLoss(torch.nn.Module):
@@ -27,6 +27,7 @@ class DecoupledSoftmaxLoss(torch.nn.Module):
 
     def forward(self, scores: torch.Tensor, positives: torch.Tensor, ignore: torch.Tensor) -> torch.Tensor:
         scores = scores.float()
+        positives = usable_positives(positives, ignore)
         negatives = ~positives & ~ignore
         neg_lse = masked_logsumexp(scores, negatives).unsqueeze(1)
         per_entry = torch.logaddexp(scores, neg_lse) - scores

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from training.losses._masking import masked_logsumexp
+from training.losses._masking import masked_logsumexp, usable_positives
 
 
 class InfoNCELoss(torch.nn.Module):
@@ -28,6 +28,7 @@ class InfoNCELoss(torch.nn.Module):
 
     def forward(self, scores: torch.Tensor, positives: torch.Tensor, ignore: torch.Tensor) -> torch.Tensor:
         scores = scores.float()
+        positives = usable_positives(positives, ignore)
         rows = positives.any(dim=1)
         if not rows.any():
             return scores.sum() * 0.0

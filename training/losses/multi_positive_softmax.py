@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from training.losses._masking import masked_logsumexp, mean_over_positives
+from training.losses._masking import masked_logsumexp, mean_over_positives, usable_positives
 
 
 class MultiPositiveSoftmaxLoss(torch.nn.Module):
@@ -28,6 +28,7 @@ class MultiPositiveSoftmaxLoss(torch.nn.Module):
 
     def forward(self, scores: torch.Tensor, positives: torch.Tensor, ignore: torch.Tensor) -> torch.Tensor:
         scores = scores.float()
+        positives = usable_positives(positives, ignore)
         lse = masked_logsumexp(scores, ~ignore).unsqueeze(1)
         per_entry = (lse - scores).masked_fill(~positives, 0.0)
         return mean_over_positives(per_entry, positives)

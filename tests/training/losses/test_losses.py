@@ -91,3 +91,19 @@ def test_rae_loss_adds_unrelated_instances_as_negatives():
     q1 = lse(2.0, 0.0, 1.5, 0.2) - 2.0
     q2 = lse(1.0, 1.0, 0.2) - 1.0
     assert got == pytest.approx((q0 + q1 + q2) / 3, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "loss", [DecoupledSoftmaxLoss(), MultiPositiveSoftmaxLoss(), InfoNCELoss()], ids=lambda loss: type(loss).__name__
+)
+def test_a_positive_that_is_also_ignored_counts_as_neither(loss):
+    """Label 3 is the query's own item *and* marked positive: it must drop out of the loss, not
+    stay a positive outside its own softmax denominator (a term that falls without bound)."""
+    both = POS | IGN
+    torch.manual_seed(0)
+    expected = loss(SCORES, POS, IGN).item()
+    for own_score in (3.0, 100.0):
+        scores = SCORES.clone()
+        scores[0, 3] = own_score
+        torch.manual_seed(0)
+        assert loss(scores, both, IGN).item() == pytest.approx(expected, rel=1e-6)
