@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # torch is pinned here: this exact version resolves to the local CPU wheel, while an unpinned
 # torch pulls several GB of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
-EXTRAS ?= train,dev
+EXTRAS ?= cpu,train,dev
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
@@ -16,7 +16,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 
 .PHONY: install serve bundle test lint evaluate sample clean bench-serving bench-ann bench-ab loadtest \
-	train train-smoke bench-quality peers-venv bench-ab-own-cores
+	train train-smoke bench-quality peers-venv bench-ab-own-cores bench-overload
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,19 +35,19 @@ $(BUNDLE)/manifest.json: | $(STAMP)
 bundle: $(BUNDLE)/manifest.json
 
 serve: $(STAMP) $(BUNDLE)/manifest.json
-	XMCSERVE_BUNDLE_DIR=$(BUNDLE) $(VENV)/bin/uvicorn service.http.app:create_app --factory \
-		--host $(HOST) --port $(PORT) --no-access-log
+	XMCSERVE_BUNDLE_DIR=$(BUNDLE) $(PY) -m service.http \
+		--host $(HOST) --port $(PORT)
 
 evaluate: $(STAMP) $(BUNDLE)/manifest.json
 	$(PY) -m training.evaluate --bundle $(BUNDLE) --data $(DATA) --split dev --out $(BUNDLE)-eval-dev.json
 
 # Benchmarks write JSON (and PNG) under bench/results/; run one at a time (they share 2 cores).
 bench-serving:
-	$(MAKE) EXTRAS=train,dev,bench install bundle
+	$(MAKE) EXTRAS=cpu,train,dev,bench install bundle
 	$(PY) -m bench.serving --bundle $(BUNDLE)
 
 bench-ann:
-	$(MAKE) EXTRAS=train,dev,bench install
+	$(MAKE) EXTRAS=cpu,train,dev,bench install
 	$(PY) -m bench.ann_scale
 
 # A/B shadow cost (candidate B = the fp32 build of the default bundle) and the reload loop.
@@ -64,6 +64,10 @@ bench-ab: $(STAMP) $(BUNDLE)/manifest.json $(BUNDLE)-fp32/manifest.json
 bench-ab-own-cores: $(STAMP) $(BUNDLE)/manifest.json $(BUNDLE)-fp32/manifest.json
 	$(PY) -m bench.ab_shadow --bundle $(BUNDLE) --alt-bundle $(BUNDLE)-fp32 \
 		$(AB_PLACEMENT) --out bench/results/ab-shadow-own-cores.json
+
+# Open-loop load at 100 % and 150 % of the measured peak: tail, refusals and RSS under overload.
+bench-overload: $(STAMP) $(BUNDLE)/manifest.json
+	$(PY) -m bench.overload --bundle $(BUNDLE)
 
 # Headless locust against a local server for 60 s; exits non-zero when an SLO is missed.
 LOADTEST_ARGS ?= --scenario steady --seconds 60 --users 8 --p99-ms 250 --max-failure-ratio 0.01 --min-rps 20
@@ -106,7 +110,7 @@ train-smoke: $(STAMP)
 # The RAE settings of the trained memory are the best of `python -m training.sweep` on dev.
 QUALITY_ARGS ?= --rae-mode split --rae-tau 0.04 --rae-top-b 200
 bench-quality: $(STAMP) $(PEERS_VENV)/.installed
-	$(MAKE) EXTRAS=train,dev,bench install
+	$(MAKE) EXTRAS=cpu,train,dev,bench install
 	$(PY) -m bench.quality --peers-python $(PEERS_VENV)/bin/python $(QUALITY_ARGS)
 
 clean:

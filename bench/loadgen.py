@@ -72,6 +72,9 @@ class LoadResult:
     seconds: float
     latencies_ms: list[float] = field(default_factory=list)
     statuses: dict[int, int] = field(default_factory=dict)
+    # per status: latency from the scheduled send, and the server's part (from the actual send)
+    latencies_by_status: dict[int, list[float]] = field(default_factory=dict)
+    service_ms_by_status: dict[int, list[float]] = field(default_factory=dict)
     errors: int = 0
     client_cpu_s: float = 0.0
 
@@ -154,13 +157,17 @@ async def open_loop(url: str, bodies: list[bytes], rps: float, seconds: float, m
         else:
             result.errors += 1  # the client ran out of connections: counted, not hidden
             return
+        sent = time.perf_counter()
         try:
             status = await conn.send(next(requests))
         except (OSError, asyncio.IncompleteReadError):
             result.errors += 1
             return
-        result.latencies_ms.append((time.perf_counter() - scheduled) * 1000)
+        now = time.perf_counter()
+        result.latencies_ms.append((now - scheduled) * 1000)
         result.statuses[status] = result.statuses.get(status, 0) + 1
+        result.latencies_by_status.setdefault(status, []).append((now - scheduled) * 1000)
+        result.service_ms_by_status.setdefault(status, []).append((now - sent) * 1000)
         idle.append(conn)
 
     for i in range(total):

@@ -49,29 +49,21 @@ def start_server(
     log_path: Path,
     extra_env: dict | None = None,
     timeout_s: float = 90,
-    app: str = "service.http.app:create_app",
+    app: str | None = None,
     nice: int = 0,
     cpus: set[int] | None = None,
 ) -> Server:
-    """Start ``uvicorn <app> --factory`` on a free loopback port serving ``bundle_dir``; wait for
-    /readyz. ``cpus`` pins the server (and every thread and child it starts) to those cores."""
+    """Start xmcserve (``python -m service.http``), or ``uvicorn <app> --factory`` for another
+    app, on a free loopback port serving ``bundle_dir``; wait for /readyz. ``cpus`` pins the
+    server (and every thread and child it starts) to those cores."""
     port = free_port()
     env = {**os.environ, "XMCSERVE_BUNDLE_DIR": str(bundle_dir), **(extra_env or {})}
     with open(log_path, "w") as log_fh:  # the child keeps its own copy of the descriptor
         process = subprocess.Popen(
             (["nice", "-n", str(nice)] if nice else [])
-            + [
-                sys.executable,
-                "-m",
-                "uvicorn",
-                app,
-                "--factory",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--no-access-log",
-            ],
+            + [sys.executable, "-m"]
+            + (["service.http"] if app is None else ["uvicorn", app, "--factory", "--no-access-log"])
+            + ["--host", "127.0.0.1", "--port", str(port)],
             cwd=ROOT,
             env=env,
             stdout=log_fh,

@@ -21,7 +21,6 @@ import argparse
 import json
 import logging
 import subprocess
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,13 +29,12 @@ import hnswlib
 import numpy as np
 import torch
 from tokenizers import Tokenizer
-from tqdm import tqdm
 
-from export.model import PooledEncoder, ServingEncoder, load_encoder, load_fast_tokenizer
-from export.onnx_export import export_checked_graph, export_serving_graph, random_texts
+from export.encode import EncodeReport, encode_pooled
+from export.model import ServingEncoder, load_encoder, load_fast_tokenizer
+from export.onnx_export import export_serving_graph, random_texts
 from export.params import ExportParams, add_arguments, from_arguments
 from export.writer import refuse_existing, write_bundle, write_values
-from service.engine.encoder import EncoderOptions, OnnxEncoder
 from service.engine.manifest import (
     ENCODER_FILE,
     INDEX_FILE,
@@ -63,10 +61,6 @@ log = logging.getLogger("xmcserve.export")
 
 # The parity check of the served graph also runs on this many label texts: real inputs beside the random ones.
 PARITY_LABEL_TEXTS = 16
-# Memory texts the parity check of the pooled (memory-encoding) graph runs on.
-POOLED_PARITY_TEXTS = 32
-# Texts per ONNX encoding call when encoding the memory: large, the encoder length-sorts within each.
-ENCODE_BLOCK = 2048
 
 
 @dataclass
@@ -79,6 +73,7 @@ class Prepared:
     head: ServingHead
     keys: np.ndarray  # float32 [memory instances + labels, dim]: instance keys first, then label keys
     memory: XMCDataset | None  # the RAE memory's instances; None for a labels index
+    encoding: EncodeReport
 
 
 def build_bundle(
@@ -125,15 +120,21 @@ def prepare(labels: LabelSpace, train: XMCDataset | None, checkpoint: Path | Non
     encoder = load_encoder(ckpt.encoder_dir)
     memory = memory_instances(train, params)
     memory_texts = memory.texts if memory is not None else []
-    pooled = encode_pooled(encoder, tokenizer, memory_texts + labels.texts, params)
+    pooled, encoding = encode_pooled(encoder, tokenizer, memory_texts + labels.texts, params)
     head = ckpt.head or fit_pca_head(pooled, params.dim, uses_sentence_normalize(ckpt.encoder_dir))
     if params.head_block_names() is not None:
         head = head.select(params.head_block_names())
     pooled_memory, pooled_labels = pooled[: len(memory_texts)], pooled[len(memory_texts) :]
-    keys = head.label_vectors(pooled_labels)
+    keys = head.label_vectors(pooled_labels, labels.uids)
+    if unseen := head.unseen_labels(labels.uids):
+        log.warning(
+            "%d labels the checkpoint never saw get zero-shot vectors from their text, e.g. %s",
+            len(unseen),
+            ", ".join(unseen[:10]),
+        )
     if memory_texts:
         keys = np.concatenate([head.query_vectors(pooled_memory), keys])
-    return Prepared(ckpt, tokenizer, encoder, head, keys.astype(np.float32), memory)
+    return Prepared(ckpt, tokenizer, encoder, head, keys.astype(np.float32), memory, encoding)
 
 
 def memory_instances(train: XMCDataset | None, params: ExportParams) -> XMCDataset | None:
@@ -141,27 +142,6 @@ def memory_instances(train: XMCDataset | None, params: ExportParams) -> XMCDatas
     if params.index_kind != "rae_memory":
         return None
     return train.subset(np.arange(min(params.max_train, len(train)))) if params.max_train else train
-
-
-def encode_pooled(encoder, tokenizer: Tokenizer, texts: list[str], params: ExportParams) -> np.ndarray:
-    """Mean-pooled Φ of ``texts`` through a fused ONNX graph (about twice torch's speed on CPU),
-    parity-checked against torch first. The memory keys come from these vectors."""
-    with tempfile.TemporaryDirectory() as workdir:
-        graph, tokenizer_file = Path(workdir) / "pooled.onnx", Path(workdir) / TOKENIZER_FILE
-        # Always fused, whatever ``optimize`` says: that option is about the served graph, this
-        # one only encodes the memory (faster fused), and the keys, so the bundle id, depend on it.
-        parity_texts = texts[:POOLED_PARITY_TEXTS]
-        export_checked_graph(
-            PooledEncoder(encoder).eval(), tokenizer, encoder.config, graph, parity_texts, params.parity_tolerance
-        )
-        tokenizer_file.write_text(tokenizer.to_str())
-        onnx_encoder = OnnxEncoder(graph, tokenizer_file, params.max_length, EncoderOptions(providers="cpu"))
-        block = max(params.batch_size, ENCODE_BLOCK)
-        parts = [
-            onnx_encoder.encode(texts[start : start + block])[0]
-            for start in tqdm(range(0, len(texts), block), desc="encode memory", unit="block", leave=False)
-        ]
-    return np.concatenate(parts)
 
 
 def write_payload(stage: Path, prepared: Prepared, labels: LabelSpace, params: ExportParams) -> dict:
@@ -222,7 +202,13 @@ def manifest_fields(
         ),
         "rae": params.rae() if prepared.memory is not None else None,
         "counts": Counts(labels=len(labels), memory_rows=len(prepared.keys), train_instances=memory_size),
-        "params": {**asdict(params), **graph, "build_seconds": round(seconds, 1)},
+        "params": {
+            **asdict(params),
+            **graph,
+            **prepared.encoding.as_dict(),
+            "zero_shot_labels": len(head.unseen_labels(labels.uids)),
+            "build_seconds": round(seconds, 1),
+        },
     }
 
 

@@ -18,6 +18,7 @@ from service.engine.manifest import IndexKind, RaeMode, RaeParams
 from training.params import parse_bool
 
 Quantize = Literal["none", "int8"]
+EncodeDevice = Literal["auto", "cpu", "cuda"]
 ALL_HEAD_BLOCKS = "all"
 # The ExportParams attribute of each field of the manifest's RaeParams.
 RAE_ATTRIBUTES = {"lam": "rae_lambda", "tau": "rae_tau", "top_b": "rae_top_b", "mode": "rae_mode"}
@@ -52,6 +53,12 @@ class ExportParams:
         rae_mode: ``joint``: one softmax over all top-b keys, the paper; ``split``: instance and
             label keys normalised separately, see service.engine.rae (default: joint)
         batch_size: least texts per encoding block; each block is length-sorted and chunked (default: 128)
+        encode_device: where the memory and label texts are encoded: ``auto`` = torch on CUDA when
+            a GPU is present (fp16 autocast), else the fused ONNX graph on every CPU core; ``cpu``;
+            ``cuda`` (fails without a GPU) (default: auto)
+        gpu_batch_size: texts per length-sorted torch batch on a GPU (default: 512)
+        encode_parity_tolerance: largest allowed max |GPU − ONNX on CPU| of the pooled vectors on a
+            sample; fp16 differs in the third decimal (default: 0.05)
         optimize: fuse the served graph with onnxruntime's transformer optimizer (BERT-class
             encoders); the parity check runs on the fused graph (default: true)
         quantize: ``none``, or ``int8``: dynamic int8 MatMul weights, ~2x faster on CPU, lossy; the
@@ -79,6 +86,9 @@ class ExportParams:
     rae_top_b: int = 200
     rae_mode: RaeMode = "joint"
     batch_size: int = 128
+    encode_device: EncodeDevice = "auto"
+    gpu_batch_size: int = 512
+    encode_parity_tolerance: float = 0.05
     optimize: bool = True
     quantize: Quantize = "none"
     int8_min_cosine: float = 0.85

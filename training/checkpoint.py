@@ -9,12 +9,15 @@ A checkpoint directory is either
 
       encoder/        HF encoder directory (Φ)
       head.npz        serving head: block_<i>_weight, block_<i>_bias, optional label_table
-      head.json       {"pre_normalize": bool, "block_names": [...], "label_table_block": int | null}
+      head.json       {"pre_normalize": bool, "block_names": [...], "label_table_block": int | null,
+                       "label_uids": [uid of each Ψ row] | absent}
 
 The serving vector is the concatenation of the L2-normalised outputs of the head's blocks
 (UniDEC: ``N(g1(Φ(x))) ⊕ N(g2(Φ(x)))``), scaled by 1/√(number of blocks) so it is unit-norm.
 On the label side, block ``label_table_block`` is replaced by the row of the learned label
-table Ψ (``N(Ψ_l)``).
+table Ψ (``N(Ψ_l)``). Rows are matched to labels by uid: a label the checkpoint never saw keeps
+its zero-shot block from its own text (``N(g2(Φ(z_l)))``); a checkpoint from before uids were
+recorded is matched by position and must have exactly one row per label.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class ServingHead:
     pre_normalize: bool = False
     label_table: np.ndarray | None = None
     label_table_block: int | None = None
+    label_uids: list[str] | None = None  # the uid of each Ψ row; None: rows in the training label order
     kind: str = "trained"
     extra: dict = field(default_factory=dict)
 
@@ -80,6 +84,7 @@ class ServingHead:
             pre_normalize=self.pre_normalize,
             label_table=self.label_table if table_block is not None else None,
             label_table_block=table_block,
+            label_uids=self.label_uids if table_block is not None else None,
             kind=f"{self.kind}[{'+'.join(names)}]",
             extra=self.extra,
         )
@@ -94,15 +99,41 @@ class ServingHead:
         parts = [l2_normalize(x @ b.weight.T + b.bias) for b in self.blocks]
         return np.concatenate(parts, axis=1) * self.block_scale
 
-    def label_vectors(self, pooled: np.ndarray) -> np.ndarray:
-        """Label vectors: like queries, but with Ψ in place of its block when the head has one."""
+    def label_vectors(self, pooled: np.ndarray, uids: list[str] | None = None) -> np.ndarray:
+        """Label vectors: like queries, but with Ψ in place of its block for the labels Ψ has a
+        row for (by uid when both sides name them, else by position; see the module docstring)."""
         vectors = self.query_vectors(pooled)
         if self.label_table is None or self.label_table_block is None:
             return vectors
+        labels, rows = self.table_rows(uids, len(pooled))
         start = sum(b.dim for b in self.blocks[: self.label_table_block])
         end = start + self.blocks[self.label_table_block].dim
-        vectors[:, start:end] = l2_normalize(self.label_table.astype(np.float32)) * self.block_scale
+        vectors[labels, start:end] = l2_normalize(self.label_table[rows].astype(np.float32)) * self.block_scale
         return vectors
+
+    def table_rows(self, uids: list[str] | None, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """(label positions, Ψ rows) of the labels Ψ has a row for; a label set that cannot be
+        matched is an error naming the mismatch, never a silent misalignment."""
+        if uids is None or self.label_uids is None:
+            if len(self.label_table) != count:
+                raise ValueError(
+                    f"the label table has {len(self.label_table)} rows for {count} labels and no uids to match "
+                    "them by: export with the label file the checkpoint was trained on"
+                )
+            return np.arange(count), np.arange(count)
+        row_of = {uid: row for row, uid in enumerate(self.label_uids)}
+        if len(row_of) != len(self.label_uids):
+            raise ValueError("the checkpoint's label uids are not unique")
+        pairs = [(i, row_of[uid]) for i, uid in enumerate(uids) if uid in row_of]
+        labels, rows = (np.array(side, dtype=np.int64) for side in zip(*pairs, strict=True)) if pairs else ([], [])
+        return np.asarray(labels, dtype=np.int64), np.asarray(rows, dtype=np.int64)
+
+    def unseen_labels(self, uids: list[str]) -> list[str]:
+        """The labels that get a zero-shot vector (Ψ has no row for them)."""
+        if self.label_table is None or self.label_uids is None:
+            return []
+        seen = set(self.label_uids)
+        return [uid for uid in uids if uid not in seen]
 
     def save(self, directory: Path) -> None:
         arrays = {}
@@ -116,6 +147,7 @@ class ServingHead:
             "pre_normalize": self.pre_normalize,
             "block_names": [b.name for b in self.blocks],
             "label_table_block": self.label_table_block,
+            "label_uids": self.label_uids,
             "kind": self.kind,
             "extra": self.extra,
         }
@@ -135,6 +167,7 @@ class ServingHead:
             pre_normalize=config["pre_normalize"],
             label_table=label_table,
             label_table_block=config.get("label_table_block"),
+            label_uids=config.get("label_uids"),
             kind=config.get("kind", "trained"),
             extra=config.get("extra", {}),
         )

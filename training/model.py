@@ -111,6 +111,7 @@ class UniDEC(torch.nn.Module):
         self.encoder = encoder
         self.g1 = g1
         self.g2 = g2
+        self.label_uids: list[str] | None = None  # the uid of each Ψ row, saved with the head
         self.psi = torch.nn.Parameter(label_table.detach().clone().float())
         self.frozen_layers = frozen_layers
         self.pre_normalize = pre_normalize
@@ -142,7 +143,9 @@ class UniDEC(torch.nn.Module):
         if names != ["g1_de", "g2_clf"] or head.label_table is None or head.label_table_block != 1:
             raise ValueError(f"not a UniDEC head: blocks {names}, label table block {head.label_table_block}")
         g1, g2 = (linear_from_block(b) for b in head.blocks)
-        return cls(encoder, g1, g2, torch.from_numpy(head.label_table), frozen_layers, head.pre_normalize)
+        model = cls(encoder, g1, g2, torch.from_numpy(head.label_table), frozen_layers, head.pre_normalize)
+        model.label_uids = head.label_uids
+        return model
 
     @property
     def trains_encoder(self) -> bool:
@@ -175,6 +178,7 @@ class UniDEC(torch.nn.Module):
             pre_normalize=self.pre_normalize,
             label_table=self.psi.detach().float().cpu().numpy().copy(),
             label_table_block=1,
+            label_uids=self.label_uids,
             kind="unidec",
         )
 

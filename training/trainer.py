@@ -154,6 +154,7 @@ class Trainer:
         pooled_queries = self.embedder.pooled(self.queries)
         pooled_labels = self.embedder.pooled(self.labels)
         self.model.init_heads_by_pca(pooled_queries, pooled_labels, p.de_dim, p.clf_dim)
+        self.model.label_uids = list(self.train.labels.uids)  # Ψ rows are matched to labels by uid at export
         self.model.to(self.device)
 
     def _optimizer(self) -> torch.optim.Optimizer:

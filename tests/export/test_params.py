@@ -36,6 +36,7 @@ def test_choices_come_from_the_literal_types():
         "index_kind": get_args(IndexKind),
         "rae_mode": ("joint", "split"),
         "quantize": ("none", "int8"),
+        "encode_device": ("auto", "cpu", "cuda"),
     }
 
 

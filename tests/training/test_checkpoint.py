@@ -50,3 +50,36 @@ def test_checkpoint_resolution(tmp_path):
     assert not uses_sentence_normalize(tmp_path)
     (tmp_path / "modules.json").write_text('[{"type": "sentence_transformers.models.Normalize"}]')
     assert uses_sentence_normalize(tmp_path)
+
+
+def psi_head(uids: list[str] | None, rows: int = 3) -> ServingHead:
+    """A two-block head whose Ψ row r is the unit vector e_r of the second block."""
+    rng = np.random.default_rng(0)
+    blocks = [
+        HeadBlock("g1_de", rng.normal(size=(4, 6)), np.zeros(4)),
+        HeadBlock("g2_clf", rng.normal(size=(4, 6)), np.zeros(4)),
+    ]
+    return ServingHead(blocks, label_table=np.eye(4)[:rows], label_table_block=1, label_uids=uids)
+
+
+def test_psi_rows_follow_labels_by_uid_through_reordering_and_additions(tmp_path):
+    head = psi_head(["a", "b", "c"])
+    head.save(tmp_path)
+    head = ServingHead.load(tmp_path)
+    pooled = np.random.default_rng(1).normal(size=(4, 6))
+    vectors = head.label_vectors(pooled, ["c", "new", "a", "b"])  # reordered, one label added
+    scale = head.block_scale
+    np.testing.assert_allclose(vectors[0, 4:], np.eye(4)[2] * scale)  # c: its own row
+    np.testing.assert_allclose(vectors[2, 4:], np.eye(4)[0] * scale)
+    np.testing.assert_allclose(vectors[3, 4:], np.eye(4)[1] * scale)
+    zero_shot = head.query_vectors(pooled)[1, 4:]  # the new label: g2 of its own text
+    np.testing.assert_allclose(vectors[1, 4:], zero_shot)
+    assert head.unseen_labels(["c", "new", "a", "b"]) == ["new"]
+
+
+def test_a_head_without_uids_must_match_the_label_count_and_says_so():
+    head = psi_head(None)
+    pooled = np.zeros((3, 6)) + 0.1
+    np.testing.assert_allclose(head.label_vectors(pooled)[:, 4:], np.eye(4)[:3] * head.block_scale)
+    with pytest.raises(ValueError, match="3 rows for 4 labels and no uids"):
+        head.label_vectors(np.zeros((4, 6)) + 0.1, ["a", "b", "c", "d"])

@@ -1,0 +1,136 @@
+"""Overload benchmark: open-loop load at 100 % and 150 % of the server's measured peak.
+
+    python -m bench.overload [--bundle bundles/default] [--seconds 20] [--out bench/results/overload.json]
+
+One server, one run: the idle p50 (one client, sequential), the closed-loop peak (32
+connections), then open-loop phases at each ``--loads`` share of the peak, with the server's
+default deadline (``XMCSERVE_REQUEST_TIMEOUT_MS``) and again with each ``--timeouts-ms`` sent
+as the requests' own ``timeout_ms``. Per phase: accepted
+(200) p50/p99 from each request's scheduled send, the refused fraction by status, how long the
+server took to answer a refusal (from the actual send), and the server's RSS after the phase.
+Targets (issue "Hardening"): at 150 %, accepted p99 <= 20 x the idle p50, every refusal a 429 or
+503 answered within a couple of milliseconds, RSS flat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.loadgen import closed_loop, open_loop
+from bench.localserver import start_server, stop_server
+from training.data import load_jsonl_split
+
+REFUSALS = (429, 503)
+
+
+def rss_mib(pid: int) -> dict[str, float]:
+    """Resident and peak-resident memory of a process and its children, in MiB (Linux /proc)."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) / 1024
+    return {"rss_mib": round(fields["VmRSS"], 1), "peak_rss_mib": round(fields["VmHWM"], 1)}
+
+
+def pct(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 2) if values else None
+
+
+def phase_summary(result, pid: int) -> dict:
+    total = sum(result.statuses.values()) + result.errors
+    accepted = result.latencies_by_status.get(200, [])
+    refusal_service = [ms for status in REFUSALS for ms in result.service_ms_by_status.get(status, [])]
+    return {
+        "offered_rps": result.target_rps,
+        "requests": total,
+        "accepted": len(accepted),
+        "accepted_qps": round(len(accepted) / result.seconds, 1),
+        "accepted_p50_ms": pct(accepted, 50),
+        "accepted_p99_ms": pct(accepted, 99),
+        "refused_share_by_status": {
+            str(status): round(count / total, 4) for status, count in sorted(result.statuses.items()) if status != 200
+        },
+        "client_errors": result.errors,
+        "refusal_server_ms_p50": pct(refusal_service, 50),
+        "refusal_server_ms_p99": pct(refusal_service, 99),
+        "refusal_server_ms_max": round(max(refusal_service), 2) if refusal_service else None,
+        **rss_mib(pid),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bundle", type=Path, default=Path("bundles/default"), help="bundle to serve")
+    parser.add_argument("--data", type=Path, default=Path("data/debian-sample"), help="dev split texts to send")
+    parser.add_argument("--seconds", type=float, default=20.0, help="length of each open-loop phase")
+    parser.add_argument("--loads", default="1.0,1.5", help="open-loop phases as shares of the peak")
+    parser.add_argument(
+        "--timeouts-ms", default="100", help="request deadlines (timeout_ms in the body) to run each load with too"
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench/results/overload.json"), help="JSON result")
+    args = parser.parse_args()
+    texts = load_jsonl_split(args.data, "dev").texts
+    bodies = [json.dumps({"text": t, "k": 10}).encode() for t in texts]
+    deadlines = [None] + [int(x) for x in args.timeouts_ms.split(",") if x]
+    server = start_server(args.bundle, Path("/tmp/xmcserve-bench-overload.log"))
+    pid = server.process.pid
+    try:
+        asyncio.run(closed_loop(server.url, bodies, 4, 3.0))  # warm-up
+        idle = asyncio.run(closed_loop(server.url, bodies, 1, 10.0)).summary()
+        peak = asyncio.run(closed_loop(server.url, bodies, 32, 10.0)).summary()["qps"]
+        before = rss_mib(pid)
+        phases = {}
+        for deadline in deadlines:
+            with_deadline = (
+                bodies
+                if deadline is None
+                else [json.dumps({"text": t, "k": 10, "timeout_ms": deadline}).encode() for t in texts]
+            )
+            for share in (float(x) for x in args.loads.split(",")):
+                time.sleep(2.0)  # let the last phase's queue drain
+                result = asyncio.run(open_loop(server.url, with_deadline, share * peak, args.seconds, 1024))
+                name = f"{round(share * 100)}%" + (f" timeout_ms={deadline}" if deadline else " default deadline")
+                phases[name] = phase_summary(result, pid)
+                print(name, json.dumps(phases[name]), flush=True)
+    finally:
+        stop_server(server)
+    highest = max(float(name.split("%")[0]) for name in phases)
+    at_highest = {name: phase for name, phase in phases.items() if float(name.split("%")[0]) == highest}
+    out = {
+        "bundle": str(args.bundle),
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "idle_p50_ms": idle["p50_ms"],
+        "peak_qps": peak,
+        "rss_before": before,
+        "phases": phases,
+        "ratios": {
+            f"accepted_p99_over_idle_p50 at {name}": round(phase["accepted_p99_ms"] / idle["p50_ms"], 2)
+            for name, phase in at_highest.items()
+        }
+        | {"rss_growth_mib": round(max(p["rss_mib"] for p in phases.values()) - before["rss_mib"], 1)},
+        "targets": {
+            "accepted_p99_over_idle_p50_max": 20,
+            "met_tail": {
+                name: phase["accepted_p99_ms"] / idle["p50_ms"] <= 20 for name, phase in at_highest.items()
+            },
+            "refusals_only_429_503": all(
+                status in ("429", "503") for phase in phases.values() for status in phase["refused_share_by_status"]
+            ),
+        },
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out["ratios"] | out["targets"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
