@@ -12,6 +12,7 @@ is logged and skipped: it never takes the primary down) and the shadow mirror; `
 # No `from __future__ import annotations` here: FastAPI must resolve the locally built
 # request model from the endpoint annotation at runtime.
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -26,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from service.engine.batcher import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
 from service.engine.bundle import BundleError
 from service.http.admin import ServingState, add_admin_routes, load_predictor, require_admin
-from service.http.guards import BodyLimitMiddleware, method_label
+from service.http.guards import BodyLimitMiddleware, ShedBeforeParsingMiddleware, method_label
 from service.http.metrics import Metrics
 from service.http.schemas import PredictResponse, build_predict_request
 from service.http.settings import Settings
@@ -46,9 +47,10 @@ class RequestMetricsMiddleware:
     """Latency histogram by route template (not raw path: bounded label cardinality), status and
     the variant that answered (``-`` for endpoints that do not predict)."""
 
-    def __init__(self, app, metrics: Metrics):
+    def __init__(self, app, metrics: Metrics, endpoints):
         self.app = app
         self.metrics = metrics
+        self.endpoints = endpoints  # () -> the app's route paths: a request refused before routing keeps its path
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -68,8 +70,9 @@ class RequestMetricsMiddleware:
             await self.app(scope, receive, send_with_status)
         finally:
             self.metrics.in_flight.dec()
-            route = scope.get("route")
-            endpoint = getattr(route, "path", None) or "unmatched"
+            endpoint = getattr(scope.get("route"), "path", None)
+            if endpoint is None:
+                endpoint = scope["path"] if scope["path"] in self.endpoints() else "unmatched"
             variant = scope.get("state", {}).get("variant", "-")
             self.metrics.request_seconds.labels(
                 endpoint=endpoint, method=method_label(scope["method"]), status=str(status), variant=variant
@@ -143,6 +146,15 @@ def build_shadow(settings: Settings, metrics: Metrics) -> ShadowMirror:
     return ShadowMirror(config, metrics, shadow.url or "", worker)
 
 
+def least_wait(app: FastAPI) -> float | None:
+    """The shortest expected queue wait of the variants that can answer (None before start-up)."""
+    state: ServingState | None = app.state.serving
+    if state is None:
+        return None
+    waits = [slot.batcher.expected_wait_s() for slot in state.variants.slots.values() if slot.ready]
+    return min(waits) if waits else None
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     metrics = Metrics()
@@ -190,8 +202,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics
     app.state.serving = None
     limits = settings.limits
+    app.add_middleware(
+        ShedBeforeParsingMiddleware,
+        expected_wait=lambda: least_wait(app),
+        deadline_s=limits.request_timeout_ms / 1000,
+        on_shed=lambda: metrics.dropped_requests.labels(variant="-", reason="deadline").inc(),
+    )
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, read_timeout_s=limits.body_timeout_s)
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)  # outermost: it counts the refusals too
+    paths = functools.cache(lambda: frozenset(route.path for route in app.routes))
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics, endpoints=paths)  # outermost: counts refusals too
 
     @app.post("/predict", response_model=PredictResponse)
     async def predict(body: PredictRequest, request: Request) -> Response:  # type: ignore[valid-type]

@@ -96,3 +96,27 @@ class BodyLimitMiddleware:
 
     def _too_large(self) -> str:
         return f"request body over the {self.max_bytes} byte limit (XMCSERVE_MAX_BODY_BYTES)"
+
+
+class ShedBeforeParsingMiddleware:
+    """Refuses a ``POST /predict`` with ``503`` before its body is read or parsed when every
+    variant that could answer it already has more queued work than the server's deadline allows
+    (``expected_wait`` in seconds; a body's own ``timeout_ms`` is checked after parsing). Under
+    overload most requests are refused, and parsing and validating each one first took the CPU
+    the accepted ones needed."""
+
+    def __init__(self, app, expected_wait, deadline_s: float, on_shed=lambda: None):
+        self.app = app
+        self.expected_wait = expected_wait  # () -> float | None (None: not serving yet)
+        self.deadline_s = deadline_s
+        self.on_shed = on_shed
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/predict" and scope["method"] == "POST":
+            wait = self.expected_wait()
+            if wait is not None and wait > self.deadline_s:
+                self.on_shed()
+                detail = f"request could not start within its deadline (about {wait * 1000:.0f} ms of work queued)"
+                await send_json(send, 503, {"detail": detail}, [(b"retry-after", b"1")])
+                return
+        await self.app(scope, receive, send)
