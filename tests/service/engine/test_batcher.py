@@ -70,9 +70,9 @@ async def batch_started(predictor: EchoPredictor) -> None:
     assert await asyncio.to_thread(predictor.entered.acquire, True, 30)
 
 
-async def run_with(predictor, config, coro_factory):
+async def run_with(predictor, config, coro_factory, on_drop=None):
     done_batches = []
-    batcher = MicroBatcher(lambda: predictor, config, on_batch_done=lambda n, t: done_batches.append(n))
+    batcher = MicroBatcher(lambda: predictor, config, lambda n, t: done_batches.append(n), on_drop)
     batcher.start()
     try:
         return await asyncio.wait_for(coro_factory(batcher), 60), done_batches
@@ -245,73 +245,52 @@ def test_a_swapped_predictor_takes_the_next_batch():
 
 
 def test_a_caller_that_stops_waiting_takes_its_queued_request_out_unrun():
-    predictor = EchoPredictor(hold=True)
-    drops = []
+    predictor, drops = EchoPredictor(hold=True), []
 
-    async def scenario():
-        batcher = MicroBatcher(lambda: predictor, BatcherConfig(max_batch_size=1), on_drop=drops.append)
-        batcher.start()
-        try:
-            running = asyncio.create_task(batcher.submit(["running"], 1, None, [()]))
-            await batch_started(predictor)
-            gone = asyncio.create_task(batcher.submit(["gone"], 1, None, [()]))
-            kept = asyncio.create_task(batcher.submit(["kept"], 1, None, [()]))
-            await asyncio.sleep(0)
-            gone.cancel()  # what the HTTP layer does when the client disconnects
-            await asyncio.sleep(0)
-            assert batcher.depth == 1
-            predictor.release(3)
-            return await asyncio.gather(running, kept)
-        finally:
-            predictor.release(10)
-            await batcher.stop()
+    async def scenario(batcher):
+        running = asyncio.create_task(batcher.submit(["running"], 1, None, [()]))
+        await batch_started(predictor)
+        gone = asyncio.create_task(batcher.submit(["gone"], 1, None, [()]))
+        kept = asyncio.create_task(batcher.submit(["kept"], 1, None, [()]))
+        await asyncio.sleep(0)
+        gone.cancel()  # what the HTTP layer does when the client disconnects
+        await asyncio.sleep(0)
+        assert batcher.depth == 1
+        predictor.release(3)
+        return await asyncio.gather(running, kept)
 
-    asyncio.run(asyncio.wait_for(scenario(), 30))
+    asyncio.run(run_with(predictor, BatcherConfig(max_batch_size=1), scenario, drops.append))
     assert predictor.batches == [["running"], ["kept"]] and drops == ["client_gone"]
 
 
 def test_a_request_still_queued_at_its_deadline_is_refused_and_never_run():
-    predictor = EchoPredictor(hold=True)
-    drops = []
+    predictor, drops = EchoPredictor(hold=True), []
 
-    async def scenario():
-        batcher = MicroBatcher(lambda: predictor, BatcherConfig(max_batch_size=1), on_drop=drops.append)
-        batcher.start()
-        try:
-            running = asyncio.create_task(batcher.submit(["running"], 1, None, [()]))
-            await batch_started(predictor)
-            with pytest.raises(DeadlineExceededError) as info:
-                await batcher.submit(["late"], 1, None, [()], timeout_s=0.01)  # the held batch never frees it
-            predictor.release()
-            await running
-            return info.value
-        finally:
-            predictor.release(10)
-            await batcher.stop()
+    async def scenario(batcher):
+        running = asyncio.create_task(batcher.submit(["running"], 1, None, [()]))
+        await batch_started(predictor)
+        with pytest.raises(DeadlineExceededError) as info:
+            await batcher.submit(["late"], 1, None, [()], timeout_s=0.01)  # the held batch never frees it
+        predictor.release()
+        await running
+        return info.value
 
-    error = asyncio.run(asyncio.wait_for(scenario(), 30))
+    error, _ = asyncio.run(run_with(predictor, BatcherConfig(max_batch_size=1), scenario, drops.append))
     assert error.retry_after_s >= 1 and predictor.batches == [["running"]] and drops == ["deadline"]
 
 
 def test_a_request_that_would_wait_past_its_deadline_is_refused_before_queueing():
-    predictor = EchoPredictor(hold=True)
-    drops = []
+    predictor, drops = EchoPredictor(hold=True), []
 
-    async def scenario():
-        batcher = MicroBatcher(lambda: predictor, BatcherConfig(max_batch_size=1), on_drop=drops.append)
+    async def scenario(batcher):
         batcher._seconds_per_text = 1.0  # the recent pace: a second per text
-        batcher.start()
-        try:
-            running = asyncio.create_task(batcher.submit(["running"], 1, None, [()]))
-            await batch_started(predictor)
-            with pytest.raises(DeadlineExceededError):
-                await batcher.submit(["hopeless"], 1, None, [()], timeout_s=0.5)  # one text ahead: ~1 s
-            assert batcher.depth == 0
-            predictor.release()
-            return await running
-        finally:
-            predictor.release(10)
-            await batcher.stop()
+        running = asyncio.create_task(batcher.submit(["running"], 1, None, [()]))
+        await batch_started(predictor)
+        with pytest.raises(DeadlineExceededError):
+            await batcher.submit(["hopeless"], 1, None, [()], timeout_s=0.5)  # one text ahead: ~1 s
+        assert batcher.depth == 0
+        predictor.release()
+        return await running
 
-    asyncio.run(asyncio.wait_for(scenario(), 30))
+    asyncio.run(run_with(predictor, BatcherConfig(max_batch_size=1), scenario, drops.append))
     assert drops == ["deadline"] and predictor.batches == [["running"]]
