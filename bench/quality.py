@@ -5,7 +5,9 @@
 
 Every xmcserve row is a real bundle evaluated through the service's search path (ONNX encoder,
 HNSW, RAE aggregation; :func:`training.evaluate.evaluate_bundle`) with the dev filter file
-applied; the peers run in their own environment (:mod:`bench.peers`). Rows:
+applied under the peers' protocol (filter after ranking: the headline columns, what every
+comparison uses) and, beside it, as a caller's ``exclude`` before aggregation
+(``exclude_before``); the peers run in their own environment (:mod:`bench.peers`). Rows:
 
 * ``pecos-xr-linear`` (+ ``-sklearn-tfidf``), ``omikuji-bonsai``, ``omikuji-parabel``;
 * ``minilm-zero-shot-de``: pretrained all-MiniLM-L6-v2 + 64-d PCA head, label index;
@@ -45,10 +47,12 @@ def bundle_row(path: Path, dev, train, train_seconds: float, notes: str) -> dict
     row = {name: result["metrics"][name] for name in HEADLINE}
     return {
         **row,
+        "exclude_before": {name: result["metrics_exclude_before"][name] for name in HEADLINE},
         "train_seconds": round(train_seconds, 1),
         "notes": notes,
         "bundle_id": result["bundle_id"],
         "all_metrics": result["metrics"],
+        "all_metrics_exclude_before": result["metrics_exclude_before"],
         "queries_per_second": result["queries_per_second"],
     }
 
@@ -88,7 +92,15 @@ def lambda_sweep(source: Path, workdir: Path, dev, train, lambdas) -> list[dict]
         if not (out / "manifest.json").is_file():
             derive_rae_bundle(source, out, train.Y, lam=lam, force=True)
         result = evaluate_bundle(load_bundle(out), dev, train, k=100, vectors=vectors)
-        rows.append({"lambda": lam, **{m: result["metrics"][m] for m in HEADLINE}, "bundle_id": result["bundle_id"]})
+        before = {m: result["metrics_exclude_before"][m] for m in HEADLINE}
+        rows.append(
+            {
+                "lambda": lam,
+                **{m: result["metrics"][m] for m in HEADLINE},
+                "exclude_before": before,
+                "bundle_id": result["bundle_id"],
+            }
+        )
         print(f"  λ={lam:.1f} {json.dumps(rows[-1])}", flush=True)
     return rows
 
@@ -112,13 +124,16 @@ def plot_sweep(sweeps: dict[str, list[dict]], path: Path) -> None:
 
 
 def markdown_table(systems: dict[str, dict]) -> str:
+    """Headline columns under the peers' protocol (filter after ranking); xmcserve rows also show
+    the same four with the filter as ``exclude`` before aggregation (peers have no such mode)."""
     lines = [
-        "| system | P@1 | P@5 | PSP@5 | R@100 | train s | notes |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| system | P@1 | P@5 | PSP@5 | R@100 | exclude before: P@1 / P@5 / PSP@5 / R@100 | train s | notes |",
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: | --- |",
     ]
     for name, row in systems.items():
         values = " | ".join(f"{row[m]:.2f}" for m in HEADLINE)
-        lines.append(f"| {name} | {values} | {row['train_seconds']:.0f} | {row['notes']} |")
+        before = " / ".join(f"{row['exclude_before'][m]:.2f}" for m in HEADLINE) if "exclude_before" in row else "—"
+        lines.append(f"| {name} | {values} | {before} | {row['train_seconds']:.0f} | {row['notes']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -132,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-peers", action="store_true")
     parser.add_argument("--rae-tau", type=float, default=ExportParams.rae_tau, help="τ of the trained RAE memory")
     parser.add_argument("--rae-top-b", type=int, default=ExportParams.rae_top_b, help="b of the trained RAE memory")
-    parser.add_argument("--rae-mode", default=ExportParams.rae_mode, help="joint | split, for the trained memory")
+    parser.add_argument(
+        "--rae-mode", default=ExportParams.rae_mode, choices=("joint", "split"), help="RAE mode of the trained memory"
+    )
     parser.add_argument("--name", default="xmcserve-unidec", help="row name prefix of the trained checkpoint")
     parser.add_argument("--run-notes", default="", help="added to the trained rows' notes (e.g. where it trained)")
     parser.add_argument(
