@@ -17,7 +17,6 @@ from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
 
 from service.engine.search import Prediction, Predictor, Ranking, StageTimes
 
@@ -233,16 +232,7 @@ class MicroBatcher:
                     job.future.set_result(answer)
 
 
-class Job(Protocol):
-    """What a batched request carries."""
-
-    texts: list[str]
-    k: int
-    ef: int | None
-    exclude: list[Collection[str]]
-
-
-def predict_jobs(predictor: Predictor, jobs: Sequence[Job]) -> tuple[list[list[Ranking]], Prediction, int]:
+def predict_jobs(predictor: Predictor, jobs: Sequence[_Job]) -> tuple[list[list[Ranking]], Prediction, int]:
     """Several requests as one prediction: their rankings (one list per job), the prediction
     (stage times, the ef it ran at) and the batch's text count."""
     texts = [t for job in jobs for t in job.texts]

@@ -152,9 +152,6 @@ def load_index(path: Path, manifest: Manifest) -> hnswlib.Index:
         index.load_index(str(path / INDEX_FILE))
     except RuntimeError as exc:
         raise BundleError(f"{path / INDEX_FILE}: cannot load HNSW index ({exc})") from None
-    count = index.get_current_count()
-    if count != manifest.counts.memory_rows:
-        raise BundleError(f"{path}: index holds {count} keys, manifest says {manifest.counts.memory_rows}")
     index.set_ef(manifest.hnsw.ef_search)
     return index
 

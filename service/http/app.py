@@ -227,12 +227,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except LookupError as exc:
             return JSONResponse({"detail": str(exc)}, status_code=409)
         request.state.variant = slot.name
-        texts = body.all_texts()
+        texts, exclude = body.all_texts(), body.exclusions()
         started = time.perf_counter()
         timeout_s = (body.timeout_ms or settings.limits.request_timeout_ms) / 1000
         try:
             answer = await answer_unless_gone(
-                request, slot.batcher.submit(texts, body.k, body.ef, body.exclusions(), timeout_s)
+                request, slot.batcher.submit(texts, body.k, body.ef, exclude, timeout_s)
             )
         except (QueueFullError, DeadlineExceededError) as exc:
             if isinstance(exc, QueueFullError):
@@ -253,7 +253,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     texts,
                     body.k,
                     body.ef,
-                    body.exclusions(),
+                    exclude,
                     ranked(answer.rankings, answer.predictor.bundle.label_uids),
                     time.perf_counter() - started,
                     slot.name,
