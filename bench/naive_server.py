@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from transformers import AutoModel, AutoTokenizer
 
 from service.engine.bundle import load_bundle
-from service.engine.rae import aggregate, top_k_of_row
+from service.engine.rae import ValueRows, aggregate, labels_of_keys, top_k_of_row
 from training.checkpoint import ServingHead, default_encoder_dir
 
 
@@ -52,11 +52,12 @@ def create_app() -> FastAPI:
         vector = head.query_vectors(pooled)
         keys, distances = bundle.index.knn_query(vector, k=rae.top_b if rae else query.k)
         if rae:
+            keys = keys.astype(np.int64)
             scores = aggregate(
-                keys.astype(np.int64),
+                keys,
                 1 - distances,
-                bundle.values,
-                bundle.num_train_keys,
+                labels_of_keys(keys, bundle.manifest.counts.train_instances),
+                ValueRows(bundle.values),
                 rae.tau,
                 rae.top_b,
                 [()],

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from service.engine.bundle import Bundle
-from service.engine.rae import aggregate, top_k_of_row
+from service.engine.rae import ValueRows, aggregate, labels_of_keys, top_k_of_row
 from service.engine.search import Predictor
 
 
@@ -25,7 +25,8 @@ def exact_top_k(bundle: Bundle, vectors: np.ndarray, k: int, keys: np.ndarray | 
     if rae is None:
         return [set(row.tolist()) for row in top]
     excluded = [()] * len(vectors)
-    scores = aggregate(top, top_sims, bundle.values, bundle.num_train_keys, rae.tau, rae.top_b, excluded, rae.mode)
+    key_labels = labels_of_keys(top, bundle.manifest.counts.train_instances)
+    scores = aggregate(top, top_sims, key_labels, ValueRows(bundle.values), rae.tau, rae.top_b, excluded, rae.mode)
     return [set(top_k_of_row(scores, i, k)[0].tolist()) for i in range(len(vectors))]
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from service.engine.rae import aggregate, top_k_of_row
+from service.engine.rae import ValueRows, aggregate, labels_of_keys, top_k_of_row
 from training.data import XMCDataset, label_frequencies
 from training.metrics import compute_all
 
@@ -72,7 +72,8 @@ def rank_rae(
     ranked = np.full((len(queries), k), -1, dtype=np.int64)
     for start in range(0, len(queries), 512):
         rows = slice(start, start + 512)
-        scores = aggregate(keys[rows], sims[rows], values, num_train, tau, top_b, exclude[rows], mode)
+        key_labels = labels_of_keys(keys[rows], num_train)
+        scores = aggregate(keys[rows], sims[rows], key_labels, ValueRows(values), tau, top_b, exclude[rows], mode)
         for i in range(scores.shape[0]):
             ids, _ = top_k_of_row(scores, i, k)
             ranked[start + i, : len(ids)] = ids

@@ -30,6 +30,7 @@ from typing import Literal
 import numpy as np
 
 from service.engine.bundle import Bundle, load_bundle
+from service.engine.memory import MemoryView
 from service.engine.search import Predictor
 from training.data import XMCDataset, label_frequencies, load_jsonl_split
 from training.metrics import PROPENSITY_PRESETS, Segments, compute_all
@@ -39,11 +40,11 @@ Protocol = Literal["filter_after", "exclude_before"]
 PROTOCOLS: tuple[Protocol, ...] = ("filter_after", "exclude_before")
 
 
-def label_id_map(bundle: Bundle, dataset: XMCDataset) -> np.ndarray:
-    """Dataset label id → bundle label id (−1 when the bundle lacks it), matched by uid."""
-    if bundle.label_uids == dataset.labels.uids:
+def label_id_map(view: MemoryView, dataset: XMCDataset) -> np.ndarray:
+    """Dataset label id → served label id (−1 when the memory lacks it), matched by uid."""
+    if view.label_uids[: view.num_labels] == dataset.labels.uids:
         return np.arange(dataset.num_labels)
-    return np.array([bundle.uid_to_id.get(uid, -1) for uid in dataset.labels.uids])
+    return np.array([-1 if (i := view.label_id(uid)) is None else i for uid in dataset.labels.uids])
 
 
 def rank_split(
@@ -61,8 +62,9 @@ def rank_split(
     over bundles that share one encoder encodes once); the search path is the same.
     ``protocol``: how the filter file applies (see the module docstring).
     """
-    to_bundle = label_id_map(predictor.bundle, dataset)
-    to_dataset = np.full(len(predictor.bundle.label_uids), -1, dtype=np.int64)
+    view = predictor.view
+    to_bundle = label_id_map(view, dataset)
+    to_dataset = np.full(view.num_labels, -1, dtype=np.int64)
     to_dataset[to_bundle[to_bundle >= 0]] = np.flatnonzero(to_bundle >= 0)
     filters = dataset.filter_sets()
     ranked = np.full((len(dataset), k), -1, dtype=np.int64)
@@ -86,8 +88,13 @@ def rank_split(
     return ranked, time.perf_counter() - started
 
 
-def evaluate_bundle(
-    bundle: Bundle,
+def evaluate_bundle(bundle: Bundle, dataset: XMCDataset, train: XMCDataset, **options) -> dict:
+    """:func:`evaluate_predictor` over the bundle as built."""
+    return evaluate_predictor(Predictor(bundle), dataset, train, **options)
+
+
+def evaluate_predictor(
+    predictor: Predictor,
     dataset: XMCDataset,
     train: XMCDataset,
     k: int = 100,
@@ -97,8 +104,9 @@ def evaluate_bundle(
     vectors: np.ndarray | None = None,
 ) -> dict:
     """Both protocols' metrics (``metrics``: filter after ranking, the peers' protocol;
-    ``metrics_exclude_before``: the caller's ``exclude``); the split is encoded once."""
-    predictor = Predictor(bundle)
+    ``metrics_exclude_before``: the caller's ``exclude``); the split is encoded once. The
+    predictor's memory as it is now (appends included) is what is measured."""
+    bundle = predictor.bundle
     encode_started = time.perf_counter()
     if vectors is None:
         vectors = np.concatenate(
@@ -169,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     dataset = load_jsonl_split(args.data, args.split)
     train = load_jsonl_split(args.data, args.train_split, labels=dataset.labels)
     bundle = load_bundle(args.bundle)
-    result = evaluate_bundle(bundle, dataset, train, args.k, args.ef, args.propensity, Segments(tail_max, torso_max))
+    segments = Segments(tail_max, torso_max)
+    result = evaluate_bundle(
+        bundle, dataset, train, k=args.k, ef=args.ef, propensity=args.propensity, segments=segments
+    )
     result.update({"data": str(args.data), "split": args.split})
     print(format_table(result))
     if args.out:

@@ -9,7 +9,12 @@ The public surface:
   ``search(vectors, k, ef, exclude)`` (search only), both returning a :class:`Prediction`:
   one :class:`Ranking` (label ids and scores, best first) per text, the :class:`StageTimes`,
   and the HNSW ef the search ran at. ``exclude`` holds label *ids* per text;
-  ``predictor.bundle.label_ids(uids)`` maps uids to ids.
+  ``predictor.view.label_ids(uids)`` maps uids to ids, and ``prediction.view.label_uids[id]``
+  ids back to uids.
+* ``Predictor.append(AppendBatch)`` — new labels and training instances into the live memory
+  (:mod:`service.engine.memory`): encoded, logged to the bundle's :class:`AppendLog` when
+  ``load_predictor(..., appends_dir=...)`` gave one, and published atomically; a
+  :class:`MemoryView` is one consistent state of it. :class:`AppendRefused`: bad input.
 * :class:`MicroBatcher` — an asyncio queue of requests (``submit(texts, k, ef, exclude_uids)``)
   batched onto one predictor per batch, bounded (:class:`QueueFullError`), stoppable
   (:class:`BatcherStoppedError`); configured by :class:`BatcherConfig`.
@@ -21,9 +26,25 @@ Everything is thread-safe for concurrent ``predict`` calls on one predictor.
 from service.engine.batcher import BatchAnswer, BatcherConfig, BatcherStoppedError, MicroBatcher, QueueFullError
 from service.engine.bundle import Bundle, BundleError, load_bundle
 from service.engine.encoder import EncoderOptions, OnnxEncoder
+from service.engine.memory import (
+    AppendBatch,
+    AppendLog,
+    AppendLogError,
+    AppendOutcome,
+    AppendRefused,
+    MemoryView,
+    appends_dir_beside,
+)
 from service.engine.search import Prediction, Predictor, Ranking, StageTimes, load_predictor, vet_in_child
 
 __all__ = [
+    "AppendBatch",
+    "AppendLog",
+    "AppendLogError",
+    "AppendOutcome",
+    "AppendRefused",
+    "MemoryView",
+    "appends_dir_beside",
     "BatchAnswer",
     "BatcherConfig",
     "BatcherStoppedError",

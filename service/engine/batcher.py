@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from service.engine.memory import MemoryView
 from service.engine.search import Prediction, Predictor, Ranking, StageTimes
 
 
@@ -69,6 +70,7 @@ class BatchAnswer:
     batch_texts: int
     predictor: Predictor
     ef: int
+    view: MemoryView  # the memory the ids refer to: ``view.label_uids[id]``
 
 
 @dataclass(eq=False)  # identity hashing: jobs live in a set while they run
@@ -237,10 +239,12 @@ def predict_jobs(predictor: Predictor, jobs: Sequence[_Job]) -> tuple[list[list[
     (stage times, the ef it ran at) and the batch's text count."""
     texts = [t for job in jobs for t in job.texts]
     ks = [job.k for job in jobs for _ in job.texts]
+    # Uids map to ids of the memory the batch searches (a live memory grows between batches).
     # A request's flat exclude list is one object shared by all its texts: mapped once.
+    view = predictor.view
     mapped: dict[int, set[int]] = {}
     exclude = [
-        mapped[id(e)] if id(e) in mapped else mapped.setdefault(id(e), predictor.bundle.label_ids(e))
+        mapped[id(e)] if id(e) in mapped else mapped.setdefault(id(e), view.label_ids(e))
         for job in jobs
         for e in job.exclude
     ]
@@ -248,7 +252,7 @@ def predict_jobs(predictor: Predictor, jobs: Sequence[_Job]) -> tuple[list[list[
     # default when it gave none): a wider search only adds recall, a narrower one would take
     # recall from requests that did not ask for it.
     ef = max(job.ef or predictor.default_ef for job in jobs)
-    prediction = predictor.predict(texts, ks, ef, exclude)
+    prediction = predictor.predict(texts, ks, ef, exclude, view)
     per_job, offset = [], 0
     for job in jobs:
         per_job.append(prediction.rankings[offset : offset + len(job.texts)])
@@ -266,6 +270,7 @@ def _run_batch(predictor: Predictor, batch: list[_Job], started: float) -> list[
             batch_texts=batch_texts,
             predictor=predictor,
             ef=prediction.ef,
+            view=prediction.view,
         )
         for job, rankings in zip(batch, per_job, strict=True)
     ]

@@ -42,20 +42,11 @@ class Bundle:
     index: hnswlib.Index
     label_uids: list[str]
     label_texts: list[str]
-    uid_to_id: dict[str, int]
     values: sp.csr_matrix | None
 
     @property
     def bundle_id(self) -> str:
         return self.manifest.bundle_id
-
-    @property
-    def num_train_keys(self) -> int:
-        return self.manifest.counts.train_instances
-
-    def label_ids(self, uids: list[str]) -> set[int]:
-        """Ids of the known uids; unknown uids cannot be returned anyway, so they are ignored."""
-        return {self.uid_to_id[u] for u in uids if u in self.uid_to_id}
 
 
 def read_manifest(path: Path) -> Manifest:
@@ -227,6 +218,5 @@ def _load_bundle(path: Path, options: EncoderOptions | None, verify: bool) -> Bu
         index=index,
         label_uids=label_uids,
         label_texts=label_texts,
-        uid_to_id={uid: i for i, uid in enumerate(label_uids)},
         values=values,
     )

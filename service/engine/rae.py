@@ -18,6 +18,7 @@ Two weightings of the retrieved keys (the bundle's ``rae.mode``):
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import get_args
 
 import numpy as np
@@ -36,12 +37,13 @@ def softmax(similarities: np.ndarray, tau: float) -> np.ndarray:
 RAE_MODES = get_args(RaeMode)
 
 
-def key_weights(keys: np.ndarray, sims: np.ndarray, num_train: int, tau: float, mode: str) -> np.ndarray:
-    """Aggregation weights of one query's retrieved keys (see the module docstring)."""
+def key_weights(key_labels: np.ndarray, sims: np.ndarray, tau: float, mode: str) -> np.ndarray:
+    """Aggregation weights of one query's retrieved keys (see the module docstring);
+    ``key_labels``: the label id of each key, −1 for an instance key."""
     if mode == "joint":
         return softmax(sims, tau)
-    weights = np.zeros(len(keys), dtype=np.float64)
-    for side in (keys < num_train, keys >= num_train):
+    weights = np.zeros(len(key_labels), dtype=np.float64)
+    for side in (key_labels < 0, key_labels >= 0):
         if side.any():
             weights[side] = softmax(sims[side], tau)
     return weights
@@ -55,29 +57,71 @@ def build_values(Y_train: sp.csr_matrix, lam: float) -> sp.csr_matrix:
     return V.tocsr().astype(np.float32)
 
 
+def labels_of_keys(keys: np.ndarray, num_train: int) -> np.ndarray:
+    """The label id of each key of a memory laid out [instances ; labels]; −1 for an instance
+    key and for no key (−1)."""
+    return np.where(keys >= num_train, keys - num_train, -1)
+
+
+@dataclass(frozen=True)
+class ValueRows:
+    """V as a bundle's rows plus rows appended to a live memory (the bundle's matrix is never
+    copied); ``appended`` is as wide as the label set has grown."""
+
+    base: sp.csr_matrix
+    appended: sp.csr_matrix | None = None
+
+    @property
+    def num_labels(self) -> int:
+        return (self.appended if self.appended is not None else self.base).shape[1]
+
+    @property
+    def num_rows(self) -> int:
+        return self.base.shape[0] + (self.appended.shape[0] if self.appended is not None else 0)
+
+    def weigh(self, W: sp.csr_matrix) -> sp.csr_matrix:
+        """W·V for the key weights W (queries x rows): label scores, queries x labels."""
+        if self.appended is None:
+            return (W @ self.base).tocsr()
+        rows = self.base.shape[0]
+        scores = widen((W[:, :rows] @ self.base).tocsr(), self.num_labels)
+        return (scores + W[:, rows:] @ self.appended).tocsr()
+
+    def extended(self, rows: sp.csr_matrix) -> ValueRows:
+        """These rows followed by ``rows`` (whose width is the new label count)."""
+        parts = [widen(self.appended, rows.shape[1])] if self.appended is not None else []
+        return ValueRows(self.base, sp.vstack([*parts, rows], format="csr"))
+
+
+def widen(matrix: sp.csr_matrix, columns: int) -> sp.csr_matrix:
+    """The same rows with more (empty) columns, sharing the arrays."""
+    if matrix.shape[1] == columns:
+        return matrix
+    return sp.csr_matrix((matrix.data, matrix.indices, matrix.indptr), shape=(matrix.shape[0], columns))
+
+
 def drop_excluded_keys(
-    keys: np.ndarray, sims: np.ndarray, num_train: int, excluded: Collection[int], top_b: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Remove label keys (ids ≥ num_train) whose label is excluded; keep the best ``top_b``."""
+    keys: np.ndarray, sims: np.ndarray, key_labels: np.ndarray, excluded: Collection[int], top_b: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Remove label keys whose label is excluded (and no-keys, −1); keep the best ``top_b``."""
     valid = keys >= 0
     if excluded:
-        label_of_key = keys - num_train
-        is_excluded_label = (keys >= num_train) & np.isin(label_of_key, np.fromiter(excluded, dtype=np.int64))
-        valid &= ~is_excluded_label
-    return keys[valid][:top_b], sims[valid][:top_b]
+        valid &= ~np.isin(key_labels, np.fromiter(excluded, dtype=np.int64)) | (key_labels < 0)
+    return keys[valid][:top_b], sims[valid][:top_b], key_labels[valid][:top_b]
 
 
 def aggregate(
     keys: np.ndarray,
     sims: np.ndarray,
-    values: sp.csr_matrix,
-    num_train: int,
+    key_labels: np.ndarray,
+    values: ValueRows,
     tau: float,
     top_b: int,
     excluded: Sequence[Collection[int]],
     mode: str = "joint",
 ) -> sp.csr_matrix:
-    """Label scores for a batch: ``keys``/``sims`` are ``nq x m`` (m ≥ top_b) best-first.
+    """Label scores for a batch: ``keys``/``sims`` are ``nq x m`` (m ≥ top_b) best-first, −1 for
+    no key; ``key_labels`` (same shape) the label id of each key, −1 for an instance key.
 
     Returns an ``nq x L`` CSR matrix whose row i is softmax(sims_i / τ) · V[keys_i], with the
     excluded labels of query i removed from both the keys and the result.
@@ -85,19 +129,15 @@ def aggregate(
     nq = keys.shape[0]
     rows_keys, rows_weights = [], []
     for i in range(nq):
-        if excluded[i]:
-            kept_keys, kept_sims = drop_excluded_keys(keys[i], sims[i], num_train, excluded[i], top_b)
-        else:
-            valid = keys[i] >= 0
-            kept_keys, kept_sims = keys[i][valid][:top_b], sims[i][valid][:top_b]
+        kept_keys, kept_sims, kept_labels = drop_excluded_keys(keys[i], sims[i], key_labels[i], excluded[i], top_b)
         rows_keys.append(kept_keys)
-        rows_weights.append(key_weights(kept_keys, kept_sims, num_train, tau, mode) if kept_keys.size else np.zeros(0))
+        rows_weights.append(key_weights(kept_labels, kept_sims, tau, mode) if kept_keys.size else np.zeros(0))
     indptr = np.concatenate([[0], np.cumsum([k.size for k in rows_keys])])
     W = sp.csr_matrix(
         (np.concatenate(rows_weights).astype(np.float32), np.concatenate(rows_keys), indptr),
-        shape=(nq, values.shape[0]),
+        shape=(nq, values.num_rows),
     )
-    scores = (W @ values).tocsr()
+    scores = values.weigh(W)
     return _zero_excluded(scores, excluded)
 
 

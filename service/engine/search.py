@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import multiprocessing
 import resource
-import threading
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +17,20 @@ import numpy as np
 
 from service.engine.bundle import Bundle, BundleError, load_bundle
 from service.engine.encoder import EncoderOptions
+from service.engine.memory import (
+    AppendBatch,
+    AppendLog,
+    AppendLogError,
+    AppendOutcome,
+    Memory,
+    MemoryView,
+    base_view,
+)
 from service.engine.rae import aggregate, top_k_of_row
+
+# Texts per encoder call when encoding an append: small calls share the cores with /predict's
+# batches instead of holding them for the whole append.
+APPEND_ENCODE_CHUNK = 32
 
 
 @dataclass
@@ -50,19 +62,35 @@ class Prediction:
     rankings: list[Ranking]
     times: StageTimes = field(default_factory=StageTimes)
     ef: int = 0
+    view: MemoryView | None = None  # the labels the ids refer to (a live memory grows)
 
 
 class Predictor:
-    """Search over one loaded bundle. Thread-safe: HNSW's ``ef`` is index-global, so setting it
-    and querying happen under one lock (a search takes well under a millisecond)."""
+    """Search over one loaded bundle and its live memory (:mod:`service.engine.memory`).
+    Thread-safe: searches and appends may run concurrently."""
 
-    def __init__(self, bundle: Bundle):
+    def __init__(self, bundle: Bundle, append_log: AppendLog | None = None):
         self.bundle = bundle
-        self._search_lock = threading.Lock()
+        manifest = bundle.manifest
+        view = base_view(bundle.label_uids, bundle.label_texts, manifest.counts.memory_rows, bundle.values)
+        self.memory = Memory(bundle.index, view, manifest.rae.lam if manifest.rae else None, append_log)
 
     @property
     def default_ef(self) -> int:
         return self.bundle.manifest.hnsw.ef_search
+
+    @property
+    def view(self) -> MemoryView:
+        """The memory as of the last append: labels (uid → id), keys, values."""
+        return self.memory.view
+
+    def append(self, batch: AppendBatch) -> AppendOutcome:
+        """Add labels and instances to the memory (encoded here), durably when it has a log."""
+        return self.memory.append(batch, self._encode_all)
+
+    def _encode_all(self, texts: list[str]) -> np.ndarray:
+        chunks = [texts[i : i + APPEND_ENCODE_CHUNK] for i in range(0, len(texts), APPEND_ENCODE_CHUNK)]
+        return np.concatenate([self.bundle.encoder.encode(chunk)[0] for chunk in chunks])
 
     def predict(
         self,
@@ -70,9 +98,10 @@ class Predictor:
         k: int | Sequence[int],
         ef: int | None = None,
         exclude: Sequence[Collection[int]] | None = None,
+        view: MemoryView | None = None,
     ) -> Prediction:
         vectors, enc_times = self.bundle.encoder.encode(texts)
-        prediction = self.search(vectors, k, ef, exclude)
+        prediction = self.search(vectors, k, ef, exclude, view)
         prediction.times.tokenize = enc_times.tokenize_s
         prediction.times.encode = enc_times.encode_s
         return prediction
@@ -83,52 +112,67 @@ class Predictor:
         k: int | Sequence[int],
         ef: int | None = None,
         exclude: Sequence[Collection[int]] | None = None,
+        view: MemoryView | None = None,
     ) -> Prediction:
         """Top-k per query. ``k`` may differ per query (a micro-batch mixes requests); one
-        batched HNSW call serves them all."""
+        batched HNSW call serves them all. ``exclude`` holds label ids of ``view`` (default: the
+        current memory), the memory the search then runs against."""
+        view = view or self.memory.view
         ks = [k] * len(vectors) if isinstance(k, int) else list(k)
         exclude = exclude if exclude is not None else [()] * len(vectors)
         if len(exclude) != len(vectors) or len(ks) != len(vectors):
             raise ValueError("k and exclude must have one entry per query")
-        if self.bundle.manifest.index_kind == "rae_memory":
-            return self._search_rae(vectors, ks, ef, exclude)
-        return self._search_labels(vectors, ks, ef, exclude)
+        search = self._search_rae if self.bundle.manifest.index_kind == "rae_memory" else self._search_labels
+        prediction = search(vectors, ks, ef, exclude, view)
+        prediction.view = view
+        return prediction
 
-    def knn(self, vectors: np.ndarray, n: int, ef: int | None) -> tuple[np.ndarray, np.ndarray, int]:
-        """Best-first (key ids, inner-product similarities) of the ``n`` nearest keys, and the ef used."""
-        n = min(n, self.bundle.index.get_current_count())
-        ef = max(ef or self.default_ef, n)
-        with self._search_lock:
-            self.bundle.index.set_ef(ef)
-            keys, distances = self.bundle.index.knn_query(vectors, k=n)
-        return keys.astype(np.int64), (1.0 - distances).astype(np.float32), ef
+    def knn(
+        self, vectors: np.ndarray, n: int, ef: int | None, view: MemoryView | None = None
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """Best-first (key ids, inner-product similarities) of the ``n`` nearest keys of ``view``
+        (−1 where it has fewer), and the ef the search ran at."""
+        return self.memory.knn(vectors, n, ef or self.default_ef, view or self.memory.view)
 
-    def _search_labels(self, vectors, ks, ef, exclude) -> Prediction:
+    def _search_labels(self, vectors, ks, ef, exclude, view) -> Prediction:
         t0 = time.perf_counter()
-        keys, sims, ef = self.knn(vectors, max(k + len(e) for k, e in zip(ks, exclude, strict=True)), ef)
+        keys, sims, ef = self.knn(vectors, max(k + len(e) for k, e in zip(ks, exclude, strict=True)), ef, view)
         t1 = time.perf_counter()
         rankings = []
         for i, (k, excluded) in enumerate(zip(ks, exclude, strict=True)):
-            keep = ~np.isin(keys[i], np.fromiter(excluded, dtype=np.int64)) if excluded else slice(None)
+            keep = keys[i] >= 0
+            if excluded:
+                keep &= ~np.isin(keys[i], np.fromiter(excluded, dtype=np.int64))
             rankings.append(Ranking(ids=keys[i][keep][:k], scores=sims[i][keep][:k]))
         return Prediction(rankings, StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1), ef)
 
-    def _search_rae(self, vectors, ks, ef, exclude) -> Prediction:
+    def _search_rae(self, vectors, ks, ef, exclude, view) -> Prediction:
         rae = self.bundle.manifest.rae
         t0 = time.perf_counter()
-        keys, sims, ef = self.knn(vectors, rae.top_b + max(len(e) for e in exclude), ef)
+        keys, sims, ef = self.knn(vectors, rae.top_b + max(len(e) for e in exclude), ef, view)
         t1 = time.perf_counter()
-        scores = aggregate(
-            keys, sims, self.bundle.values, self.bundle.num_train_keys, rae.tau, rae.top_b, exclude, rae.mode
-        )
+        key_labels = view.labels_of_keys(keys)
+        scores = aggregate(keys, sims, key_labels, view.values, rae.tau, rae.top_b, exclude, rae.mode)
         rankings = [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
         return Prediction(rankings, StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1), ef)
 
 
-def load_predictor(path: Path | str, options: EncoderOptions | None = None, verify: bool = True) -> Predictor:
+def load_predictor(
+    path: Path | str, options: EncoderOptions | None = None, verify: bool = True, appends_dir: Path | None = None
+) -> Predictor:
     """A bundle loaded, verified and warmed by one prediction (the first search and aggregation
-    allocate); a bundle that cannot answer is refused like a corrupt one (:class:`BundleError`)."""
-    predictor = Predictor(load_bundle(path, options, verify=verify))
+    allocate); a bundle that cannot answer is refused like a corrupt one (:class:`BundleError`).
+
+    ``appends_dir``: where the bundle's append log lives (:meth:`AppendLog.beside`); its appends
+    are replayed, and new ones are written there before they are applied. None: no log (appends
+    live in memory only)."""
+    bundle = load_bundle(path, options, verify=verify)
+    log = AppendLog.in_directory(appends_dir, bundle.bundle_id) if appends_dir is not None else None
+    predictor = Predictor(bundle, log)
+    try:
+        predictor.memory.replay()
+    except (AppendLogError, ValueError) as exc:
+        raise BundleError(f"{path}: cannot replay its append log ({exc})") from None
     try:
         predictor.predict(["warm-up query"], k=10)
     except Exception as exc:

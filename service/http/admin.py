@@ -1,10 +1,12 @@
-"""Admin endpoints: load a bundle into a variant, promote B to A, change split and shadow share.
+"""Admin endpoints: load a bundle into a variant, promote B to A, change split and shadow share,
+append labels and instances to a variant's memory.
 
 Every route needs ``X-Admin-Token`` (or ``Authorization: Bearer``) equal to
 ``XMCSERVE_ADMIN_TOKEN``, compared in constant time: missing → 401, wrong → 403, and with no
 token configured the admin API is off (403). A bundle is loaded, verified (checksums, shapes) and
 warmed beside the one serving, then swapped in atomically; one that fails is refused with the
 reason and the old one keeps serving. Bundle paths must resolve inside ``XMCSERVE_BUNDLE_ROOT``.
+Loads, promotes and appends are serialised (one at a time); none of them stops /predict.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ import anyio
 from fastapi import Depends, FastAPI, HTTPException, Request
 
 from service import engine
-from service.engine import BundleError, Predictor
+from service.engine import AppendLogError, AppendRefused, BundleError, Predictor
 from service.http.metrics import Metrics
-from service.http.schemas import ConfigUpdate, ReloadRequest
+from service.http.schemas import ConfigUpdate, ReloadRequest, build_append_request
 from service.http.settings import Settings
 from service.rollout.shadow import ShadowMirror
 from service.rollout.variants import Variants
@@ -34,11 +36,14 @@ async def load_predictor(path: Path, settings: Settings, vet: bool = True) -> Pr
     With ``vet``, a child process under a memory limit (1 GiB + 4x the bundle's files) loads it
     first, so a bundle that would crash or exhaust the loader is refused before it enters here."""
     options = settings.encoder_options()
+    appends_dir = settings.admin.appends_dir(Path(path).resolve())
     if vet:
         files = sum(f.stat().st_size for f in Path(path).glob("*") if f.is_file())
         limit = VET_BASE_BYTES + 4 * files
         await anyio.to_thread.run_sync(lambda: engine.vet_in_child(path, options, settings.verify_checksums, limit))
-    return await anyio.to_thread.run_sync(lambda: engine.load_predictor(path, options, settings.verify_checksums))
+    return await anyio.to_thread.run_sync(
+        lambda: engine.load_predictor(path, options, settings.verify_checksums, appends_dir)
+    )
 
 
 def confined_bundle_path(root: Path, requested: str) -> Path:
@@ -110,6 +115,7 @@ def serving_state(request: Request) -> ServingState:
 
 def add_admin_routes(app: FastAPI) -> None:
     guarded = [Depends(require_admin)]
+    AppendRequest = build_append_request(app.state.settings.limits)
 
     @app.get("/admin/state", dependencies=guarded)
     async def admin_state(request: Request) -> dict:
@@ -150,6 +156,41 @@ def add_admin_routes(app: FastAPI) -> None:
             "previous_bundle_id": previous.bundle.bundle_id,
             **state.describe(),
         }
+
+    async def append(body, request: Request) -> dict:
+        """Encode and add the labels and instances to the variant's memory, logged before applied;
+        the next /predict sees all of them (never a part)."""
+        state = serving_state(request)
+        async with state.reload_lock:
+            predictor = state.variants[body.variant].predictor
+            if predictor is None:
+                raise HTTPException(409, f"variant {body.variant} has no bundle loaded")
+            try:
+                outcome = await anyio.to_thread.run_sync(predictor.append, body.batch())
+            except AppendRefused as exc:
+                state.metrics.appends.labels(variant=body.variant, outcome="refused").inc()
+                raise HTTPException(422, f"nothing appended: {exc}") from None
+            except AppendLogError as exc:
+                state.metrics.appends.labels(variant=body.variant, outcome="failed").inc()
+                raise HTTPException(503, f"nothing appended: {exc}", headers={"Retry-After": "5"}) from None
+        state.metrics.appends.labels(variant=body.variant, outcome="repeated" if outcome.repeated else "applied").inc()
+        if not outcome.repeated:
+            state.metrics.appended_keys.labels(variant=body.variant, kind="label").inc(len(outcome.label_ids))
+            state.metrics.appended_keys.labels(variant=body.variant, kind="instance").inc(outcome.instances)
+        return {
+            "variant": body.variant,
+            "bundle_id": predictor.bundle.bundle_id,
+            "version": outcome.version,
+            "repeated": outcome.repeated,
+            "label_ids": outcome.label_ids,
+            "instances": outcome.instances,
+            "memory": predictor.view.describe(),
+        }
+
+    # the body model is built per app (its limits are the settings'): given as an object, since
+    # string annotations resolve in module scope
+    append.__annotations__["body"] = AppendRequest
+    app.post("/admin/append", dependencies=guarded)(append)
 
     @app.post("/admin/config", dependencies=guarded)
     async def configure(body: ConfigUpdate, request: Request) -> dict:

@@ -83,7 +83,7 @@ def to_response(answer: BatchAnswer, variant: str, k: int) -> Response:
     """The PredictResponse JSON, serialised directly: FastAPI would otherwise validate the ~k
     label objects of every answer again (the model stays the documented response schema)."""
     bundle = answer.predictor.bundle
-    uids, texts = bundle.label_uids, bundle.label_texts
+    uids, texts = answer.view.label_uids, answer.view.label_texts
     results = [
         {
             "labels": [
@@ -254,7 +254,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     body.k,
                     body.ef,
                     exclude,
-                    ranked(answer.rankings, answer.predictor.bundle.label_uids),
+                    ranked(answer.rankings, answer.view.label_uids),
                     time.perf_counter() - started,
                     slot.name,
                 )

@@ -77,6 +77,18 @@ class Metrics:
             ["variant", "outcome"],
             registry=self.registry,
         )
+        self.appends = Counter(
+            "xmcserve_appends",
+            "Admin appends to a variant's memory by outcome (applied, repeated, refused, failed)",
+            ["variant", "outcome"],
+            registry=self.registry,
+        )
+        self.appended_keys = Counter(
+            "xmcserve_appended_keys",
+            "Keys added to a variant's memory by appends, by kind (label, instance)",
+            ["variant", "kind"],
+            registry=self.registry,
+        )
         # The shadow's comparisons, labelled with the variant whose answers are mirrored (A).
         self.shadow_overlap = Histogram(
             "xmcserve_shadow_overlap",

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from service.engine.memory import MAX_LABELS_PER_INSTANCE, AppendBatch
 from service.http.settings import LimitSettings
 
 EXAMPLE_SINGLE = {"text": "python3-numpy: Fast array facility to the Python 3 language", "k": 5}
@@ -50,8 +51,8 @@ def utf8_size(value: str, what: str) -> int:
         raise ValueError(f"{what} is not valid Unicode (it contains a lone surrogate)") from None
 
 
-def build_predict_request(limits: LimitSettings) -> type[PredictRequestBase]:
-    max_bytes = limits.max_text_bytes
+def text_checker(max_bytes: int):
+    """A validator: a non-blank text of at most ``max_bytes`` UTF-8 bytes."""
 
     def check_text(value: str) -> str:
         size = utf8_size(value, "text")
@@ -60,6 +61,13 @@ def build_predict_request(limits: LimitSettings) -> type[PredictRequestBase]:
         if size > max_bytes:
             raise ValueError(f"text is {size} bytes of UTF-8; the limit is {max_bytes}")
         return value
+
+    return check_text
+
+
+def build_predict_request(limits: LimitSettings) -> type[PredictRequestBase]:
+    max_bytes = limits.max_text_bytes
+    check_text = text_checker(max_bytes)
 
     def check_exclude(exclude: list[str] | list[list[str]]) -> None:
         lists = exclude if exclude and isinstance(exclude[0], list) else [exclude]
@@ -178,3 +186,89 @@ class ConfigUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     split_b: float | None = Field(None, ge=0.0, le=1.0, description="share of requests routed to B")
     shadow_fraction: float | None = Field(None, ge=0.0, le=1.0, description="share of A's requests mirrored")
+
+
+EXAMPLE_APPEND = {
+    "labels": [{"uid": "python3-newlib", "text": "python3-newlib: a library released after the bundle was built"}],
+    "instances": [{"text": "python3-newtool: a tool that uses the new library", "labels": ["python3-newlib", "libc6"]}],
+    "append_id": "2026-11-23-batch-1",
+}
+
+
+def build_append_request(limits: LimitSettings) -> type[BaseModel]:
+    """The body of ``POST /admin/append``, with the service's text and uid limits."""
+    check_text = text_checker(limits.max_text_bytes)
+
+    def check_uid(uid: str) -> str:
+        size = utf8_size(uid, "uid")
+        if not uid.strip():
+            raise ValueError("uid is empty or whitespace only")
+        if size > limits.max_uid_bytes:
+            raise ValueError(f"uid is {size} bytes of UTF-8; the limit is {limits.max_uid_bytes}")
+        return uid
+
+    class NewLabel(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        uid: str = Field(description="a uid the memory does not hold yet")
+        text: str = Field(description="the label's text, encoded by the bundle's encoder")
+
+        @field_validator("uid")
+        @classmethod
+        def _uid_ok(cls, value: str) -> str:
+            return check_uid(value)
+
+        @field_validator("text")
+        @classmethod
+        def _text_ok(cls, value: str) -> str:
+            return check_text(value)
+
+    class NewInstance(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        text: str = Field(description="the instance's text, encoded by the bundle's encoder")
+        labels: list[str] = Field(
+            min_length=1,
+            max_length=MAX_LABELS_PER_INSTANCE,
+            description="its label uids: known ones, or ones this call adds",
+        )
+
+        @field_validator("text")
+        @classmethod
+        def _text_ok(cls, value: str) -> str:
+            return check_text(value)
+
+        @field_validator("labels")
+        @classmethod
+        def _uids_ok(cls, uids: list[str]) -> list[str]:
+            return [check_uid(uid) for uid in uids]
+
+    class AppendRequest(BaseModel):
+        """New labels and training instances for a variant's memory (RAE memory: both; a label
+        index: labels only); applied all together or not at all."""
+
+        model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [EXAMPLE_APPEND]})
+        variant: Literal["A", "B"] = Field("A", description="whose memory grows")
+        labels: list[NewLabel] = Field(default_factory=list, max_length=limits.max_append_items)
+        instances: list[NewInstance] = Field(default_factory=list, max_length=limits.max_append_items)
+        append_id: str | None = Field(
+            None,
+            max_length=200,
+            description="idempotency key: an append with an id already applied is not applied again",
+        )
+
+        @model_validator(mode="after")
+        def _bounded(self) -> AppendRequest:
+            items = len(self.labels) + len(self.instances)
+            if items == 0:
+                raise ValueError("nothing to append: give labels and/or instances")
+            if items > limits.max_append_items:
+                raise ValueError(f"{items} labels and instances; at most {limits.max_append_items} per call")
+            return self
+
+        def batch(self) -> AppendBatch:
+            return AppendBatch(
+                labels=[(label.uid, label.text) for label in self.labels],
+                instances=[(instance.text, list(instance.labels)) for instance in self.instances],
+                append_id=self.append_id,
+            )
+
+    return AppendRequest

@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.engine.batcher import BatcherConfig
 from service.engine.encoder import EncoderOptions
+from service.engine.memory import appends_dir_beside
 from service.rollout.shadow import ShadowConfig
 
 ENV_PREFIX = "XMCSERVE_"
@@ -45,6 +46,7 @@ class LimitSettings(BaseSettings):
     request_timeout_ms: int = Field(
         1000, ge=1, description="how long a request may wait in the queue to start (503 + Retry-After beyond)"
     )
+    max_append_items: int = Field(1000, ge=1, description="most labels + instances one /admin/append may add")
 
 
 class BatchingSettings(BaseSettings):
@@ -110,6 +112,15 @@ class AdminSettings(BaseSettings):
         validation_alias=AliasChoices("XMCSERVE_BUNDLE_ROOT", "bundle_root"),
         description="admin reloads may only load bundles under this directory",
     )
+    append_log_dir: Path | None = Field(
+        None,
+        validation_alias=AliasChoices("XMCSERVE_APPEND_LOG_DIR", "append_log_dir"),
+        description="where appended memory is logged (a log per bundle id, replayed at load); "
+        "unset: <bundle dir>.appends/ beside each bundle",
+    )
+
+    def appends_dir(self, bundle_path: Path) -> Path:
+        return self.append_log_dir or appends_dir_beside(bundle_path)
 
 
 class ServerSettings(BaseSettings):

@@ -127,7 +127,12 @@ class Variants:
             "split_b": self.split_b,
             "swaps": self.swaps,
             "variants": {
-                name: {"bundle_id": slot.bundle_id, "source": slot.source, "queue_depth": slot.batcher.depth}
+                name: {
+                    "bundle_id": slot.bundle_id,
+                    "source": slot.source,
+                    "queue_depth": slot.batcher.depth,
+                    "memory": slot.predictor.view.describe() if slot.predictor else None,
+                }
                 for name, slot in self.slots.items()
             },
         }

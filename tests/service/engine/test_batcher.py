@@ -24,7 +24,9 @@ def text_code(text: str) -> float:
     return float(zlib.crc32(text.encode()))
 
 
-class FakeBundle:
+class FakeView:
+    """Uids are the decimal label ids."""
+
     @staticmethod
     def label_ids(uids):
         return {int(u) for u in uids}
@@ -35,7 +37,7 @@ class EchoPredictor:
     score, so an answer names the request it belongs to. ``hold``: each batch waits for a release."""
 
     default_ef = 100
-    bundle = FakeBundle()
+    view = FakeView()
 
     def __init__(self, hold: bool = False, fail: bool = False):
         self.hold, self.fail = hold, fail
@@ -49,7 +51,7 @@ class EchoPredictor:
         for _ in range(batches):
             self.released.release()
 
-    def predict(self, texts, ks, ef=None, exclude=None):
+    def predict(self, texts, ks, ef=None, exclude=None, view=None):
         self.batches.append(list(texts))
         self.efs.append(ef)
         self.threads.add(threading.current_thread().name)
@@ -62,7 +64,7 @@ class EchoPredictor:
         for text, k, excluded in zip(texts, ks, exclude, strict=True):
             ids = np.array(sorted(excluded) or [0] * k, dtype=np.int64)
             rankings.append(Ranking(ids=ids, scores=np.full(len(ids), text_code(text))))
-        return Prediction(rankings, StageTimes(encode=0.001), ef=ef or self.default_ef)
+        return Prediction(rankings, StageTimes(encode=0.001), ef=ef or self.default_ef, view=view)
 
 
 async def batch_started(predictor: EchoPredictor) -> None:

@@ -27,7 +27,7 @@ def test_a_good_bundle_loads(tiny_rae_bundle):
     bundle = load_bundle(tiny_rae_bundle)
     assert bundle.manifest.index_kind == "rae_memory"
     assert bundle.values.shape == (bundle.manifest.counts.memory_rows, bundle.manifest.counts.labels)
-    assert bundle.num_train_keys == 300
+    assert bundle.manifest.counts.train_instances == 300
 
 
 def test_flipped_byte_fails_the_checksum(bundle_copy):

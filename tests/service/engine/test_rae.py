@@ -2,11 +2,16 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from service.engine.rae import aggregate, build_values, softmax, top_k_of_row
+from service.engine.rae import ValueRows, aggregate, build_values, labels_of_keys, softmax, top_k_of_row
 
 # Memory: 2 training instances over 3 labels, then the 3 label keys (ids 2, 3, 4).
 Y_TRAIN = sp.csr_matrix(np.array([[1, 1, 0], [0, 1, 1]], dtype=np.float32))
 LAM, TAU = 0.5, 0.1
+
+
+def rae(keys, sims, V, num_train, tau, top_b, excluded, mode="joint"):
+    """aggregate() over a bundle-shaped memory: [instances ; labels], no appended rows."""
+    return aggregate(keys, sims, labels_of_keys(keys, num_train), ValueRows(V), tau, top_b, excluded, mode)
 
 
 def dense_reference(keys, sims, lam, tau, excluded=()):
@@ -27,7 +32,7 @@ def test_build_values_is_lambda_y_over_identity():
 def test_aggregate_matches_dense_softmax_times_values():
     keys = np.array([[2, 0, 4, 1], [3, 1, 0, 2]])
     sims = np.array([[0.9, 0.8, 0.5, 0.1], [0.95, 0.7, 0.6, 0.2]], dtype=np.float32)
-    scores = aggregate(keys, sims, build_values(Y_TRAIN, LAM), 2, TAU, 4, [(), ()]).toarray()
+    scores = rae(keys, sims, build_values(Y_TRAIN, LAM), 2, TAU, 4, [(), ()]).toarray()
     for i in range(2):
         np.testing.assert_allclose(scores[i], dense_reference(keys[i], sims[i], LAM, TAU), rtol=1e-5)
 
@@ -38,20 +43,20 @@ def test_excluded_label_key_is_removed_before_the_softmax():
     keys = np.array([[2, 0, 1]])
     sims = np.array([[1.0, 0.8, 0.7]], dtype=np.float32)
     V = build_values(Y_TRAIN, LAM)
-    scores = aggregate(keys, sims, V, 2, TAU, 3, [{0}]).toarray()[0]
+    scores = rae(keys, sims, V, 2, TAU, 3, [{0}]).toarray()[0]
     np.testing.assert_allclose(scores, dense_reference(keys[0], sims[0], LAM, TAU, excluded=(0,)), rtol=1e-5)
     assert scores[0] == 0.0
     # label 1 is positive for both remaining instances: weight 1 * λ
     assert scores[1] == pytest.approx(LAM, rel=1e-5)
     # Filtering only the output would have left far smaller scores (the same-item key took the mass).
-    output_only = aggregate(keys, sims, V, 2, TAU, 3, [()]).toarray()[0]
+    output_only = rae(keys, sims, V, 2, TAU, 3, [()]).toarray()[0]
     assert output_only[1] < 0.5 * scores[1]
 
 
 def test_top_b_keeps_the_best_keys_after_exclusion():
     keys = np.array([[2, 0, 1, 3]])
     sims = np.array([[1.0, 0.9, 0.1, 0.05]], dtype=np.float32)
-    scores = aggregate(keys, sims, build_values(Y_TRAIN, LAM), 2, TAU, 1, [{0}]).toarray()[0]
+    scores = rae(keys, sims, build_values(Y_TRAIN, LAM), 2, TAU, 1, [{0}]).toarray()[0]
     # with key 2 gone, b=1 keeps only instance 0 (labels 0 and 1), label 0 then zeroed as excluded
     np.testing.assert_allclose(scores, [0.0, LAM, 0.0], rtol=1e-5)
 
@@ -74,12 +79,24 @@ def test_split_mode_gives_the_instance_memory_exactly_lambda_of_the_mass():
     keys = np.array([[2, 0, 4, 1]])  # label 0, instance 0, label 2, instance 1
     sims = np.array([[0.9, 0.8, 0.5, 0.1]], dtype=np.float32)
     lam = 0.7
-    scores = aggregate(keys, sims, build_values(Y_TRAIN, lam), 2, TAU, 4, [()], mode="split").toarray()[0]
+    scores = rae(keys, sims, build_values(Y_TRAIN, lam), 2, TAU, 4, [()], mode="split").toarray()[0]
     inst = softmax(np.array([0.8, 0.1]), TAU)  # instances 0, 1
     labels = softmax(np.array([0.9, 0.5]), TAU)  # label keys 0, 2
     expected = lam * (inst @ Y_TRAIN.toarray()) + (1 - lam) * np.array([labels[0], 0.0, labels[1]])
     np.testing.assert_allclose(scores, expected, rtol=1e-5)
     assert scores.sum() == pytest.approx(lam * (inst @ Y_TRAIN.toarray()).sum() + (1 - lam))
     # with only label keys retrieved, split mode is the label softmax alone
-    only_labels = aggregate(keys[:, [0, 2]], sims[:, [0, 2]], build_values(Y_TRAIN, lam), 2, TAU, 4, [()], "split")
+    only_labels = rae(keys[:, [0, 2]], sims[:, [0, 2]], build_values(Y_TRAIN, lam), 2, TAU, 4, [()], "split")
     np.testing.assert_allclose(only_labels.toarray()[0], (1 - lam) * np.array([labels[0], 0, labels[1]]), rtol=1e-5)
+
+
+def test_appended_value_rows_score_like_one_stacked_matrix():
+    """Rows appended to a memory (a new label column among them) weigh exactly as if the value
+    matrix had been built with them."""
+    base = build_values(Y_TRAIN, LAM)  # 5 rows x 3 labels
+    appended = sp.csr_matrix(np.array([[0, 0, 0, 1 - LAM], [LAM, 0, 0, LAM]], dtype=np.float32))  # label 3, an instance
+    values = ValueRows(base).extended(appended)
+    stacked = sp.vstack([sp.hstack([base, sp.csr_matrix((5, 1))]), appended]).tocsr()
+    W = sp.csr_matrix(np.array([[0.2, 0, 0.3, 0, 0, 0.4, 0.1], [0, 0.5, 0, 0, 0.5, 0, 0]], dtype=np.float32))
+    assert values.num_rows == 7 and values.num_labels == 4
+    np.testing.assert_allclose(values.weigh(W).toarray(), (W @ stacked).toarray(), rtol=1e-6)

@@ -1,0 +1,119 @@
+"""Fold a bundle's append log into a fresh bundle: ``python -m export.compact``.
+
+A live memory (:mod:`service.engine.memory`) grows its HNSW graph by insertion and keeps the
+appended value rows apart; compaction writes what it serves as an ordinary bundle, with the graph
+rebuilt over every key, the memory laid out [instances ; labels] again and the labels file
+extended. Label ids do not change, so clients' stored ids stay valid. The encoder, tokenizer and
+head files are the source's (hard-linked); the manifest records the source id and the number of
+appends folded in (``params.compacted_from``, ``params.appends``).
+
+Serve the result with an empty append log (its bundle id is new, so the old log does not apply).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+
+from export.build import build_hnsw, write_labels
+from export.derive import link_or_copy
+from export.params import ExportParams
+from export.writer import refuse_existing, write_bundle, write_values
+from service.engine.manifest import (
+    INDEX_FILE,
+    LABELS_FILE,
+    MANIFEST_FILE,
+    VALUES_FILE,
+    Counts,
+    Manifest,
+    utc_now,
+)
+from service.engine.memory import MemoryView, appends_dir_beside
+from service.engine.rae import widen
+from service.engine.search import load_predictor
+from training.data import LabelSpace
+
+REBUILT = {MANIFEST_FILE, INDEX_FILE, LABELS_FILE, VALUES_FILE}
+
+
+def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, force: bool = False) -> Manifest:
+    """The bundle ``source`` with the appends of its log (in ``appends_dir``, default beside it)
+    folded in, written to ``out``."""
+    refuse_existing(out, force)
+    source = Path(source).resolve()
+    predictor = load_predictor(source, appends_dir=appends_dir or appends_dir_beside(source))
+    bundle, view = predictor.bundle, predictor.view
+    src = bundle.manifest
+    keys = np.asarray(bundle.index.get_items(np.arange(view.num_keys)), dtype=np.float32)
+    order, instance_rows = canonical_order(view)
+
+    def populate(stage: Path) -> dict:
+        for name in src.files:
+            if name not in REBUILT:
+                link_or_copy(source / name, stage / name)
+        labels = LabelSpace(uids=view.label_uids[: view.num_labels], texts=view.label_texts[: view.num_labels])
+        write_labels(labels, stage / LABELS_FILE)
+        hnsw = ExportParams(hnsw_m=src.hnsw.M, ef_construction=src.hnsw.ef_construction, ef_search=src.hnsw.ef_search)
+        build_hnsw(keys[order], hnsw, stage / INDEX_FILE)
+        if view.values is not None:
+            write_values(stage, instance_labels(view, instance_rows), src.rae.lam)
+        counts = Counts(labels=view.num_labels, memory_rows=view.num_keys, train_instances=len(instance_rows))
+        return src.model_dump(exclude={"bundle_id", "files"}) | {
+            "created_at": utc_now(),
+            "counts": counts,
+            "params": {**src.params, "compacted_from": src.bundle_id, "appends": view.version},
+        }
+
+    return write_bundle(out, populate, force)
+
+
+def canonical_order(view: MemoryView) -> tuple[np.ndarray, np.ndarray]:
+    """Key ids in the order of a built memory: instance keys (oldest first), then one key per
+    label in label-id order; and the instance keys alone."""
+    key_labels = view.labels_of_keys(np.arange(view.num_keys))
+    instance_keys = np.flatnonzero(key_labels < 0)
+    label_keys = np.empty(view.num_labels, dtype=np.int64)
+    label_keys[key_labels[key_labels >= 0]] = np.flatnonzero(key_labels >= 0)
+    return np.concatenate([instance_keys, label_keys]), instance_keys
+
+
+def instance_labels(view: MemoryView, instance_keys: np.ndarray) -> sp.csr_matrix:
+    """Y of the instance keys, read off the value rows' sparsity pattern (λ·y keeps y's pattern,
+    even for λ = 0)."""
+    values = view.values
+    parts = [widen(values.base, view.num_labels)] + ([values.appended] if values.appended is not None else [])
+    rows = sp.vstack(parts, format="csr")[instance_keys]
+    rows.data = np.ones_like(rows.data)
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m export.compact", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--bundle", type=Path, required=True, help="the served bundle whose appends to fold in")
+    parser.add_argument("--out", type=Path, required=True, help="bundle dir to create")
+    parser.add_argument(
+        "--appends-dir",
+        type=Path,
+        default=None,
+        help="directory of the append logs (the server's XMCSERVE_APPEND_LOG_DIR; default: <bundle>.appends)",
+    )
+    parser.add_argument("--force", action="store_true", help="replace an existing bundle at --out")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    manifest = compact_bundle(args.bundle, args.out, args.appends_dir, args.force)
+    print(json.dumps({"bundle_id": manifest.bundle_id, "out": str(args.out), **manifest.counts.model_dump()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,458 @@
+"""Live memory: labels and training instances added to a served bundle without a rebuild.
+
+RAE-XMC's memory K = [instances ; labels], V = [λ·Y ; (1−λ)·I] takes new rows without retraining
+the encoder: an append encodes the new texts with the bundle's own encoder, adds them to the HNSW
+index as keys (grown as needed) and their rows to V (a new instance's row is λ·y, a new label's
+is (1−λ)·e_label). A label-index bundle takes new labels the same way (key id = label id).
+
+Key ids: the bundle's keys keep theirs (RAE: instances 0..N−1, labels N..N+L−1); appended keys
+follow in append order. A label keeps its id forever; new labels get the next ids.
+
+Consistency. A search runs against one :class:`MemoryView` (labels, what each key is, value
+rows), taken under :attr:`Memory.lock` together with the HNSW query. An append adds its keys in
+chunks of :data:`APPEND_CHUNK`, each marked deleted (invisible to searches) under that lock, so
+searches run between chunks; then, under the lock, it unmarks them and publishes the new view.
+A search sees all of an append or none of it, and waits at most one chunk's insertion.
+
+Durability. An append is written to its :class:`AppendLog` (one checksummed line, fsync'ed)
+before it is applied and acknowledged; loading a bundle replays its log. A crash while writing
+leaves a torn last line, which replay drops (none of the append); a crash after writing replays
+it (all of it). ``python -m export.compact`` folds a log into a fresh bundle.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+
+from service.engine.rae import ValueRows, labels_of_keys
+
+log = logging.getLogger(__name__)
+
+# Keys inserted per hold of the search lock: a search waits at most this many insertions.
+APPEND_CHUNK = 16
+# Most label uids one appended instance may carry.
+MAX_LABELS_PER_INSTANCE = 1000
+# Index capacity grows by this factor (at least), so resizing — a copy of the whole graph
+# under the search lock — happens O(log n) times as the memory grows.
+GROWTH = 1.5
+
+
+class AppendRefused(ValueError):
+    """The append cannot be applied as given (unknown or duplicate uids, empty texts, …)."""
+
+
+class AppendLogError(RuntimeError):
+    """The append log cannot be written or read; the memory is left as it was."""
+
+
+@dataclass(frozen=True)
+class AppendBatch:
+    """One append: new labels (uid, text) and new training instances (text, label uids).
+
+    ``append_id``: an idempotency key; an append whose id the memory already holds is not
+    applied again (a client that lost the answer retries safely)."""
+
+    labels: list[tuple[str, str]] = field(default_factory=list)
+    instances: list[tuple[str, list[str]]] = field(default_factory=list)
+    append_id: str | None = None
+
+    @property
+    def texts(self) -> list[str]:
+        """The texts to encode, in key order: the new labels, then the new instances."""
+        return [text for _, text in self.labels] + [text for text, _ in self.instances]
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps([self.labels, self.instances], ensure_ascii=False).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class MemoryView:
+    """What one search sees: the labels, what each key is, the value rows. Immutable; an
+    append publishes a new one. ``label_uids``, ``label_texts`` and ``uid_to_id`` are shared
+    append-only containers: a view owns their first ``num_labels`` entries."""
+
+    label_uids: list[str]
+    label_texts: list[str]
+    uid_to_id: dict[str, int]
+    num_labels: int
+    num_keys: int
+    base_keys: int
+    base_train: int  # instance keys at the front of the bundle's memory (0 for a label index)
+    appended_key_labels: np.ndarray  # label id of each appended key, −1 for an instance key
+    values: ValueRows | None = None
+    version: int = 0
+    appended_instances: int = 0
+    append_ids: dict[str, tuple[int, str]] = field(default_factory=dict)  # id → (version, fingerprint)
+
+    @property
+    def appended_labels(self) -> int:
+        return self.num_labels - (self.base_keys - self.base_train)
+
+    def label_id(self, uid: str) -> int | None:
+        label = self.uid_to_id.get(uid)
+        # past num_labels, or left by an append that failed: not this view's label
+        if label is None or label >= self.num_labels or self.label_uids[label] != uid:
+            return None
+        return label
+
+    def label_ids(self, uids: Collection[str]) -> set[int]:
+        """Ids of the known uids; unknown uids cannot be returned anyway, so they are ignored."""
+        return {label for uid in uids if (label := self.label_id(uid)) is not None}
+
+    def labels_of_keys(self, keys: np.ndarray) -> np.ndarray:
+        """The label id of each key (any shape), −1 for instance keys and for no key (−1)."""
+        labels = labels_of_keys(keys, self.base_train)
+        appended = keys >= self.base_keys
+        if appended.any():
+            labels[appended] = self.appended_key_labels[keys[appended] - self.base_keys]
+        return labels
+
+    def describe(self) -> dict:
+        return {
+            "version": self.version,
+            "keys": self.num_keys,
+            "labels": self.num_labels,
+            "appended_labels": self.appended_labels,
+            "appended_instances": self.appended_instances,
+        }
+
+
+def base_view(label_uids: list[str], label_texts: list[str], num_keys: int, values: sp.csr_matrix | None) -> MemoryView:
+    """The view of a bundle as built: its keys, labels and value matrix."""
+    num_labels = len(label_uids)
+    return MemoryView(
+        label_uids=list(label_uids),
+        label_texts=list(label_texts),
+        uid_to_id={uid: i for i, uid in enumerate(label_uids)},
+        num_labels=num_labels,
+        num_keys=num_keys,
+        base_keys=num_keys,
+        base_train=num_keys - num_labels,
+        appended_key_labels=np.zeros(0, dtype=np.int64),
+        values=ValueRows(values) if values is not None else None,
+    )
+
+
+def check_batch(view: MemoryView, batch: AppendBatch, has_instance_memory: bool) -> None:
+    """Raise :class:`AppendRefused` with every reason the batch cannot be applied to ``view``."""
+    problems = []
+    if not batch.labels and not batch.instances:
+        problems.append("nothing to append: give labels and/or instances")
+    if batch.instances and not has_instance_memory:
+        problems.append("this bundle is a label index (no instance memory): it takes labels only")
+    new_uids: set[str] = set()
+    for i, (uid, text) in enumerate(batch.labels):
+        if not uid:
+            problems.append(f"labels[{i}]: empty uid")
+        elif uid in new_uids:
+            problems.append(f"labels[{i}]: uid {uid!r} given twice")
+        elif view.label_id(uid) is not None:
+            problems.append(f"labels[{i}]: uid {uid!r} already exists")
+        new_uids.add(uid)
+        if not text.strip():
+            problems.append(f"labels[{i}]: empty text")
+    for i, (text, uids) in enumerate(batch.instances):
+        if not text.strip():
+            problems.append(f"instances[{i}]: empty text")
+        if not uids:
+            problems.append(f"instances[{i}]: no labels (an instance without labels adds nothing)")
+        elif len(uids) > MAX_LABELS_PER_INSTANCE:
+            problems.append(f"instances[{i}]: {len(uids)} labels, at most {MAX_LABELS_PER_INSTANCE}")
+        unknown = [uid for uid in uids if uid not in new_uids and view.label_id(uid) is None]
+        if unknown:
+            problems.append(f"instances[{i}]: unknown label uids {unknown[:5]} (add them in the same call)")
+        if len(set(uids)) != len(uids):
+            problems.append(f"instances[{i}]: a label uid given twice")
+    if problems:
+        raise AppendRefused("; ".join(problems[:20]))
+
+
+def extend_view(view: MemoryView, batch: AppendBatch, lam: float | None) -> MemoryView:
+    """The view after ``batch``: new label ids, keys (labels first, then instances) and value
+    rows. Writes the new labels into the shared containers past ``view.num_labels`` (no older
+    view reads there); a failed earlier attempt's leftovers there are overwritten."""
+    del view.label_uids[view.num_labels :], view.label_texts[view.num_labels :]
+    first_label = view.num_labels
+    for offset, (uid, text) in enumerate(batch.labels):
+        view.label_uids.append(uid)
+        view.label_texts.append(text)
+        view.uid_to_id[uid] = first_label + offset
+    num_labels = first_label + len(batch.labels)
+    new_label_ids = np.arange(first_label, num_labels, dtype=np.int64)
+    key_labels = np.concatenate([new_label_ids, np.full(len(batch.instances), -1, dtype=np.int64)])
+    values = view.values
+    if values is not None:
+        values = values.extended(value_rows(view, batch, new_label_ids, num_labels, lam))
+    append_ids = view.append_ids
+    if batch.append_id is not None:
+        append_ids = {**append_ids, batch.append_id: (view.version + 1, batch.fingerprint())}
+    return replace(
+        view,
+        num_labels=num_labels,
+        num_keys=view.num_keys + len(key_labels),
+        appended_key_labels=np.concatenate([view.appended_key_labels, key_labels]),
+        values=values,
+        version=view.version + 1,
+        appended_instances=view.appended_instances + len(batch.instances),
+        append_ids=append_ids,
+    )
+
+
+def value_rows(view: MemoryView, batch: AppendBatch, new_label_ids: np.ndarray, num_labels: int, lam: float | None):
+    """The appended keys' rows of V: (1−λ)·e_label for a new label, λ·y for a new instance."""
+    lam = 0.0 if lam is None else lam
+    ids_of = {uid: view.label_id(uid) for _, uids in batch.instances for uid in uids}
+    ids_of.update({uid: int(i) for (uid, _), i in zip(batch.labels, new_label_ids, strict=True)})
+    columns = [[int(i)] for i in new_label_ids] + [[ids_of[uid] for uid in uids] for _, uids in batch.instances]
+    weights = [1.0 - lam] * len(batch.labels) + [lam] * len(batch.instances)
+    indptr = np.concatenate([[0], np.cumsum([len(c) for c in columns])])
+    data = np.concatenate([np.full(len(c), w, dtype=np.float32) for c, w in zip(columns, weights, strict=True)])
+    indices = np.concatenate([np.asarray(c, dtype=np.int64) for c in columns]) if columns else np.zeros(0, np.int64)
+    rows = sp.csr_matrix((data, indices, indptr), shape=(len(columns), num_labels))
+    rows.sort_indices()
+    return rows
+
+
+class AppendLog:
+    """The durable record of a memory's appends: one line per append, ``<sha256> <json>``,
+    written and fsync'ed before the append is applied. Named by the bundle id, so a log is never
+    replayed onto another bundle."""
+
+    def __init__(self, path: Path, bundle_id: str):
+        self.path = path
+        self.bundle_id = bundle_id
+
+    @classmethod
+    def in_directory(cls, directory: Path, bundle_id: str) -> AppendLog:
+        """The log of bundle ``bundle_id`` in ``directory``: ``<bundle id>.appends.log``."""
+        return cls(directory / f"{bundle_id}.appends.log", bundle_id)
+
+    def read(self) -> list[dict]:
+        """Every complete record, oldest first. A torn last line (a crash while writing) is cut
+        off the file; a damaged line before it means the log was altered, and is refused."""
+        if not self.path.is_file():
+            return []
+        records, good_bytes = [], 0
+        with self.path.open("rb") as fh:
+            lines = fh.read().split(b"\n")
+        complete, tail = lines[:-1], lines[-1]
+        for number, line in enumerate(complete, start=1):
+            record = self._decode(line)
+            if record is None:
+                if number == len(complete) and not tail:
+                    log.warning("%s: dropping a damaged last record (an append cut off while written)", self.path)
+                    break
+                raise AppendLogError(f"{self.path}:{number}: damaged record before the end of the log")
+            records.append(record)
+            good_bytes += len(line) + 1
+        if good_bytes != self.path.stat().st_size:
+            cut = self.path.stat().st_size - good_bytes
+            log.warning("%s: cutting %d bytes of an unfinished record", self.path, cut)
+            os.truncate(self.path, good_bytes)
+        return records
+
+    def _decode(self, line: bytes) -> dict | None:
+        digest, _, payload = line.partition(b" ")
+        if hashlib.sha256(payload).hexdigest().encode() != digest:
+            return None
+        record = json.loads(payload)
+        if record.get("bundle_id") != self.bundle_id:
+            raise AppendLogError(f"{self.path}: a record of bundle {record.get('bundle_id')}, not {self.bundle_id}")
+        return record
+
+    def write(self, record: dict) -> None:
+        """Append one record durably; on any failure the file is cut back to where it was."""
+        payload = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
+        line = hashlib.sha256(payload).hexdigest().encode() + b" " + payload + b"\n"
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            created = not self.path.exists()
+            with self.path.open("ab") as fh:
+                start = fh.tell()
+                try:
+                    fh.write(line)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                except BaseException:
+                    fh.truncate(start)
+                    raise
+            if created:  # the new directory entry must be durable too
+                sync_directory(self.path.parent)
+        except OSError as exc:
+            raise AppendLogError(f"cannot write the append log {self.path}: {exc}") from exc
+
+    def cut_last(self, size: int) -> None:
+        """Take back the record just written (its append failed to apply)."""
+        os.truncate(self.path, size)
+
+
+def appends_dir_beside(bundle_path: Path) -> Path:
+    """Where a bundle's append logs go by default: ``<bundle dir>.appends/``, beside the bundle
+    (which stays immutable)."""
+    return Path(bundle_path).with_name(Path(bundle_path).name + ".appends")
+
+
+def sync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def record_of(batch: AppendBatch, vectors: np.ndarray, bundle_id: str, version: int) -> dict:
+    return {
+        "bundle_id": bundle_id,
+        "version": version,
+        "append_id": batch.append_id,
+        "labels": [list(label) for label in batch.labels],
+        "instances": [[text, list(uids)] for text, uids in batch.instances],
+        "vectors": base64.b64encode(np.ascontiguousarray(vectors, dtype=np.float32).tobytes()).decode(),
+    }
+
+
+def batch_of(record: dict, dim: int) -> tuple[AppendBatch, np.ndarray]:
+    batch = AppendBatch(
+        labels=[(uid, text) for uid, text in record["labels"]],
+        instances=[(text, list(uids)) for text, uids in record["instances"]],
+        append_id=record.get("append_id"),
+    )
+    vectors = np.frombuffer(base64.b64decode(record["vectors"]), dtype=np.float32).reshape(-1, dim)
+    if len(vectors) != len(batch.labels) + len(batch.instances):
+        raise AppendLogError(f"append record {record.get('version')}: {len(vectors)} vectors for its keys")
+    return batch, vectors
+
+
+@dataclass(frozen=True)
+class AppendOutcome:
+    """What an append did: the memory version it made, and the ids of the new labels."""
+
+    version: int
+    label_ids: dict[str, int]
+    instances: int
+    repeated: bool = False  # the append id was already applied: nothing was done again
+
+
+class Memory:
+    """The HNSW index of a bundle and the view of what its keys mean, with appends.
+
+    Thread-safe: searches take :attr:`lock` for the query (HNSW's ``ef`` is index-global and
+    hnswlib's insertions are not safe against queries); appends are serialised among themselves.
+    """
+
+    def __init__(self, index, view: MemoryView, lam: float | None, log: AppendLog | None):
+        self.index = index
+        self.lam = lam
+        self.log = log
+        self.lock = threading.Lock()
+        self._append_lock = threading.Lock()
+        self._view = view
+
+    @property
+    def view(self) -> MemoryView:
+        return self._view
+
+    @property
+    def has_instance_memory(self) -> bool:
+        return self._view.values is not None
+
+    def knn(self, vectors: np.ndarray, n: int, ef: int, view: MemoryView) -> tuple[np.ndarray, np.ndarray, int]:
+        """Best-first (key ids, similarities) of the ``n`` nearest keys of ``view`` (−1: none),
+        and the ef the search ran at. Keys published after ``view`` are fetched too (the index
+        holds them) and then dropped, so ``view`` still gets its ``n``."""
+        with self.lock:
+            newer = self._view.num_keys - view.num_keys
+            fetch = min(n + newer, self._view.num_keys)
+            ef = max(ef, fetch)
+            self.index.set_ef(ef)
+            keys, distances = self.index.knn_query(vectors, k=fetch)
+        keys = keys.astype(np.int64)
+        sims = (1.0 - distances).astype(np.float32)
+        if newer:
+            keys, sims = _only_visible(keys, sims, view.num_keys, n)
+        return keys[:, :n], sims[:, :n], ef
+
+    def append(self, batch: AppendBatch, encode: Callable[[list[str]], np.ndarray]) -> AppendOutcome:
+        """Encode, log, insert and publish ``batch`` (see the module docstring)."""
+        with self._append_lock:
+            view = self._view
+            if (repeated := self._repeated(view, batch)) is not None:
+                return repeated
+            check_batch(view, batch, self.has_instance_memory)
+            vectors = encode(batch.texts)
+            size = self.log.path.stat().st_size if self.log and self.log.path.exists() else 0
+            if self.log is not None:
+                self.log.write(record_of(batch, vectors, self.log.bundle_id, view.version + 1))
+            try:
+                return self._apply(view, batch, vectors)
+            except BaseException:
+                if self.log is not None:
+                    self.log.cut_last(size)
+                raise
+
+    def replay(self) -> int:
+        """Apply every record of the log (at load, before serving); returns how many."""
+        if self.log is None:
+            return 0
+        records = self.log.read()
+        with self._append_lock:
+            for record in records:
+                batch, vectors = batch_of(record, self.index.dim)
+                check_batch(self._view, batch, self.has_instance_memory)
+                self._apply(self._view, batch, vectors)
+        if records:
+            log.info("replayed %d appends from %s (memory version %d)", len(records), self.log.path, self._view.version)
+        return len(records)
+
+    def _repeated(self, view: MemoryView, batch: AppendBatch) -> AppendOutcome | None:
+        if batch.append_id is None or batch.append_id not in view.append_ids:
+            return None
+        version, fingerprint = view.append_ids[batch.append_id]
+        if fingerprint != batch.fingerprint():
+            raise AppendRefused(f"append_id {batch.append_id!r} was already used for another append")
+        return AppendOutcome(version, {uid: view.uid_to_id[uid] for uid, _ in batch.labels}, len(batch.instances), True)
+
+    def _apply(self, view: MemoryView, batch: AppendBatch, vectors: np.ndarray) -> AppendOutcome:
+        new_view = extend_view(view, batch, self.lam)
+        keys = np.arange(view.num_keys, new_view.num_keys)
+        self._reserve(new_view.num_keys)
+        for start in range(0, len(keys), APPEND_CHUNK):
+            chunk = keys[start : start + APPEND_CHUNK]
+            with self.lock:
+                self.index.add_items(vectors[start : start + len(chunk)], chunk, num_threads=1)
+                for key in chunk:
+                    self.index.mark_deleted(int(key))
+        with self.lock:
+            for key in keys:
+                self.index.unmark_deleted(int(key))
+            self._view = new_view
+        labels = {uid: new_view.uid_to_id[uid] for uid, _ in batch.labels}
+        return AppendOutcome(new_view.version, labels, len(batch.instances))
+
+    def _reserve(self, keys: int) -> None:
+        capacity = self.index.get_max_elements()
+        if keys > capacity:
+            with self.lock:
+                self.index.resize_index(max(keys, int(capacity * GROWTH)))
+
+
+def _only_visible(keys: np.ndarray, sims: np.ndarray, num_keys: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, the keys below ``num_keys`` (best first), padded with −1 to ``n``."""
+    out_keys = np.full((len(keys), n), -1, dtype=np.int64)
+    out_sims = np.full((len(keys), n), -np.inf, dtype=np.float32)
+    for i in range(len(keys)):
+        visible = keys[i] < num_keys
+        row_keys, row_sims = keys[i][visible][:n], sims[i][visible][:n]
+        out_keys[i, : len(row_keys)], out_sims[i, : len(row_sims)] = row_keys, row_sims
+    return out_keys, out_sims
