@@ -143,7 +143,7 @@ def traffic_phase(bundle: Path, half_a, half_b, batch: int, load: float, seconds
     bodies = [json.dumps({"text": text, "k": 10}).encode() for text in half_b.texts[:512]]
     try:
         peak = asyncio.run(closed_loop(f"{server.url}/predict", bodies, concurrency=8, seconds=8))
-        peak_qps = len(peak.latencies_by_status.get(200, [])) / peak.seconds
+        peak_qps = peak.summary()["qps"]
         rate = load * peak_qps
         alone = asyncio.run(open_loop(f"{server.url}/predict", bodies, rps=rate, seconds=seconds))
         with httpx.Client(base_url=server.url, headers={"X-Admin-Token": TOKEN}, timeout=120) as client:

@@ -7,6 +7,10 @@ batch is not full), runs the batch on a dedicated thread, and resolves each requ
 While a batch runs, the next one accumulates, so batches grow with load by themselves and an
 idle server answers a lone request without waiting. A full queue refuses at once
 (:class:`QueueFullError` → HTTP 429) instead of letting latency grow without bound.
+
+Background work on the same model (encoding an append to the live memory) is a second, lower
+priority class, as in Triton's priority levels: it runs on the batch thread only when no request
+is queued, so it takes the cores in turn with requests instead of beside them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from service.engine.memory import MemoryView
 from service.engine.search import Prediction, Predictor, Ranking, StageTimes
@@ -83,6 +88,12 @@ class _Job:
     enqueued: float
 
 
+@dataclass(eq=False)
+class _Background:
+    work: Callable[[], Any]
+    future: asyncio.Future
+
+
 class MicroBatcher:
     """Batches requests for the predictor returned by ``predictor_source`` (read per batch, so a
     swapped-in bundle takes the next batch while the running one finishes on the old).
@@ -104,10 +115,12 @@ class MicroBatcher:
         self._on_batch_done = on_batch_done or (lambda texts, times: None)
         self._on_drop = on_drop or (lambda reason: None)
         self._jobs: deque[_Job] = deque()
+        self._background: deque[_Background] = deque()
         self._arrived = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="xmcserve-batch")
         self._workers: list[asyncio.Task] = []
         self._running: set[_Job] = set()
+        self._background_running: set[_Background] = set()
         self.in_flight_batches = 0
         self._seconds_per_text = 0.0  # moving average of the compute time per text of recent batches
 
@@ -122,10 +135,11 @@ class MicroBatcher:
         for task in self._workers:
             task.cancel()
         await asyncio.gather(*self._workers, return_exceptions=True)
-        for job in [*self._running, *self._jobs]:
+        for job in [*self._running, *self._jobs, *self._background, *self._background_running]:
             if not job.future.done():
                 job.future.set_exception(BatcherStoppedError("service shutting down"))
         self._jobs.clear()
+        self._background.clear()
         self._running.clear()
         # Without waiting: a batch still on its thread finishes there, unobserved.
         self._executor.shutdown(wait=False)
@@ -160,6 +174,19 @@ class MicroBatcher:
             self._withdraw(job, "client_gone")
             raise
 
+    async def run_when_idle(self, work: Callable[[], Any]) -> Any:
+        """``work()``'s result, run on the batch thread when no request is queued: a request
+        waits at most for one piece of such work. Keep each piece short (a few texts)."""
+        job = _Background(work, asyncio.get_running_loop().create_future())
+        self._background.append(job)
+        self._arrived.set()
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            if job in self._background:
+                self._background.remove(job)
+            raise
+
     def expected_wait_s(self) -> float:
         """How long a request queued now would wait to start: the texts ahead of it (queued and
         computing) at the recent compute time per text, spread over the workers."""
@@ -176,10 +203,24 @@ class MicroBatcher:
         self._on_drop(reason)
         return True
 
-    async def _next_batch(self) -> list[_Job]:
-        while not self._jobs:
+    async def _wait_for_work(self) -> None:
+        while not self._jobs and not self._background:
             self._arrived.clear()
             await self._arrived.wait()
+
+    async def _run_background(self, loop: asyncio.AbstractEventLoop) -> None:
+        job = self._background.popleft()
+        if job.future.done():
+            return
+        self._background_running.add(job)
+        try:
+            job.future.set_result(await loop.run_in_executor(self._executor, job.work))
+        except Exception as exc:
+            job.future.set_exception(exc)
+        finally:
+            self._background_running.discard(job)
+
+    async def _next_batch(self) -> list[_Job]:
         batch = [self._jobs.popleft()]
         size = len(batch[0].texts)
         deadline = time.perf_counter() + self.config.max_wait_ms / 1000
@@ -205,6 +246,10 @@ class MicroBatcher:
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            await self._wait_for_work()
+            if not self._jobs:
+                await self._run_background(loop)
+                continue
             batch = await self._next_batch()
             if not batch:
                 continue

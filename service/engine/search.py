@@ -9,7 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import resource
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,9 +28,9 @@ from service.engine.memory import (
 )
 from service.engine.rae import aggregate, top_k_of_row
 
-# Texts per encoder call when encoding an append: small calls share the cores with /predict's
-# batches instead of holding them for the whole append.
-APPEND_ENCODE_CHUNK = 32
+# Texts per encoder call when encoding an append: a request queued behind one waits for at most
+# this many texts' encoding.
+APPEND_ENCODE_CHUNK = 8
 
 
 @dataclass
@@ -84,13 +84,20 @@ class Predictor:
         """The memory as of the last append: labels (uid → id), keys, values."""
         return self.memory.view
 
-    def append(self, batch: AppendBatch) -> AppendOutcome:
-        """Add labels and instances to the memory (encoded here), durably when it has a log."""
-        return self.memory.append(batch, self._encode_all)
+    def append(
+        self, batch: AppendBatch, run_chunk: Callable[[Callable[[], np.ndarray]], np.ndarray] | None = None
+    ) -> AppendOutcome:
+        """Add labels and instances to the memory, durably when it has a log; returns the
+        :class:`AppendOutcome`. The texts are encoded in chunks, each by ``run_chunk(work)``
+        (default: at once, on this thread); a server passes its batcher's
+        :meth:`~service.engine.batcher.MicroBatcher.run_when_idle`, so appends encode between requests."""
+        run_chunk = run_chunk or (lambda work: work())
 
-    def _encode_all(self, texts: list[str]) -> np.ndarray:
-        chunks = [texts[i : i + APPEND_ENCODE_CHUNK] for i in range(0, len(texts), APPEND_ENCODE_CHUNK)]
-        return np.concatenate([self.bundle.encoder.encode(chunk)[0] for chunk in chunks])
+        def encode(texts: list[str]) -> np.ndarray:
+            chunks = [texts[i : i + APPEND_ENCODE_CHUNK] for i in range(0, len(texts), APPEND_ENCODE_CHUNK)]
+            return np.concatenate([run_chunk(lambda c=c: self.bundle.encoder.encode(c)[0]) for c in chunks])
+
+        return self.memory.append(batch, encode)
 
     def predict(
         self,

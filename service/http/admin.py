@@ -162,11 +162,16 @@ def add_admin_routes(app: FastAPI) -> None:
         the next /predict sees all of them (never a part)."""
         state = serving_state(request)
         async with state.reload_lock:
-            predictor = state.variants[body.variant].predictor
+            slot = state.variants[body.variant]
+            predictor = slot.predictor
             if predictor is None:
                 raise HTTPException(409, f"variant {body.variant} has no bundle loaded")
+            # the encoding runs on the variant's batch thread between requests, never beside them
+            idle_time = slot.batcher.run_when_idle
             try:
-                outcome = await anyio.to_thread.run_sync(predictor.append, body.batch())
+                outcome = await anyio.to_thread.run_sync(
+                    predictor.append, body.batch(), lambda work: anyio.from_thread.run(idle_time, work)
+                )
             except AppendRefused as exc:
                 state.metrics.appends.labels(variant=body.variant, outcome="refused").inc()
                 raise HTTPException(422, f"nothing appended: {exc}") from None

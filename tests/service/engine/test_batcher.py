@@ -296,3 +296,27 @@ def test_a_request_that_would_wait_past_its_deadline_is_refused_before_queueing(
 
     asyncio.run(run_with(predictor, BatcherConfig(max_batch_size=1), scenario, drops.append))
     assert drops == ["deadline"] and predictor.batches == [["running"]]
+
+
+def test_background_work_runs_on_the_batch_thread_only_when_no_request_waits():
+    """Work queued with run_when_idle (an append's encoding) yields to requests queued before
+    and after it, and runs on the batch thread, never beside a batch."""
+    predictor = EchoPredictor(hold=True)
+
+    def background():  # what the batcher had computed when the background work got its turn
+        return len(predictor.batches), threading.current_thread().name
+
+    async def scenario(batcher):
+        running = asyncio.create_task(batcher.submit(["first"], 1, None, [()]))
+        await batch_started(predictor)
+        idle = asyncio.create_task(batcher.run_when_idle(background))
+        await asyncio.sleep(0)
+        queued = [asyncio.create_task(batcher.submit([f"q{i}"], 1, None, [()])) for i in range(3)]
+        await asyncio.sleep(0)
+        predictor.release(2)
+        await asyncio.gather(running, *queued)
+        return await idle
+
+    (batches_before, thread), _ = asyncio.run(run_with(predictor, BatcherConfig(max_batch_size=8), scenario))
+    assert [len(b) for b in predictor.batches] == [1, 3]  # the requests queued after it went first
+    assert batches_before == 2 and thread.startswith("xmcserve-batch")
