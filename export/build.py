@@ -27,6 +27,7 @@ from pathlib import Path
 
 import hnswlib
 import numpy as np
+import scipy.sparse as sp
 import torch
 from tokenizers import Tokenizer
 
@@ -43,6 +44,7 @@ from service.engine.manifest import (
     Counts,
     HnswParams,
     Manifest,
+    Shard,
     SourceInfo,
     TokenizerInfo,
     utc_now,
@@ -104,8 +106,9 @@ def build_bundle(
     prepared = prepare(labels, train, checkpoint, params)
 
     def populate(stage: Path) -> dict:
-        graph = write_payload(stage, prepared, labels, params)
-        return manifest_fields(prepared, labels, params, graph, checkpoint, data_name, time.perf_counter() - started)
+        graph, shards = write_payload(stage, prepared, labels, params)
+        seconds = time.perf_counter() - started
+        return manifest_fields(prepared, labels, params, graph, checkpoint, data_name, seconds) | {"shards": shards}
 
     manifest = write_bundle(out, populate, force)
     log.info("bundle %s written to %s in %.1fs", manifest.bundle_id, out, time.perf_counter() - started)
@@ -144,8 +147,11 @@ def memory_instances(train: XMCDataset | None, params: ExportParams) -> XMCDatas
     return train.subset(np.arange(min(params.max_train, len(train)))) if params.max_train else train
 
 
-def write_payload(stage: Path, prepared: Prepared, labels: LabelSpace, params: ExportParams) -> dict:
-    """Every bundle file but the manifest, into ``stage``; returns the serving graph's report."""
+def write_payload(
+    stage: Path, prepared: Prepared, labels: LabelSpace, params: ExportParams
+) -> tuple[dict, list | None]:
+    """Every bundle file but the manifest, into ``stage``; returns the serving graph's report
+    and the shard list."""
     tokenizer = prepared.tokenizer
     parity_texts = random_texts(tokenizer, params.parity_texts, params.seed) + labels.texts[:PARITY_LABEL_TEXTS]
     graph = export_serving_graph(
@@ -164,10 +170,32 @@ def write_payload(stage: Path, prepared: Prepared, labels: LabelSpace, params: E
     # re-export) rebuild the same vectors. The service does not read it.
     prepared.head.save(stage)
     write_labels(labels, stage / LABELS_FILE)
-    build_hnsw(prepared.keys, params, stage / INDEX_FILE)
-    if prepared.memory is not None:
-        write_values(stage, prepared.memory.Y, params.rae_lambda)
-    return graph
+    memory_Y = prepared.memory.Y if prepared.memory is not None else None
+    return graph, write_index(stage, prepared.keys, memory_Y, params)
+
+
+def write_index(
+    stage: Path, keys: np.ndarray, memory_Y: sp.csr_matrix | None, params: ExportParams
+) -> list[Shard] | None:
+    """``index.hnsw`` (+ ``values.npz`` for an RAE memory, whose label matrix is ``memory_Y``),
+    or with ``params.shards`` > 1 one ``index-<i>.hnsw`` (+ ``values-<i>.npz``) per contiguous
+    range of key ids; returns the manifest's shard list (None: unsharded)."""
+    if params.shards == 1:
+        build_hnsw(keys, params, stage / INDEX_FILE)
+        if memory_Y is not None:
+            write_values(stage, memory_Y, params.rae_lambda)
+        return None
+    if params.shards > len(keys):
+        raise ValueError(f"{params.shards} shards for {len(keys)} keys")
+    shards = []
+    for i, ids in enumerate(np.array_split(np.arange(len(keys)), params.shards)):
+        first = int(ids[0])
+        build_hnsw(keys[first : first + len(ids)], params, stage / f"index-{i}.hnsw", first_id=first)
+        values = f"values-{i}.npz" if memory_Y is not None else None
+        shards.append(Shard(index=f"index-{i}.hnsw", values=values, first_key=first, keys=len(ids)))
+    if memory_Y is not None:
+        write_values(stage, memory_Y, params.rae_lambda, shards)
+    return shards
 
 
 def manifest_fields(
@@ -212,12 +240,13 @@ def manifest_fields(
     }
 
 
-def build_hnsw(keys: np.ndarray, params: ExportParams, path: Path) -> None:
+def build_hnsw(keys: np.ndarray, params: ExportParams, path: Path, first_id: int = 0) -> None:
+    """An HNSW index over ``keys``, whose labels are ``first_id``, ``first_id + 1``, …"""
     index = hnswlib.Index(space="ip", dim=keys.shape[1])
     index.init_index(
         max_elements=len(keys), ef_construction=params.ef_construction, M=params.hnsw_m, random_seed=params.seed
     )
-    index.add_items(keys, np.arange(len(keys)), num_threads=params.build_threads or -1)
+    index.add_items(keys, first_id + np.arange(len(keys)), num_threads=params.build_threads or -1)
     index.set_ef(params.ef_search)
     index.save_index(str(path))
 

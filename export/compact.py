@@ -20,25 +20,15 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
-from export.build import build_hnsw, write_labels
+from export.build import write_index, write_labels
 from export.derive import link_or_copy
 from export.params import ExportParams
-from export.writer import refuse_existing, write_bundle, write_values
-from service.engine.manifest import (
-    INDEX_FILE,
-    LABELS_FILE,
-    MANIFEST_FILE,
-    VALUES_FILE,
-    Counts,
-    Manifest,
-    utc_now,
-)
+from export.writer import refuse_existing, write_bundle
+from service.engine.manifest import LABELS_FILE, MANIFEST_FILE, Counts, Manifest, shard_list, utc_now
 from service.engine.memory import MemoryView, appends_dir_beside
 from service.engine.rae import widen
 from service.engine.search import load_predictor
 from training.data import LabelSpace
-
-REBUILT = {MANIFEST_FILE, INDEX_FILE, LABELS_FILE, VALUES_FILE}
 
 
 def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, force: bool = False) -> Manifest:
@@ -51,21 +41,28 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
     src = bundle.manifest
     keys = np.asarray(bundle.index.get_items(np.arange(view.num_keys)), dtype=np.float32)
     order, instance_rows = canonical_order(view)
+    rebuilt = {MANIFEST_FILE, LABELS_FILE} | {name for shard in shard_list(src) for name in (shard.index, shard.values)}
+    params = ExportParams(
+        hnsw_m=src.hnsw.M,
+        ef_construction=src.hnsw.ef_construction,
+        ef_search=src.hnsw.ef_search,
+        rae_lambda=src.rae.lam if src.rae else 0.0,
+        shards=len(shard_list(src)),
+    )
 
     def populate(stage: Path) -> dict:
         for name in src.files:
-            if name not in REBUILT:
+            if name not in rebuilt:
                 link_or_copy(source / name, stage / name)
         labels = LabelSpace(uids=view.label_uids[: view.num_labels], texts=view.label_texts[: view.num_labels])
         write_labels(labels, stage / LABELS_FILE)
-        hnsw = ExportParams(hnsw_m=src.hnsw.M, ef_construction=src.hnsw.ef_construction, ef_search=src.hnsw.ef_search)
-        build_hnsw(keys[order], hnsw, stage / INDEX_FILE)
-        if view.values is not None:
-            write_values(stage, instance_labels(view, instance_rows), src.rae.lam)
+        memory_Y = instance_labels(view, instance_rows) if view.values is not None else None
+        shards = write_index(stage, keys[order], memory_Y, params)
         counts = Counts(labels=view.num_labels, memory_rows=view.num_keys, train_instances=len(instance_rows))
         return src.model_dump(exclude={"bundle_id", "files"}) | {
             "created_at": utc_now(),
             "counts": counts,
+            "shards": shards,
             "params": {**src.params, "compacted_from": src.bundle_id, "appends": view.version},
         }
 

@@ -15,7 +15,7 @@ import scipy.sparse as sp
 
 from export.params import RAE_ATTRIBUTES, RaeMode
 from export.writer import write_bundle, write_values
-from service.engine.manifest import MANIFEST_FILE, VALUES_FILE, Manifest, RaeParams, utc_now
+from service.engine.manifest import MANIFEST_FILE, Manifest, RaeParams, shard_list, utc_now
 
 
 def derive_rae_bundle(
@@ -38,11 +38,14 @@ def derive_rae_bundle(
     given = {"lam": lam, "tau": tau, "top_b": top_b, "mode": mode}
     rae = RaeParams(**(src.rae.model_dump() | {name: value for name, value in given.items() if value is not None}))
 
+    new_values = rae.lam != src.rae.lam
+    value_files = {shard.values for shard in shard_list(src)}
+
     def populate(stage: Path) -> dict:
+        if new_values:
+            write_values(stage, train_Y, rae.lam, src.shards)
         for name in src.files:
-            if name == VALUES_FILE and rae.lam != src.rae.lam:
-                write_values(stage, train_Y, rae.lam)
-            else:
+            if not (new_values and name in value_files):
                 link_or_copy(source / name, stage / name)
         # the params keep describing the bundle: the new RAE values replace the source's
         rae_attributes = {RAE_ATTRIBUTES[field]: value for field, value in rae.model_dump().items()}

@@ -70,6 +70,9 @@ class ExportParams:
         max_train: use only the first N training instances as memory; 0 = all (default: 0)
         head_blocks: ``all``, or a comma list of the trained head's block names to serve:
             ``g1_de`` = the DE half only, ``g2_clf`` = the classifier half only (default: all)
+        shards: split the index keys into this many contiguous ranges, each with its own HNSW
+            file (and value rows for an RAE memory); the service searches each and merges exactly
+            (default: 1)
         build_threads: HNSW insertion threads; 1 makes the index, and so the bundle id,
             reproducible from the same inputs; 0 uses every core: faster, order-dependent graph (default: 1)
         seed: seed for the random parity texts and HNSW construction (default: 0)
@@ -96,6 +99,7 @@ class ExportParams:
     parity_tolerance: float = 1e-4
     max_train: int = 0
     head_blocks: str = ALL_HEAD_BLOCKS
+    shards: int = 1
     build_threads: int = 1
     seed: int = 0
 
@@ -104,6 +108,8 @@ class ExportParams:
         for name, allowed in choices().items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r} ({', '.join(allowed)})")
+        if self.shards < 1:
+            raise ValueError(f"shards must be at least 1, not {self.shards}")
 
     def rae(self) -> RaeParams:
         """The RAE parameters as the manifest records them."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import scipy.sparse as sp
 
-from service.engine.manifest import MANIFEST_FILE, VALUES_FILE, Manifest, bundle_id_from, sha256_file
+from service.engine.manifest import MANIFEST_FILE, VALUES_FILE, Manifest, Shard, bundle_id_from, sha256_file
 from service.engine.rae import build_values
 
 # Writes the payload files into the staging dir it is given; returns the manifest's fields
@@ -59,10 +59,15 @@ def content_id(manifest: Manifest) -> str:
     return bundle_id_from(manifest.files | rae, prefix=f"{manifest.index_kind.replace('_', '-')}-{manifest.dim}d")
 
 
-def write_values(directory: Path, train_Y: sp.csr_matrix, lam: float) -> None:
-    """``values.npz``, the RAE value matrix for ``lam``. Built and derived bundles both write it
-    here, so the same λ and labels give the same bytes, and so the same bundle id."""
-    sp.save_npz(directory / VALUES_FILE, build_values(train_Y, lam), compressed=True)
+def write_values(directory: Path, train_Y: sp.csr_matrix, lam: float, shards: list[Shard] | None = None) -> None:
+    """``values.npz`` (or each shard's ``values-<i>.npz``: its rows), the RAE value matrix for
+    ``lam``. Built, derived and compacted bundles all write it here, so the same λ and labels
+    give the same bytes, and so the same bundle id."""
+    values = build_values(train_Y, lam)
+    if not shards:
+        sp.save_npz(directory / VALUES_FILE, values, compressed=True)
+    for shard in shards or []:
+        sp.save_npz(directory / shard.values, values[shard.first_key : shard.first_key + shard.keys], compressed=True)
 
 
 def _seal(stage: Path, fields: dict[str, Any]) -> Manifest:

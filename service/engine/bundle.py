@@ -16,16 +16,16 @@ from pydantic import ValidationError
 from service.engine.encoder import EncoderOptions, OnnxEncoder
 from service.engine.manifest import (
     ENCODER_FILE,
-    INDEX_FILE,
     LABELS_FILE,
     MANIFEST_FILE,
     SCHEMA_VERSION,
     TOKENIZER_FILE,
-    VALUES_FILE,
     Manifest,
     required_files,
     sha256_file,
+    shard_list,
 )
+from service.engine.shards import ShardedIndex
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Bundle:
     path: Path
     manifest: Manifest
     encoder: OnnxEncoder
-    index: hnswlib.Index
+    index: hnswlib.Index | ShardedIndex
     label_uids: list[str]
     label_texts: list[str]
     values: sp.csr_matrix | None
@@ -61,7 +61,7 @@ def read_manifest(path: Path) -> Manifest:
         raise BundleError(
             f"{manifest_path}: schema version {manifest.schema_version}, this service reads {SCHEMA_VERSION}"
         )
-    check_confined(path, [*manifest.files, *required_files(manifest.index_kind)])
+    check_confined(path, [*manifest.files, *required_files(manifest)])
     return manifest
 
 
@@ -76,7 +76,7 @@ def check_confined(path: Path, names: list[str]) -> None:
 
 
 def verify_checksums(path: Path, manifest: Manifest) -> None:
-    for name in required_files(manifest.index_kind):
+    for name in required_files(manifest):
         if name not in manifest.files:
             raise BundleError(f"{path}: manifest lists no checksum for required file {name}")
     for name, expected in manifest.files.items():
@@ -109,7 +109,7 @@ HNSW_HEADER = struct.Struct("<QQQQQQiIQQQdQ")
 HNSW_GROWTH_ALLOWANCE = 2
 
 
-def check_index_header(file: Path, manifest: Manifest) -> None:
+def check_index_header(file: Path, manifest: Manifest, keys: int) -> None:
     """The HNSW file's header against the manifest, before hnswlib allocates what the header
     asks for: a file whose checksums match but whose header claims 2^27 elements would make
     hnswlib allocate gigabytes inside the serving process."""
@@ -120,7 +120,7 @@ def check_index_header(file: Path, manifest: Manifest) -> None:
         (_, max_elements, count, per_element, label_offset, data_offset, max_level, entry, max_m, max_m0, m, _, _) = (
             HNSW_HEADER.unpack(f.read(HNSW_HEADER.size))
         )
-    keys, dim, expected_m = manifest.counts.memory_rows, manifest.dim, manifest.hnsw.M
+    dim, expected_m = manifest.dim, manifest.hnsw.M
     links = max_m0 * 4 + 4  # level-0 neighbour ids (uint32) and their count
     problems = [
         (count != keys, f"holds {count} keys, manifest says {keys}"),
@@ -136,32 +136,44 @@ def check_index_header(file: Path, manifest: Manifest) -> None:
             raise BundleError(f"{file}: HNSW header refused: {problem}")
 
 
-def load_index(path: Path, manifest: Manifest) -> hnswlib.Index:
-    check_index_header(path / INDEX_FILE, manifest)
-    index = hnswlib.Index(space=manifest.hnsw.space, dim=manifest.dim)
-    try:
-        index.load_index(str(path / INDEX_FILE))
-    except RuntimeError as exc:
-        raise BundleError(f"{path / INDEX_FILE}: cannot load HNSW index ({exc})") from None
-    index.set_ef(manifest.hnsw.ef_search)
-    return index
+def load_index(path: Path, manifest: Manifest) -> hnswlib.Index | ShardedIndex:
+    """The bundle's HNSW index; a sharded bundle's shards behind one :class:`ShardedIndex`."""
+    indexes = []
+    for shard in shard_list(manifest):
+        file = path / shard.index
+        check_index_header(file, manifest, shard.keys)
+        index = hnswlib.Index(space=manifest.hnsw.space, dim=manifest.dim)
+        try:
+            index.load_index(str(file))
+        except RuntimeError as exc:
+            raise BundleError(f"{file}: cannot load HNSW index ({exc})") from None
+        expected_ids = shard.first_key + np.arange(shard.keys)
+        if manifest.shards and not np.array_equal(np.sort(index.get_ids_list()), expected_ids):
+            raise BundleError(f"{file}: its key ids are not {shard.first_key}..{shard.first_key + shard.keys - 1}")
+        index.set_ef(manifest.hnsw.ef_search)
+        indexes.append(index)
+    return indexes[0] if len(indexes) == 1 else ShardedIndex(indexes)
 
 
 def load_values(path: Path, manifest: Manifest) -> sp.csr_matrix | None:
+    """V, the shards' value rows stacked in key order."""
     if manifest.index_kind != "rae_memory":
         return None
     if manifest.rae is None:
         raise BundleError(f"{path}: rae_memory bundle without RAE parameters")
-    try:
-        values = sp.load_npz(path / VALUES_FILE).tocsr().astype(np.float32)
-    except (OSError, ValueError) as exc:
-        raise BundleError(f"{path / VALUES_FILE}: cannot load value matrix ({exc})") from None
-    expected = (manifest.counts.memory_rows, manifest.counts.labels)
-    if values.shape != expected:
-        raise BundleError(f"{path}: value matrix shape {values.shape}, expected {expected}")
     if manifest.counts.train_instances + manifest.counts.labels != manifest.counts.memory_rows:
         raise BundleError(f"{path}: memory rows != train instances + labels")
-    return values
+    parts = []
+    for shard in shard_list(manifest):
+        try:
+            values = sp.load_npz(path / shard.values).tocsr().astype(np.float32)
+        except (OSError, ValueError) as exc:
+            raise BundleError(f"{path / shard.values}: cannot load value matrix ({exc})") from None
+        expected = (shard.keys, manifest.counts.labels)
+        if values.shape != expected:
+            raise BundleError(f"{path / shard.values}: value matrix shape {values.shape}, expected {expected}")
+        parts.append(values)
+    return parts[0] if len(parts) == 1 else sp.vstack(parts, format="csr")
 
 
 def check_encoder(path: Path, encoder: OnnxEncoder, manifest: Manifest) -> None:

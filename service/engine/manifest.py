@@ -9,6 +9,9 @@ immutable directory::
     labels.jsonl     one {"uid", "text"} per line; line number = label id
     index.hnsw       hnswlib index over the keys (labels, or instances + labels for RAE)
     values.npz       RAE only: CSR value matrix V = [λ·Y_trn ; (1−λ)·I_L], (memory rows x labels)
+    index-<i>.hnsw   a sharded bundle (``shards`` in the manifest) instead of the two above: one
+    values-<i>.npz   index per contiguous range of key ids (the global ids are the HNSW labels)
+                     and, for RAE, the value rows of those keys
     head.npz/.json   the linear head inside encoder.onnx (training.checkpoint format); not read
                      by the service, there for torch tools that rebuild the same vectors
 """
@@ -20,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -75,6 +78,15 @@ class RaeParams(_Strict):
     )
 
 
+class Shard(_Strict):
+    """One contiguous range of key ids, ``first_key`` .. ``first_key + keys − 1``."""
+
+    index: str = Field(description="its HNSW file; the elements' labels are the global key ids")
+    values: str | None = Field(None, description="RAE only: its rows of V, (keys x labels)")
+    first_key: int = Field(ge=0)
+    keys: int = Field(ge=1)
+
+
 class Counts(_Strict):
     labels: int = Field(ge=1)
     memory_rows: int = Field(ge=1, description="keys in the index (labels, or instances + labels)")
@@ -92,8 +104,22 @@ class Manifest(_Strict):
     hnsw: HnswParams
     rae: RaeParams | None = None
     counts: Counts
+    shards: list[Shard] | None = Field(None, description="a sharded index; None: index.hnsw (+ values.npz)")
     params: dict = Field(default_factory=dict, description="export parameters as given")
     files: dict[str, str] = Field(description="file name -> sha256 hex digest")
+
+    @model_validator(mode="after")
+    def _shards_cover_the_keys(self) -> Manifest:
+        next_key = 0
+        for i, shard in enumerate(self.shards or []):
+            if shard.first_key != next_key:
+                raise ValueError(f"shard {i} starts at key {shard.first_key}, not {next_key} (ranges are contiguous)")
+            if (shard.values is not None) != (self.index_kind == "rae_memory"):
+                raise ValueError(f"shard {i}: value rows go with an rae_memory bundle, and only with one")
+            next_key += shard.keys
+        if self.shards and next_key != self.counts.memory_rows:
+            raise ValueError(f"the shards hold {next_key} keys, counts.memory_rows says {self.counts.memory_rows}")
+        return self
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -114,6 +140,16 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def required_files(index_kind: IndexKind) -> list[str]:
-    files = [ENCODER_FILE, TOKENIZER_FILE, LABELS_FILE, INDEX_FILE]
-    return files + [VALUES_FILE] if index_kind == "rae_memory" else files
+def shard_list(manifest: Manifest) -> list[Shard]:
+    """The bundle's shards; an unsharded bundle is one shard over every key."""
+    if manifest.shards:
+        return list(manifest.shards)
+    values = VALUES_FILE if manifest.index_kind == "rae_memory" else None
+    return [Shard(index=INDEX_FILE, values=values, first_key=0, keys=manifest.counts.memory_rows)]
+
+
+def required_files(manifest: Manifest) -> list[str]:
+    files = [ENCODER_FILE, TOKENIZER_FILE, LABELS_FILE]
+    for shard in shard_list(manifest):
+        files += [shard.index] + ([shard.values] if shard.values else [])
+    return files

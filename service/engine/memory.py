@@ -39,6 +39,9 @@ from service.engine.rae import ValueRows, labels_of_keys
 
 log = logging.getLogger(__name__)
 
+# Neighbours fetched beyond those asked for, so that keys tied in distance at the cut are all
+# seen before the tie is broken by key id (see by_distance_then_key).
+TIE_MARGIN = 8
 # Keys inserted per hold of the search lock: a search waits at most this many insertions.
 APPEND_CHUNK = 16
 # Most label uids one appended instance may carry.
@@ -373,11 +376,11 @@ class Memory:
         holds them) and then dropped, so ``view`` still gets its ``n``."""
         with self.lock:
             newer = self._view.num_keys - view.num_keys
-            fetch = min(n + newer, self._view.num_keys)
+            fetch = min(n + newer + TIE_MARGIN, self._view.num_keys)
             ef = max(ef, fetch)
             self.index.set_ef(ef)
             keys, distances = self.index.knn_query(vectors, k=fetch)
-        keys = keys.astype(np.int64)
+        keys, distances = by_distance_then_key(keys.astype(np.int64), distances)
         sims = (1.0 - distances).astype(np.float32)
         if newer:
             keys, sims = _only_visible(keys, sims, view.num_keys, n)
@@ -445,6 +448,14 @@ class Memory:
         if keys > capacity:
             with self.lock:
                 self.index.resize_index(max(keys, int(capacity * GROWTH)))
+
+
+def by_distance_then_key(keys: np.ndarray, distances: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row ordered by distance, equal distances by key id: keys with identical vectors (an
+    instance whose text is a label's) then come out in one order however the index is built or
+    sharded, so exact search gives one answer."""
+    order = np.lexsort((keys, distances), axis=-1)
+    return np.take_along_axis(keys, order, axis=1), np.take_along_axis(distances, order, axis=1)
 
 
 def _only_visible(keys: np.ndarray, sims: np.ndarray, num_keys: int, n: int) -> tuple[np.ndarray, np.ndarray]:
