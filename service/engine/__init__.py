@@ -19,6 +19,8 @@ The public surface:
   batched onto one predictor per batch, bounded (:class:`QueueFullError`), stoppable
   (:class:`BatcherStoppedError`); configured by :class:`BatcherConfig`.
 * :class:`EncoderOptions` — how the ONNX encoder runs (provider, threads, spinning).
+* A sharded bundle (``manifest.shards``) loads as one :class:`~service.engine.shards.ShardedIndex`:
+  every shard searched, the per-shard top-n merged exactly; nothing else changes.
 
 Everything is thread-safe for concurrent ``predict`` calls on one predictor.
 """
