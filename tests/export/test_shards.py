@@ -3,10 +3,12 @@ range, searched shard by shard and merged by the single server: the same answers
 bundle under exact search, recall against exact search with HNSW, and every bundle operation
 (derive, append, compact) on them."""
 
+import httpx
 import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from bench.localserver import start_server, stop_server
 from bench.recall import exact_top_k, recall_at_k
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
@@ -114,3 +116,16 @@ def test_shards_must_cover_the_keys_contiguously(tiny_rae_bundle):
         Manifest(**(fields | {"shards": [shards[0], shards[1] | {"keys": rows}]}))
     with pytest.raises(ValidationError, match="value rows"):
         Manifest(**(fields | {"shards": [shards[0] | {"values": None}, shards[1] | {"keys": rows - 10}]}))
+
+
+def test_the_http_server_serves_a_sharded_bundle(sharded_rae, queries, tmp_path):
+    expected = load_predictor(sharded_rae).predict(queries[:5], 5)
+    server = start_server(sharded_rae, tmp_path / "sharded.log")
+    try:
+        r = httpx.post(f"{server.url}/predict", json={"texts": queries[:5], "k": 5}, timeout=60)
+        info = httpx.get(f"{server.url}/info", timeout=30).json()
+    finally:
+        stop_server(server)
+    assert r.status_code == 200 and len(info["manifest"]["shards"]) == 3
+    served = [[label["id"] for label in result["labels"]] for result in r.json()["results"]]
+    assert served == [ranking.ids.tolist() for ranking in expected.rankings]
