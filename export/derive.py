@@ -1,8 +1,8 @@
 """Bundles derived from another bundle without re-encoding: an RAE memory with other λ, τ, b or mode.
 
 The encoder and the index do not depend on these parameters, so they are hard-linked (bundles are
-immutable, sharing their files is safe) and only ``values.npz`` (when λ changes) and the manifest
-are new. This is what a λ sweep serves.
+immutable, sharing their files is safe) and only the value rows (``values.npz``, or each shard's,
+when λ changes) and the manifest are new. This is what a λ sweep serves.
 """
 
 from __future__ import annotations

@@ -77,9 +77,9 @@ def rank_split(
         else:
             depth = k
         if vectors is None:
-            prediction = predictor.predict([dataset.texts[r] for r in rows], depth, ef, exclude)
+            prediction = predictor.predict([dataset.texts[r] for r in rows], depth, ef, exclude, view)
         else:
-            prediction = predictor.search(vectors[rows.start : rows.stop], depth, ef, exclude)
+            prediction = predictor.search(vectors[rows.start : rows.stop], depth, ef, exclude, view)
         for r, ranking in zip(rows, prediction.rankings, strict=True):
             ids = to_dataset[ranking.ids]
             if protocol == "filter_after":

@@ -30,6 +30,7 @@ from service.engine.bundle import Bundle, BundleError, load_bundle
 from service.engine.encoder import EncoderOptions, OnnxEncoder
 from service.engine.memory import (
     AppendBatch,
+    AppendIdReused,
     AppendLog,
     AppendLogError,
     AppendOutcome,
@@ -41,6 +42,7 @@ from service.engine.search import Prediction, Predictor, Ranking, StageTimes, lo
 
 __all__ = [
     "AppendBatch",
+    "AppendIdReused",
     "AppendLog",
     "AppendLogError",
     "AppendOutcome",

@@ -92,6 +92,12 @@ class _Job:
 class _Background:
     work: Callable[[], Any]
     future: asyncio.Future
+    queued: float
+
+
+# Background work waits for an idle moment at most this long, then runs before the next batch:
+# under a load that never leaves the queue empty it still advances (a piece per this interval).
+BACKGROUND_MAX_WAIT_S = 0.5
 
 
 class MicroBatcher:
@@ -175,9 +181,10 @@ class MicroBatcher:
             raise
 
     async def run_when_idle(self, work: Callable[[], Any]) -> Any:
-        """``work()``'s result, run on the batch thread when no request is queued: a request
-        waits at most for one piece of such work. Keep each piece short (a few texts)."""
-        job = _Background(work, asyncio.get_running_loop().create_future())
+        """``work()``'s result, run on the batch thread when no request is queued (or once it has
+        waited :data:`BACKGROUND_MAX_WAIT_S`): a request waits at most for one piece of such work.
+        Keep each piece short (a few texts)."""
+        job = _Background(work, asyncio.get_running_loop().create_future(), time.perf_counter())
         self._background.append(job)
         self._arrived.set()
         try:
@@ -208,17 +215,26 @@ class MicroBatcher:
             self._arrived.clear()
             await self._arrived.wait()
 
+    def _background_overdue(self) -> bool:
+        return bool(self._background) and time.perf_counter() - self._background[0].queued > BACKGROUND_MAX_WAIT_S
+
     async def _run_background(self, loop: asyncio.AbstractEventLoop) -> None:
         job = self._background.popleft()
         if job.future.done():
             return
         self._background_running.add(job)
         try:
-            job.future.set_result(await loop.run_in_executor(self._executor, job.work))
+            result, error = await loop.run_in_executor(self._executor, job.work), None
         except Exception as exc:
-            job.future.set_exception(exc)
+            result, error = None, exc
         finally:
             self._background_running.discard(job)
+        if job.future.done():  # its caller stopped waiting
+            return
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)
 
     async def _next_batch(self) -> list[_Job]:
         batch = [self._jobs.popleft()]
@@ -247,7 +263,7 @@ class MicroBatcher:
         loop = asyncio.get_running_loop()
         while True:
             await self._wait_for_work()
-            if not self._jobs:
+            if not self._jobs or self._background_overdue():
                 await self._run_background(loop)
                 continue
             batch = await self._next_batch()

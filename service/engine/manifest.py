@@ -117,6 +117,9 @@ class Manifest(_Strict):
             if (shard.values is not None) != (self.index_kind == "rae_memory"):
                 raise ValueError(f"shard {i}: value rows go with an rae_memory bundle, and only with one")
             next_key += shard.keys
+        names = [name for shard in self.shards or [] for name in (shard.index, shard.values) if name]
+        if len(names) != len(set(names)):
+            raise ValueError("two shards name the same file")
         if self.shards and next_key != self.counts.memory_rows:
             raise ValueError(f"the shards hold {next_key} keys, counts.memory_rows says {self.counts.memory_rows}")
         return self

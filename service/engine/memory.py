@@ -55,6 +55,10 @@ class AppendRefused(ValueError):
     """The append cannot be applied as given (unknown or duplicate uids, empty texts, …)."""
 
 
+class AppendIdReused(AppendRefused):
+    """The append's ``append_id`` was applied already, with other content."""
+
+
 class AppendLogError(RuntimeError):
     """The append log cannot be written or read; the memory is left as it was."""
 
@@ -235,15 +239,17 @@ class AppendLog:
     def __init__(self, path: Path, bundle_id: str):
         self.path = path
         self.bundle_id = bundle_id
+        self.size = 0  # bytes this log holds as far as its owner knows (set by read and write)
 
     @classmethod
     def in_directory(cls, directory: Path, bundle_id: str) -> AppendLog:
         """The log of bundle ``bundle_id`` in ``directory``: ``<bundle id>.appends.log``."""
         return cls(directory / f"{bundle_id}.appends.log", bundle_id)
 
-    def read(self) -> list[dict]:
+    def read(self, repair: bool = True) -> list[dict]:
         """Every complete record, oldest first. A torn last line (a crash while writing) is cut
-        off the file; a damaged line before it means the log was altered, and is refused."""
+        off the file (with ``repair``; not when reading another owner's log, which may be in the
+        middle of a write); a damaged line before it means the log was altered, and is refused."""
         if not self.path.is_file():
             return []
         records, good_bytes = [], 0
@@ -259,10 +265,11 @@ class AppendLog:
                 raise AppendLogError(f"{self.path}:{number}: damaged record before the end of the log")
             records.append(record)
             good_bytes += len(line) + 1
-        if good_bytes != self.path.stat().st_size:
+        if repair and good_bytes != self.path.stat().st_size:
             cut = self.path.stat().st_size - good_bytes
             log.warning("%s: cutting %d bytes of an unfinished record", self.path, cut)
-            os.truncate(self.path, good_bytes)
+            self._truncate(good_bytes)
+        self.size = good_bytes
         return records
 
     def _decode(self, line: bytes) -> dict | None:
@@ -270,34 +277,59 @@ class AppendLog:
         if hashlib.sha256(payload).hexdigest().encode() != digest:
             return None
         record = json.loads(payload)
-        if record.get("bundle_id") != self.bundle_id:
+        if not isinstance(record, dict) or record.get("bundle_id") != self.bundle_id:
             raise AppendLogError(f"{self.path}: a record of bundle {record.get('bundle_id')}, not {self.bundle_id}")
         return record
 
-    def write(self, record: dict) -> None:
-        """Append one record durably; on any failure the file is cut back to where it was."""
+    def write(self, record: dict) -> int:
+        """Append one record durably (unbuffered, fsync'ed) and return the size before it; on any
+        failure the file is cut back to that size. Refused when the file is not the size its owner
+        left it at: another process or predictor appended to it, and this memory has not seen
+        those appends (reload the bundle to replay them)."""
         payload = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
         line = hashlib.sha256(payload).hexdigest().encode() + b" " + payload + b"\n"
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            created = not self.path.exists()
-            with self.path.open("ab") as fh:
-                start = fh.tell()
-                try:
-                    fh.write(line)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                except BaseException:
-                    fh.truncate(start)
-                    raise
-            if created:  # the new directory entry must be durable too
-                sync_directory(self.path.parent)
+            for directory in (self.path.parent.parent, self.path.parent):
+                if not directory.exists():
+                    directory.mkdir(parents=True, exist_ok=True)
+                    sync_directory(directory.parent)  # the new entry must be durable too
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as exc:
             raise AppendLogError(f"cannot write the append log {self.path}: {exc}") from exc
+        try:
+            start = os.fstat(fd).st_size
+            if start != self.size:
+                raise AppendLogError(
+                    f"{self.path} was appended to by another writer ({start} bytes, this memory knows {self.size}): "
+                    "reload the bundle to replay those appends"
+                )
+            try:
+                written = 0
+                while written < len(line):
+                    written += os.write(fd, line[written:])
+                os.fsync(fd)
+            except OSError as exc:
+                os.ftruncate(fd, start)
+                os.fsync(fd)
+                raise AppendLogError(f"cannot write the append log {self.path}: {exc}") from exc
+            sync_directory(self.path.parent)
+            self.size = start + len(line)
+            return start
+        finally:
+            os.close(fd)
 
-    def cut_last(self, size: int) -> None:
-        """Take back the record just written (its append failed to apply)."""
-        os.truncate(self.path, size)
+    def cut_back(self, size: int) -> None:
+        """Take back the records past ``size`` (an append that failed to apply after it was logged)."""
+        self._truncate(size)
+        self.size = size
+
+    def _truncate(self, size: int) -> None:
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def appends_dir_beside(bundle_path: Path) -> Path:
@@ -326,12 +358,15 @@ def record_of(batch: AppendBatch, vectors: np.ndarray, bundle_id: str, version: 
 
 
 def batch_of(record: dict, dim: int) -> tuple[AppendBatch, np.ndarray]:
-    batch = AppendBatch(
-        labels=[(uid, text) for uid, text in record["labels"]],
-        instances=[(text, list(uids)) for text, uids in record["instances"]],
-        append_id=record.get("append_id"),
-    )
-    vectors = np.frombuffer(base64.b64decode(record["vectors"]), dtype=np.float32).reshape(-1, dim)
+    try:
+        batch = AppendBatch(
+            labels=[(str(uid), str(text)) for uid, text in record["labels"]],
+            instances=[(str(text), [str(u) for u in uids]) for text, uids in record["instances"]],
+            append_id=record.get("append_id"),
+        )
+        vectors = np.frombuffer(base64.b64decode(record["vectors"]), dtype=np.float32).reshape(-1, dim)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AppendLogError(f"append record {record.get('version')}: malformed ({exc})") from None
     if len(vectors) != len(batch.labels) + len(batch.instances):
         raise AppendLogError(f"append record {record.get('version')}: {len(vectors)} vectors for its keys")
     return batch, vectors
@@ -386,44 +421,57 @@ class Memory:
             keys, sims = _only_visible(keys, sims, view.num_keys, n)
         return keys[:, :n], sims[:, :n], ef
 
-    def append(self, batch: AppendBatch, encode: Callable[[list[str]], np.ndarray]) -> AppendOutcome:
-        """Encode, log, insert and publish ``batch`` (see the module docstring)."""
+    def prepare(self, batch: AppendBatch, encode: Callable[[list[str]], np.ndarray]) -> np.ndarray | None:
+        """Check ``batch`` against the memory and encode it (the slow part, no lock held);
+        None when its ``append_id`` was applied already. Raises :class:`AppendRefused`."""
+        view = self._view
+        if self._repeated(view, batch) is not None:
+            return None
+        check_batch(view, batch, self.has_instance_memory)
+        return encode(batch.texts)
+
+    def commit(self, batch: AppendBatch, vectors: np.ndarray | None) -> AppendOutcome:
+        """Log and apply a prepared batch; checked again, since another append may have come
+        first. If applying fails after the log was written, the record is taken back."""
         with self._append_lock:
             view = self._view
             if (repeated := self._repeated(view, batch)) is not None:
                 return repeated
             check_batch(view, batch, self.has_instance_memory)
-            vectors = encode(batch.texts)
-            size = self.log.path.stat().st_size if self.log and self.log.path.exists() else 0
-            if self.log is not None:
-                self.log.write(record_of(batch, vectors, self.log.bundle_id, view.version + 1))
+            if vectors is None or len(vectors) != len(batch.texts):
+                raise AppendRefused("the batch was not prepared against this memory")
+            size = self.log.write(record_of(batch, vectors, self.log.bundle_id, view.version + 1)) if self.log else 0
             try:
                 return self._apply(view, batch, vectors)
             except BaseException:
                 if self.log is not None:
-                    self.log.cut_last(size)
+                    self.log.cut_back(size)
                 raise
 
-    def replay(self) -> int:
-        """Apply every record of the log (at load, before serving); returns how many."""
-        if self.log is None:
-            return 0
-        records = self.log.read()
+    def replay(self, records: list[dict] | None = None) -> int:
+        """Apply the log's records (or ``records``) at load, before serving; returns how many were
+        applied. A record whose ``append_id`` is already applied (the same append logged twice)
+        is skipped, as a live retry would be."""
+        records = self.log.read() if records is None and self.log is not None else records or []
+        applied = 0
         with self._append_lock:
             for record in records:
                 batch, vectors = batch_of(record, self.index.dim)
+                if self._repeated(self._view, batch) is not None:
+                    continue
                 check_batch(self._view, batch, self.has_instance_memory)
                 self._apply(self._view, batch, vectors)
-        if records:
-            log.info("replayed %d appends from %s (memory version %d)", len(records), self.log.path, self._view.version)
-        return len(records)
+                applied += 1
+        if applied:
+            log.info("replayed %d appends (memory version %d)", applied, self._view.version)
+        return applied
 
     def _repeated(self, view: MemoryView, batch: AppendBatch) -> AppendOutcome | None:
         if batch.append_id is None or batch.append_id not in view.append_ids:
             return None
         version, fingerprint = view.append_ids[batch.append_id]
         if fingerprint != batch.fingerprint():
-            raise AppendRefused(f"append_id {batch.append_id!r} was already used for another append")
+            raise AppendIdReused(f"append_id {batch.append_id!r} was already used for another append")
         return AppendOutcome(version, {uid: view.uid_to_id[uid] for uid, _ in batch.labels}, len(batch.instances), True)
 
     def _apply(self, view: MemoryView, batch: AppendBatch, vectors: np.ndarray) -> AppendOutcome:

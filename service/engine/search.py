@@ -32,6 +32,8 @@ from service.engine.rae import aggregate, top_k_of_row
 # this many texts' encoding.
 APPEND_ENCODE_CHUNK = 8
 
+RunChunk = Callable[[Callable[[], np.ndarray]], np.ndarray]
+
 
 @dataclass
 class StageTimes:
@@ -84,20 +86,24 @@ class Predictor:
         """The memory as of the last append: labels (uid → id), keys, values."""
         return self.memory.view
 
-    def append(
-        self, batch: AppendBatch, run_chunk: Callable[[Callable[[], np.ndarray]], np.ndarray] | None = None
-    ) -> AppendOutcome:
-        """Add labels and instances to the memory, durably when it has a log; returns the
-        :class:`AppendOutcome`. The texts are encoded in chunks, each by ``run_chunk(work)``
-        (default: at once, on this thread); a server passes its batcher's
-        :meth:`~service.engine.batcher.MicroBatcher.run_when_idle`, so appends encode between requests."""
+    def append(self, batch: AppendBatch, run_chunk: RunChunk | None = None) -> AppendOutcome:
+        """Add labels and instances to the memory, durably when it has a log: :meth:`prepare_append`
+        then ``memory.commit`` (a server calls the two apart, so it holds its locks only for the
+        commit)."""
+        return self.memory.commit(batch, self.prepare_append(batch, run_chunk))
+
+    def prepare_append(self, batch: AppendBatch, run_chunk: RunChunk | None = None) -> np.ndarray | None:
+        """Check ``batch`` and encode its texts in chunks, each by ``run_chunk(work)`` (default:
+        at once, on this thread); a server passes its batcher's
+        :meth:`~service.engine.batcher.MicroBatcher.run_when_idle`, so appends encode between
+        requests. None: its ``append_id`` is applied already."""
         run_chunk = run_chunk or (lambda work: work())
 
         def encode(texts: list[str]) -> np.ndarray:
             chunks = [texts[i : i + APPEND_ENCODE_CHUNK] for i in range(0, len(texts), APPEND_ENCODE_CHUNK)]
             return np.concatenate([run_chunk(lambda c=c: self.bundle.encoder.encode(c)[0]) for c in chunks])
 
-        return self.memory.append(batch, encode)
+        return self.memory.prepare(batch, encode)
 
     def predict(
         self,
@@ -170,15 +176,20 @@ def load_predictor(
     """A bundle loaded, verified and warmed by one prediction (the first search and aggregation
     allocate); a bundle that cannot answer is refused like a corrupt one (:class:`BundleError`).
 
-    ``appends_dir``: where the bundle's append log lives (:meth:`AppendLog.beside`); its appends
-    are replayed, and new ones are written there before they are applied. None: no log (appends
-    live in memory only)."""
+    ``appends_dir``: where the bundle's append log lives (e.g. :func:`appends_dir_beside`); its
+    appends are replayed, and new ones are written there before they are applied. None: no log
+    (appends live in memory only). A bundle compacted from another (``params.compacted_from``)
+    first replays the appends its source's log got after the compaction."""
     bundle = load_bundle(path, options, verify=verify)
     log = AppendLog.in_directory(appends_dir, bundle.bundle_id) if appends_dir is not None else None
     predictor = Predictor(bundle, log)
     try:
+        if log is not None and (source := bundle.manifest.params.get("compacted_from")):
+            folded = int(bundle.manifest.params.get("appends", 0))
+            later = [r for r in AppendLog.in_directory(appends_dir, source).read(repair=False) if r["version"] > folded]
+            predictor.memory.replay(later)
         predictor.memory.replay()
-    except (AppendLogError, ValueError) as exc:
+    except (AppendLogError, ValueError, KeyError, TypeError) as exc:
         raise BundleError(f"{path}: cannot replay its append log ({exc})") from None
     try:
         predictor.predict(["warm-up query"], k=10)

@@ -29,7 +29,7 @@ class ShardedIndex:
     def __init__(self, shards: list):
         self.shards = shards
         self.dim = shards[0].dim
-        self._deleted_in_last = 0  # keys of an append in progress, invisible until published
+        self._deleted: set[int] = set()  # keys of an append in progress (last shard), hidden until published
         self._first_keys = np.cumsum([0] + [s.get_current_count() for s in shards[:-1]])
 
     def set_ef(self, ef: int) -> None:
@@ -42,7 +42,7 @@ class ShardedIndex:
     def knn_query(self, vectors: np.ndarray, k: int):
         keys, distances = [], []
         for i, shard in enumerate(self.shards):
-            live = shard.get_current_count() - (self._deleted_in_last if i == len(self.shards) - 1 else 0)
+            live = shard.get_current_count() - (len(self._deleted) if i == len(self.shards) - 1 else 0)
             if live > 0:
                 shard_keys, shard_distances = shard.knn_query(vectors, k=min(k, live))
                 keys.append(shard_keys.astype(np.int64))
@@ -68,11 +68,12 @@ class ShardedIndex:
 
     def add_items(self, data, ids, num_threads: int = 1) -> None:
         self.shards[-1].add_items(data, ids, num_threads=num_threads)
+        self._deleted.difference_update(int(key) for key in ids)  # hnswlib un-deletes a re-added key
 
     def mark_deleted(self, key: int) -> None:
         self.shards[-1].mark_deleted(key)
-        self._deleted_in_last += 1
+        self._deleted.add(int(key))
 
     def unmark_deleted(self, key: int) -> None:
         self.shards[-1].unmark_deleted(key)
-        self._deleted_in_last -= 1
+        self._deleted.discard(int(key))

@@ -20,7 +20,7 @@ import anyio
 from fastapi import Depends, FastAPI, HTTPException, Request
 
 from service import engine
-from service.engine import AppendLogError, AppendRefused, BundleError, Predictor
+from service.engine import AppendIdReused, AppendLogError, AppendRefused, BundleError, Predictor
 from service.http.metrics import Metrics
 from service.http.schemas import ConfigUpdate, ReloadRequest, build_append_request
 from service.http.settings import Settings
@@ -161,23 +161,30 @@ def add_admin_routes(app: FastAPI) -> None:
         """Encode and add the labels and instances to the variant's memory, logged before applied;
         the next /predict sees all of them (never a part)."""
         state = serving_state(request)
-        async with state.reload_lock:
-            slot = state.variants[body.variant]
-            predictor = slot.predictor
-            if predictor is None:
-                raise HTTPException(409, f"variant {body.variant} has no bundle loaded")
-            # the encoding runs on the variant's batch thread between requests, never beside them
-            idle_time = slot.batcher.run_when_idle
-            try:
-                outcome = await anyio.to_thread.run_sync(
-                    predictor.append, body.batch(), lambda work: anyio.from_thread.run(idle_time, work)
-                )
-            except AppendRefused as exc:
-                state.metrics.appends.labels(variant=body.variant, outcome="refused").inc()
-                raise HTTPException(422, f"nothing appended: {exc}") from None
-            except AppendLogError as exc:
-                state.metrics.appends.labels(variant=body.variant, outcome="failed").inc()
-                raise HTTPException(503, f"nothing appended: {exc}", headers={"Retry-After": "5"}) from None
+        slot = state.variants[body.variant]
+        predictor, batch = slot.predictor, body.batch()
+        if predictor is None:
+            raise HTTPException(409, f"variant {body.variant} has no bundle loaded")
+        # Encoded on the variant's batch thread between requests, and without the admin lock, so a
+        # long append never holds up a reload or promote; logged and applied under it.
+        idle_time = slot.batcher.run_when_idle
+        try:
+            vectors = await anyio.to_thread.run_sync(
+                predictor.prepare_append, batch, lambda work: anyio.from_thread.run(idle_time, work)
+            )
+            async with state.reload_lock:
+                if slot.predictor is not predictor:
+                    raise HTTPException(
+                        409, f"variant {body.variant} changed bundles during the append: nothing appended"
+                    )
+                outcome = await anyio.to_thread.run_sync(predictor.memory.commit, batch, vectors)
+        except AppendRefused as exc:
+            state.metrics.appends.labels(variant=body.variant, outcome="refused").inc()
+            status = 409 if isinstance(exc, AppendIdReused) else 422
+            raise HTTPException(status, f"nothing appended: {exc}") from None
+        except AppendLogError as exc:
+            state.metrics.appends.labels(variant=body.variant, outcome="failed").inc()
+            raise HTTPException(503, f"nothing appended: {exc}", headers={"Retry-After": "5"}) from None
         state.metrics.appends.labels(variant=body.variant, outcome="repeated" if outcome.repeated else "applied").inc()
         if not outcome.repeated:
             state.metrics.appended_keys.labels(variant=body.variant, kind="label").inc(len(outcome.label_ids))

@@ -231,9 +231,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         started = time.perf_counter()
         timeout_s = (body.timeout_ms or settings.limits.request_timeout_ms) / 1000
         try:
-            answer = await answer_unless_gone(
-                request, slot.batcher.submit(texts, body.k, body.ef, exclude, timeout_s)
-            )
+            answer = await answer_unless_gone(request, slot.batcher.submit(texts, body.k, body.ef, exclude, timeout_s))
         except (QueueFullError, DeadlineExceededError) as exc:
             if isinstance(exc, QueueFullError):
                 metrics.rejected.labels(variant=slot.name).inc()

@@ -171,6 +171,7 @@ class ShadowMirror:
             return False
         self._worker.submit(Copy(request, time.monotonic() + self.config.timeout_s))
         return True
+
     def record(self, result: tuple) -> None:
         """One worker result: ``("compared", copies, overlaps, taus, score_deltas, latency_deltas)``
         or ``("dropped", reason, copies)``."""

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 PIPE_SIZE_SETTING = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux's fcntl code for a pipe's capacity
 
+
 @dataclass
 class WorkerSpec:
     """What the child is told at start (plain data).

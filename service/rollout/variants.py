@@ -80,9 +80,7 @@ class Variants:
         on_drop: Callable[[str], Callable[[str], None]] = lambda name: None,
     ) -> Variants:
         """``on_batch_done(name)`` / ``on_drop(name)``: each slot's batcher callbacks."""
-        slots = {
-            name: VariantSlot(name, config, on_batch_done(name), on_drop(name)) for name in (PRIMARY, CANDIDATE)
-        }
+        slots = {name: VariantSlot(name, config, on_batch_done(name), on_drop(name)) for name in (PRIMARY, CANDIDATE)}
         slots[CANDIDATE].fallback = slots[PRIMARY]
         return cls(slots=slots)
 

@@ -129,3 +129,20 @@ def test_the_http_server_serves_a_sharded_bundle(sharded_rae, queries, tmp_path)
     assert r.status_code == 200 and len(info["manifest"]["shards"]) == 3
     served = [[label["id"] for label in result["labels"]] for result in r.json()["results"]]
     assert served == [ranking.ids.tolist() for ranking in expected.rankings]
+
+
+def test_a_failed_append_retried_on_shards_leaves_no_key_hidden(sharded_rae, tmp_path, monkeypatch):
+    from service.engine import memory as memory_module
+    from tests.service.engine.test_memory import FailingIndex
+
+    grown = load_predictor(sharded_rae, appends_dir=tmp_path / "appends")
+    sharded = grown.memory.index
+    monkeypatch.setattr(memory_module, "APPEND_CHUNK", 1)
+    monkeypatch.setattr(grown.memory, "index", FailingIndex(sharded, fail_at=2))
+    batch = AppendBatch(labels=[("zz-new", "zz-new: a new label")], instances=[("zz-tool: new", ["zz-new"])])
+    with pytest.raises(MemoryError):
+        grown.append(batch)
+    monkeypatch.setattr(grown.memory, "index", sharded)
+    grown.append(batch)  # re-adds the key the failed attempt left behind
+    assert not sharded._deleted  # every key of the published append is searchable
+    assert [grown.view.label_uids[i] for i in grown.predict(["zz-tool: new"], 1).rankings[0].ids] == ["zz-new"]

@@ -10,6 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
+from service.engine import batcher as batcher_module
 from service.engine.batcher import (
     BatcherConfig,
     BatcherStoppedError,
@@ -320,3 +321,24 @@ def test_background_work_runs_on_the_batch_thread_only_when_no_request_waits():
     (batches_before, thread), _ = asyncio.run(run_with(predictor, BatcherConfig(max_batch_size=8), scenario))
     assert [len(b) for b in predictor.batches] == [1, 3]  # the requests queued after it went first
     assert batches_before == 2 and thread.startswith("xmcserve-batch")
+
+
+def test_background_work_that_waited_too_long_runs_before_the_next_batch(monkeypatch):
+    """Under load that never empties the queue, background work still advances: once it has
+    waited BACKGROUND_MAX_WAIT_S it goes before the next batch (here the limit is 0)."""
+    monkeypatch.setattr(batcher_module, "BACKGROUND_MAX_WAIT_S", 0.0)
+    predictor = EchoPredictor(hold=True)
+
+    async def scenario(batcher):
+        running = asyncio.create_task(batcher.submit(["first"], 1, None, [()]))
+        await batch_started(predictor)
+        idle = asyncio.create_task(batcher.run_when_idle(lambda: len(predictor.batches)))
+        await asyncio.sleep(0)
+        queued = [asyncio.create_task(batcher.submit([f"q{i}"], 1, None, [()])) for i in range(3)]
+        await asyncio.sleep(0)
+        predictor.release(2)
+        await asyncio.gather(running, *queued)
+        return await idle
+
+    batches_before, _ = asyncio.run(run_with(predictor, BatcherConfig(max_batch_size=8), scenario))
+    assert batches_before == 1  # right after the running batch, ahead of the queued requests

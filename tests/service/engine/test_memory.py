@@ -199,7 +199,7 @@ def test_compaction_serves_what_the_grown_memory_served(rae, tiny_rae_bundle, tm
     out = compact_bundle(tiny_rae_bundle, tmp_path / "compacted", appends_dir=tmp_path / "appends")
     assert out.params["compacted_from"] == rae.bundle.bundle_id and out.params["appends"] == 2
     compacted = load_predictor(tmp_path / "compacted", appends_dir=tmp_path / "appends")
-    assert compacted.view.version == 0  # a new bundle id: the old log does not apply
+    assert compacted.view.version == 0  # the source log holds nothing past what was folded in
     assert out.counts.labels == rae.view.num_labels and out.counts.memory_rows == rae.view.num_keys
     assert compacted.view.label_uids == rae.view.label_uids[: rae.view.num_labels]
     queries = [NEW_INSTANCE[0], "zz-more-3: another new tool", "zz-late", "libc6: GNU C Library"]
@@ -208,3 +208,26 @@ def test_compaction_serves_what_the_grown_memory_served(rae, tiny_rae_bundle, tm
     for row in range(len(queries)):
         assert uids_of(rebuilt, row) == uids_of(grown, row)
         np.testing.assert_allclose(rebuilt.rankings[row].scores, grown.rankings[row].scores, rtol=1e-4, atol=1e-6)
+
+
+def test_a_second_writer_of_one_log_is_refused_and_a_duplicate_record_is_skipped(rae, tiny_rae_bundle, tmp_path):
+    """Two predictors of one bundle over one log (A and B of one server, or replicas sharing a
+    directory by mistake): the one that did not write last is refused instead of diverging."""
+    other = load_predictor(tiny_rae_bundle, appends_dir=tmp_path / "appends")
+    grow(rae, AppendBatch(labels=[NEW_LABEL], instances=[NEW_INSTANCE], append_id="once"))
+    with pytest.raises(AppendLogError, match="another writer"):
+        grow(other, AppendBatch(labels=[("zz-other", "zz-other: text")]))
+    assert other.view.version == 0
+    # the same append logged twice (a retry that reached two writers) is applied once on replay
+    log_path = rae.memory.log.path
+    log_path.write_bytes(log_path.read_bytes() * 2)
+    assert load_predictor(tiny_rae_bundle, appends_dir=tmp_path / "appends").view.version == 1
+
+
+def test_a_compacted_bundle_replays_what_its_source_got_after_the_compaction(rae, tiny_rae_bundle, tmp_path):
+    grow(rae)
+    compact_bundle(tiny_rae_bundle, tmp_path / "compacted", appends_dir=tmp_path / "appends")
+    grow(rae, AppendBatch(labels=[("zz-late", "zz-late: appended while the compaction was shipped")]))
+    compacted = load_predictor(tmp_path / "compacted", appends_dir=tmp_path / "appends")
+    assert compacted.view.label_id("zz-new-label") is not None and compacted.view.label_id("zz-late") is not None
+    assert compacted.view.describe()["labels"] == rae.view.num_labels
