@@ -32,8 +32,9 @@ import numpy as np
 
 from bench.loadgen import closed_loop, open_loop
 from bench.localserver import start_server, stop_server
+from bench.recall import key_recall_at_10
 from export.compact import compact_bundle
-from service.engine import AppendBatch, Predictor, load_predictor
+from service.engine import AppendBatch, load_predictor
 from training.data import XMCDataset, load_jsonl_split
 from training.evaluate import HEADLINE, evaluate_predictor
 
@@ -70,19 +71,6 @@ def append_batches(view, half: XMCDataset, batch: int) -> list[AppendBatch]:
 def headline(result: dict) -> dict:
     pick = lambda metrics: {name: metrics[name] for name in HEADLINE if name in metrics}  # noqa: E731
     return {"filter_after": pick(result["metrics"]), "exclude_before": pick(result["metrics_exclude_before"])}
-
-
-def key_recall_at_10(predictor: Predictor, queries: np.ndarray) -> float:
-    """Recall of the HNSW top-10 keys against the exact top-10 over the same keys."""
-    view = predictor.view
-    keys = np.asarray(predictor.bundle.index.get_items(np.arange(view.num_keys)), dtype=np.float32)
-    found, _, _ = predictor.knn(queries, 10, None)
-    hits = 0
-    for start in range(0, len(queries), 512):
-        sims = queries[start : start + 512] @ keys.T
-        exact = np.argpartition(-sims, 10, axis=1)[:, :10]
-        hits += sum(len(set(e) & set(f)) for e, f in zip(exact, found[start : start + 512], strict=True))
-    return round(hits / (10 * len(queries)), 4)
 
 
 def quality_phase(bundle: Path, train: XMCDataset, half_a, half_b, batch: int, workdir: Path) -> dict:

@@ -39,3 +39,15 @@ def ann_recall(bundle: Bundle, texts: list[str], k: int = 10, ef: int | None = N
     vectors, _ = bundle.encoder.encode(texts)
     served = Predictor(bundle).search(vectors, k, ef).rankings
     return recall_at_k(exact_top_k(bundle, vectors, k), [r.ids.tolist() for r in served])
+
+
+def key_recall_at_10(predictor: Predictor, vectors: np.ndarray, ef: int | None = None) -> float:
+    """Share of the exact 10 nearest keys (over every key of the predictor's current memory,
+    appended ones included) that its HNSW search at ``ef`` returns."""
+    keys = np.asarray(predictor.bundle.index.get_items(np.arange(predictor.view.num_keys)), dtype=np.float32)
+    found, _, _ = predictor.knn(vectors, 10, ef)
+    hits = 0
+    for start in range(0, len(vectors), 512):  # a block of exact similarities at a time
+        exact = np.argpartition(-(vectors[start : start + 512] @ keys.T), 10, axis=1)[:, :10]
+        hits += sum(len(set(e) & set(f)) for e, f in zip(exact, found[start : start + 512], strict=True))
+    return round(hits / (10 * len(vectors)), 4)

@@ -19,19 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.recall import key_recall_at_10
 from export.derive import derive_rae_bundle
 from service.engine.bundle import load_bundle
 from service.engine.search import Predictor
 from training.data import load_jsonl_split
 from training.evaluate import HEADLINE, evaluate_bundle
-
-
-def key_recall_at_10(predictor: Predictor, vectors: np.ndarray, ef: int) -> float:
-    """Share of the exact 10 nearest keys that HNSW at ``ef`` returns."""
-    keys = np.asarray(predictor.bundle.index.get_items(np.arange(predictor.bundle.index.get_current_count())))
-    exact = np.argsort(-(vectors @ keys.T), axis=1)[:, :10]
-    found, _, _ = predictor.knn(vectors, 10, ef)
-    return float(np.mean([len(set(f) & set(e)) / 10 for f, e in zip(found, exact, strict=True)]))
 
 
 def search_ms_per_query(predictor: Predictor, vectors: np.ndarray, ef: int) -> float:
