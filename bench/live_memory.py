@@ -35,6 +35,7 @@ from bench.localserver import start_server, stop_server
 from bench.recall import key_recall_at_10
 from export.compact import compact_bundle
 from service.engine import AppendBatch, load_predictor
+from service.engine.bundle import read_labels
 from training.data import XMCDataset, load_jsonl_split
 from training.evaluate import HEADLINE, evaluate_predictor
 
@@ -47,10 +48,10 @@ def halves(dev: XMCDataset, seed: int) -> tuple[XMCDataset, XMCDataset]:
     return dev.subset(np.sort(order[:middle])), dev.subset(np.sort(order[middle:]))
 
 
-def append_batches(view, half: XMCDataset, batch: int) -> list[AppendBatch]:
+def append_batches(bundle_uids: list[str], half: XMCDataset, batch: int) -> list[AppendBatch]:
     """Half A's instances as append calls; each call also adds the labels of its instances that
-    the memory (or an earlier call) lacks."""
-    known, calls = {uid for uid in view.label_uids[: view.num_labels]}, []
+    the bundle (or an earlier call) lacks."""
+    known, calls = set(bundle_uids), []
     uids, texts = half.labels.uids, half.labels.texts
     for start in range(0, len(half), batch):
         rows = range(start, min(start + batch, len(half)))
@@ -73,10 +74,9 @@ def headline(result: dict) -> dict:
     return {"filter_after": pick(result["metrics"]), "exclude_before": pick(result["metrics_exclude_before"])}
 
 
-def quality_phase(bundle: Path, train: XMCDataset, half_a, half_b, batch: int, workdir: Path) -> dict:
+def quality_phase(bundle: Path, train: XMCDataset, calls: list[AppendBatch], half_b, workdir: Path) -> dict:
     predictor = load_predictor(bundle, appends_dir=workdir / "appends")
     before = evaluate_predictor(predictor, half_b, train, k=100)
-    calls = append_batches(predictor.view, half_a, batch)
     started = time.perf_counter()
     for call in calls:
         predictor.append(call)
@@ -121,7 +121,7 @@ def summary(result) -> dict:
     }
 
 
-def traffic_phase(bundle: Path, half_a, half_b, batch: int, load: float, seconds: float, workdir: Path) -> dict:
+def traffic_phase(bundle: Path, calls: list[AppendBatch], half_b, load: float, seconds: float, workdir: Path) -> dict:
     env = {
         "XMCSERVE_ADMIN_TOKEN": TOKEN,
         "XMCSERVE_APPEND_LOG_DIR": str(workdir / "http-appends"),
@@ -136,7 +136,6 @@ def traffic_phase(bundle: Path, half_a, half_b, batch: int, load: float, seconds
         alone = asyncio.run(open_loop(f"{server.url}/predict", bodies, rps=rate, seconds=seconds))
         with httpx.Client(base_url=server.url, headers={"X-Admin-Token": TOKEN}, timeout=120) as client:
             view = client.get("/info").json()["routing"]["variants"]["A"]["memory"]
-        calls = append_batches(_UidView(bundle), half_a, batch)
         appended = {"instances": 0, "calls": 0, "seconds": 0.0, "failures": 0}
         appender = threading.Thread(target=_append_over_http, args=(server.url, calls, seconds, appended))
         appender.start()
@@ -153,15 +152,6 @@ def traffic_phase(bundle: Path, half_a, half_b, batch: int, load: float, seconds
         "appends_over_http": appended
         | {"instances_per_s": round(appended["instances"] / max(appended["seconds"], 1e-9), 1)},
     }
-
-
-class _UidView:
-    """The label uids of a bundle (what the server's memory starts from), without loading it."""
-
-    def __init__(self, bundle: Path):
-        with open(bundle / "labels.jsonl", encoding="utf-8") as fh:
-            self.label_uids = [json.loads(line)["uid"] for line in fh]
-        self.num_labels = len(self.label_uids)
 
 
 def _append_over_http(url: str, calls: list[AppendBatch], limit_s: float, out: dict) -> None:
@@ -201,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="live-memory-") as tmp:
             workdir = Path(tmp)
             result = {"bundle": str(bundle)}
-            result |= quality_phase(bundle.resolve(), train, half_a, half_b, args.batch, workdir)
-            result |= traffic_phase(bundle.resolve(), half_a, half_b, args.batch, args.load, args.seconds, workdir)
+            calls = append_batches(read_labels(bundle)[0], half_a, args.batch)  # the same calls for both phases
+            result |= quality_phase(bundle.resolve(), train, calls, half_b, workdir)
+            result |= traffic_phase(bundle.resolve(), calls, half_b, args.load, args.seconds, workdir)
         print(json.dumps(result))
         results.append(result)
     out = {

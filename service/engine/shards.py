@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from service.engine.memory import by_distance_then_key
+
 
 def merge_top_k(keys: list[np.ndarray], distances: list[np.ndarray], k: int) -> tuple[np.ndarray, np.ndarray]:
     """Per query row, the ``k`` smallest distances of the shards' answers (each ``nq x k_i``),
     equal distances in key order."""
-    all_keys, all_distances = np.concatenate(keys, axis=1), np.concatenate(distances, axis=1)
-    order = np.lexsort((all_keys, all_distances), axis=-1)[:, :k]
-    return np.take_along_axis(all_keys, order, axis=1), np.take_along_axis(all_distances, order, axis=1)
+    merged_keys, merged_distances = by_distance_then_key(
+        np.concatenate(keys, axis=1), np.concatenate(distances, axis=1)
+    )
+    return merged_keys[:, :k], merged_distances[:, :k]
 
 
 class ShardedIndex:

@@ -6,9 +6,9 @@ limits its OpenAPI schema documents.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.engine.memory import MAX_LABELS_PER_INSTANCE, AppendBatch
 from service.http.settings import LimitSettings
@@ -207,39 +207,22 @@ def build_append_request(limits: LimitSettings) -> type[BaseModel]:
             raise ValueError(f"uid is {size} bytes of UTF-8; the limit is {limits.max_uid_bytes}")
         return uid
 
+    Text = Annotated[str, AfterValidator(check_text)]
+    Uid = Annotated[str, AfterValidator(check_uid)]
+
     class NewLabel(BaseModel):
         model_config = ConfigDict(extra="forbid")
-        uid: str = Field(description="a uid the memory does not hold yet")
-        text: str = Field(description="the label's text, encoded by the bundle's encoder")
-
-        @field_validator("uid")
-        @classmethod
-        def _uid_ok(cls, value: str) -> str:
-            return check_uid(value)
-
-        @field_validator("text")
-        @classmethod
-        def _text_ok(cls, value: str) -> str:
-            return check_text(value)
+        uid: Uid = Field(description="a uid the memory does not hold yet")
+        text: Text = Field(description="the label's text, encoded by the bundle's encoder")
 
     class NewInstance(BaseModel):
         model_config = ConfigDict(extra="forbid")
-        text: str = Field(description="the instance's text, encoded by the bundle's encoder")
-        labels: list[str] = Field(
+        text: Text = Field(description="the instance's text, encoded by the bundle's encoder")
+        labels: list[Uid] = Field(
             min_length=1,
             max_length=MAX_LABELS_PER_INSTANCE,
             description="its label uids: known ones, or ones this call adds",
         )
-
-        @field_validator("text")
-        @classmethod
-        def _text_ok(cls, value: str) -> str:
-            return check_text(value)
-
-        @field_validator("labels")
-        @classmethod
-        def _uids_ok(cls, uids: list[str]) -> list[str]:
-            return [check_uid(uid) for uid in uids]
 
     class AppendRequest(BaseModel):
         """New labels and training instances for a variant's memory (RAE memory: both; a label

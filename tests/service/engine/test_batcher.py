@@ -299,6 +299,24 @@ def test_a_request_that_would_wait_past_its_deadline_is_refused_before_queueing(
     assert drops == ["deadline"] and predictor.batches == [["running"]]
 
 
+def background_behind_requests(predictor: EchoPredictor, work):
+    """A scenario: a batch is running; ``work`` is queued to run when idle, then three requests
+    are queued after it; everything is released. Returns ``work``'s result."""
+
+    async def scenario(batcher):
+        running = asyncio.create_task(batcher.submit(["first"], 1, None, [()]))
+        await batch_started(predictor)
+        idle = asyncio.create_task(batcher.run_when_idle(work))
+        await asyncio.sleep(0)
+        queued = [asyncio.create_task(batcher.submit([f"q{i}"], 1, None, [()])) for i in range(3)]
+        await asyncio.sleep(0)
+        predictor.release(2)
+        await asyncio.gather(running, *queued)
+        return await idle
+
+    return scenario
+
+
 def test_background_work_runs_on_the_batch_thread_only_when_no_request_waits():
     """Work queued with run_when_idle (an append's encoding) yields to requests queued before
     and after it, and runs on the batch thread, never beside a batch."""
@@ -307,17 +325,7 @@ def test_background_work_runs_on_the_batch_thread_only_when_no_request_waits():
     def background():  # what the batcher had computed when the background work got its turn
         return len(predictor.batches), threading.current_thread().name
 
-    async def scenario(batcher):
-        running = asyncio.create_task(batcher.submit(["first"], 1, None, [()]))
-        await batch_started(predictor)
-        idle = asyncio.create_task(batcher.run_when_idle(background))
-        await asyncio.sleep(0)
-        queued = [asyncio.create_task(batcher.submit([f"q{i}"], 1, None, [()])) for i in range(3)]
-        await asyncio.sleep(0)
-        predictor.release(2)
-        await asyncio.gather(running, *queued)
-        return await idle
-
+    scenario = background_behind_requests(predictor, background)
     (batches_before, thread), _ = asyncio.run(run_with(predictor, BatcherConfig(max_batch_size=8), scenario))
     assert [len(b) for b in predictor.batches] == [1, 3]  # the requests queued after it went first
     assert batches_before == 2 and thread.startswith("xmcserve-batch")
@@ -329,16 +337,6 @@ def test_background_work_that_waited_too_long_runs_before_the_next_batch(monkeyp
     monkeypatch.setattr(batcher_module, "BACKGROUND_MAX_WAIT_S", 0.0)
     predictor = EchoPredictor(hold=True)
 
-    async def scenario(batcher):
-        running = asyncio.create_task(batcher.submit(["first"], 1, None, [()]))
-        await batch_started(predictor)
-        idle = asyncio.create_task(batcher.run_when_idle(lambda: len(predictor.batches)))
-        await asyncio.sleep(0)
-        queued = [asyncio.create_task(batcher.submit([f"q{i}"], 1, None, [()])) for i in range(3)]
-        await asyncio.sleep(0)
-        predictor.release(2)
-        await asyncio.gather(running, *queued)
-        return await idle
-
+    scenario = background_behind_requests(predictor, lambda: len(predictor.batches))
     batches_before, _ = asyncio.run(run_with(predictor, BatcherConfig(max_batch_size=8), scenario))
     assert batches_before == 1  # right after the running batch, ahead of the queued requests
