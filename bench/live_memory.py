@@ -35,7 +35,7 @@ from bench.localserver import start_server, stop_server
 from bench.recall import key_recall_at_10
 from export.compact import compact_bundle
 from service.engine import AppendBatch, load_predictor
-from service.engine.bundle import read_labels
+from service.engine.bundle import load_labels
 from training.data import XMCDataset, load_jsonl_split
 from training.evaluate import HEADLINE, evaluate_predictor
 
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="live-memory-") as tmp:
             workdir = Path(tmp)
             result = {"bundle": str(bundle)}
-            calls = append_batches(read_labels(bundle)[0], half_a, args.batch)  # the same calls for both phases
+            calls = append_batches(load_labels(bundle)[1], half_a, args.batch)  # the same calls for both phases
             result |= quality_phase(bundle.resolve(), train, calls, half_b, workdir)
             result |= traffic_phase(bundle.resolve(), calls, half_b, args.load, args.seconds, workdir)
         print(json.dumps(result))

@@ -21,11 +21,12 @@ from service.engine.manifest import (
     SCHEMA_VERSION,
     TOKENIZER_FILE,
     Manifest,
+    Shard,
     required_files,
     sha256_file,
     shard_list,
 )
-from service.engine.shards import ShardedIndex
+from service.engine.shards import ShardedIndex, ShardSearcher
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +76,14 @@ def check_confined(path: Path, names: list[str]) -> None:
             raise BundleError(f"{path}: file name {name!r} leads outside the bundle directory")
 
 
-def verify_checksums(path: Path, manifest: Manifest) -> None:
+def verify_checksums(path: Path, manifest: Manifest, names: list[str] | None = None) -> None:
+    """The sha256 of every file the manifest lists (or of ``names``: the files one process of a
+    distributed deployment reads), and none of the required files unlisted."""
     for name in required_files(manifest):
         if name not in manifest.files:
             raise BundleError(f"{path}: manifest lists no checksum for required file {name}")
-    for name, expected in manifest.files.items():
+    for name in names if names is not None else manifest.files:
+        expected = manifest.files[name]
         file = path / name
         if not file.is_file():
             raise BundleError(f"{path}: missing file {name}")
@@ -88,7 +92,8 @@ def verify_checksums(path: Path, manifest: Manifest) -> None:
             raise BundleError(f"{path}: checksum mismatch for {name} (manifest {expected[:12]}…, file {actual[:12]}…)")
 
 
-def read_labels(path: Path) -> tuple[list[str], list[str]]:
+def read_labels(path: Path, manifest: Manifest) -> tuple[list[str], list[str]]:
+    """Label uids and texts, as many as the manifest counts."""
     uids, texts = [], []
     with open(path / LABELS_FILE, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):
@@ -98,6 +103,8 @@ def read_labels(path: Path) -> tuple[list[str], list[str]]:
                 texts.append(str(obj["text"]))
             except (ValueError, KeyError) as exc:
                 raise BundleError(f"{path / LABELS_FILE}:{lineno}: bad label line ({exc})") from None
+    if len(uids) != manifest.counts.labels:
+        raise BundleError(f"{path}: {len(uids)} labels in {LABELS_FILE}, manifest says {manifest.counts.labels}")
     return uids, texts
 
 
@@ -136,43 +143,54 @@ def check_index_header(file: Path, manifest: Manifest, keys: int) -> None:
             raise BundleError(f"{file}: HNSW header refused: {problem}")
 
 
+def load_shard_index(path: Path, manifest: Manifest, shard: Shard) -> hnswlib.Index:
+    """One shard's HNSW index, its header checked before hnswlib allocates, its key ids checked
+    against the shard's range."""
+    file = path / shard.index
+    check_index_header(file, manifest, shard.keys)
+    index = hnswlib.Index(space=manifest.hnsw.space, dim=manifest.dim)
+    try:
+        index.load_index(str(file))
+    except RuntimeError as exc:
+        raise BundleError(f"{file}: cannot load HNSW index ({exc})") from None
+    expected_ids = shard.first_key + np.arange(shard.keys)
+    if manifest.shards and not np.array_equal(np.sort(index.get_ids_list()), expected_ids):
+        raise BundleError(f"{file}: its key ids are not {shard.first_key}..{shard.first_key + shard.keys - 1}")
+    index.set_ef(manifest.hnsw.ef_search)
+    return index
+
+
 def load_index(path: Path, manifest: Manifest) -> hnswlib.Index | ShardedIndex:
     """The bundle's HNSW index; a sharded bundle's shards behind one :class:`ShardedIndex`."""
-    indexes = []
-    for shard in shard_list(manifest):
-        file = path / shard.index
-        check_index_header(file, manifest, shard.keys)
-        index = hnswlib.Index(space=manifest.hnsw.space, dim=manifest.dim)
-        try:
-            index.load_index(str(file))
-        except RuntimeError as exc:
-            raise BundleError(f"{file}: cannot load HNSW index ({exc})") from None
-        expected_ids = shard.first_key + np.arange(shard.keys)
-        if manifest.shards and not np.array_equal(np.sort(index.get_ids_list()), expected_ids):
-            raise BundleError(f"{file}: its key ids are not {shard.first_key}..{shard.first_key + shard.keys - 1}")
-        index.set_ef(manifest.hnsw.ef_search)
-        indexes.append(index)
+    indexes = [load_shard_index(path, manifest, shard) for shard in shard_list(manifest)]
     return indexes[0] if len(indexes) == 1 else ShardedIndex(indexes)
+
+
+def load_shard_values(path: Path, manifest: Manifest, shard: Shard) -> sp.csr_matrix:
+    """One shard's rows of V, (its keys x labels)."""
+    try:
+        values = sp.load_npz(path / shard.values).tocsr().astype(np.float32)
+    except (OSError, ValueError) as exc:
+        raise BundleError(f"{path / shard.values}: cannot load value matrix ({exc})") from None
+    expected = (shard.keys, manifest.counts.labels)
+    if values.shape != expected:
+        raise BundleError(f"{path / shard.values}: value matrix shape {values.shape}, expected {expected}")
+    return values
+
+
+def check_rae_counts(path: Path, manifest: Manifest) -> None:
+    if manifest.rae is None:
+        raise BundleError(f"{path}: rae_memory bundle without RAE parameters")
+    if manifest.counts.train_instances + manifest.counts.labels != manifest.counts.memory_rows:
+        raise BundleError(f"{path}: memory rows != train instances + labels")
 
 
 def load_values(path: Path, manifest: Manifest) -> sp.csr_matrix | None:
     """V, the shards' value rows stacked in key order."""
     if manifest.index_kind != "rae_memory":
         return None
-    if manifest.rae is None:
-        raise BundleError(f"{path}: rae_memory bundle without RAE parameters")
-    if manifest.counts.train_instances + manifest.counts.labels != manifest.counts.memory_rows:
-        raise BundleError(f"{path}: memory rows != train instances + labels")
-    parts = []
-    for shard in shard_list(manifest):
-        try:
-            values = sp.load_npz(path / shard.values).tocsr().astype(np.float32)
-        except (OSError, ValueError) as exc:
-            raise BundleError(f"{path / shard.values}: cannot load value matrix ({exc})") from None
-        expected = (shard.keys, manifest.counts.labels)
-        if values.shape != expected:
-            raise BundleError(f"{path / shard.values}: value matrix shape {values.shape}, expected {expected}")
-        parts.append(values)
+    check_rae_counts(path, manifest)
+    parts = [load_shard_values(path, manifest, shard) for shard in shard_list(manifest)]
     return parts[0] if len(parts) == 1 else sp.vstack(parts, format="csr")
 
 
@@ -196,22 +214,80 @@ def open_encoder(path: Path, manifest: Manifest, options: EncoderOptions | None)
 
 def load_bundle(path: Path | str, options: EncoderOptions | None = None, verify: bool = True) -> Bundle:
     """Load and verify a bundle; raises :class:`BundleError` with the reason on any problem."""
+    return _refusing(path, lambda path: _load_bundle(path, options, verify))
+
+
+def _refusing(path: Path | str, load):
+    """``load(resolved path)``, any failure a :class:`BundleError` (unreadable files, malformed
+    arrays, …: refused, never a crash)."""
     path = Path(path).resolve()
     try:
-        return _load_bundle(path, options, verify)
+        return load(path)
     except BundleError:
         raise
-    except Exception as exc:  # unreadable files, malformed arrays, …: refused, never a crash
+    except Exception as exc:
         raise BundleError(f"{path}: cannot load bundle ({type(exc).__name__}: {exc})") from None
+
+
+# The parts of a bundle that the processes of a distributed deployment load apart, each checking
+# the checksums of the files it reads.
+
+
+def load_encoder(path: Path | str, options: EncoderOptions | None = None, verify: bool = True) -> OnnxEncoder:
+    """The bundle's encoder and tokenizer alone, checked by one real encode."""
+
+    def load(path: Path) -> OnnxEncoder:
+        manifest = read_manifest(path)
+        if verify:
+            verify_checksums(path, manifest, [ENCODER_FILE, TOKENIZER_FILE])
+        encoder = open_encoder(path, manifest, options)
+        check_encoder(path, encoder, manifest)
+        return encoder
+
+    return _refusing(path, load)
+
+
+def load_labels(path: Path | str, verify: bool = True) -> tuple[Manifest, list[str], list[str]]:
+    """The manifest and the label uids and texts (line number = label id)."""
+
+    def load(path: Path) -> tuple[Manifest, list[str], list[str]]:
+        manifest = read_manifest(path)
+        if verify:
+            verify_checksums(path, manifest, [LABELS_FILE])
+        uids, texts = read_labels(path, manifest)
+        if manifest.index_kind == "rae_memory":
+            check_rae_counts(path, manifest)
+        return manifest, uids, texts
+
+    return _refusing(path, load)
+
+
+def load_shard(path: Path | str, number: int, verify: bool = True, search_threads: int = 1) -> ShardSearcher:
+    """Shard ``number`` of a bundle alone (an unsharded bundle is shard 0 of 1): its index and,
+    for an RAE memory, its value rows."""
+
+    def load(path: Path) -> ShardSearcher:
+        manifest = read_manifest(path)
+        shards = shard_list(manifest)
+        if not 0 <= number < len(shards):
+            raise BundleError(f"{path}: no shard {number}; the bundle has {len(shards)}")
+        shard = shards[number]
+        if verify:
+            verify_checksums(path, manifest, [name for name in (shard.index, shard.values) if name])
+        values = None
+        if manifest.index_kind == "rae_memory":
+            check_rae_counts(path, manifest)
+            values = load_shard_values(path, manifest, shard)
+        return ShardSearcher(load_shard_index(path, manifest, shard), values, shard, search_threads)
+
+    return _refusing(path, load)
 
 
 def _load_bundle(path: Path, options: EncoderOptions | None, verify: bool) -> Bundle:
     manifest = read_manifest(path)
     if verify:
         verify_checksums(path, manifest)
-    label_uids, label_texts = read_labels(path)
-    if len(label_uids) != manifest.counts.labels:
-        raise BundleError(f"{path}: {len(label_uids)} labels in {LABELS_FILE}, manifest says {manifest.counts.labels}")
+    label_uids, label_texts = read_labels(path, manifest)
     index = load_index(path, manifest)
     values = load_values(path, manifest)
     encoder = open_encoder(path, manifest, options)

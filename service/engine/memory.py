@@ -411,8 +411,7 @@ class Memory:
         holds them) and then dropped, so ``view`` still gets its ``n``."""
         with self.lock:
             newer = self._view.num_keys - view.num_keys
-            fetch = min(n + newer + TIE_MARGIN, self._view.num_keys)
-            ef = max(ef, fetch)
+            fetch, ef = fetch_and_ef(n + newer, ef, self._view.num_keys)
             self.index.set_ef(ef)
             keys, distances = self.index.knn_query(vectors, k=fetch)
         keys, distances = by_distance_then_key(keys.astype(np.int64), distances)
@@ -498,12 +497,19 @@ class Memory:
                 self.index.resize_index(max(keys, int(capacity * GROWTH)))
 
 
-def by_distance_then_key(keys: np.ndarray, distances: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def fetch_and_ef(n: int, ef: int, num_keys: int) -> tuple[int, int]:
+    """Neighbours to ask the index for when ``n`` are wanted (:data:`TIE_MARGIN` more, at most
+    every key), and the ef that search runs at (at least that many)."""
+    fetch = min(n + TIE_MARGIN, num_keys)
+    return fetch, max(ef, fetch)
+
+
+def by_distance_then_key(keys: np.ndarray, distances: np.ndarray, *carried: np.ndarray) -> tuple[np.ndarray, ...]:
     """Each row ordered by distance, equal distances by key id: keys with identical vectors (an
     instance whose text is a label's) then come out in one order however the index is built or
-    sharded, so exact search gives one answer."""
+    sharded, so exact search gives one answer. ``carried`` arrays (same shape) are reordered alike."""
     order = np.lexsort((keys, distances), axis=-1)
-    return np.take_along_axis(keys, order, axis=1), np.take_along_axis(distances, order, axis=1)
+    return tuple(np.take_along_axis(a, order, axis=1) for a in (keys, distances, *carried))
 
 
 def _only_visible(keys: np.ndarray, sims: np.ndarray, num_keys: int, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -17,6 +17,7 @@ import numpy as np
 
 from service.engine.bundle import Bundle, BundleError, load_bundle
 from service.engine.encoder import EncoderOptions
+from service.engine.manifest import Manifest
 from service.engine.memory import (
     AppendBatch,
     AppendLog,
@@ -26,7 +27,7 @@ from service.engine.memory import (
     MemoryView,
     base_view,
 )
-from service.engine.rae import aggregate, top_k_of_row
+from service.engine.rae import ValueRows, aggregate, top_k_of_row
 
 # Texts per encoder call when encoding an append: a request queued behind one waits for at most
 # this many texts' encoding.
@@ -135,10 +136,12 @@ class Predictor:
         exclude = exclude if exclude is not None else [()] * len(vectors)
         if len(exclude) != len(vectors) or len(ks) != len(vectors):
             raise ValueError("k and exclude must have one entry per query")
-        search = self._search_rae if self.bundle.manifest.index_kind == "rae_memory" else self._search_labels
-        prediction = search(vectors, ks, ef, exclude, view)
-        prediction.view = view
-        return prediction
+        t0 = time.perf_counter()
+        keys, sims, ef = self.knn(vectors, neighbours_needed(self.bundle.manifest, ks, exclude), ef, view)
+        t1 = time.perf_counter()
+        rankings = rank(self.bundle.manifest, keys, sims, view.labels_of_keys(keys), view.values, ks, exclude)
+        times = StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1)
+        return Prediction(rankings, times, ef, view)
 
     def knn(
         self, vectors: np.ndarray, n: int, ef: int | None, view: MemoryView | None = None
@@ -147,27 +150,42 @@ class Predictor:
         (−1 where it has fewer), and the ef the search ran at."""
         return self.memory.knn(vectors, n, ef or self.default_ef, view or self.memory.view)
 
-    def _search_labels(self, vectors, ks, ef, exclude, view) -> Prediction:
-        t0 = time.perf_counter()
-        keys, sims, ef = self.knn(vectors, max(k + len(e) for k, e in zip(ks, exclude, strict=True)), ef, view)
-        t1 = time.perf_counter()
+
+def neighbours_needed(manifest: Manifest, ks: Sequence[int], exclude: Sequence[Collection[int]]) -> int:
+    """Nearest keys a batch needs: each query's k plus its excluded labels (a label index), or b
+    plus the most labels a query excludes (an RAE memory drops excluded label keys before the
+    softmax, and must still have b left)."""
+    if manifest.index_kind == "rae_memory":
+        return manifest.rae.top_b + max(len(e) for e in exclude)
+    return max(k + len(e) for k, e in zip(ks, exclude, strict=True))
+
+
+def rank(
+    manifest: Manifest,
+    keys: np.ndarray,
+    sims: np.ndarray,
+    key_labels: np.ndarray,
+    values: ValueRows | None,
+    ks: Sequence[int],
+    exclude: Sequence[Collection[int]],
+) -> list[Ranking]:
+    """Each query's top-k labels from its nearest keys (``nq x n``, best first, −1: none).
+
+    ``key_labels``: the label id of each key (−1: an instance key). A label index ranks those
+    labels; an RAE memory weighs the rows of ``values`` that ``keys`` index (a distributed front
+    end passes the positions of the rows its shards sent, see
+    :func:`~service.engine.shards.merge_answers`)."""
+    if manifest.index_kind != "rae_memory":
         rankings = []
         for i, (k, excluded) in enumerate(zip(ks, exclude, strict=True)):
-            keep = keys[i] >= 0
+            keep = key_labels[i] >= 0
             if excluded:
-                keep &= ~np.isin(keys[i], np.fromiter(excluded, dtype=np.int64))
-            rankings.append(Ranking(ids=keys[i][keep][:k], scores=sims[i][keep][:k]))
-        return Prediction(rankings, StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1), ef)
-
-    def _search_rae(self, vectors, ks, ef, exclude, view) -> Prediction:
-        rae = self.bundle.manifest.rae
-        t0 = time.perf_counter()
-        keys, sims, ef = self.knn(vectors, rae.top_b + max(len(e) for e in exclude), ef, view)
-        t1 = time.perf_counter()
-        key_labels = view.labels_of_keys(keys)
-        scores = aggregate(keys, sims, key_labels, view.values, rae.tau, rae.top_b, exclude, rae.mode)
-        rankings = [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
-        return Prediction(rankings, StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1), ef)
+                keep &= ~np.isin(key_labels[i], np.fromiter(excluded, dtype=np.int64))
+            rankings.append(Ranking(ids=key_labels[i][keep][:k], scores=sims[i][keep][:k]))
+        return rankings
+    rae = manifest.rae
+    scores = aggregate(keys, sims, key_labels, values, rae.tau, rae.top_b, exclude, rae.mode)
+    return [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
 
 
 def load_predictor(

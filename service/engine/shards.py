@@ -8,12 +8,22 @@ what a distributed deployment does across machines; here the shards live in one 
 :class:`ShardedIndex` offers the part of ``hnswlib.Index`` the engine uses, so the search and the
 live memory (:mod:`service.engine.memory`) treat one index and many alike. Appended keys go to
 the last shard.
+
+A distributed deployment holds one shard per process (:class:`ShardSearcher`, loaded by
+:func:`~service.engine.bundle.load_shard`) and merges their :class:`ShardAnswer` s with
+:func:`merge_answers`, which carries the value rows of the merged keys along for the RAE
+aggregation.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import threading
+from dataclasses import dataclass
 
+import numpy as np
+import scipy.sparse as sp
+
+from service.engine.manifest import Shard
 from service.engine.memory import by_distance_then_key
 
 
@@ -80,3 +90,72 @@ class ShardedIndex:
     def unmark_deleted(self, key: int) -> None:
         self.shards[-1].unmark_deleted(key)
         self._deleted.discard(int(key))
+
+
+@dataclass
+class ShardAnswer:
+    """One shard's nearest keys for a batch of queries: global key ids and distances (``nq x k``,
+    best first), the value rows of those keys for an RAE memory (row-major: ``(nq·k) x labels``),
+    and the ef the search ran at."""
+
+    keys: np.ndarray
+    distances: np.ndarray
+    rows: sp.csr_matrix | None
+    ef: int
+
+    def split(self, queries: list[int]) -> list[ShardAnswer]:
+        """The answers of consecutive groups of ``queries[i]`` queries (one batch, several requests)."""
+        bounds = np.cumsum([0, *queries])
+        width = self.keys.shape[1]
+        return [
+            ShardAnswer(
+                self.keys[start:end],
+                self.distances[start:end],
+                self.rows[start * width : end * width] if self.rows is not None else None,
+                self.ef,
+            )
+            for start, end in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+
+
+class ShardSearcher:
+    """One shard of a bundle, on its own: its HNSW index and (RAE) its rows of V. Thread-safe."""
+
+    def __init__(self, index, values: sp.csr_matrix | None, shard: Shard, search_threads: int = 1):
+        self.index = index
+        self.values = values
+        self.shard = shard
+        self.search_threads = search_threads
+        self._lock = threading.Lock()  # ef is index-global in hnswlib
+
+    def search(self, vectors: np.ndarray, fetch: int, ef: int) -> ShardAnswer:
+        """The ``fetch`` nearest keys of this shard (fewer when it holds fewer) at HNSW breadth ``ef``."""
+        k = min(fetch, self.shard.keys)
+        with self._lock:
+            self.index.set_ef(max(ef, k))
+            keys, distances = self.index.knn_query(vectors, k=k, num_threads=self.search_threads)
+        keys = keys.astype(np.int64)
+        rows = self.values[(keys - self.shard.first_key).ravel()] if self.values is not None else None
+        return ShardAnswer(keys, distances, rows, max(ef, k))
+
+
+def merge_answers(
+    answers: list[ShardAnswer], n: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, sp.csr_matrix | None]:
+    """The ``n`` nearest keys over all shards, per query, as one index would give them: (keys,
+    inner-product similarities, positions, rows). ``rows`` stacks the shards' value rows;
+    ``positions`` says which of its rows belongs to each merged key (what
+    :func:`~service.engine.search.rank` weighs for an RAE memory)."""
+    offsets = np.cumsum([0] + [answer.keys.size for answer in answers[:-1]])
+    positions = [
+        offset + np.arange(answer.keys.size).reshape(answer.keys.shape)
+        for offset, answer in zip(offsets, answers, strict=True)
+    ]
+    keys, distances, positions = by_distance_then_key(
+        np.concatenate([a.keys for a in answers], axis=1),
+        np.concatenate([a.distances for a in answers], axis=1),
+        np.concatenate(positions, axis=1),
+    )
+    sims = (1.0 - distances[:, :n]).astype(np.float32)
+    rows = sp.vstack([a.rows for a in answers], format="csr") if answers[0].rows is not None else None
+    return keys[:, :n], sims, positions[:, :n], rows

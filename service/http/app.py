@@ -13,11 +13,9 @@ is logged and skipped: it never takes the primary down) and the shadow mirror; `
 # request model from the endpoint annotation at runtime.
 import asyncio
 import functools
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
-from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -27,21 +25,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from service.engine.batcher import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
 from service.engine.bundle import BundleError
 from service.http.admin import ServingState, add_admin_routes, load_predictor, require_admin
-from service.http.guards import BodyLimitMiddleware, ShedBeforeParsingMiddleware, method_label
+from service.http.guards import BodyLimitMiddleware, ShedBeforeParsingMiddleware, method_label, validation_error
 from service.http.metrics import Metrics
-from service.http.schemas import PredictResponse, build_predict_request
+from service.http.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response
 from service.http.settings import Settings
 from service.rollout.shadow import ShadowMirror, ShadowRequest, ranked
 from service.rollout.shadow_worker import ShadowWorker, WorkerSpec
 from service.rollout.variants import CANDIDATE, PRIMARY, Variants
 
 log = logging.getLogger("xmcserve")
-
-try:
-    SERVICE_VERSION = version("xmcserve")
-except PackageNotFoundError:  # running from a source tree that is not installed
-    SERVICE_VERSION = "0+unknown"
-
 
 class RequestMetricsMiddleware:
     """Latency histogram by route template (not raw path: bounded label cardinality), status and
@@ -80,36 +72,8 @@ class RequestMetricsMiddleware:
 
 
 def to_response(answer: BatchAnswer, variant: str, k: int) -> Response:
-    """The PredictResponse JSON, serialised directly: FastAPI would otherwise validate the ~k
-    label objects of every answer again (the model stays the documented response schema)."""
     bundle = answer.predictor.bundle
-    uids, texts = answer.view.label_uids, answer.view.label_texts
-    results = [
-        {
-            "labels": [
-                {"id": i, "uid": uids[i], "text": texts[i], "score": s}
-                for i, s in zip(ranking.ids.tolist(), ranking.scores.tolist(), strict=True)
-            ]
-        }
-        for ranking in answer.rankings
-    ]
-    body = {
-        "bundle_id": bundle.bundle_id,
-        "variant": variant,
-        "index_kind": bundle.manifest.index_kind,
-        "k": k,
-        "ef": answer.ef,
-        "results": results,
-    }
-    return Response(json.dumps(body, ensure_ascii=False, allow_nan=False), media_type="application/json")
-
-
-def validation_error(request: Request, exc: RequestValidationError) -> Response:
-    """422 with what is wrong and where, never the input itself: a 2 MB text would come back
-    whole, and input that is not valid Unicode could not be encoded at all (ASCII JSON escapes
-    whatever a location or message carries)."""
-    detail = [{"type": e["type"], "loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]
-    return Response(json.dumps({"detail": detail}), status_code=422, media_type="application/json")
+    return predict_response(bundle.manifest, variant, k, answer.ef, answer.rankings, answer.view)
 
 
 async def until_disconnected(request: Request) -> None:

@@ -13,6 +13,8 @@ import asyncio
 import json
 import time
 
+from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 # Every label value that comes from a client maps into a fixed set (bounded series in /metrics).
@@ -120,3 +122,11 @@ class ShedBeforeParsingMiddleware:
                 await send_json(send, 503, {"detail": detail}, [(b"retry-after", b"1")])
                 return
         await self.app(scope, receive, send)
+
+
+def validation_error(request: Request, exc: RequestValidationError) -> Response:
+    """422 with what is wrong and where, never the input itself: a 2 MB text would come back
+    whole, and input that is not valid Unicode could not be encoded at all (ASCII JSON escapes
+    whatever a location or message carries)."""
+    detail = [{"type": e["type"], "loc": list(e["loc"]), "msg": e["msg"]} for e in exc.errors()]
+    return Response(json.dumps({"detail": detail}), status_code=422, media_type="application/json")

@@ -6,12 +6,25 @@ limits its OpenAPI schema documents.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Annotated, Literal
 
+from fastapi import Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from service.engine.memory import MAX_LABELS_PER_INSTANCE, AppendBatch
+from service.engine.manifest import Manifest
+from service.engine.memory import MAX_LABELS_PER_INSTANCE, AppendBatch, MemoryView
+
+if TYPE_CHECKING:
+    from service.engine.search import Ranking
 from service.http.settings import LimitSettings
+
+try:
+    SERVICE_VERSION = version("xmcserve")
+except PackageNotFoundError:  # running from a source tree that is not installed
+    SERVICE_VERSION = "0+unknown"
 
 EXAMPLE_SINGLE = {"text": "python3-numpy: Fast array facility to the Python 3 language", "k": 5}
 EXAMPLE_BATCH = {
@@ -174,6 +187,33 @@ class PredictResponse(BaseModel):
     k: int
     ef: int
     results: list[TextResult] = Field(description="one per input text, in order")
+
+
+def predict_response(
+    manifest: Manifest, variant: str, k: int, ef: int, rankings: Sequence[Ranking], view: MemoryView
+) -> Response:
+    """A :class:`PredictResponse` as JSON, serialised directly: FastAPI would otherwise validate
+    the ~k label objects of every answer again (the model stays the documented schema).
+    ``view``: the labels the rankings' ids refer to."""
+    uids, texts = view.label_uids, view.label_texts
+    results = [
+        {
+            "labels": [
+                {"id": i, "uid": uids[i], "text": texts[i], "score": s}
+                for i, s in zip(ranking.ids.tolist(), ranking.scores.tolist(), strict=True)
+            ]
+        }
+        for ranking in rankings
+    ]
+    body = {
+        "bundle_id": manifest.bundle_id,
+        "variant": variant,
+        "index_kind": manifest.index_kind,
+        "k": k,
+        "ef": ef,
+        "results": results,
+    }
+    return Response(json.dumps(body, ensure_ascii=False, allow_nan=False), media_type="application/json")
 
 
 class ReloadRequest(BaseModel):

@@ -1,4 +1,5 @@
-"""Every module of service/ must import with torch and transformers unavailable."""
+"""Every module of service/ must import with torch and transformers unavailable, and all but the
+Ray Serve front end without ray."""
 
 import subprocess
 import sys
@@ -10,6 +11,7 @@ PROBE = r"""
 import importlib, importlib.abc, pkgutil, sys
 
 BLOCKED = ("torch", "transformers", "sentence_transformers")
+SKIPPED = ()
 
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
@@ -19,7 +21,7 @@ class Block(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, Block())
 import service
-names = [m.name for m in pkgutil.walk_packages(service.__path__, "service.")]
+names = [m.name for m in pkgutil.walk_packages(service.__path__, "service.") if not m.name.startswith(SKIPPED)]
 for name in names:
     importlib.import_module(name)
 leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
@@ -38,3 +40,12 @@ def test_the_blocker_really_blocks():
     probe = PROBE.replace("import service\n", "import torch\n")
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and "blocked import of torch" in result.stderr
+
+
+def test_everything_but_the_ray_front_end_imports_without_ray():
+    probe = PROBE.replace('BLOCKED = ("torch"', 'BLOCKED = ("ray", "torch"').replace(
+        "SKIPPED = ()", 'SKIPPED = ("service.ray_serve",)'
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "service.http.app" in result.stdout and "service.ray_serve" not in result.stdout

@@ -1,0 +1,373 @@
+"""The deployments (encoder, one per shard, ingress) and :func:`build_app`, the Serve builder.
+
+Answers equal the single server's: the ingress asks every shard for the same number of nearest
+keys at the same ef as :meth:`~service.engine.memory.Memory.knn` does, merges them in the same
+order (distance, then key id) and ranks them with the same function. The value rows of an RAE
+memory travel with the shards' answers, so no process holds all of V.
+
+Failure and load, as the ingress answers them (never a 500, never a hang):
+
+* a part (the encoder or a shard) with no replica that answers before the request's deadline
+  (``timeout_ms``, default ``XMCSERVE_REQUEST_TIMEOUT_MS``, bounds the encode and the fan-out)
+  → ``503`` with ``Retry-After``, naming the part. Answers are never partial: a result missing a
+  shard could silently lack the best labels.
+* a replica that dies under a call, or is silent past ``attempt_timeout_ms`` (its node lost but
+  not yet declared dead) → the call is sent again and Serve routes it to a replica again,
+  within the same deadline (at most :data:`CALL_ATTEMPTS` sends).
+* a full queue: the ingress's own (``max_queued_requests``, answered by Serve's proxy) or a
+  part's → ``503`` with ``Retry-After``.
+"""
+
+# No `from __future__ import annotations`: FastAPI must see the locally built request model.
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from fastapi import FastAPI, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
+from ray.util import metrics as ray_metrics
+
+from service.engine.bundle import BundleError, load_encoder, load_labels, load_shard, read_manifest
+from service.engine.encoder import EncoderOptions
+from service.engine.manifest import shard_list
+from service.engine.memory import base_view, fetch_and_ef
+from service.engine.rae import ValueRows
+from service.engine.search import Ranking, neighbours_needed, rank
+from service.engine.shards import ShardAnswer, merge_answers
+from service.http.guards import BodyLimitMiddleware, validation_error
+from service.http.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response
+from service.http.settings import LimitSettings
+
+log = logging.getLogger("xmcserve.ray")
+
+# Sends of one call: the first, and one per replica found dead under it (within the deadline).
+CALL_ATTEMPTS = 3
+# /readyz runs a real query through every part, answered within this.
+READY_TIMEOUT_S = 2.0
+RETRY_AFTER_S = 1
+# Serve replaces a replica whose check_health (a real encode or search) fails or hangs.
+HEALTH_CHECKS = {"health_check_period_s": 10, "health_check_timeout_s": 30}
+STAGE_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+
+
+class AppArgs(BaseModel):
+    """The arguments of :func:`build_app`: ``serve run service.ray_serve:build_app key=value``
+    or ``args:`` in a Serve config. Replica counts, queue limits and resources of each
+    deployment can also be overridden by name in the config's ``deployments:`` section."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bundle_dir: Path = Field(description="the bundle (sharded or not), at this path on every node")
+    encoder_replicas: int = Field(1, ge=1, description="replicas of the encoder")
+    shard_replicas: int = Field(1, ge=1, description="replicas of each shard (2+: a shard outlives a lost node)")
+    ingress_replicas: int = Field(1, ge=1, description="replicas of the HTTP ingress")
+    encoder_cpus: float = Field(1.0, gt=0, description="CPUs per encoder replica (its ONNX Runtime threads)")
+    shard_cpus: float = Field(1.0, ge=0, description="CPUs per shard replica (its HNSW search threads)")
+    ingress_cpus: float = Field(0.5, ge=0, description="CPUs per ingress replica")
+    shard_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description='custom Ray resources per shard replica, e.g. {"shard_host": 1} to keep shards on the nodes '
+        "that offer it (a KubeRay worker group with rayStartParams resources)",
+    )
+    ingress_max_ongoing_requests: int = Field(64, ge=1, description="requests one ingress replica works on at once")
+    ingress_max_queued_requests: int = Field(
+        256, ge=1, description="requests waiting for an ingress replica; beyond it Serve's proxy answers 503"
+    )
+    max_batch_texts: int = Field(64, ge=1, description="most texts per encoder batch and queries per shard batch")
+    batch_wait_ms: float = Field(2.0, ge=0, description="how long a batch waits for more requests")
+    shard_max_replicas_per_node: int | None = Field(
+        None, ge=1, description="most replicas of one shard on one node (1: each replica on its own node)"
+    )
+    attempt_timeout_ms: float = Field(
+        300.0,
+        gt=0,
+        description="a call to the encoder or a shard unanswered this long is sent again (Serve picks a replica "
+        "again), while the request's deadline allows: a replica on a lost node is silent until the node is declared "
+        "dead, seconds later",
+    )
+    verify: bool = Field(True, description="check the sha256 of every bundle file a replica reads")
+
+
+class PartUnavailable(RuntimeError):
+    """A part of the deployment did not answer in time (or could not): the request gets 503."""
+
+
+@dataclass(frozen=True)
+class ShardQuery:
+    """One request's queries for a shard: ``fetch`` nearest keys each, at HNSW breadth ``ef``."""
+
+    vectors: np.ndarray
+    fetch: int
+    ef: int
+
+
+def threads_for(cpus: float) -> int:
+    return max(1, int(cpus))
+
+
+@serve.deployment(name="encoder", max_ongoing_requests=128, max_queued_requests=512, **HEALTH_CHECKS)
+class Encoder:
+    """The bundle's encoder: a request's texts → unit vectors, requests batched together."""
+
+    def __init__(self, bundle_dir: str, cpus: float, max_batch_texts: int, batch_wait_s: float, verify: bool):
+        self.encoder = load_encoder(bundle_dir, EncoderOptions(intra_op_threads=threads_for(cpus)), verify)
+        self.encode.set_max_batch_size(max_batch_texts)
+        self.encode.set_batch_wait_timeout_s(batch_wait_s)
+
+    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.002, batch_size_fn=lambda texts: sum(map(len, texts)))
+    async def encode(self, requests: list[list[str]]) -> list[np.ndarray]:
+        vectors, _ = await asyncio.to_thread(self.encoder.encode, [text for texts in requests for text in texts])
+        return np.split(vectors, np.cumsum([len(texts) for texts in requests])[:-1])
+
+    def check_health(self) -> None:
+        """A real encode: finite unit vectors, or the replica is replaced."""
+        vectors, _ = self.encoder.encode(["health check"])
+        if not np.all(np.isfinite(vectors)) or not np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-3):
+            raise RuntimeError("the encoder no longer gives finite unit vectors")
+
+
+@serve.deployment(max_ongoing_requests=128, max_queued_requests=512, **HEALTH_CHECKS)
+class Shard:
+    """One shard of the bundle: the nearest keys of a batch of queries, with their value rows."""
+
+    def __init__(self, bundle_dir: str, number: int, cpus: float, max_batch: int, batch_wait_s: float, verify: bool):
+        self.searcher = load_shard(bundle_dir, number, verify, search_threads=threads_for(cpus))
+        first = self.searcher.shard.first_key
+        self.probe = np.asarray(self.searcher.index.get_items([first]), dtype=np.float32)
+        self.search.set_max_batch_size(max_batch)
+        self.search.set_batch_wait_timeout_s(batch_wait_s)
+
+    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.002, batch_size_fn=lambda q: sum(len(x.vectors) for x in q))
+    async def search(self, queries: list[ShardQuery]) -> list[ShardAnswer]:
+        # one HNSW call for the batch, at its largest fetch and ef; each request keeps the
+        # leading keys it asked for when the ingress merges (a longer list has the same prefix)
+        vectors = np.concatenate([q.vectors for q in queries])
+        fetch, ef = max(q.fetch for q in queries), max(q.ef for q in queries)
+        answer = await asyncio.to_thread(self.searcher.search, vectors, fetch, ef)
+        return answer.split([len(q.vectors) for q in queries])
+
+    def check_health(self) -> None:
+        """A real query (this shard's first key's own vector) answered with keys of this shard."""
+        shard = self.searcher.shard
+        answer = self.searcher.search(self.probe, 1, 16)
+        if not (shard.first_key <= answer.keys[0, 0] < shard.first_key + shard.keys):
+            raise RuntimeError(f"the shard answered key {answer.keys[0, 0]}, outside its range")
+
+
+class IngressMetrics:
+    """Series exported through Ray's metrics agent (every node's metrics export port), beside
+    Serve's own per-deployment request counts and latencies."""
+
+    def __init__(self) -> None:
+        self.predictions = ray_metrics.Counter(
+            "xmcserve_ray_predictions_total", description="/predict answers by outcome", tag_keys=("outcome",)
+        )
+        self.part_failures = ray_metrics.Counter(
+            "xmcserve_ray_part_failures_total",
+            description="calls to the encoder or a shard that failed, by part and reason",
+            tag_keys=("part", "reason"),
+        )
+        self.stage_seconds = ray_metrics.Histogram(
+            "xmcserve_ray_stage_seconds",
+            description="seconds per stage of a /predict (encode, fanout, rank)",
+            boundaries=STAGE_BUCKETS_S,
+            tag_keys=("stage",),
+        )
+
+
+@serve.deployment(name="ingress", max_ongoing_requests=64, max_queued_requests=256, **HEALTH_CHECKS)
+@serve.ingress()
+class Ingress:
+    """The HTTP API of the single server over the encoder and the shards."""
+
+    def __init__(
+        self,
+        encoder: DeploymentHandle,
+        shards: list[DeploymentHandle],
+        bundle_dir: str,
+        verify: bool,
+        attempt_timeout_s: float,
+    ):
+        self.manifest, uids, texts = load_labels(bundle_dir, verify)
+        self.view = base_view(uids, texts, self.manifest.counts.memory_rows, None)
+        self.encoder, self.shards = encoder, shards
+        self.bundle_dir = bundle_dir
+        self.attempt_timeout_s = attempt_timeout_s
+        self.limits = LimitSettings()
+        self.metrics = IngressMetrics()
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return ingress_app(self)
+
+    async def predict(
+        self, texts: list[str], k: int, ef: int | None, exclude: list[set[int]], timeout_s: float
+    ) -> tuple[list[Ranking], int]:
+        """Encode, fan out to every shard, merge, rank; :class:`PartUnavailable` past the deadline."""
+        deadline = time.monotonic() + timeout_s
+        started = time.perf_counter()
+        vectors = await self.call("encoder", lambda: self.encoder.encode.remote(texts), deadline)
+        encoded = time.perf_counter()
+        ks = [k] * len(texts)
+        n = neighbours_needed(self.manifest, ks, exclude)
+        fetch, ef = fetch_and_ef(n, ef or self.manifest.hnsw.ef_search, self.manifest.counts.memory_rows)
+        query = ShardQuery(vectors, fetch, ef)
+        answers = await self.fan_out(query, deadline)
+        searched = time.perf_counter()
+        keys, sims, positions, rows = merge_answers(answers, n)
+        values = ValueRows(rows) if rows is not None else None
+        rankings = rank(self.manifest, positions, sims, self.view.labels_of_keys(keys), values, ks, exclude)
+        for stage, seconds in (("encode", encoded - started), ("fanout", searched - encoded)):
+            self.metrics.stage_seconds.observe(seconds, tags={"stage": stage})
+        self.metrics.stage_seconds.observe(time.perf_counter() - searched, tags={"stage": "rank"})
+        return rankings, max(answer.ef for answer in answers)
+
+    async def fan_out(self, query: ShardQuery, deadline: float) -> list[ShardAnswer]:
+        calls = [
+            asyncio.ensure_future(self.call(f"shard-{i}", lambda shard=shard: shard.search.remote(query), deadline))
+            for i, shard in enumerate(self.shards)
+        ]
+        try:
+            return await asyncio.gather(*calls)
+        finally:  # one shard failed or the client left: the others' work is wasted, stop it
+            for call in calls:
+                call.cancel()
+
+    async def call(self, part: str, send: Callable[[], DeploymentResponse], deadline: float):
+        """``send()``'s answer; sent again (Serve picks a replica again) when the replica it reached
+        died or did not answer within the attempt timeout, until ``deadline``."""
+        for attempt in range(CALL_ATTEMPTS):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            wait = remaining if attempt == CALL_ATTEMPTS - 1 else min(remaining, self.attempt_timeout_s)
+            response = send()
+            try:
+                return await asyncio.wait_for(awaited(response), wait)
+            except asyncio.TimeoutError:
+                response.cancel()
+                if wait < remaining:  # a replica on a lost node is silent until the node is declared dead
+                    self.metrics.part_failures.inc(tags={"part": part, "reason": "attempt_timeout"})
+                    log.warning("%s: no answer within %.0f ms; sending the call again", part, wait * 1000)
+                    continue
+                self.metrics.part_failures.inc(tags={"part": part, "reason": "timeout"})
+                raise PartUnavailable(f"{part} did not answer within the request's deadline") from None
+            except asyncio.CancelledError:
+                response.cancel()
+                raise
+            except BackPressureError:
+                self.metrics.part_failures.inc(tags={"part": part, "reason": "queue_full"})
+                raise PartUnavailable(f"{part} is overloaded (its queue is full)") from None
+            except (RayActorError, ActorUnavailableError) as exc:
+                self.metrics.part_failures.inc(tags={"part": part, "reason": "replica_lost"})
+                log.warning("%s: a replica was lost under a call (%s); sending it again", part, type(exc).__name__)
+            except Exception as exc:
+                self.metrics.part_failures.inc(tags={"part": part, "reason": "error"})
+                log.error("%s failed: %s", part, exc)
+                raise PartUnavailable(f"{part} failed ({type(exc).__name__})") from None
+        self.metrics.part_failures.inc(tags={"part": part, "reason": "no_replica"})
+        raise PartUnavailable(f"no replica of {part} answered within the request's deadline")
+
+    def describe(self) -> dict:
+        return {
+            "service_version": SERVICE_VERSION,
+            "serving": "ray_serve",
+            "bundle_path": self.bundle_dir,
+            "shards": len(self.shards),
+            "limits": self.limits.model_dump(),
+            "manifest": self.manifest.model_dump(mode="json"),
+        }
+
+
+async def awaited(response: DeploymentResponse):
+    return await response
+
+
+def unavailable(exc: PartUnavailable) -> JSONResponse:
+    return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def ingress_app(ingress: Ingress) -> FastAPI:
+    """The routes of the single server's API that a stateless, sharded deployment has."""
+    limits = ingress.limits
+    PredictRequest = build_predict_request(limits)
+    app = FastAPI(
+        title="xmcserve (Ray Serve)",
+        version=SERVICE_VERSION,
+        description="Extreme multi-label classification: the k most relevant labels for a short text.",
+        exception_handlers={RequestValidationError: validation_error},
+    )
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, read_timeout_s=limits.body_timeout_s)
+
+    @app.post("/predict", response_model=PredictResponse)
+    async def predict(body: PredictRequest) -> Response:  # type: ignore[valid-type]
+        if body.variant == "B":
+            return JSONResponse({"detail": "this deployment serves one bundle (A); no candidate B"}, status_code=409)
+        exclude = [ingress.view.label_ids(uids) for uids in body.exclusions()]
+        timeout_s = (body.timeout_ms or limits.request_timeout_ms) / 1000
+        try:
+            rankings, ef = await ingress.predict(body.all_texts(), body.k, body.ef, exclude, timeout_s)
+        except PartUnavailable as exc:
+            ingress.metrics.predictions.inc(tags={"outcome": "unavailable"})
+            return unavailable(exc)
+        ingress.metrics.predictions.inc(tags={"outcome": "ok"})
+        return predict_response(ingress.manifest, "A", body.k, ef, rankings, ingress.view)
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        """Ready when a real query goes through the encoder and every shard."""
+        try:
+            await ingress.predict(["readiness probe"], 1, None, [set()], READY_TIMEOUT_S)
+        except PartUnavailable as exc:
+            return JSONResponse({"ready": False, "detail": str(exc)}, status_code=503)
+        return JSONResponse({"ready": True, "bundle_id": ingress.manifest.bundle_id})
+
+    @app.get("/info")
+    async def info() -> dict:
+        return ingress.describe()
+
+    return app
+
+
+def build_app(args: dict) -> serve.Application:
+    """The application for one bundle: ``serve run service.ray_serve:build_app bundle_dir=…``."""
+    params = AppArgs.model_validate(args)
+    bundle = str(params.bundle_dir.resolve())
+    try:
+        manifest = read_manifest(Path(bundle))
+    except BundleError as exc:
+        raise ValueError(str(exc)) from None
+    batch_wait_s = params.batch_wait_ms / 1000
+    encoder = Encoder.options(
+        num_replicas=params.encoder_replicas, ray_actor_options={"num_cpus": params.encoder_cpus}
+    ).bind(bundle, params.encoder_cpus, params.max_batch_texts, batch_wait_s, params.verify)
+    per_node = params.shard_max_replicas_per_node
+    placement = {"max_replicas_per_node": per_node} if per_node else {}
+    shards = [
+        Shard.options(
+            name=f"shard-{i}",
+            num_replicas=params.shard_replicas,
+            ray_actor_options={"num_cpus": params.shard_cpus, "resources": params.shard_resources},
+            **placement,
+        ).bind(bundle, i, params.shard_cpus, params.max_batch_texts, batch_wait_s, params.verify)
+        for i in range(len(shard_list(manifest)))
+    ]
+    return Ingress.options(
+        num_replicas=params.ingress_replicas,
+        ray_actor_options={"num_cpus": params.ingress_cpus},
+        max_ongoing_requests=params.ingress_max_ongoing_requests,
+        max_queued_requests=params.ingress_max_queued_requests,
+    ).bind(encoder, shards, bundle, params.verify, params.attempt_timeout_ms / 1000)

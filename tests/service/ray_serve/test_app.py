@@ -1,0 +1,211 @@
+"""The Ray Serve application on a local multi-node cluster (ray.cluster_utils.Cluster): a head
+node (controller, proxy, ingress, encoder) and two worker nodes that hold the shards, each shard
+with one replica on each worker node.
+
+One cluster for the module, the tests in order: the sharded answers equal the single process's;
+a burst past the ingress's queue is refused with 503, never 500 or a hang; losing one worker
+node leaves every request answered; losing the second makes the ingress answer 503 within the
+request's deadline; shutdown leaves nothing listening.
+"""
+
+import concurrent.futures
+import contextlib
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import ray
+from ray import serve
+from ray._private import ray_constants
+from ray.cluster_utils import Cluster
+
+from export.build import ExportParams, build_bundle
+from service.engine import load_predictor
+from service.ray_serve import build_app
+from training.data import load_jsonl_split
+
+HOST = "127.0.0.1"
+SHARDS = 2
+INGRESS_LIMITS = {"ingress_max_ongoing_requests": 4, "ingress_max_queued_requests": 4}
+# Node death is noticed within ~1.5 s instead of the production 15 s (5 missed checks of 3 s).
+FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def sharded_bundle(sample_dir, distilbert_dir, tmp_path_factory):
+    train = load_jsonl_split(sample_dir, "trn")
+    out = tmp_path_factory.mktemp("ray") / "rae-2-shards"
+    params = ExportParams(dim=16, max_train=300, rae_top_b=50, shards=SHARDS)
+    build_bundle(out, train.labels, train, distilbert_dir, params)
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(sharded_bundle):
+    """(cluster, worker nodes, base URL) with the application running."""
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 2, "include_dashboard": False, "_system_config": FAST_FAILURE_DETECTION},
+    )
+    workers = [cluster.add_node(num_cpus=0, resources={"shard_host": 2}) for _ in range(2)]
+    ray.init(address=cluster.address)
+    port = free_port()
+    serve.start(http_options={"host": HOST, "port": port}, proxy_location="HeadOnly")
+    args = {
+        "bundle_dir": str(sharded_bundle),
+        "encoder_cpus": 0.5,
+        "shard_cpus": 0,
+        "shard_replicas": 2,
+        "shard_resources": {"shard_host": 1},
+        "shard_max_replicas_per_node": 1,
+        **INGRESS_LIMITS,
+    }
+    serve.run(build_app(args), name="xmcserve", route_prefix="/")
+    yield cluster, workers, f"http://{HOST}:{port}"
+    if ray.is_initialized():  # the shutdown test did not get to it
+        serve.shutdown()
+        ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def queries(sample_dir):
+    dev = load_jsonl_split(sample_dir, "dev")
+    # each text's first two true labels excluded: the answers must do without them
+    return dev.texts[:24], [[dev.labels.uids[j] for j in dev.Y[i].indices[:2]] for i in range(24)]
+
+
+def descendants(pid: int) -> list[int]:
+    children = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit():
+                parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(proc.name))
+        except (OSError, ValueError):  # gone meanwhile
+            pass
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def crash(cluster: Cluster, node) -> None:
+    """The node's machine lost at once: its raylet and the workers it started (the replicas,
+    which otherwise keep answering calls until they notice their raylet is gone) killed."""
+    raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+    workers = descendants(raylet)
+    cluster.remove_node(node, allow_graceful=False)
+    for pid in workers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_the_sharded_answers_equal_the_single_process(cluster, sharded_bundle, queries):
+    _, _, url = cluster
+    texts, exclude = queries
+    single = load_predictor(sharded_bundle)
+    ef = 1000  # the same HNSW search on both sides (each shard's graph is the bundle's)
+    expected = single.predict(texts, 10, ef=ef, exclude=[single.view.label_ids(e) for e in exclude])
+    request = {"texts": texts, "k": 10, "ef": ef, "exclude": exclude}
+    answer = httpx.post(f"{url}/predict", json=request, timeout=30)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["bundle_id"] == single.bundle.bundle_id and body["ef"] == ef
+    for ranking, result in zip(expected.rankings, body["results"], strict=True):
+        assert [label["id"] for label in result["labels"]] == ranking.ids.tolist()
+        np.testing.assert_allclose([label["score"] for label in result["labels"]], ranking.scores, rtol=1e-6)
+    for uids, result in zip(exclude, body["results"], strict=True):
+        assert not set(uids) & {label["uid"] for label in result["labels"]}
+
+
+def test_the_api_of_the_single_server(cluster):
+    _, _, url = cluster
+    assert httpx.get(f"{url}/healthz", timeout=10).json() == {"status": "ok"}
+    ready = httpx.get(f"{url}/readyz", timeout=10)
+    assert ready.status_code == 200 and ready.json()["ready"] is True
+    info = httpx.get(f"{url}/info", timeout=10).json()
+    assert info["serving"] == "ray_serve" and info["shards"] == SHARDS
+    assert len(info["manifest"]["shards"]) == SHARDS
+    refused = httpx.post(f"{url}/predict", json={"texts": ["fine", " "]}, timeout=10)
+    assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == ["body", "texts"]
+    assert httpx.post(f"{url}/predict", json={"text": "x", "variant": "B"}, timeout=10).status_code == 409
+    too_big = httpx.post(f"{url}/predict", content=b"{" + b" " * (5 << 20) + b"}", timeout=30)
+    assert too_big.status_code == 413
+
+
+def test_a_burst_past_the_queue_is_refused_with_503_not_500(cluster, queries):
+    _, _, url = cluster
+    texts, _ = queries
+    burst = 4 * sum(INGRESS_LIMITS.values())
+
+    def send(i: int) -> int:
+        return httpx.post(f"{url}/predict", json={"texts": texts, "k": 100}, timeout=60).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(burst) as pool:
+        statuses = list(pool.map(send, range(burst)))
+    assert set(statuses) <= {200, 503}, statuses
+    assert statuses.count(503) > 0 and statuses.count(200) >= sum(INGRESS_LIMITS.values())
+
+
+def test_losing_a_node_that_holds_one_replica_of_each_shard_loses_no_request(cluster, queries):
+    ray_cluster, workers, url = cluster
+    texts, _ = queries
+    crash(ray_cluster, workers[0])
+    statuses = []
+    for i in range(30):
+        r = httpx.post(f"{url}/predict", json={"text": texts[i % len(texts)]}, timeout=30)
+        statuses.append(r.status_code if r.status_code == 200 else r.text)
+    assert statuses == [200] * 30
+
+
+def test_a_shard_without_a_live_replica_is_a_503_within_the_deadline(cluster, queries):
+    ray_cluster, workers, url = cluster
+    texts, _ = queries
+    crash(ray_cluster, workers[1])
+    started = time.monotonic()
+    answer = httpx.post(f"{url}/predict", json={"text": texts[0], "timeout_ms": 800}, timeout=30)
+    elapsed = time.monotonic() - started
+    assert answer.status_code == 503 and "shard" in answer.json()["detail"], answer.text
+    assert answer.headers["retry-after"] == "1"
+    assert elapsed < 10  # the deadline, not a hang (generous: a loaded 2-core machine)
+    assert httpx.get(f"{url}/readyz", timeout=30).status_code == 503
+
+
+def ray_workers() -> list[int]:
+    """Pids of this machine's Ray worker processes (their command line starts with ``ray::``)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"ray::"):
+                pids.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            pass
+    return pids
+
+
+def test_shutdown_leaves_nothing_listening_or_running(cluster):
+    ray_cluster, _, url = cluster
+    assert ray_workers()  # the replicas, the controller and the proxy run as Ray workers
+    serve.shutdown()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/healthz", timeout=5)
+    ray.shutdown()
+    ray_cluster.shutdown()  # asserts that every node's own processes are gone
+    deadline = time.monotonic() + 30
+    while ray_workers() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray_workers() == []
