@@ -120,7 +120,9 @@ class Encoder:
     """The bundle's encoder: a request's texts → unit vectors, requests batched together."""
 
     def __init__(self, bundle_dir: str, cpus: float, max_batch_texts: int, batch_wait_s: float, verify: bool):
-        self.encoder = load_encoder(bundle_dir, EncoderOptions(intra_op_threads=threads_for(cpus), allow_spinning=False), verify)
+        # not spinning: the cores are shared with the other replicas, which spinning threads starve
+        options = EncoderOptions(intra_op_threads=threads_for(cpus), allow_spinning=False)
+        self.encoder = load_encoder(bundle_dir, options, verify)
         self.encode.set_max_batch_size(max_batch_texts)
         self.encode.set_batch_wait_timeout_s(batch_wait_s)
 
@@ -165,20 +167,21 @@ class Shard:
 
 
 class IngressMetrics:
-    """Series exported through Ray's metrics agent (every node's metrics export port), beside
-    Serve's own per-deployment request counts and latencies."""
+    """Series exported through Ray's metrics agent on every node's metrics export port, where
+    Ray prefixes them with ``ray_`` (``ray_xmcserve_predictions_total``…), beside Serve's own
+    per-deployment request counts and latencies."""
 
     def __init__(self) -> None:
         self.predictions = ray_metrics.Counter(
-            "xmcserve_ray_predictions_total", description="/predict answers by outcome", tag_keys=("outcome",)
+            "xmcserve_predictions_total", description="/predict answers by outcome", tag_keys=("outcome",)
         )
         self.part_failures = ray_metrics.Counter(
-            "xmcserve_ray_part_failures_total",
+            "xmcserve_part_failures_total",
             description="calls to the encoder or a shard that failed, by part and reason",
             tag_keys=("part", "reason"),
         )
         self.stage_seconds = ray_metrics.Histogram(
-            "xmcserve_ray_stage_seconds",
+            "xmcserve_stage_seconds",
             description="seconds per stage of a /predict (encode, fanout, rank)",
             boundaries=STAGE_BUCKETS_S,
             tag_keys=("stage",),

@@ -35,6 +35,8 @@ INGRESS_LIMITS = {"ingress_max_ongoing_requests": 4, "ingress_max_queued_request
 # Node death is noticed within ~1.5 s instead of the production 15 s (5 missed checks of 3 s).
 REQUESTS_PER_CLIENT = 25
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
+# Metrics reach the export port every second instead of every 10.
+FAST_METRICS = {"metrics_report_interval_ms": 1000}
 
 
 def free_port() -> int:
@@ -59,7 +61,11 @@ def cluster(sharded_bundle):
     environment.setenv("RAY_USAGE_STATS_ENABLED", "0")  # no reporting from a test cluster
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 2, "include_dashboard": False, "_system_config": FAST_FAILURE_DETECTION},
+        head_node_args={
+            "num_cpus": 2,
+            "include_dashboard": False,
+            "_system_config": FAST_FAILURE_DETECTION | FAST_METRICS,
+        },
     )
     workers = [cluster.add_node(num_cpus=0, resources={"shard_host": 2}) for _ in range(2)]
     ray.init(address=cluster.address)
@@ -149,6 +155,19 @@ def test_the_api_of_the_single_server(cluster):
     assert httpx.post(f"{url}/predict", json={"text": "x", "variant": "B"}, timeout=10).status_code == 409
     too_big = httpx.post(f"{url}/predict", content=b"{" + b" " * (5 << 20) + b"}", timeout=30)
     assert too_big.status_code == 413
+
+
+def test_the_ingress_metrics_reach_rays_metrics_export(cluster):
+    ray_cluster, _, _ = cluster
+    port = ray_cluster.head_node.metrics_export_port
+    deadline, exported = time.monotonic() + 30, ""
+    while "ray_xmcserve_predictions_total" not in exported and time.monotonic() < deadline:
+        time.sleep(0.5)
+        exported = httpx.get(f"http://{HOST}:{port}/metrics", timeout=10).text
+    series = [line for line in exported.splitlines() if line.startswith("ray_xmcserve_predictions_total{")]
+    ok = [line for line in series if 'outcome="ok"' in line]
+    assert ok and float(ok[0].rsplit(" ", 1)[1]) >= 1, exported[-2000:]
+    assert "ray_xmcserve_stage_seconds_bucket" in exported
 
 
 def test_a_burst_past_the_queue_is_refused_with_503_not_500(cluster, queries):
