@@ -88,7 +88,7 @@ def build(labels: int, shards: int, workdir: Path, encoder_bundle: Path, seed: i
             "hnsw": HnswParams(space="ip", M=M, ef_construction=EF_CONSTRUCTION, ef_search=EF_SEARCH),
             "counts": Counts(labels=labels, memory_rows=labels),
             "shards": shard_entries if shards > 1 else None,
-            "params": {"shard_build_seconds": seconds, "build_threads": os.cpu_count(), "seed": seed},
+            "params": {"shard_build_seconds": seconds, "build_threads": params.build_threads, "seed": seed},
         }
 
     write_bundle(out, populate)
@@ -108,12 +108,19 @@ def sharded_recall(bundle: Path, labels: int, queries: int, seed: int) -> dict:
     manifest = read_manifest(bundle)
     fetch, ef = fetch_and_ef(10, EF_SEARCH, labels)
     shards = shard_list(manifest)
-    searchers = [load_shard(bundle, i, verify=False, search_threads=os.cpu_count()) for i in range(len(shards))]
-    keys, _, _, _ = merge_answers([s.search(query_vectors, fetch, ef) for s in searchers], 10)
+    searchers = [load_shard(bundle, i, verify=False, search_threads=1) for i in range(len(shards))]
+    answers, seconds = [], []
+    for searcher in searchers:
+        started = time.perf_counter()
+        answers.append(searcher.search(query_vectors, fetch, ef))
+        seconds.append(time.perf_counter() - started)
+    keys, _, _, _ = merge_answers(answers, 10)
     recall = float(np.mean([len(set(f) & set(t)) / 10 for f, t in zip(keys, truth, strict=True)]))
     return {
         "recall_at_10": round(recall, 4),
         "ef": ef,
+        # one thread, the queries in one batch: what one core of a shard replica sustains
+        "shard_queries_per_core_second": [round(queries / s, 1) for s in seconds],
         "bytes_per_label_per_shard": [round((bundle / s.index).stat().st_size / s.keys, 1) for s in shards],
         "labels_per_shard": [s.keys for s in shards],
         "shard_build_seconds": manifest.params.get("shard_build_seconds"),
@@ -130,7 +137,7 @@ def load(url: str, bodies: list[bytes], seconds: float, concurrency: int) -> dic
 def measure_single(bundle: Path, bodies, seconds, concurrency, logs: Path) -> dict:
     server = start_server(bundle, logs / "single.log", timeout_s=300)
     try:
-        return load(server.url, bodies, seconds, concurrency)
+        return {**load(server.url, bodies, seconds, concurrency), "rss_mib": rss_mib(server.process.pid)}
     finally:
         stop_server(server)
 
@@ -165,6 +172,26 @@ def ray_hop_ms(calls: int = 300) -> dict:
         ray.shutdown()
 
 
+def replica_rss_mib(app: str = "xmcserve") -> dict[str, list[float]]:
+    """Resident memory of each Serve replica process of ``app``, by deployment name."""
+    prefix = f"ray::ServeReplica:{app}:".encode()
+    found: dict[str, list[float]] = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            command = (proc / "cmdline").read_bytes() if proc.name.isdigit() else b""
+            if command.startswith(prefix):
+                name = command[len(prefix) :].split(b"\0")[0].decode()
+                found.setdefault(name, []).append(rss_mib(int(proc.name)))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return round(next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024, 1)
+
+
 def measure_ray(bundle: Path, bodies, seconds, concurrency, shards: int) -> dict:
     import ray
     from ray import serve
@@ -180,7 +207,7 @@ def measure_ray(bundle: Path, bodies, seconds, concurrency, shards: int) -> dict
         serve.run(build_app(args), name="xmcserve", route_prefix="/")
         deploy_s = time.perf_counter() - started
         result = load(f"http://127.0.0.1:{port}", bodies, seconds, concurrency)
-        return {"deploy_seconds": round(deploy_s, 1), **result}
+        return {"deploy_seconds": round(deploy_s, 1), "replica_rss_mib": replica_rss_mib(), **result}
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -233,7 +260,15 @@ def main(argv: list[str] | None = None) -> None:
     bodies = [json.dumps({"text": t, "k": 10}).encode() for t in load_jsonl_split(args.data, "dev").texts]
     logs = args.workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    result = {"labels": args.labels, "cpus": os.cpu_count(), "M": M, "ef_construction": EF_CONSTRUCTION}
+    from export.params import ExportParams
+
+    result = {
+        "labels": args.labels,
+        "cpus": os.cpu_count(),
+        "M": M,
+        "ef_construction": EF_CONSTRUCTION,
+        "build_threads": ExportParams().build_threads,  # shards built one after another, one thread each
+    }
     bundles = {shards: bundle_path(args.workdir, args.labels, shards) for shards in shard_counts}
     result["index"] = {s: sharded_recall(b, args.labels, args.queries, args.seed) for s, b in bundles.items()}
     print(json.dumps(result["index"]), flush=True)

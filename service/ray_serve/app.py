@@ -55,8 +55,10 @@ CALL_ATTEMPTS = 3
 # /readyz runs a real query through every part, answered within this.
 READY_TIMEOUT_S = 2.0
 RETRY_AFTER_S = 1
-# Serve replaces a replica whose check_health (a real encode or search) fails or hangs.
-HEALTH_CHECKS = {"health_check_period_s": 10, "health_check_timeout_s": 30}
+# Serve replaces a replica whose check_health (a real encode or search) fails or hangs. A
+# replica being stopped gets 5 s to finish its calls (Serve's default is 20): every call is
+# bounded by its request's deadline, XMCSERVE_REQUEST_TIMEOUT_MS (1 s by default).
+LIFECYCLE = {"health_check_period_s": 10, "health_check_timeout_s": 30, "graceful_shutdown_timeout_s": 5}
 STAGE_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 
 
@@ -115,7 +117,7 @@ def threads_for(cpus: float) -> int:
     return max(1, int(cpus))
 
 
-@serve.deployment(name="encoder", max_ongoing_requests=128, max_queued_requests=512, **HEALTH_CHECKS)
+@serve.deployment(name="encoder", max_ongoing_requests=128, max_queued_requests=512, **LIFECYCLE)
 class Encoder:
     """The bundle's encoder: a request's texts → unit vectors, requests batched together."""
 
@@ -138,7 +140,7 @@ class Encoder:
             raise RuntimeError("the encoder no longer gives finite unit vectors")
 
 
-@serve.deployment(max_ongoing_requests=128, max_queued_requests=512, **HEALTH_CHECKS)
+@serve.deployment(max_ongoing_requests=128, max_queued_requests=512, **LIFECYCLE)
 class Shard:
     """One shard of the bundle: the nearest keys of a batch of queries, with their value rows."""
 
@@ -188,7 +190,7 @@ class IngressMetrics:
         )
 
 
-@serve.deployment(name="ingress", max_ongoing_requests=64, max_queued_requests=256, **HEALTH_CHECKS)
+@serve.deployment(name="ingress", max_ongoing_requests=64, max_queued_requests=256, **LIFECYCLE)
 @serve.ingress()
 class Ingress:
     """The HTTP API of the single server over the encoder and the shards."""

@@ -171,17 +171,22 @@ def test_the_ingress_metrics_reach_rays_metrics_export(cluster):
 
 
 def test_a_burst_past_the_queue_is_refused_with_503_not_500(cluster, queries):
+    """Four times what the ingress takes (working + queued) at once: the excess is refused by
+    Serve's proxy at once; whatever else a loaded machine does, nothing is a 500 or hangs."""
     _, _, url = cluster
     texts, _ = queries
     burst = 4 * sum(INGRESS_LIMITS.values())
 
-    def send(i: int) -> int:
-        return httpx.post(f"{url}/predict", json={"texts": texts, "k": 100}, timeout=60).status_code
+    def send(i: int) -> tuple[int, str]:
+        answer = httpx.post(f"{url}/predict", json={"text": texts[i % len(texts)]}, timeout=60)
+        return answer.status_code, answer.text
 
     with concurrent.futures.ThreadPoolExecutor(burst) as pool:
-        statuses = list(pool.map(send, range(burst)))
-    assert set(statuses) <= {200, 503}, statuses
-    assert statuses.count(503) > 0 and statuses.count(200) >= sum(INGRESS_LIMITS.values())
+        answers = list(pool.map(send, range(burst)))
+    statuses = [status for status, _ in answers]
+    assert set(statuses) <= {200, 503}, answers
+    assert 200 in statuses
+    assert any(status == 503 and "backpressure" in text for status, text in answers), answers
 
 
 def test_losing_a_node_under_traffic_loses_no_request(cluster, queries):
