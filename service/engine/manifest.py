@@ -109,6 +109,16 @@ class Manifest(_Strict):
     files: dict[str, str] = Field(description="file name -> sha256 hex digest")
 
     @model_validator(mode="after")
+    def _label_index_keys_are_labels(self) -> Manifest:
+        # key id = label id in a label index: any other count would shift every answer's ids
+        if self.index_kind == "labels" and (self.counts.memory_rows, self.counts.train_instances) != (
+            self.counts.labels,
+            0,
+        ):
+            raise ValueError("a label index has one key per label and no instance keys")
+        return self
+
+    @model_validator(mode="after")
     def _shards_cover_the_keys(self) -> Manifest:
         next_key = 0
         for i, shard in enumerate(self.shards or []):

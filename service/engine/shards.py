@@ -138,6 +138,19 @@ class ShardSearcher:
         rows = self.values[(keys - self.shard.first_key).ravel()] if self.values is not None else None
         return ShardAnswer(keys, distances, rows, max(ef, k))
 
+    def search_many(self, queries: list[tuple[np.ndarray, int, int]]) -> list[ShardAnswer]:
+        """The answers to several requests' ``(vectors, fetch, ef)``, one HNSW call per distinct
+        ef at the largest fetch of its requests. With one ef (≥ every fetch) a longer list starts
+        with the shorter one, so each answer is the one its request would get alone."""
+        answers: list[ShardAnswer | None] = [None] * len(queries)
+        for ef in sorted({ef for _, _, ef in queries}):
+            group = [i for i, query in enumerate(queries) if query[2] == ef]
+            vectors = np.concatenate([queries[i][0] for i in group])
+            answer = self.search(vectors, max(queries[i][1] for i in group), ef)
+            for i, part in zip(group, answer.split([len(queries[i][0]) for i in group]), strict=True):
+                answers[i] = part
+        return answers
+
 
 def merge_answers(
     answers: list[ShardAnswer], n: int

@@ -11,18 +11,19 @@ Failure and load, as the ingress answers them (never a 500, never a hang):
   (``timeout_ms``, default ``XMCSERVE_REQUEST_TIMEOUT_MS``, bounds the encode and the fan-out)
   → ``503`` with ``Retry-After``, naming the part. Answers are never partial: a result missing a
   shard could silently lack the best labels.
-* a replica that dies under a call, or is silent past ``attempt_timeout_ms`` (its node lost but
-  not yet declared dead) → the call is sent again and Serve routes it to a replica again,
-  within the same deadline (at most :data:`CALL_ATTEMPTS` sends).
+* a call silent past ``attempt_timeout_ms`` (a replica on a lost node, not yet declared dead)
+  → hedged: a second send while the first runs, the first answer wins; a replica found lost →
+  sent again, for as long as the deadline allows (:mod:`service.ray_serve.calls`).
 * a full queue: the ingress's own (``max_queued_requests``, answered by Serve's proxy) or a
   part's → ``503`` with ``Retry-After``.
+* a part whose replica serves another bundle than the ingress's (every answer carries the
+  bundle id) → ``503``.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the locally built request model.
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,9 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import BackPressureError
-from ray.serve.handle import DeploymentHandle, DeploymentResponse
+from ray.serve.handle import DeploymentHandle
 from ray.util import metrics as ray_metrics
 
 from service.engine.bundle import BundleError, load_encoder, load_labels, load_shard, read_manifest
@@ -47,11 +46,10 @@ from service.engine.shards import ShardAnswer, merge_answers
 from service.http.guards import BodyLimitMiddleware, validation_error
 from service.http.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response
 from service.http.settings import LimitSettings
+from service.ray_serve.calls import PartCaller, PartUnavailable
 
 log = logging.getLogger("xmcserve.ray")
 
-# Sends of one call: the first, and one per replica found dead under it (within the deadline).
-CALL_ATTEMPTS = 3
 # /readyz runs a real query through every part, answered within this.
 READY_TIMEOUT_S = 2.0
 RETRY_AFTER_S = 1
@@ -86,22 +84,22 @@ class AppArgs(BaseModel):
         256, ge=1, description="requests waiting for an ingress replica; beyond it Serve's proxy answers 503"
     )
     max_batch_texts: int = Field(64, ge=1, description="most texts per encoder batch and queries per shard batch")
-    batch_wait_ms: float = Field(2.0, ge=0, description="how long a batch waits for more requests")
+    batch_wait_ms: float = Field(
+        0.0,
+        ge=0,
+        description="how long a batch waits for more requests (0: take what is queued; under load requests "
+        "queue while a batch computes, so batches still fill)",
+    )
     shard_max_replicas_per_node: int | None = Field(
         None, ge=1, description="most replicas of one shard on one node (1: each replica on its own node)"
     )
     attempt_timeout_ms: float = Field(
         300.0,
         gt=0,
-        description="a call to the encoder or a shard unanswered this long is sent again (Serve picks a replica "
-        "again), while the request's deadline allows: a replica on a lost node is silent until the node is declared "
-        "dead, seconds later",
+        description="a call to the encoder or a shard unanswered this long is hedged: sent once more while the "
+        "first runs, the first answer wins (a replica on a lost node is silent until the node is declared dead)",
     )
     verify: bool = Field(True, description="check the sha256 of every bundle file a replica reads")
-
-
-class PartUnavailable(RuntimeError):
-    """A part of the deployment did not answer in time (or could not): the request gets 503."""
 
 
 @dataclass(frozen=True)
@@ -122,16 +120,18 @@ class Encoder:
     """The bundle's encoder: a request's texts → unit vectors, requests batched together."""
 
     def __init__(self, bundle_dir: str, cpus: float, max_batch_texts: int, batch_wait_s: float, verify: bool):
+        self.bundle_id = read_manifest(Path(bundle_dir)).bundle_id
         # not spinning: the cores are shared with the other replicas, which spinning threads starve
         options = EncoderOptions(intra_op_threads=threads_for(cpus), allow_spinning=False)
         self.encoder = load_encoder(bundle_dir, options, verify)
         self.encode.set_max_batch_size(max_batch_texts)
         self.encode.set_batch_wait_timeout_s(batch_wait_s)
 
-    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.002, batch_size_fn=lambda texts: sum(map(len, texts)))
-    async def encode(self, requests: list[list[str]]) -> list[np.ndarray]:
+    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0, batch_size_fn=lambda texts: sum(map(len, texts)))
+    async def encode(self, requests: list[list[str]]) -> list[tuple[str, np.ndarray]]:
+        """Each request's vectors, stamped with the bundle id."""
         vectors, _ = await asyncio.to_thread(self.encoder.encode, [text for texts in requests for text in texts])
-        return np.split(vectors, np.cumsum([len(texts) for texts in requests])[:-1])
+        return [(self.bundle_id, part) for part in np.split(vectors, np.cumsum([len(t) for t in requests])[:-1])]
 
     def check_health(self) -> None:
         """A real encode: finite unit vectors, or the replica is replaced."""
@@ -146,19 +146,17 @@ class Shard:
 
     def __init__(self, bundle_dir: str, number: int, cpus: float, max_batch: int, batch_wait_s: float, verify: bool):
         self.searcher = load_shard(bundle_dir, number, verify, search_threads=threads_for(cpus))
+        self.bundle_id = read_manifest(Path(bundle_dir)).bundle_id
         first = self.searcher.shard.first_key
         self.probe = np.asarray(self.searcher.index.get_items([first]), dtype=np.float32)
         self.search.set_max_batch_size(max_batch)
         self.search.set_batch_wait_timeout_s(batch_wait_s)
 
-    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.002, batch_size_fn=lambda q: sum(len(x.vectors) for x in q))
-    async def search(self, queries: list[ShardQuery]) -> list[ShardAnswer]:
-        # one HNSW call for the batch, at its largest fetch and ef; each request keeps the
-        # leading keys it asked for when the ingress merges (a longer list has the same prefix)
-        vectors = np.concatenate([q.vectors for q in queries])
-        fetch, ef = max(q.fetch for q in queries), max(q.ef for q in queries)
-        answer = await asyncio.to_thread(self.searcher.search, vectors, fetch, ef)
-        return answer.split([len(q.vectors) for q in queries])
+    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0, batch_size_fn=lambda q: sum(len(x.vectors) for x in q))
+    async def search(self, queries: list[ShardQuery]) -> list[tuple[str, ShardAnswer]]:
+        """Each request's nearest keys (as if searched alone), stamped with the bundle id."""
+        batch = [(q.vectors, q.fetch, q.ef) for q in queries]
+        return [(self.bundle_id, answer) for answer in await asyncio.to_thread(self.searcher.search_many, batch)]
 
     def check_health(self) -> None:
         """A real query (this shard's first key's own vector) answered with keys of this shard."""
@@ -202,14 +200,19 @@ class Ingress:
         bundle_dir: str,
         verify: bool,
         attempt_timeout_s: float,
+        max_batch_texts: int,
     ):
         self.manifest, uids, texts = load_labels(bundle_dir, verify)
         self.view = base_view(uids, texts, self.manifest.counts.memory_rows, None)
         self.encoder, self.shards = encoder, shards
         self.bundle_dir = bundle_dir
-        self.attempt_timeout_s = attempt_timeout_s
+        self.max_batch_texts = max_batch_texts
         self.limits = LimitSettings()
         self.metrics = IngressMetrics()
+        self.caller = PartCaller(attempt_timeout_s, self.count_failure)
+
+    def count_failure(self, part: str, reason: str) -> None:
+        self.metrics.part_failures.inc(tags={"part": part, "reason": reason})
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return ingress_app(self)
@@ -217,16 +220,29 @@ class Ingress:
     async def predict(
         self, texts: list[str], k: int, ef: int | None, exclude: list[set[int]], timeout_s: float
     ) -> tuple[list[Ranking], int]:
-        """Encode, fan out to every shard, merge, rank; :class:`PartUnavailable` past the deadline."""
+        """Rankings and the ef they ran at; :class:`PartUnavailable` past the deadline. A request
+        larger than a batch goes in batch-sized pieces, side by side."""
         deadline = time.monotonic() + timeout_s
+        size = self.max_batch_texts
+        pieces = await asyncio.gather(
+            *(
+                self.predict_piece(texts[i : i + size], k, ef, exclude[i : i + size], deadline)
+                for i in range(0, len(texts), size)
+            )
+        )
+        return [ranking for rankings, _ in pieces for ranking in rankings], max(ef for _, ef in pieces)
+
+    async def predict_piece(
+        self, texts: list[str], k: int, ef: int | None, exclude: list[set[int]], deadline: float
+    ) -> tuple[list[Ranking], int]:
+        """Encode, fan out to every shard, merge, rank."""
         started = time.perf_counter()
-        vectors = await self.call("encoder", lambda: self.encoder.encode.remote(texts), deadline)
+        vectors = await self.ask("encoder", lambda: self.encoder.encode.remote(texts), deadline)
         encoded = time.perf_counter()
         ks = [k] * len(texts)
         n = neighbours_needed(self.manifest, ks, exclude)
         fetch, ef = fetch_and_ef(n, ef or self.manifest.hnsw.ef_search, self.manifest.counts.memory_rows)
-        query = ShardQuery(vectors, fetch, ef)
-        answers = await self.fan_out(query, deadline)
+        answers = await self.fan_out(ShardQuery(vectors, fetch, ef), deadline)
         searched = time.perf_counter()
         keys, sims, positions, rows = merge_answers(answers, n)
         values = ValueRows(rows) if rows is not None else None
@@ -238,7 +254,7 @@ class Ingress:
 
     async def fan_out(self, query: ShardQuery, deadline: float) -> list[ShardAnswer]:
         calls = [
-            asyncio.ensure_future(self.call(f"shard-{i}", lambda shard=shard: shard.search.remote(query), deadline))
+            asyncio.ensure_future(self.ask(f"shard-{i}", lambda shard=shard: shard.search.remote(query), deadline))
             for i, shard in enumerate(self.shards)
         ]
         try:
@@ -247,40 +263,15 @@ class Ingress:
             for call in calls:
                 call.cancel()
 
-    async def call(self, part: str, send: Callable[[], DeploymentResponse], deadline: float):
-        """``send()``'s answer; sent again (Serve picks a replica again) when the replica it reached
-        died or did not answer within the attempt timeout, until ``deadline``."""
-        for attempt in range(CALL_ATTEMPTS):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            wait = remaining if attempt == CALL_ATTEMPTS - 1 else min(remaining, self.attempt_timeout_s)
-            response = send()
-            try:
-                return await asyncio.wait_for(awaited(response), wait)
-            except asyncio.TimeoutError:
-                response.cancel()
-                if wait < remaining:  # a replica on a lost node is silent until the node is declared dead
-                    self.metrics.part_failures.inc(tags={"part": part, "reason": "attempt_timeout"})
-                    log.warning("%s: no answer within %.0f ms; sending the call again", part, wait * 1000)
-                    continue
-                self.metrics.part_failures.inc(tags={"part": part, "reason": "timeout"})
-                raise PartUnavailable(f"{part} did not answer within the request's deadline") from None
-            except asyncio.CancelledError:
-                response.cancel()
-                raise
-            except BackPressureError:
-                self.metrics.part_failures.inc(tags={"part": part, "reason": "queue_full"})
-                raise PartUnavailable(f"{part} is overloaded (its queue is full)") from None
-            except (RayActorError, ActorUnavailableError) as exc:
-                self.metrics.part_failures.inc(tags={"part": part, "reason": "replica_lost"})
-                log.warning("%s: a replica was lost under a call (%s); sending it again", part, type(exc).__name__)
-            except Exception as exc:
-                self.metrics.part_failures.inc(tags={"part": part, "reason": "error"})
-                log.error("%s failed: %s", part, exc)
-                raise PartUnavailable(f"{part} failed ({type(exc).__name__})") from None
-        self.metrics.part_failures.inc(tags={"part": part, "reason": "no_replica"})
-        raise PartUnavailable(f"no replica of {part} answered within the request's deadline")
+    async def ask(self, part: str, send, deadline: float):
+        """A part's answer (:class:`~service.ray_serve.calls.PartCaller`), checked to come from
+        this ingress's bundle: replicas load the bundle from a path, and a replica restarted
+        after the files there changed would serve another."""
+        bundle_id, answer = await self.caller.call(part, send, deadline)
+        if bundle_id != self.manifest.bundle_id:
+            self.count_failure(part, "other_bundle")
+            raise PartUnavailable(f"{part} serves bundle {bundle_id}, not {self.manifest.bundle_id}")
+        return answer
 
     def describe(self) -> dict:
         return {
@@ -291,10 +282,6 @@ class Ingress:
             "limits": self.limits.model_dump(),
             "manifest": self.manifest.model_dump(mode="json"),
         }
-
-
-async def awaited(response: DeploymentResponse):
-    return await response
 
 
 def unavailable(exc: PartUnavailable) -> JSONResponse:
@@ -375,4 +362,4 @@ def build_app(args: dict) -> serve.Application:
         ray_actor_options={"num_cpus": params.ingress_cpus},
         max_ongoing_requests=params.ingress_max_ongoing_requests,
         max_queued_requests=params.ingress_max_queued_requests,
-    ).bind(encoder, shards, bundle, params.verify, params.attempt_timeout_ms / 1000)
+    ).bind(encoder, shards, bundle, params.verify, params.attempt_timeout_ms / 1000, params.max_batch_texts)

@@ -13,11 +13,11 @@ import contextlib
 import os
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 import ray
 from ray import serve
@@ -33,7 +33,8 @@ HOST = "127.0.0.1"
 SHARDS = 2
 INGRESS_LIMITS = {"ingress_max_ongoing_requests": 4, "ingress_max_queued_requests": 4}
 # Node death is noticed within ~1.5 s instead of the production 15 s (5 missed checks of 3 s).
-REQUESTS_PER_CLIENT = 25
+MAX_REQUESTS_PER_CLIENT = 500
+AFTER_THE_CRASH_S = 3.0
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 # Metrics reach the export port every second instead of every 10.
 FAST_METRICS = {"metrics_report_interval_ms": 1000}
@@ -125,19 +126,18 @@ def crash(cluster: Cluster, node) -> None:
 
 
 def test_the_sharded_answers_equal_the_single_process(cluster, sharded_bundle, queries):
+    """At the bundle's default ef, with exclusions, to the last bit of every score."""
     _, _, url = cluster
     texts, exclude = queries
     single = load_predictor(sharded_bundle)
-    ef = 1000  # the same HNSW search on both sides (each shard's graph is the bundle's)
-    expected = single.predict(texts, 10, ef=ef, exclude=[single.view.label_ids(e) for e in exclude])
-    request = {"texts": texts, "k": 10, "ef": ef, "exclude": exclude}
-    answer = httpx.post(f"{url}/predict", json=request, timeout=30)
+    expected = single.predict(texts, 10, exclude=[single.view.label_ids(e) for e in exclude])
+    answer = httpx.post(f"{url}/predict", json={"texts": texts, "k": 10, "exclude": exclude}, timeout=30)
     assert answer.status_code == 200, answer.text
     body = answer.json()
-    assert body["bundle_id"] == single.bundle.bundle_id and body["ef"] == ef
+    assert body["bundle_id"] == single.bundle.bundle_id and body["ef"] == expected.ef
     for ranking, result in zip(expected.rankings, body["results"], strict=True):
         assert [label["id"] for label in result["labels"]] == ranking.ids.tolist()
-        np.testing.assert_allclose([label["score"] for label in result["labels"]], ranking.scores, rtol=1e-6)
+        assert [label["score"] for label in result["labels"]] == ranking.scores.tolist()
     for uids, result in zip(exclude, body["results"], strict=True):
         assert not set(uids) & {label["uid"] for label in result["labels"]}
 
@@ -190,16 +190,20 @@ def test_a_burst_past_the_queue_is_refused_with_503_not_500(cluster, queries):
 
 
 def test_losing_a_node_under_traffic_loses_no_request(cluster, queries):
-    """Two clients keep sending while a node holding one replica of each shard is lost."""
+    """Two clients keep sending before, while and for seconds after a node holding one replica
+    of each shard is lost."""
     ray_cluster, workers, url = cluster
     texts, _ = queries
     answers: list = []
+    crashed_at, stop = [], threading.Event()
 
     def client(offset: int) -> None:
         with httpx.Client(timeout=30) as http:
-            for i in range(REQUESTS_PER_CLIENT):
+            for i in range(MAX_REQUESTS_PER_CLIENT):
+                if stop.is_set():
+                    return
                 answer = http.post(f"{url}/predict", json={"text": texts[(offset + i) % len(texts)]})
-                answers.append(answer.status_code if answer.status_code == 200 else answer.text)
+                answers.append((time.monotonic(), answer.status_code if answer.status_code == 200 else answer.text))
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         clients = [pool.submit(client, offset) for offset in (0, 7)]
@@ -207,9 +211,13 @@ def test_losing_a_node_under_traffic_loses_no_request(cluster, queries):
         while len(answers) < 4 and time.monotonic() < deadline:  # the traffic is flowing
             time.sleep(0.01)
         crash(ray_cluster, workers[0])
+        crashed_at.append(time.monotonic())
+        time.sleep(AFTER_THE_CRASH_S)
+        stop.set()
         for running in clients:
             running.result(timeout=120)
-    assert answers == [200] * (2 * REQUESTS_PER_CLIENT)
+    assert [status for _, status in answers] == [200] * len(answers)
+    assert sum(when > crashed_at[0] for when, _ in answers) >= 10  # answered after the node was gone
 
 
 def test_a_shard_without_a_live_replica_is_a_503_within_the_deadline(cluster, queries):
@@ -221,31 +229,29 @@ def test_a_shard_without_a_live_replica_is_a_503_within_the_deadline(cluster, qu
     elapsed = time.monotonic() - started
     assert answer.status_code == 503 and "shard" in answer.json()["detail"], answer.text
     assert answer.headers["retry-after"] == "1"
-    assert elapsed < 10  # the deadline, not a hang (generous: a loaded 2-core machine)
+    assert elapsed < 3  # the 0.8 s deadline and the HTTP round trip, not a hang
     assert httpx.get(f"{url}/readyz", timeout=30).status_code == 503
-
-
-def ray_workers() -> list[int]:
-    """Pids of this machine's Ray worker processes (their command line starts with ``ray::``)."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(b"ray::"):
-                pids.append(int(proc.name))
-        except OSError:  # gone meanwhile
-            pass
-    return pids
 
 
 def test_shutdown_leaves_nothing_listening_or_running(cluster):
     ray_cluster, _, url = cluster
-    assert ray_workers()  # the replicas, the controller and the proxy run as Ray workers
+    nodes = [ray_cluster.head_node, *ray_cluster.worker_nodes]
+    raylets = [node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid for node in nodes]
+    started = [pid for raylet in raylets for pid in descendants(raylet)]  # this cluster's workers
+    assert started
     serve.shutdown()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/healthz", timeout=5)
     ray.shutdown()
     ray_cluster.shutdown()  # asserts that every node's own processes are gone
     deadline = time.monotonic() + 30
-    while ray_workers() and time.monotonic() < deadline:
+    while any(alive(pid) for pid in started) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert ray_workers() == []
+    assert [pid for pid in started if alive(pid)] == []
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,122 @@
+"""Calls from the ingress to a part of the deployment (the encoder, a shard), with a deadline.
+
+A call still unanswered after ``attempt_timeout_s`` is **hedged**: a second send goes out while
+the first keeps running, and whichever answers first wins ("The Tail at Scale"). A replica on a
+node that was just lost is silent until Ray declares the node dead (seconds later); the hedge
+reaches another replica meanwhile, and a slow but live replica still answers (its answer is
+taken if it comes first, and its work is not thrown away to start again at the back of a queue).
+
+A send whose replica is found lost (its actor, worker or node died, or its answer's object was
+lost with the node) is sent again, after a short pause, for as long as the deadline allows: Serve
+routes the new send to a replica it still believes alive. A full queue (``BackPressureError``) and
+any other error end the call at once. Every way a call ends without an answer is a
+:class:`PartUnavailable`, which the ingress answers with ``503``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ray.exceptions import (
+    ActorUnavailableError,
+    NodeDiedError,
+    ObjectLostError,
+    RayActorError,
+    WorkerCrashedError,
+)
+from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
+
+# The replica or its node is gone, not the request at fault: send it again.
+REPLICA_LOST = (
+    RayActorError,
+    ActorUnavailableError,
+    NodeDiedError,
+    WorkerCrashedError,
+    ObjectLostError,
+    ReplicaUnavailableError,
+)
+# Sends of one call in flight at once: the first and its hedge.
+MAX_IN_FLIGHT = 2
+# Pause before sending again after a lost replica, growing with each loss (Serve's routing
+# table needs a moment to drop the dead replica).
+LOST_BACKOFF_S = 0.05
+
+
+class PartUnavailable(RuntimeError):
+    """A part of the deployment did not answer in time (or could not): the request gets 503."""
+
+
+class PartCaller:
+    """Deadline-bound, hedged calls; ``on_failure(part, reason)`` counts what went wrong
+    (``hedged``, ``replica_lost``, ``queue_full``, ``error``, ``timeout``)."""
+
+    def __init__(self, attempt_timeout_s: float, on_failure: Callable[[str, str], None] = lambda part, reason: None):
+        self.attempt_timeout_s = attempt_timeout_s
+        self.on_failure = on_failure
+
+    async def call(self, part: str, send: Callable[[], Any], deadline: float):
+        """The first answer of ``send()`` — a Serve ``DeploymentResponse``, awaitable and
+        cancellable — sent again or hedged as above, before ``deadline`` (``time.monotonic()``);
+        :class:`PartUnavailable` otherwise."""
+        in_flight: dict[asyncio.Future, Any] = {}
+        lost = 0
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.on_failure(part, "timeout")
+                    raise PartUnavailable(f"no answer from {part} within the request's deadline")
+                if not in_flight and not self._send(part, send, in_flight):
+                    lost += 1
+                    await asyncio.sleep(min(LOST_BACKOFF_S * lost, remaining))
+                    continue
+                can_hedge = len(in_flight) < MAX_IN_FLIGHT
+                done, _ = await asyncio.wait(
+                    in_flight,
+                    timeout=min(remaining, self.attempt_timeout_s) if can_hedge else remaining,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if not done:
+                    if can_hedge and deadline - time.monotonic() > 0:
+                        self.on_failure(part, "hedged")
+                        self._send(part, send, in_flight)
+                    continue
+                for finished in done:
+                    in_flight.pop(finished)
+                    if finished.exception() is None:
+                        return finished.result()
+                    lost += self._lost_or_raise(part, finished.exception())
+                if not in_flight:  # every send lost its replica: pause, then send again
+                    await asyncio.sleep(min(LOST_BACKOFF_S * lost, max(deadline - time.monotonic(), 0)))
+        finally:  # answered, failed, or the client left: stop what is still running
+            for waiting, response in in_flight.items():
+                waiting.cancel()
+                response.cancel()
+
+    def _send(self, part: str, send: Callable[[], Any], in_flight: dict) -> bool:
+        """Send once more; False when the send itself found the replica lost."""
+        try:
+            response = send()
+        except Exception as exc:  # a refusal raised at send time counts like one raised later
+            self._lost_or_raise(part, exc)
+            return False
+        in_flight[asyncio.ensure_future(_awaited(response))] = response
+        return True
+
+    def _lost_or_raise(self, part: str, exc: BaseException) -> int:
+        """1 for a lost replica (the caller sends again); raises for anything else."""
+        if isinstance(exc, REPLICA_LOST):
+            self.on_failure(part, "replica_lost")
+            return 1
+        if isinstance(exc, BackPressureError):
+            self.on_failure(part, "queue_full")
+            raise PartUnavailable(f"{part} is overloaded (its queue is full)") from None
+        self.on_failure(part, "error")
+        raise PartUnavailable(f"{part} failed ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+async def _awaited(response):
+    return await response
