@@ -255,3 +255,14 @@ def alive(pid: int) -> bool:
         return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
     except OSError:
         return False
+
+
+def test_every_app_argument_is_in_the_operations_table():
+    import re
+
+    from service.ray_serve import AppArgs
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "operations.md").read_text()
+    section = text[text.index("| argument | default | what it sets |") :].split("\n\n", 1)[0]
+    documented = set(re.findall(r"`([a-z_]+)`", "\n".join(line.split("|")[1] for line in section.splitlines()[2:])))
+    assert documented == set(AppArgs.model_fields)
