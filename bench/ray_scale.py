@@ -32,6 +32,7 @@ import numpy as np
 from bench.ann_scale import clustered_vectors, draw, exact_top10
 from bench.loadgen import closed_loop
 from bench.localserver import free_port, start_server, stop_server
+from bench.recall import recall_at_k
 from service.engine.manifest import (
     ENCODER_FILE,
     LABELS_FILE,
@@ -42,7 +43,7 @@ from service.engine.manifest import (
     shard_list,
 )
 from service.engine.memory import fetch_and_ef
-from training.data import load_jsonl_split
+from training.data import LabelSpace, load_jsonl_split
 
 M, EF_CONSTRUCTION, EF_SEARCH = 32, 200, 300
 DIM = 64
@@ -54,7 +55,7 @@ def bundle_path(workdir: Path, labels: int, shards: int) -> Path:
 
 def build(labels: int, shards: int, workdir: Path, encoder_bundle: Path, seed: int) -> Path:
     """One labels-index bundle over ``labels`` synthetic vectors in ``shards`` shards."""
-    from export.build import ExportParams, build_hnsw
+    from export.build import ExportParams, build_hnsw, write_labels
     from export.writer import write_bundle
     from service.engine.bundle import read_manifest
 
@@ -68,9 +69,8 @@ def build(labels: int, shards: int, workdir: Path, encoder_bundle: Path, seed: i
     def populate(stage: Path) -> dict:
         for name in (ENCODER_FILE, TOKENIZER_FILE):
             shutil.copy(encoder_bundle / name, stage / name)
-        with open(stage / LABELS_FILE, "w") as fh:
-            for i in range(labels):
-                fh.write(json.dumps({"uid": f"synthetic-{i}", "text": f"synthetic label {i}"}) + "\n")
+        uids = [f"synthetic-{i}" for i in range(labels)]
+        write_labels(LabelSpace(uids, [f"synthetic label {i}" for i in range(labels)]), stage / LABELS_FILE)
         shard_entries, seconds = [], []
         for i, ids in enumerate(np.array_split(np.arange(labels), shards)):
             first, name = int(ids[0]), (f"index-{i}.hnsw" if shards > 1 else "index.hnsw")
@@ -108,14 +108,14 @@ def sharded_recall(bundle: Path, labels: int, queries: int, seed: int) -> dict:
     manifest = read_manifest(bundle)
     fetch, ef = fetch_and_ef(10, EF_SEARCH, labels)
     shards = shard_list(manifest)
-    searchers = [load_shard(bundle, i, verify=False, search_threads=1) for i in range(len(shards))]
+    searchers = [load_shard(bundle, i, verify=False, search_threads=1)[1] for i in range(len(shards))]
     answers, seconds = [], []
     for searcher in searchers:
         started = time.perf_counter()
         answers.append(searcher.search(query_vectors, fetch, ef))
         seconds.append(time.perf_counter() - started)
     keys, _, _, _ = merge_answers(answers, 10)
-    recall = float(np.mean([len(set(f) & set(t)) / 10 for f, t in zip(keys, truth, strict=True)]))
+    recall = recall_at_k([set(row) for row in truth.tolist()], keys.tolist())
     return {
         "recall_at_10": round(recall, 4),
         "ef": ef,

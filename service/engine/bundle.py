@@ -233,16 +233,18 @@ def _refusing(path: Path | str, load):
 # the checksums of the files it reads.
 
 
-def load_encoder(path: Path | str, options: EncoderOptions | None = None, verify: bool = True) -> OnnxEncoder:
-    """The bundle's encoder and tokenizer alone, checked by one real encode."""
+def load_encoder(
+    path: Path | str, options: EncoderOptions | None = None, verify: bool = True
+) -> tuple[Manifest, OnnxEncoder]:
+    """The manifest and the bundle's encoder and tokenizer alone, checked by one real encode."""
 
-    def load(path: Path) -> OnnxEncoder:
+    def load(path: Path) -> tuple[Manifest, OnnxEncoder]:
         manifest = read_manifest(path)
         if verify:
             verify_checksums(path, manifest, [ENCODER_FILE, TOKENIZER_FILE])
         encoder = open_encoder(path, manifest, options)
         check_encoder(path, encoder, manifest)
-        return encoder
+        return manifest, encoder
 
     return _refusing(path, load)
 
@@ -262,11 +264,13 @@ def load_labels(path: Path | str, verify: bool = True) -> tuple[Manifest, list[s
     return _refusing(path, load)
 
 
-def load_shard(path: Path | str, number: int, verify: bool = True, search_threads: int = 1) -> ShardSearcher:
-    """Shard ``number`` of a bundle alone (an unsharded bundle is shard 0 of 1): its index and,
-    for an RAE memory, its value rows."""
+def load_shard(
+    path: Path | str, number: int, verify: bool = True, search_threads: int = 1
+) -> tuple[Manifest, ShardSearcher]:
+    """The manifest and shard ``number`` of a bundle alone (an unsharded bundle is shard 0 of 1):
+    its index and, for an RAE memory, its value rows."""
 
-    def load(path: Path) -> ShardSearcher:
+    def load(path: Path) -> tuple[Manifest, ShardSearcher]:
         manifest = read_manifest(path)
         shards = shard_list(manifest)
         if not 0 <= number < len(shards):
@@ -278,7 +282,7 @@ def load_shard(path: Path | str, number: int, verify: bool = True, search_thread
         if manifest.index_kind == "rae_memory":
             check_rae_counts(path, manifest)
             values = load_shard_values(path, manifest, shard)
-        return ShardSearcher(load_shard_index(path, manifest, shard), values, shard, search_threads)
+        return manifest, ShardSearcher(load_shard_index(path, manifest, shard), values, shard, search_threads)
 
     return _refusing(path, load)
 

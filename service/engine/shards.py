@@ -27,13 +27,14 @@ from service.engine.manifest import Shard
 from service.engine.memory import by_distance_then_key
 
 
-def merge_top_k(keys: list[np.ndarray], distances: list[np.ndarray], k: int) -> tuple[np.ndarray, np.ndarray]:
+def merge_top_k(
+    keys: list[np.ndarray], distances: list[np.ndarray], k: int, *carried: list[np.ndarray]
+) -> tuple[np.ndarray, ...]:
     """Per query row, the ``k`` smallest distances of the shards' answers (each ``nq x k_i``),
-    equal distances in key order."""
-    merged_keys, merged_distances = by_distance_then_key(
-        np.concatenate(keys, axis=1), np.concatenate(distances, axis=1)
-    )
-    return merged_keys[:, :k], merged_distances[:, :k]
+    equal distances in key order: (keys, distances, *carried), each ``carried`` list of per-shard
+    arrays reordered alike."""
+    merged = by_distance_then_key(*(np.concatenate(parts, axis=1) for parts in (keys, distances, *carried)))
+    return tuple(array[:, :k] for array in merged)
 
 
 class ShardedIndex:
@@ -164,11 +165,7 @@ def merge_answers(
         offset + np.arange(answer.keys.size).reshape(answer.keys.shape)
         for offset, answer in zip(offsets, answers, strict=True)
     ]
-    keys, distances, positions = by_distance_then_key(
-        np.concatenate([a.keys for a in answers], axis=1),
-        np.concatenate([a.distances for a in answers], axis=1),
-        np.concatenate(positions, axis=1),
-    )
-    sims = (1.0 - distances[:, :n]).astype(np.float32)
+    keys, distances, positions = merge_top_k([a.keys for a in answers], [a.distances for a in answers], n, positions)
+    sims = (1.0 - distances).astype(np.float32)
     rows = sp.vstack([a.rows for a in answers], format="csr") if answers[0].rows is not None else None
-    return keys[:, :n], sims, positions[:, :n], rows
+    return keys, sims, positions, rows

@@ -120,10 +120,10 @@ class Encoder:
     """The bundle's encoder: a request's texts → unit vectors, requests batched together."""
 
     def __init__(self, bundle_dir: str, cpus: float, max_batch_texts: int, batch_wait_s: float, verify: bool):
-        self.bundle_id = read_manifest(Path(bundle_dir)).bundle_id
         # not spinning: the cores are shared with the other replicas, which spinning threads starve
         options = EncoderOptions(intra_op_threads=threads_for(cpus), allow_spinning=False)
-        self.encoder = load_encoder(bundle_dir, options, verify)
+        manifest, self.encoder = load_encoder(bundle_dir, options, verify)
+        self.bundle_id = manifest.bundle_id
         self.encode.set_max_batch_size(max_batch_texts)
         self.encode.set_batch_wait_timeout_s(batch_wait_s)
 
@@ -145,8 +145,8 @@ class Shard:
     """One shard of the bundle: the nearest keys of a batch of queries, with their value rows."""
 
     def __init__(self, bundle_dir: str, number: int, cpus: float, max_batch: int, batch_wait_s: float, verify: bool):
-        self.searcher = load_shard(bundle_dir, number, verify, search_threads=threads_for(cpus))
-        self.bundle_id = read_manifest(Path(bundle_dir)).bundle_id
+        manifest, self.searcher = load_shard(bundle_dir, number, verify, search_threads=threads_for(cpus))
+        self.bundle_id = manifest.bundle_id
         first = self.searcher.shard.first_key
         self.probe = np.asarray(self.searcher.index.get_items([first]), dtype=np.float32)
         self.search.set_max_batch_size(max_batch)
