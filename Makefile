@@ -116,10 +116,13 @@ $(PEERS_VENV)/.installed:
 peers-venv: $(PEERS_VENV)/.installed
 
 # UniDEC training on the full Debian-Related split (CPU: frozen lower layers, cached), and the
-# two-minute smoke configuration the tests use.
+# two-minute smoke configuration the tests use. NPROC=N trains data-parallel on N processes
+# (torchrun + DDP: one per GPU over NCCL, or CPU processes over gloo); batch_size stays the global batch.
 TRAIN_CONFIG ?= training/configs/debian-unidec.yaml
+NPROC ?= 1
+TRAIN_LAUNCH = $(if $(filter 1,$(NPROC)),$(PY),$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC))
 train: $(STAMP)
-	$(PY) -m training.train --config $(TRAIN_CONFIG)
+	$(TRAIN_LAUNCH) -m training.train --config $(TRAIN_CONFIG)
 
 train-smoke: $(STAMP)
 	$(PY) -m training.train --config training/configs/smoke.yaml

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from training.cache import TokenStateCache, cached_states, length_sorted_batches
 from training.checkpoint import load_checkpoint
+from training.distributed import World
 from training.embedding_eval import DevVectors
 from training.encoder_layers import hidden_size
 from training.model import UniDEC, load_encoder, load_fast_tokenizer
@@ -52,6 +53,9 @@ class Embedder:
         prefix_weights_dir: the encoder directory the prefix caches are keyed by. Training never
             changes the frozen prefix, so a trained checkpoint keys its caches by the base
             encoder's weights and finds the states its training run stored.
+        world: the run's processes (:mod:`training.distributed`): a full pass over a side
+            (:meth:`pooled`) encodes this rank's share and gathers the others'; every rank must
+            then call it in the same order.
     """
 
     def __init__(
@@ -61,12 +65,14 @@ class Embedder:
         device: torch.device,
         cache_dir: Path | None = None,
         prefix_weights_dir: Path | None = None,
+        world: World | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
         self.cache_dir = cache_dir
         self.prefix_weights_dir = prefix_weights_dir
+        self.world = world or World(device=device)
         self._memo: dict[str, np.ndarray] = {}
 
     @classmethod
@@ -148,14 +154,14 @@ class Embedder:
             return self.model._finish(vectors).numpy()
         was_training = self.model.training
         self.model.eval()
-        rows = np.arange(len(side.texts))
-        parts = []
+        rows = self.world.share(np.arange(len(side.texts)))
+        parts = [np.zeros((0, hidden_size(self.model.encoder)), dtype=np.float32)]
         for start in range(0, len(rows), block):
             with self.autocast():
                 pooled = self.pooled_batch(side, rows[start : start + block], 16384)
             parts.append(pooled.float().cpu().numpy())
         self.model.train(was_training)
-        return np.concatenate(parts)
+        return self.world.gather_array(np.concatenate(parts), len(side.texts))
 
     # ----------------------------------------------------------------- serving vectors
     def serving_vectors(self, side: TextSide, labels: bool = False, blocks: list[str] | None = None) -> np.ndarray:

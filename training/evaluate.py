@@ -163,13 +163,15 @@ def format_table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bundle", type=Path, required=True)
-    parser.add_argument("--data", type=Path, required=True)
-    parser.add_argument("--split", default="dev")
+    parser.add_argument("--bundle", type=Path, required=True, help="bundle directory to evaluate")
+    parser.add_argument("--data", type=Path, required=True, help="data set directory (JSON-lines layout)")
+    parser.add_argument("--split", default="dev", help="split to evaluate, with its filter file (default: dev)")
     parser.add_argument("--train-split", default="trn", help="split for label frequencies (PSP, segments)")
-    parser.add_argument("--k", type=int, default=100)
-    parser.add_argument("--ef", type=int, default=None)
-    parser.add_argument("--propensity", choices=sorted(PROPENSITY_PRESETS), default="default")
+    parser.add_argument("--k", type=int, default=100, help="ranking depth (R@k up to it)")
+    parser.add_argument("--ef", type=int, default=None, help="HNSW ef (default: the bundle's)")
+    parser.add_argument(
+        "--propensity", choices=sorted(PROPENSITY_PRESETS), default="default", help="PSP propensity constants A, B"
+    )
     parser.add_argument("--segments", default="10,100", help="tail max, torso max training frequency")
     parser.add_argument("--out", type=Path, default=None, help="JSON result file")
     args = parser.parse_args(argv)

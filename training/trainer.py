@@ -9,6 +9,9 @@ positives + η hard negatives per query, pool them, score the pool with both hea
 the objective. After the epoch: exact-search dev metrics (DE⊕CLF, DE, CLF, RAE), a JSONL log
 line, the export-layout checkpoint (``checkpoint/``, and ``best/`` by ``select_metric``) and the
 trainer state for ``--resume``.
+
+Under torchrun the run is data-parallel (:mod:`training.distributed`): every rank draws the same
+global batch, encodes its share of it, and computes the loss over the gathered shares.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import logging
 import math
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +41,8 @@ from training.batching import (
 )
 from training.checkpoint import default_encoder_dir, uses_sentence_normalize
 from training.data import XMCDataset, load_train_and_dev
-from training.embedder import Embedder, pick_device
+from training.distributed import World
+from training.embedder import Embedder, TextSide, pick_device
 from training.embedding_eval import score_dev_systems
 from training.encoder_layers import freeze_prefix, num_layers
 from training.model import UniDEC, load_encoder, load_fast_tokenizer
@@ -79,14 +84,40 @@ class RunState:
     train_seconds: float = 0.0  # wall seconds of the run so far, every process of it (resumes add up)
 
 
-class Trainer:
-    """One training run: its data, model, embedder, objective, optimiser and run directory."""
+class BatchForward(torch.nn.Module):
+    """This rank's share of a batch through Φ and both heads (the module DDP wraps): the DE
+    and CLF vectors of its query rows, the DE vectors of its pool-label rows, and the Ψ rows of
+    the whole pool (an index into a parameter: cheap, so every rank takes all of it)."""
 
-    def __init__(self, params: TrainParams):
+    def __init__(self, embedder: Embedder):
+        super().__init__()
+        self.model = embedder.model
+        self.embedder = embedder
+
+    def forward(
+        self, queries: TextSide, query_rows: np.ndarray, labels: TextSide, label_rows: np.ndarray, pool: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        pooled_q = self.embedder.pooled_batch(queries, query_rows)
+        pooled_l = self.embedder.pooled_batch(labels, label_rows)
+        label_table = self.model.psi[torch.from_numpy(pool).to(self.model.psi.device)]
+        return self.model.de(pooled_q), self.model.de(pooled_l), self.model.clf(pooled_q), label_table
+
+
+class Trainer:
+    """One training run: its data, model, embedder, objective, optimiser and run directory.
+
+    Args:
+        params: the run's :class:`TrainParams`.
+        world: the processes of a torchrun launch (:func:`training.distributed.init_world`);
+            ``None``: this process alone, on ``params.device``.
+    """
+
+    def __init__(self, params: TrainParams, world: World | None = None):
         self.started = time.perf_counter()  # wall time counts from here: data, cache, init, epochs, evals
         self.params = params
         self.out = Path(params.out_dir)
-        self.device = pick_device(params.device)
+        self.world = world or World(device=pick_device(params.device))
+        self.device = self.world.device
         if params.threads:
             torch.set_num_threads(params.threads)
         seed_everything(params.seed)
@@ -108,6 +139,7 @@ class Trainer:
             self.optimizer, warmup_cosine(self.steps_per_epoch * params.epochs, params.warmup_ratio)
         )
         self.values = build_values(self.train.Y, params.rae_lambda)
+        self.forward = self._batch_forward()
 
     @property
     def model(self) -> UniDEC:
@@ -136,14 +168,16 @@ class Trainer:
         pre_normalize = uses_sentence_normalize(self.encoder_dir)
         model = UniDEC.with_placeholder_heads(encoder.to(self.device), p.frozen_layers, pre_normalize)
         cache_dir = Path(p.cache_dir) if p.cache_dir else None
-        return Embedder(model, tokenizer, self.device, cache_dir, self.encoder_dir)
+        return Embedder(model, tokenizer, self.device, cache_dir, self.encoder_dir, self.world)
 
     def _build_sides(self) -> None:
-        """The run's three sides with their frozen-prefix states (computed once, or loaded)."""
+        """The run's three sides with their frozen-prefix states (computed once, or loaded; with
+        a cache directory, rank 0 computes and stores them and the other ranks load them)."""
         started = time.perf_counter()
-        self.queries = self.embedder.side(self.train.texts, "train")
-        self.labels = self.embedder.side(self.train.labels.texts, "labels")
-        self.dev_queries = self.embedder.side(self.dev.texts, "dev") if self.dev is not None else None
+        with self.world.main_first() if self.embedder.cache_dir else nullcontext():
+            self.queries = self.embedder.side(self.train.texts, "train")
+            self.labels = self.embedder.side(self.train.labels.texts, "labels")
+            self.dev_queries = self.embedder.side(self.dev.texts, "dev") if self.dev is not None else None
         self.cache_seconds = time.perf_counter() - started
         log.info("frozen-prefix states ready in %.1fs", self.cache_seconds)
 
@@ -167,6 +201,15 @@ class Trainer:
             groups.insert(0, {"params": self.encoder_params, "lr": p.lr_encoder})
         return torch.optim.AdamW(groups, weight_decay=p.weight_decay)
 
+    def _batch_forward(self) -> torch.nn.Module:
+        """The step's forward: :class:`BatchForward`, under DDP when the run has several
+        processes (built after the heads exist; DDP starts every rank from rank 0's weights)."""
+        forward = BatchForward(self.embedder)
+        if not self.world.distributed:
+            return forward
+        device_ids = [self.device] if self.device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(forward, device_ids=device_ids, forward_sync_buffers=False)
+
     # ----------------------------------------------------------------- training
     def refresh(self, epoch: int) -> None:
         """Re-cluster the queries and re-mine hard negatives with the current embeddings: the DE
@@ -179,9 +222,10 @@ class Trainer:
         size = curriculum_cluster_size(epoch, p.cluster_size_start, p.cluster_size_max, p.cluster_grow_every)
         self.state.clusters = balanced_clusters(queries, size, self.rng)
         if p.negatives_per_query > 0:
-            self.state.hard_negatives = mine_hard_negatives(
-                queries, labels, self.train.Y, self.own_labels, p.hard_negative_depth
-            )
+            mined = None
+            if self.world.is_main:
+                mined = mine_hard_negatives(queries, labels, self.train.Y, self.own_labels, p.hard_negative_depth)
+            self.state.hard_negatives = self.world.broadcast_ragged(mined, len(self.train))
         log.info(
             "epoch %d: %d clusters of ≤%d, negatives mined in %.1fs",
             epoch,
@@ -192,17 +236,20 @@ class Trainer:
 
     def head_outputs(self, batch: Batch) -> HeadOutputs:
         """The batch's queries and pool labels through Φ and both heads (bf16 on CUDA, returned
-        as float32: the objective's logits and softmaxes run in full precision)."""
-        model = self.model
+        as float32: the objective's logits and softmaxes run in full precision). Each rank
+        encodes its share; the shares are gathered, with their gradients, into the whole batch."""
+        world = self.world
+        query_rows, label_rows = world.share_to_compute(batch.queries), world.share_to_compute(batch.pool)
         with self.embedder.autocast():
-            pooled_q = self.embedder.pooled_batch(self.queries, batch.queries)
-            pooled_l = self.embedder.pooled_batch(self.labels, batch.pool)
-            return HeadOutputs(
-                de_query=model.de(pooled_q).float(),
-                de_label=model.de(pooled_l).float(),
-                clf_query=model.clf(pooled_q).float(),
-                label_table=model.psi[torch.from_numpy(batch.pool).to(self.device)],
+            de_query, de_label, clf_query, label_table = self.forward(
+                self.queries, query_rows, self.labels, label_rows, batch.pool
             )
+        return HeadOutputs(
+            de_query=world.gather_rows(de_query.float(), len(batch.queries)),
+            de_label=world.gather_rows(de_label.float(), len(batch.pool)),
+            clf_query=world.gather_rows(clf_query.float(), len(batch.queries)),
+            label_table=label_table,
+        )
 
     def batch_loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         masks = BatchMasks.from_batch(batch, self.device)
@@ -232,7 +279,8 @@ class Trainer:
         batches = cluster_batches(self.state.clusters, p.batch_size, self.rng)
         pool_sizes = []
         started = time.perf_counter()
-        for rows in tqdm(batches, desc=f"epoch {epoch + 1}/{p.epochs}", unit="batch", leave=False):
+        desc = f"epoch {epoch + 1}/{p.epochs}"
+        for rows in tqdm(batches, desc=desc, unit="batch", leave=False, disable=not self.world.is_main):
             batch = self.batcher.make(rows)
             pool_sizes.append(len(batch.pool))
             loss, parts = self.train_step(batch)
@@ -245,15 +293,19 @@ class Trainer:
             "mean_pool_size": round(float(np.mean(pool_sizes)), 1),
             "epoch_seconds": round(seconds, 1),
             "samples_per_second": round(len(self.train) / seconds, 1),
+            "processes": self.world.size,
         }
 
     # ----------------------------------------------------------------- evaluation
     def evaluate_dev(self) -> dict[str, dict[str, float]]:
-        """Exact-search dev metrics of DE⊕CLF, DE, CLF and RAE over the current serving vectors."""
+        """Exact-search dev metrics of DE⊕CLF, DE, CLF and RAE over the current serving vectors
+        (every rank encodes its share; rank 0 scores, the others return nothing)."""
         if self.dev is None or self.dev_queries is None:
             return {}
         p = self.params
         vectors = self.embedder.dev_vectors(self.dev_queries, self.labels, self.queries)
+        if not self.world.is_main:
+            return {}
         return score_dev_systems(vectors, self.dev, self.train, self.values, p.eval_k, p.rae_tau, p.rae_top_b)
 
     # ----------------------------------------------------------------- run
@@ -284,7 +336,7 @@ class Trainer:
         path = self.out / STATE_FILE
         if not path.is_file():
             raise FileNotFoundError(f"--resume: no {path}")
-        saved = torch.load(path, weights_only=False)
+        saved = torch.load(path, weights_only=False, map_location="cpu")  # every rank reads rank 0's state
         self.model.load_state_dict(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
@@ -296,15 +348,20 @@ class Trainer:
         log.info("resumed %s after epoch %d", self.out, self.state.epoch)
 
     def fit(self, resume: bool = False) -> dict:
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.params.save(self.out / PARAMS_FILE)
+        """Train to ``params.epochs`` (from the saved state with ``resume``); rank 0 writes the
+        run directory, every rank returns the last epoch's log line (dev metrics on rank 0 only)."""
+        main = self.world.is_main
+        if main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.params.save(self.out / PARAMS_FILE)
         if resume:
             self.resume()
         earlier = self.state.train_seconds  # wall seconds of the processes before a resume
         if not resume and self.state.epoch == 0:
             # epoch 0: the starting point (pretrained encoder, PCA heads, Ψ from label texts)
             start = {"epoch": 0, "cache_seconds": round(self.cache_seconds, 1), "dev": self.evaluate_dev()}
-            (self.out / LOG_FILE).write_text(json.dumps(start) + "\n")
+            if main:
+                (self.out / LOG_FILE).write_text(json.dumps(start) + "\n")
         last: dict = {}
         for epoch in range(self.state.epoch, self.params.epochs):
             stats = self.train_epoch(epoch)
@@ -320,6 +377,8 @@ class Trainer:
                 "lr": [round(g["lr"], 8) for g in self.optimizer.param_groups],
                 "dev": metrics,
             }
+            if not main:
+                continue
             self.save(metrics)
             with open(self.out / LOG_FILE, "a") as fh:
                 fh.write(json.dumps(last) + "\n")
