@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from training.batching import Batch
-from training.losses import LOSSES, BinaryCrossEntropyLoss, RaeContrastiveLoss
+from training.losses import LOSSES, BinaryCrossEntropyLoss, RaeContrastiveLoss, SoftTopKLoss
 from training.params import TrainParams
 
 
@@ -41,6 +41,13 @@ def symmetric_loss(q2l: torch.Tensor, l2q: torch.Tensor | float, weight: float, 
         return q2l + weight * l2q  # written out, not through the weights: keeps old runs bit-exact
     to_labels, to_queries = direction_weights(weight, form)
     return to_labels * q2l + to_queries * l2q
+
+
+def make_loss(params: TrainParams) -> torch.nn.Module:
+    """The multi-class loss ``params.loss`` names, with its own parameters."""
+    if params.loss == "soft_top_k":
+        return SoftTopKLoss(params.soft_top_k, params.soft_top_k_alpha)
+    return LOSSES[params.loss]()
 
 
 @dataclass
@@ -81,7 +88,7 @@ class Objective:
 
     def __init__(self, params: TrainParams):
         self.params = params
-        self.loss = LOSSES[params.loss]()
+        self.loss = make_loss(params)
         self.bce = BinaryCrossEntropyLoss()
         self.rae_loss = RaeContrastiveLoss()
 

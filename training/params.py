@@ -53,7 +53,9 @@ class TrainParams:
             (doubles every ``cluster_grow_every`` epochs); 1 = random batches.
     Loss (UniDEC §3.2–3.3; DEXML eq. 5; RAE-XMC eq. 10):
         loss: multi-class loss of both heads: ``decoupled_softmax`` | ``multi_positive_softmax``
-            | ``infonce`` | ``bce``.
+            | ``infonce`` | ``bce`` | ``soft_top_k`` (DEXML eq. 6–7).
+        soft_top_k / soft_top_k_alpha: k and the sigmoid sharpness α of ``soft_top_k``: the
+            loss is zero once every positive is among the k best-scored pool labels.
         de_temperature: τ of the DE logits cos/τ.
         clf_temperature: the CLF logits are ⟨g2(Φ(x)), Ψ_l⟩ / clf_temperature.
         clf_normalize: use cosines for the CLF logits in training too (the serving form).
@@ -105,6 +107,8 @@ class TrainParams:
     cluster_grow_every: int = 2
 
     loss: str = "decoupled_softmax"
+    soft_top_k: int = 5
+    soft_top_k_alpha: float = 1.0
     de_temperature: float = 0.05
     clf_temperature: float = 1.0
     clf_normalize: bool = False
@@ -136,7 +140,7 @@ class TrainParams:
 
     def __post_init__(self):
         choices = {
-            "loss": ("decoupled_softmax", "multi_positive_softmax", "infonce", "bce"),
+            "loss": ("decoupled_softmax", "multi_positive_softmax", "infonce", "bce", "soft_top_k"),
             "mine_with": ("de", "serving"),
             "attention": ("sdpa", "eager"),
             "symmetric_form": SYMMETRIC_FORMS,
@@ -155,7 +159,9 @@ class TrainParams:
                 f"select_metric {self.select_metric!r}: expected <system>/<metric> with system one of "
                 f"{', '.join(DEV_SYSTEMS)} and metric one of {', '.join(HEADLINE)}, e.g. rae/P@5"
             )
-        for name in ("batch_size", "epochs", "de_dim", "clf_dim", "max_length"):
+        if self.soft_top_k_alpha <= 0:
+            raise ValueError("soft_top_k_alpha must be positive")
+        for name in ("batch_size", "epochs", "de_dim", "clf_dim", "max_length", "soft_top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
 

@@ -102,3 +102,19 @@ def test_an_instance_whose_only_target_is_its_own_label_adds_a_finite_zero_term(
         assert torch.isfinite(total) and all(np.isfinite(v) for v in parts.values())
         total.backward()
     assert total.item() == 0.0
+
+
+def test_soft_top_k_is_built_with_its_k_and_alpha_and_trains_both_directions():
+    from training.losses import SoftTopKLoss
+
+    objective = Objective(TrainParams(loss="soft_top_k", soft_top_k=3, soft_top_k_alpha=2.0))
+    assert isinstance(objective.loss, SoftTopKLoss) and (objective.loss.k, objective.loss.alpha) == (3, 2.0)
+    out, masks = random_batch()
+    for tensor in (out.de_query, out.clf_query):
+        tensor.requires_grad_(True)
+    total, parts = objective(out, masks)
+    total.backward()
+    assert {"de_q2l", "de_l2q", "clf_q2l"} <= set(parts) and all(np.isfinite(list(parts.values())))
+    assert out.de_query.grad.abs().sum() > 0 and out.clf_query.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="soft_top_k_alpha"):
+        TrainParams(loss="soft_top_k", soft_top_k_alpha=0.0)

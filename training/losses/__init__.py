@@ -11,12 +11,14 @@ from training.losses.decoupled_softmax import DecoupledSoftmaxLoss
 from training.losses.infonce import InfoNCELoss
 from training.losses.multi_positive_softmax import MultiPositiveSoftmaxLoss
 from training.losses.rae_contrastive import RaeContrastiveLoss
+from training.losses.soft_top_k import SoftTopKLoss
 
 LOSSES = {
     "decoupled_softmax": DecoupledSoftmaxLoss,
     "multi_positive_softmax": MultiPositiveSoftmaxLoss,
     "infonce": InfoNCELoss,
     "bce": BinaryCrossEntropyLoss,
+    "soft_top_k": SoftTopKLoss,  # takes k and alpha (TrainParams.soft_top_k, soft_top_k_alpha)
 }
 
 __all__ = [
@@ -26,4 +28,5 @@ __all__ = [
     "InfoNCELoss",
     "MultiPositiveSoftmaxLoss",
     "RaeContrastiveLoss",
+    "SoftTopKLoss",
 ]

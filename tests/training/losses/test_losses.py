@@ -107,3 +107,80 @@ def test_a_positive_that_is_also_ignored_counts_as_neither(loss):
         scores[0, 3] = own_score
         torch.manual_seed(0)
         assert loss(scores, both, IGN).item() == pytest.approx(expected, rel=1e-6)
+
+
+# ----------------------------------------------------------------- SoftTop-k (DEXML eq. 6–7)
+def soft_top_k_by_hand(scores: list[float], positives: list[int], k: int, alpha: float) -> float:
+    """eq. 6 with the threshold t solved by scipy's root finder instead of the loss's bisection."""
+    from scipy.optimize import brentq
+
+    def sigmoid(x):
+        return 1.0 / (1.0 + math.exp(-x))
+
+    t = brentq(lambda t: sum(sigmoid(alpha * (s + t)) for s in scores) - k, -100, 100, xtol=1e-12)
+    return sum(-math.log(sigmoid(alpha * (scores[p] + t))) for p in positives) / len(positives)
+
+
+def test_soft_top_k_by_hand_with_an_ignored_label():
+    from training.losses import SoftTopKLoss
+
+    # the ignored label (score 3.0) takes no part: the top 2 of the other three
+    expected = soft_top_k_by_hand([2.0, 1.0, 0.5], [0, 1], k=2, alpha=2.0)
+    assert SoftTopKLoss(k=2, alpha=2.0)(SCORES, POS, IGN).item() == pytest.approx(expected, rel=1e-4)
+
+
+def test_soft_top_k_threshold_keeps_k_in_the_top_and_is_zero_when_the_positives_are_there():
+    from training.losses import SoftTopKLoss
+
+    torch.manual_seed(0)
+    scores = torch.randn(8, 50) * 5
+    ignore = torch.rand(8, 50) < 0.1
+    loss = SoftTopKLoss(k=5, alpha=3.0)
+    t = loss.threshold(scores.masked_fill(ignore, 0.0), ~ignore)
+    total = (torch.sigmoid(3.0 * (scores + t[:, None])) * ~ignore).sum(dim=1)
+    assert torch.allclose(total, torch.full((8,), 5.0), atol=1e-3)
+    # positives far above the rest: ~0; a positive far below the top 5: large
+    top = torch.zeros(1, 50, dtype=torch.bool)
+    top[0, :3] = True
+    clear = torch.cat([torch.full((1, 3), 20.0), torch.zeros(1, 47)], dim=1)
+    nothing_ignored = torch.zeros(1, 50, dtype=torch.bool)
+    assert loss(clear, top, nothing_ignored).item() < 1e-6
+    buried = clear.clone()
+    buried[0, 2] = -20.0
+    assert loss(buried, top, nothing_ignored).item() > 10
+
+
+def test_soft_top_k_gradient_is_the_implicit_one_of_eq_7():
+    from training.losses import SoftTopKLoss
+
+    torch.manual_seed(1)
+    scores = (torch.randn(3, 12) * 2).double().requires_grad_(True)
+    positives = torch.rand(3, 12) < 0.3
+    positives[:, 0] = True
+    ignore = torch.zeros(3, 12, dtype=torch.bool)
+    ignore[1, 5] = True
+    positives[1, 5] = False
+    loss = SoftTopKLoss(k=4, alpha=1.5)
+    loss(scores, positives, ignore).backward()
+    step = 1e-3
+    numeric = torch.zeros_like(scores)
+    with torch.no_grad():
+        for index in range(scores.numel()):
+            bump = torch.zeros(scores.numel(), dtype=scores.dtype)
+            bump[index] = step
+            bump = bump.view_as(scores)
+            up, down = loss(scores + bump, positives, ignore), loss(scores - bump, positives, ignore)
+            numeric.view(-1)[index] = (up - down) / (2 * step)
+    assert torch.allclose(scores.grad, numeric, atol=2e-4, rtol=1e-2)
+    assert scores.grad[1, 5] == 0  # an ignored entry gets no gradient
+
+
+def test_soft_top_k_rows_without_anything_kept_stay_finite():
+    from training.losses import SoftTopKLoss
+
+    scores = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], requires_grad=True)
+    positives = torch.tensor([[True, False, False], [False, False, False]])
+    ignore = torch.tensor([[False, False, False], [True, True, True]])
+    value = SoftTopKLoss(k=1)(scores, positives, ignore)
+    value.backward()
+    assert math.isfinite(value.item()) and torch.isfinite(scores.grad).all()
