@@ -31,7 +31,8 @@ class Batch:
     Attributes:
         queries: training-instance rows, [Q].
         pool: label ids of the batch label pool, [P].
-        positives: [Q, P] bool, the label is a positive of the query.
+        positives: [Q, P] bool, the label is a positive of the query; with soft targets
+            (Gandalf's label points), float32 target weights in (0, 1], 0 for a non-positive.
         ignore: [Q, P] bool, the label is the query's own item (neither positive nor negative).
         related: [Q, Q] bool, the two queries share a label (RAE loss: not negatives).
     """
@@ -135,6 +136,8 @@ class PslBatcher:
         positives_per_query: β.
         negatives_per_query: η.
         rng: the run's random generator (seeded).
+        soft_targets: ``Y``'s values are target weights (:mod:`training.gandalf`); the batch's
+            ``positives`` are then those weights instead of a bool mask.
     """
 
     def __init__(
@@ -144,9 +147,11 @@ class PslBatcher:
         positives_per_query: int,
         negatives_per_query: int,
         rng: np.random.Generator,
+        soft_targets: bool = False,
     ):
         self.Y = (Y > 0).astype(np.float32).tocsr()
-        self.targets = without_own_labels(self.Y, own_labels)
+        self.targets = without_own_labels(Y.astype(np.float32).tocsr() if soft_targets else self.Y, own_labels)
+        self.soft_targets = soft_targets
         self.own_labels = own_labels
         self.beta = positives_per_query
         self.eta = negatives_per_query
@@ -170,9 +175,10 @@ class PslBatcher:
     def make(self, queries: np.ndarray) -> Batch:
         picked = [np.concatenate([self.sample_positives(q), self.sample_negatives(q)]) for q in queries]
         pool = np.unique(np.concatenate(picked)).astype(np.int64)
-        positives = self.targets[queries][:, pool].toarray() > 0
+        weights = self.targets[queries][:, pool].toarray()
+        positives = weights if self.soft_targets else weights > 0
         column = {int(label): j for j, label in enumerate(pool)}
-        ignore = np.zeros_like(positives)
+        ignore = np.zeros(positives.shape, dtype=bool)
         for i, q in enumerate(queries):
             for label in self.own_labels[q]:
                 j = column.get(label)

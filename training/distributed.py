@@ -29,11 +29,17 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_gather_single_autograd
+
+# How long a rank waits in a collective. Rank 0 alone mines negatives, scores the dev split and
+# writes checkpoints while the others wait in their next collective; at 10^6 labels that takes
+# minutes, past NCCL's 10-minute default.
+COLLECTIVE_TIMEOUT = timedelta(hours=2)
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,7 @@ def init_world(device: torch.device) -> World:
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=COLLECTIVE_TIMEOUT)
     return World(rank=rank, size=size, local_rank=local_rank, device=device)
 
 

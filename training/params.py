@@ -70,6 +70,11 @@ class TrainParams:
         bce_weight: auxiliary BCE on the CLF logits.
         rae_weight: weight of the RAE-XMC loss (DE logits, in-batch instances that share no
             label as extra negatives).
+    Gandalf (thesis ch. 1, :mod:`training.gandalf`):
+        gandalf: also train on every label's text as a query, with soft targets from label
+            co-occurrence (y^G_ji = Ĝ_ij / Ĝ_jj above ``gandalf_threshold``).
+        gandalf_threshold: δ, the smallest co-occurrence ratio kept as a target (the thesis's
+            best value, 0.1).
     Optimisation:
         epochs, lr_encoder, lr_heads, lr_label_table, weight_decay (not on Ψ), warmup_ratio
         (linear warm-up, then cosine decay to 0), grad_clip (max global norm), seed,
@@ -119,6 +124,9 @@ class TrainParams:
     bce_weight: float = 0.0
     rae_weight: float = 0.0
 
+    gandalf: bool = False
+    gandalf_threshold: float = 0.1
+
     epochs: int = 10
     lr_encoder: float = 5e-5
     lr_heads: float = 2e-3
@@ -159,6 +167,8 @@ class TrainParams:
                 f"select_metric {self.select_metric!r}: expected <system>/<metric> with system one of "
                 f"{', '.join(DEV_SYSTEMS)} and metric one of {', '.join(HEADLINE)}, e.g. rae/P@5"
             )
+        if not 0.0 <= self.gandalf_threshold < 1.0:
+            raise ValueError("gandalf_threshold must be in [0, 1)")
         if self.soft_top_k_alpha <= 0:
             raise ValueError("soft_top_k_alpha must be positive")
         for name in ("batch_size", "epochs", "de_dim", "clf_dim", "max_length", "soft_top_k"):

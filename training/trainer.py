@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import scipy.sparse as sp
 import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
@@ -45,6 +46,7 @@ from training.distributed import World
 from training.embedder import Embedder, TextSide, pick_device
 from training.embedding_eval import score_dev_systems
 from training.encoder_layers import freeze_prefix, num_layers
+from training.gandalf import LabelPoints, label_points
 from training.model import UniDEC, load_encoder, load_fast_tokenizer
 from training.objective import BatchMasks, HeadOutputs, Objective
 from training.params import PARAMS_FILE, TrainParams
@@ -87,17 +89,34 @@ class RunState:
 class BatchForward(torch.nn.Module):
     """This rank's share of a batch through Φ and both heads (the module DDP wraps): the DE
     and CLF vectors of its query rows, the DE vectors of its pool-label rows, and the Ψ rows of
-    the whole pool (an index into a parameter: cheap, so every rank takes all of it)."""
+    the whole pool (an index into a parameter: cheap, so every rank takes all of it).
 
-    def __init__(self, embedder: Embedder):
+    Query rows past the training instances are Gandalf's label points (``point_labels``): their
+    text is a label's, so their Φ comes from the labels' side."""
+
+    def __init__(self, embedder: Embedder, num_instances: int, point_labels: np.ndarray | None = None):
         super().__init__()
         self.model = embedder.model
         self.embedder = embedder
+        self.num_instances = num_instances
+        self.point_labels = point_labels
+
+    def pooled_queries(self, queries: TextSide, labels: TextSide, rows: np.ndarray) -> torch.Tensor:
+        points = rows >= self.num_instances
+        if self.point_labels is None or not points.any():
+            return self.embedder.pooled_batch(queries, rows)
+        parts = [
+            self.embedder.pooled_batch(queries, rows[~points]),
+            self.embedder.pooled_batch(labels, self.point_labels[rows[points] - self.num_instances]),
+        ]
+        order = np.argsort(np.concatenate([np.flatnonzero(~points), np.flatnonzero(points)]), kind="stable")
+        pooled = torch.cat(parts)
+        return pooled[torch.from_numpy(order).to(pooled.device)]
 
     def forward(
         self, queries: TextSide, query_rows: np.ndarray, labels: TextSide, label_rows: np.ndarray, pool: np.ndarray
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        pooled_q = self.embedder.pooled_batch(queries, query_rows)
+        pooled_q = self.pooled_queries(queries, labels, query_rows)
         pooled_l = self.embedder.pooled_batch(labels, label_rows)
         label_table = self.model.psi[torch.from_numpy(pool).to(self.model.psi.device)]
         return self.model.de(pooled_q), self.model.de(pooled_l), self.model.clf(pooled_q), label_table
@@ -125,15 +144,14 @@ class Trainer:
         self.encoder_dir = Path(params.encoder_dir) if params.encoder_dir else default_encoder_dir()
         self.train, self.dev = self._load_data()
         self.own_labels = self.train.filter_sets()
+        self.points = self._label_points()
         self.state = RunState()
         self.embedder = self._pretrained_embedder()
         self._build_sides()
         self._init_heads()
-        self.batcher = PslBatcher(
-            self.train.Y, self.own_labels, params.positives_per_query, params.negatives_per_query, self.rng
-        )
+        self.batcher = self._batcher()
         self.objective = Objective(params)
-        self.steps_per_epoch = math.ceil(len(self.train) / params.batch_size)
+        self.steps_per_epoch = math.ceil(self.batcher.Y.shape[0] / params.batch_size)
         self.optimizer = self._optimizer()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, warmup_cosine(self.steps_per_epoch * params.epochs, params.warmup_ratio)
@@ -155,6 +173,25 @@ class Trainer:
         train, dev = load_train_and_dev(p.data_dir, p.train_split, p.dev_split, p.max_train, p.max_dev)
         log.info("data: %d train, %d dev instances, %d labels", len(train), len(dev) if dev else 0, train.num_labels)
         return train, dev
+
+    def _label_points(self) -> LabelPoints | None:
+        """Gandalf's label points (``params.gandalf``), trained on after the instances."""
+        if not self.params.gandalf:
+            return None
+        points = label_points(self.train.Y, self.params.gandalf_threshold)
+        per_point = points.targets.nnz / max(len(points), 1)
+        log.info("gandalf: %d label texts as queries, %.1f soft targets each", len(points), per_point)
+        return points
+
+    def _batcher(self) -> PslBatcher:
+        """Batches over the training rows: the instances, then the label points if any."""
+        p = self.params
+        Y, own = self.train.Y, self.own_labels
+        if self.points is not None:
+            Y = sp.vstack([(Y > 0).astype(np.float32), self.points.targets]).tocsr()
+            own = own + [{int(label)} for label in self.points.labels]  # a point's own label: its own item
+        soft = self.points is not None
+        return PslBatcher(Y, own, p.positives_per_query, p.negatives_per_query, self.rng, soft_targets=soft)
 
     def _pretrained_embedder(self) -> Embedder:
         """The pretrained encoder with its lower ``frozen_layers`` frozen, heads still to come."""
@@ -204,7 +241,8 @@ class Trainer:
     def _batch_forward(self) -> torch.nn.Module:
         """The step's forward: :class:`BatchForward`, under DDP when the run has several
         processes (built after the heads exist; DDP starts every rank from rank 0's weights)."""
-        forward = BatchForward(self.embedder)
+        point_labels = self.points.labels if self.points is not None else None
+        forward = BatchForward(self.embedder, len(self.train), point_labels)
         if not self.world.distributed:
             return forward
         device_ids = [self.device] if self.device.type == "cuda" else None
@@ -218,14 +256,18 @@ class Trainer:
         p = self.params
         blocks = None if p.mine_with == "serving" else ["g1_de"]
         queries = self.embedder.serving_vectors(self.queries, blocks=blocks)
+        if self.points is not None:  # a label point's query vector: its label's text as a query
+            as_queries = self.embedder.serving_vectors(self.labels, blocks=blocks)[self.points.labels]
+            queries = np.concatenate([queries, as_queries])
         labels = self.embedder.serving_vectors(self.labels, labels=True, blocks=blocks)
         size = curriculum_cluster_size(epoch, p.cluster_size_start, p.cluster_size_max, p.cluster_grow_every)
         self.state.clusters = balanced_clusters(queries, size, self.rng)
         if p.negatives_per_query > 0:
             mined = None
             if self.world.is_main:
-                mined = mine_hard_negatives(queries, labels, self.train.Y, self.own_labels, p.hard_negative_depth)
-            self.state.hard_negatives = self.world.broadcast_ragged(mined, len(self.train))
+                Y, own = self.batcher.Y, self.batcher.own_labels
+                mined = mine_hard_negatives(queries, labels, Y, own, p.hard_negative_depth)
+            self.state.hard_negatives = self.world.broadcast_ragged(mined, len(queries))
         log.info(
             "epoch %d: %d clusters of ≤%d, negatives mined in %.1fs",
             epoch,
@@ -292,7 +334,7 @@ class Trainer:
             "batches": len(batches),
             "mean_pool_size": round(float(np.mean(pool_sizes)), 1),
             "epoch_seconds": round(seconds, 1),
-            "samples_per_second": round(len(self.train) / seconds, 1),
+            "samples_per_second": round(self.batcher.Y.shape[0] / seconds, 1),
             "processes": self.world.size,
         }
 

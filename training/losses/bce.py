@@ -16,7 +16,7 @@ class BinaryCrossEntropyLoss(torch.nn.Module):
 
     Args (forward):
         scores: [Q, P] logits.
-        positives: [Q, P] bool (y).
+        positives: [Q, P] bool (y), or float soft targets in [0, 1].
         ignore: [Q, P] bool, entries left out.
     Returns:
         the mean over the kept entries.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from training.losses._masking import masked_logsumexp, mean_over_positives, usable_positives
+from training.losses._masking import masked_logsumexp, mean_over_positives, positive_weights
 
 
 class DecoupledSoftmaxLoss(torch.nn.Module):
@@ -19,7 +19,7 @@ class DecoupledSoftmaxLoss(torch.nn.Module):
 
     Args (forward):
         scores: [Q, P] logits.
-        positives: [Q, P] bool.
+        positives: [Q, P] bool, or float target weights (the sum over P is then weighted).
         ignore: [Q, P] bool, entries that are neither positive nor negative.
     Returns:
         the mean of ℓ over the queries that have an in-pool positive.
@@ -27,8 +27,9 @@ class DecoupledSoftmaxLoss(torch.nn.Module):
 
     def forward(self, scores: torch.Tensor, positives: torch.Tensor, ignore: torch.Tensor) -> torch.Tensor:
         scores = scores.float()
-        positives = usable_positives(positives, ignore)
+        weights = positive_weights(positives, ignore)
+        positives = weights > 0
         negatives = ~positives & ~ignore
         neg_lse = masked_logsumexp(scores, negatives).unsqueeze(1)
         per_entry = torch.logaddexp(scores, neg_lse) - scores
-        return mean_over_positives(per_entry.masked_fill(~positives, 0.0), positives)
+        return mean_over_positives(per_entry.masked_fill(~positives, 0.0), weights)

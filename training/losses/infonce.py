@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from training.losses._masking import masked_logsumexp, usable_positives
+from training.losses._masking import masked_logsumexp, positive_weights
 
 
 class InfoNCELoss(torch.nn.Module):
@@ -20,7 +20,7 @@ class InfoNCELoss(torch.nn.Module):
 
     Args (forward):
         scores: [Q, P] logits.
-        positives: [Q, P] bool.
+        positives: [Q, P] bool, or float target weights (the draw's probabilities).
         ignore: [Q, P] bool, entries left out of the denominator.
     Returns:
         the mean of ℓ over the queries that have an in-pool positive.
@@ -28,11 +28,10 @@ class InfoNCELoss(torch.nn.Module):
 
     def forward(self, scores: torch.Tensor, positives: torch.Tensor, ignore: torch.Tensor) -> torch.Tensor:
         scores = scores.float()
-        positives = usable_positives(positives, ignore)
-        rows = positives.any(dim=1)
+        weights = positive_weights(positives, ignore)
+        rows = (weights > 0).any(dim=1)
         if not rows.any():
             return scores.sum() * 0.0
-        weights = positives.float()
         weights[~rows] = 1.0  # rows without a positive are dropped below; multinomial needs mass
         drawn = torch.multinomial(weights, 1)
         target = scores.gather(1, drawn).squeeze(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from training.losses._masking import masked_logsumexp, mean_over_positives, usable_positives
+from training.losses._masking import masked_logsumexp, mean_over_positives, positive_weights
 
 
 class MultiPositiveSoftmaxLoss(torch.nn.Module):
@@ -20,7 +20,7 @@ class MultiPositiveSoftmaxLoss(torch.nn.Module):
 
     Args (forward):
         scores: [Q, P] logits.
-        positives: [Q, P] bool.
+        positives: [Q, P] bool, or float target weights (the sum over P is then weighted).
         ignore: [Q, P] bool, entries left out of the denominator.
     Returns:
         the mean of ℒ over the queries that have an in-pool positive.
@@ -28,7 +28,7 @@ class MultiPositiveSoftmaxLoss(torch.nn.Module):
 
     def forward(self, scores: torch.Tensor, positives: torch.Tensor, ignore: torch.Tensor) -> torch.Tensor:
         scores = scores.float()
-        positives = usable_positives(positives, ignore)
+        weights = positive_weights(positives, ignore)
         lse = masked_logsumexp(scores, ~ignore).unsqueeze(1)
-        per_entry = (lse - scores).masked_fill(~positives, 0.0)
-        return mean_over_positives(per_entry, positives)
+        per_entry = (lse - scores).masked_fill(weights == 0, 0.0)
+        return mean_over_positives(per_entry, weights)

@@ -45,6 +45,6 @@ class RaeContrastiveLoss(torch.nn.Module):
         unrelated = ~related
         unrelated.fill_diagonal_(False)
         scores = torch.cat([label_scores, instance_scores], dim=1)
-        pos = torch.cat([positives, torch.zeros_like(unrelated)], dim=1)
+        pos = torch.cat([positives, positives.new_zeros(unrelated.shape)], dim=1)
         ign = torch.cat([ignore, ~unrelated], dim=1)
         return self.decoupled(scores, pos, ign)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from training.losses._masking import mean_over_positives, usable_positives
+from training.losses._masking import mean_over_positives, positive_weights
 
 BISECTION_STEPS = 40  # halves the threshold's bracket (width ≈ score range + 60/α) to far below float32 noise
 
@@ -33,7 +33,7 @@ class SoftTopKLoss(torch.nn.Module):
         alpha: α, the sharpness of the sigmoid (larger is closer to the hard top k).
     Args (forward):
         scores: [Q, P] logits.
-        positives: [Q, P] bool.
+        positives: [Q, P] bool, or float target weights (the mean over P is then weighted).
         ignore: [Q, P] bool, entries left out.
     Returns:
         the mean of ℓ over the queries that have an in-pool positive.
@@ -70,9 +70,9 @@ class SoftTopKLoss(torch.nn.Module):
 
     def forward(self, scores: torch.Tensor, positives: torch.Tensor, ignore: torch.Tensor) -> torch.Tensor:
         scores = scores.float()
-        positives = usable_positives(positives, ignore)
+        weights = positive_weights(positives, ignore)
         keep = ~ignore
         finite = scores.masked_fill(~keep, 0.0)  # ignored entries: any finite value, masked everywhere
         t = self.threshold(finite, keep)
         log_z = F.logsigmoid(self.alpha * (finite + t[:, None]))
-        return mean_over_positives((-log_z).masked_fill(~positives, 0.0), positives)
+        return mean_over_positives((-log_z).masked_fill(weights == 0, 0.0), weights)

@@ -184,3 +184,23 @@ def test_soft_top_k_rows_without_anything_kept_stay_finite():
     value = SoftTopKLoss(k=1)(scores, positives, ignore)
     value.backward()
     assert math.isfinite(value.item()) and torch.isfinite(scores.grad).all()
+
+
+WEIGHABLE = [DecoupledSoftmaxLoss(), MultiPositiveSoftmaxLoss(), BinaryCrossEntropyLoss()]
+
+
+@pytest.mark.parametrize("loss", WEIGHABLE, ids=lambda x: type(x).__name__)
+def test_weights_of_one_are_the_bool_mask_and_soft_weights_weigh_the_mean(loss):
+    assert loss(SCORES, POS.float(), IGN).item() == pytest.approx(loss(SCORES, POS, IGN).item(), rel=1e-7)
+    soft = torch.tensor([[1.0, 0.25, 0.0, 0.0]])
+    if isinstance(loss, DecoupledSoftmaxLoss):  # Gandalf's soft targets: a weighted mean over P
+        expected = (1.0 * (lse(2.0, 0.5) - 2.0) + 0.25 * (lse(1.0, 0.5) - 1.0)) / 1.25
+        assert loss(SCORES, soft, IGN).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_rae_loss_takes_soft_weights():
+    related = torch.tensor([[True]])
+    instance_scores = torch.tensor([[0.0]])
+    soft = torch.tensor([[1.0, 0.25, 0.0, 0.0]])
+    value = RaeContrastiveLoss()(SCORES, soft, IGN, instance_scores, related)
+    assert value.item() == pytest.approx(DecoupledSoftmaxLoss()(SCORES, soft, IGN).item(), rel=1e-6)
