@@ -1,0 +1,165 @@
+"""A million labels end to end: generate → train → export (sharded) → serve → evaluate, with the
+wall seconds and peak memory (RSS) of every stage.
+
+    python -m bench.million_e2e [--labels 1000000] [--trn 2000000] [--work /tmp/xmcserve-million]
+        [--out bench/results/million-e2e.json]
+
+* **generate**: ``data/make_synthetic.py`` (Debian-Related's shape: titles, ~5 labels per
+  instance, Zipf-like label frequencies, same-item filter pairs, held-out dev and tst).
+* **train**: ``training/configs/synthetic-1m.yaml``, a short CPU run (one epoch on the first
+  ``max_train`` instances) of a small randomly initialised BERT with the MiniLM vocabulary:
+  on this machine MiniLM itself encodes ~230 titles/s, so one pass over 10^6 labels would
+  take over an hour; the small encoder keeps every stage's data at full size while the
+  model is small. On a GPU, set ``--encoder minilm`` and a longer schedule.
+* **export**: a label index of every label's vector, in ``--shards`` shards, built on all cores.
+* **serve**: ``python -m service.http`` on the bundle: seconds to ready, the server's peak RSS,
+  and the latency of single-text ``/predict`` calls sent one at a time.
+* **evaluate**: ``training.evaluate`` on the held-out ``tst`` split, both protocols.
+
+Each stage runs as its own process; its peak RSS is the kernel's (``wait4``), children included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from bench.localserver import start_server, stop_server
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "training" / "configs" / "synthetic-1m.yaml"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+
+
+def run_stage(name: str, command: list[str], log_dir: Path) -> dict:
+    """Run one stage to completion; its wall seconds and peak RSS (GiB, largest process of it)."""
+    started = time.perf_counter()
+    with open(log_dir / f"{name}.log", "w") as log:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    seconds = time.perf_counter() - started
+    if process.returncode != 0:
+        raise RuntimeError(f"stage {name} failed ({process.returncode}); see {log_dir / f'{name}.log'}")
+    # ru_maxrss is in KiB on Linux
+    return {"seconds": round(seconds, 1), "peak_rss_gib": round(usage.ru_maxrss / 2**20, 2)}
+
+
+def small_encoder(out: Path, seed: int) -> Path:
+    """A 2-layer, 64-wide BERT with random weights and the MiniLM tokenizer."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from training.checkpoint import default_encoder_dir
+
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128
+    )
+    BertModel(config).save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        shutil.copy(default_encoder_dir() / name, out / name)
+    return out
+
+
+def serve_stage(bundle: Path, queries: list[str], log_dir: Path) -> dict:
+    """Start the server on ``bundle``, time single requests, read its peak RSS, stop it."""
+    started = time.perf_counter()
+    server = start_server(bundle, log_dir / "serve.log", timeout_s=900)
+    ready_seconds = time.perf_counter() - started
+    latencies = []
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            for text in queries:
+                sent = time.perf_counter()
+                client.post("/predict", json={"texts": [text], "k": 10}).raise_for_status()
+                latencies.append(time.perf_counter() - sent)
+        status = Path(f"/proc/{server.process.pid}/status").read_text()
+        peak_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
+    finally:
+        stop_server(server)
+    ms = np.array(latencies) * 1000
+    return {
+        "seconds_to_ready": round(ready_seconds, 1),
+        "peak_rss_gib": round(peak_kib / 2**20, 2),
+        "requests": len(queries),
+        "p50_ms": round(float(np.percentile(ms, 50)), 2),
+        "p99_ms": round(float(np.percentile(ms, 99)), 2),
+    }
+
+
+def tst_titles(data: Path, count: int) -> list[str]:
+    import gzip
+
+    with gzip.open(data / "tst.json.gz", "rt", encoding="utf-8") as fh:
+        return [json.loads(line)["title"] for _, line in zip(range(count), fh, strict=False)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--labels", type=int, default=1_000_000, help="labels of the synthetic data set")
+    parser.add_argument("--trn", type=int, default=2_000_000, help="training instances of the data set")
+    parser.add_argument("--tst", type=int, default=20_000, help="held-out instances evaluated")
+    parser.add_argument("--max-train", type=int, default=500_000, help="instances the short training run uses")
+    parser.add_argument("--shards", type=int, default=2, help="index shards of the exported bundle")
+    parser.add_argument("--requests", type=int, default=500, help="single-text /predict calls timed")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/xmcserve-million"), help="scratch directory")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/million-e2e.json"), help="JSON result")
+    args = parser.parse_args()
+    work = args.work
+    if work.exists():
+        shutil.rmtree(work)
+    (work / "logs").mkdir(parents=True)
+    data, run, bundle, logs = work / "data", work / "run", work / "bundle", work / "logs"
+    py = sys.executable
+    stages = {}
+    sizes = ["--labels", str(args.labels), "--trn", str(args.trn), "--dev", "5000", "--tst", str(args.tst)]
+    stages["generate"] = run_stage("generate", [py, "data/make_synthetic.py", "--out", str(data), *sizes], logs)
+    encoder = small_encoder(work / "encoder", seed=0)
+    sets = [f"data_dir={data}", f"encoder_dir={encoder}", f"out_dir={run}", f"cache_dir={run / 'cache'}"]
+    sets.append(f"max_train={args.max_train}")
+    train = [py, "-m", "training.train", "--config", str(CONFIG), *(f"--set={s}" for s in sets)]
+    stages["train"] = run_stage("train", train, logs)
+    export = [py, "-m", "export.build", "--data", str(data), "--checkpoint", str(run / "best"), "--out", str(bundle)]
+    export += ["--index-kind", "labels", "--shards", str(args.shards), "--build-threads", "0"]
+    stages["export"] = run_stage("export", export, logs)
+    stages["serve"] = serve_stage(bundle, tst_titles(data, args.requests), logs)
+    evaluate = [py, "-m", "training.evaluate", "--bundle", str(bundle), "--data", str(data), "--split", "tst"]
+    stages["evaluate"] = run_stage("evaluate", [*evaluate, "--out", str(work / "eval-tst.json")], logs)
+
+    train_log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    result = {
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "data": json.loads((data / "stats.json").read_text()),
+        "encoder": "BERT 2 layers x 64, random init, MiniLM vocabulary",
+        "stages": stages,
+        "train": {k: train_log[-1].get(k) for k in ("epoch", "loss", "batches", "epoch_seconds", "samples_per_second")},
+        "train_dev_start": train_log[0]["dev"],
+        "train_dev_end": train_log[-1]["dev"],
+        "bundle": {
+            "labels": manifest["counts"]["labels"],
+            "shards": len(manifest.get("shards") or []) or 1,
+            "bytes": sum(f.stat().st_size for f in bundle.iterdir()),
+            "encode_texts_per_s": manifest["params"].get("encode_texts_per_s"),
+            "build_seconds": manifest["params"].get("build_seconds"),
+        },
+        "evaluate_tst": json.loads((work / "eval-tst.json").read_text()),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
