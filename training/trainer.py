@@ -264,7 +264,10 @@ class Trainer:
             queries = np.concatenate([queries, as_queries])
         labels = self.embedder.serving_vectors(self.labels, labels=True, blocks=blocks)
         size = curriculum_cluster_size(epoch, p.cluster_size_start, p.cluster_size_max, p.cluster_grow_every)
-        self.state.clusters = balanced_clusters(queries, size, self.rng)
+        # every rank clusters (their generators stay in step) and keeps rank 0's clusters: the
+        # vectors are equal to the last bit only when every rank read the same prefix cache
+        clusters = balanced_clusters(queries, size, self.rng)
+        self.state.clusters = self.world.broadcast_ragged(clusters, len(clusters))
         if p.negatives_per_query > 0:
             mined = None
             if self.world.is_main:
