@@ -9,8 +9,8 @@ the whole batch label pool:
 * Every rank draws the same global batch: the same seed, the same clusters (each rank clusters
   with the same generator, which keeps the generators in step, and takes rank 0's clusters) and
   the same mined negatives (rank 0 mines, a multi-threaded HNSW build not being deterministic,
-  and broadcasts them). ``batch_size`` is
-  the global batch, so a run on W processes samples exactly what one process samples.
+  and broadcasts them). ``batch_size`` is the global batch, so a run on W processes samples
+  exactly what one process samples.
 * Each rank encodes its contiguous share of the batch's queries and of its label pool; the
   shares are all-gathered *with their gradients* and every rank computes the loss ℒ of the
   whole batch. A gathered share's gradient comes back summed over the W ranks' identical

@@ -186,11 +186,10 @@ class Trainer:
     def _batcher(self) -> PslBatcher:
         """Batches over the training rows: the instances, then the label points if any."""
         p = self.params
-        Y, own = self.train.Y, self.own_labels
-        if self.points is not None:
+        Y, own, soft = self.train.Y, self.own_labels, self.points is not None
+        if soft:
             Y = sp.vstack([(Y > 0).astype(np.float32), self.points.targets]).tocsr()
             own = own + [{int(label)} for label in self.points.labels]  # a point's own label: its own item
-        soft = self.points is not None
         return PslBatcher(Y, own, p.positives_per_query, p.negatives_per_query, self.rng, soft_targets=soft)
 
     def _pretrained_embedder(self) -> Embedder:
