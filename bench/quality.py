@@ -15,7 +15,9 @@ comparison uses) and, beside it, as a caller's ``exclude`` before aggregation
 * ``xmcserve-unidec-64d``: the trained UniDEC checkpoint, DE⊕CLF label index;
 * ``xmcserve-unidec-de-32d`` / ``xmcserve-unidec-clf-32d``: its halves served alone;
 * ``xmcserve-unidec-rae-64d``: the trained encoder as an RAE memory at the best dev λ of a sweep
-  (each λ is a derived bundle: same encoder and index, new value matrix).
+  (each λ is a derived bundle: same encoder and index, new value matrix);
+* ``xmcserve-unidec-rae-64d-fused``: that memory with a score fusion (:mod:`export.fuse`) fitted
+  on the run's held-out training instances, when the run kept some out (``holdout``).
 
 The trained checkpoint comes from ``--run`` (trained first with ``--config`` when it has none);
 its ``train_seconds`` is the run's own measurement (cache building + epochs). Writes the JSON,
@@ -33,10 +35,12 @@ from pathlib import Path
 
 from export.build import ExportParams, build_bundle
 from export.derive import derive_rae_bundle
+from export.fuse import fuse_bundle
 from service.engine.bundle import load_bundle
 from training.checkpoint import ServingHead
 from training.data import load_jsonl_split
 from training.evaluate import evaluate_bundle
+from training.params import HOLDOUT_FILE
 
 HEADLINE = ("P@1", "P@5", "PSP@5", "R@100")
 LAMBDAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -225,6 +229,19 @@ def trained_rows(args, checkpoint: Path, train, dev, halves: bool, int8: bool) -
         f"UniDEC encoder as RAE memory ({args.rae_mode}), best dev λ {best['lambda']:.1f}, τ {args.rae_tau}, "
         f"b {args.rae_top_b}; {where}",
     )
+    if (args.run / HOLDOUT_FILE).is_file():  # the run kept instances out: fuse the chosen memory
+        fused = best_bundle.with_name(f"{best_bundle.name}-fused")
+        if not (fused / "manifest.json").is_file():
+            fuse_bundle(best_bundle, args.run, train, fused, force=True)
+        queries = load_bundle(fused).manifest.fusion.queries
+        systems[f"{args.name}-rae-64d-fused"] = bundle_row(
+            fused,
+            dev,
+            train,
+            train_seconds,
+            f"as {args.name}-rae-64d + score fusion (NGAME App. C tree, export.fuse) fitted on the run's "
+            f"{queries} held-out training instances",
+        )
     if int8:  # the serving-speed option: dynamic int8 weights, its quality cost measured on the same split
         out = args.workdir / f"{trained_rae.name}-int8-lambda{best['lambda']:.1f}"
         int8_params = ExportParams(

@@ -263,6 +263,28 @@ def load_train_and_dev(
     return train, first_rows(load_jsonl_split(data_dir, dev_split, labels=train.labels), max_dev)
 
 
+def split_holdout(dataset: XMCDataset, count: int, seed: int) -> tuple[XMCDataset, XMCDataset]:
+    """``dataset`` as (the rest, ``count`` instances drawn at random with ``seed``), rows in their
+    original order on both sides; the same arguments always draw the same instances."""
+    if not 0 <= count < len(dataset):
+        raise ValueError(f"holdout must be in [0, {len(dataset)}): got {count}")
+    held = np.zeros(len(dataset), dtype=bool)
+    held[np.random.default_rng(seed).choice(len(dataset), size=count, replace=False)] = True
+    return dataset.subset(np.flatnonzero(~held)), dataset.subset(np.flatnonzero(held))
+
+
+def rows_of_uids(dataset: XMCDataset, uids: list[str]) -> np.ndarray:
+    """The rows of ``dataset`` whose uids are ``uids`` (in that order); an unknown or ambiguous
+    uid is an error, not a silent skip."""
+    rows: dict[str, int] = {}
+    for row, uid in enumerate(dataset.uids):
+        rows[uid] = -1 if uid in rows else row
+    missing = [uid for uid in uids if rows.get(uid, -1) < 0]
+    if missing:
+        raise ValueError(f"{len(missing)} uids are not (uniquely) in the split, e.g. {missing[:3]}")
+    return np.array([rows[uid] for uid in uids], dtype=np.int64)
+
+
 def label_frequencies(Y: sp.csr_matrix) -> np.ndarray:
     """Number of instances each label is positive for (the propensity and segment input)."""
     return np.asarray((Y > 0).sum(axis=0)).ravel().astype(np.int64)

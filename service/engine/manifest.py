@@ -12,6 +12,8 @@ immutable directory::
     index-<i>.hnsw   a sharded bundle (``shards`` in the manifest) instead of the two above: one
     values-<i>.npz   index per contiguous range of key ids (the global ids are the HNSW labels)
                      and, for RAE, the value rows of those keys
+    fusion.npz       optional (``fusion`` in the manifest): the score-fusion tree and label
+                     frequencies of an RAE memory (service.engine.fusion)
     head.npz/.json   the linear head inside encoder.onnx (training.checkpoint format); not read
                      by the service, there for torch tools that rebuild the same vectors
 """
@@ -33,6 +35,7 @@ TOKENIZER_FILE = "tokenizer.json"
 LABELS_FILE = "labels.jsonl"
 INDEX_FILE = "index.hnsw"
 VALUES_FILE = "values.npz"
+FUSION_FILE = "fusion.npz"
 
 IndexKind = Literal["labels", "rae_memory"]
 RaeMode = Literal["joint", "split"]
@@ -78,6 +81,17 @@ class RaeParams(_Strict):
     )
 
 
+class FusionParams(_Strict):
+    """Score fusion of an RAE memory (service.engine.fusion): fused = p̂ + T(φ)."""
+
+    file: str = Field(FUSION_FILE, description="the tree and the label frequencies")
+    features: list[str] = Field(description="φ's columns, in the order the tree reads them")
+    depth: int = Field(gt=0)
+    fitted_on: str = Field(description="the queries the tree was fitted on (never the dev or test split)")
+    queries: int = Field(gt=0)
+    pairs: int = Field(gt=0, description="(query, candidate label) pairs in the fit")
+
+
 class Shard(_Strict):
     """One contiguous range of key ids, ``first_key`` .. ``first_key + keys − 1``."""
 
@@ -105,6 +119,7 @@ class Manifest(_Strict):
     rae: RaeParams | None = None
     counts: Counts
     shards: list[Shard] | None = Field(None, description="a sharded index; None: index.hnsw (+ values.npz)")
+    fusion: FusionParams | None = Field(None, description="RAE score fusion; None: rank by p̂")
     params: dict = Field(default_factory=dict, description="export parameters as given")
     files: dict[str, str] = Field(description="file name -> sha256 hex digest")
 
@@ -116,6 +131,12 @@ class Manifest(_Strict):
             0,
         ):
             raise ValueError("a label index has one key per label and no instance keys")
+        return self
+
+    @model_validator(mode="after")
+    def _fusion_fuses_an_rae_memory(self) -> Manifest:
+        if self.fusion is not None and self.index_kind != "rae_memory":
+            raise ValueError("score fusion reranks an rae_memory bundle's labels, and only those")
         return self
 
     @model_validator(mode="after")
@@ -165,4 +186,6 @@ def required_files(manifest: Manifest) -> list[str]:
     files = [ENCODER_FILE, TOKENIZER_FILE, LABELS_FILE]
     for shard in shard_list(manifest):
         files += [shard.index] + ([shard.values] if shard.values else [])
+    if manifest.fusion is not None:
+        files.append(manifest.fusion.file)
     return files

@@ -17,6 +17,7 @@ import numpy as np
 
 from service.engine.bundle import Bundle, BundleError, load_bundle
 from service.engine.encoder import EncoderOptions
+from service.engine.fusion import ScoreFusion
 from service.engine.manifest import Manifest
 from service.engine.memory import (
     AppendBatch,
@@ -139,7 +140,8 @@ class Predictor:
         t0 = time.perf_counter()
         keys, sims, ef = self.knn(vectors, neighbours_needed(self.bundle.manifest, ks, exclude), ef, view)
         t1 = time.perf_counter()
-        rankings = rank(self.bundle.manifest, keys, sims, view.labels_of_keys(keys), view.values, ks, exclude)
+        key_labels = view.labels_of_keys(keys)
+        rankings = rank(self.bundle.manifest, keys, sims, key_labels, view.values, ks, exclude, self.bundle.fusion)
         times = StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1)
         return Prediction(rankings, times, ef, view)
 
@@ -168,13 +170,15 @@ def rank(
     values: ValueRows | None,
     ks: Sequence[int],
     exclude: Sequence[Collection[int]],
+    fusion: ScoreFusion | None = None,
 ) -> list[Ranking]:
     """Each query's top-k labels from its nearest keys (``nq x n``, best first, −1: none).
 
     ``key_labels``: the label id of each key (−1: an instance key). A label index ranks those
     labels; an RAE memory weighs the rows of ``values`` that ``keys`` index (a distributed front
     end passes the positions of the rows its shards sent, see
-    :func:`~service.engine.shards.merge_answers`)."""
+    :func:`~service.engine.shards.merge_answers`); with the bundle's ``fusion``, by fused score
+    (:mod:`service.engine.fusion`)."""
     if manifest.index_kind != "rae_memory":
         rankings = []
         for i, (k, excluded) in enumerate(zip(ks, exclude, strict=True)):
@@ -185,6 +189,8 @@ def rank(
         return rankings
     rae = manifest.rae
     scores = aggregate(keys, sims, key_labels, values, rae.tau, rae.top_b, exclude, rae.mode)
+    if fusion is not None:
+        scores = fusion.rescore(scores, keys, sims, key_labels, values, rae.tau, rae.top_b, exclude)
     return [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
 
 

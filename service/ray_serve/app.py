@@ -36,7 +36,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.util import metrics as ray_metrics
 
-from service.engine.bundle import BundleError, load_encoder, load_labels, load_shard, read_manifest
+from service.engine.bundle import BundleError, load_encoder, load_fusion, load_labels, load_shard, read_manifest
 from service.engine.encoder import EncoderOptions
 from service.engine.manifest import shard_list
 from service.engine.memory import base_view, fetch_and_ef
@@ -203,6 +203,7 @@ class Ingress:
         max_batch_texts: int,
     ):
         self.manifest, uids, texts = load_labels(bundle_dir, verify)
+        self.fusion = load_fusion(Path(bundle_dir), self.manifest, verify)
         self.view = base_view(uids, texts, self.manifest.counts.memory_rows, None)
         self.encoder, self.shards = encoder, shards
         self.bundle_dir = bundle_dir
@@ -246,7 +247,8 @@ class Ingress:
         searched = time.perf_counter()
         keys, sims, positions, rows = merge_answers(answers, n)
         values = ValueRows(rows) if rows is not None else None
-        rankings = rank(self.manifest, positions, sims, self.view.labels_of_keys(keys), values, ks, exclude)
+        key_labels = self.view.labels_of_keys(keys)
+        rankings = rank(self.manifest, positions, sims, key_labels, values, ks, exclude, self.fusion)
         for stage, seconds in (("encode", encoded - started), ("fanout", searched - encoded)):
             self.metrics.stage_seconds.observe(seconds, tags={"stage": stage})
         self.metrics.stage_seconds.observe(time.perf_counter() - searched, tags={"stage": "rank"})

@@ -13,6 +13,8 @@ from training.data import (
     read_filter,
     read_instances_jsonl,
     read_sparse_matrix,
+    rows_of_uids,
+    split_holdout,
 )
 
 
@@ -70,6 +72,19 @@ def test_subset_renumbers_rows_and_keeps_their_filter_pairs(jsonl_dir):
     ds = load_jsonl_split(jsonl_dir, "trn").subset([1])
     assert ds.texts == ["second"] and ds.Y.shape == (1, 3)
     assert ds.filter_pairs.tolist() == [[0, 1]]
+
+
+def test_a_holdout_is_a_seeded_disjoint_split_found_again_by_uid(sample_dir):
+    train = load_jsonl_split(sample_dir, "trn")
+    rest, held = split_holdout(train, 100, seed=3)
+    assert len(rest) + len(held) == len(train) and not set(rest.uids) & set(held.uids)
+    assert split_holdout(train, 100, seed=3)[1].uids == held.uids != split_holdout(train, 100, seed=4)[1].uids
+    rows = rows_of_uids(train, held.uids)
+    assert [train.texts[r] for r in rows] == held.texts and (train.Y[rows] != held.Y).nnz == 0
+    with pytest.raises(ValueError, match="not .uniquely. in the split"):
+        rows_of_uids(train, ["no-such-package"])
+    with pytest.raises(ValueError, match="holdout must be in"):
+        split_holdout(train, len(train), seed=0)
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,9 @@ from export.build import ExportParams, build_bundle
 from service.engine.bundle import load_bundle
 from service.engine.search import Predictor
 from training.checkpoint import ServingHead, load_checkpoint
-from training.data import LabelSpace
+from training.data import LabelSpace, load_jsonl_split
 from training.embedder import TextSide
-from training.params import load_params
+from training.params import HOLDOUT_FILE, load_params
 from training.sweep import main as sweep_main
 from training.sweep import run_vectors
 from training.train import main as train_main
@@ -46,7 +46,7 @@ def mini_sample(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory, mini_sample):
     tmp = tmp_path_factory.mktemp("smoke")
-    params = smoke_params(tmp, mini_sample)
+    params = smoke_params(tmp, mini_sample, holdout=50)
     trainer = Trainer(params)
     trainer.fit()
     shutil.copytree(Path(params.out_dir) / "checkpoint", tmp / "epoch2")  # the resume test moves on
@@ -71,6 +71,14 @@ def test_smoke_run_logs_losses_and_dev_metrics_per_epoch(smoke_run):
     assert lines[1]["loss"] < lines[0]["loss"]
     # the trained RAE memory on 1,000 instances is a real ranker, not noise (random P@1 ≈ 0)
     assert lines[-1]["dev"]["rae"]["P@1"] > 30
+
+
+def test_held_out_instances_are_listed_and_never_trained_on(smoke_run, mini_sample):
+    tmp, params, trainer = smoke_run
+    held = (Path(params.out_dir) / HOLDOUT_FILE).read_text().split()
+    assert len(held) == 50 and len(trainer.train) == 1000 - 50
+    assert not set(held) & set(trainer.train.uids)
+    assert set(held) <= set(load_jsonl_split(mini_sample, "trn").uids)
 
 
 def test_checkpoint_layout_is_what_export_reads(smoke_run):

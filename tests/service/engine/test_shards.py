@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
+from service.engine.fusion import ScoreFusion
 from service.engine.memory import Memory, base_view, fetch_and_ef
 from service.engine.rae import ValueRows
 from service.engine.search import neighbours_needed, rank
 from service.engine.shards import ShardAnswer, ShardedIndex, ShardSearcher, merge_answers
+from tests.service.engine.test_fusion import random_tree
 
 DIM, RAE_LABELS = 8, 30
 
@@ -45,14 +47,14 @@ def build(kind: str, sizes: list[int], rng: np.random.Generator):
     return keys, indexes, shards, values, manifest, view
 
 
-def single_process(indexes, manifest, view, queries, ks, ef, exclude):
+def single_process(indexes, manifest, view, queries, ks, ef, exclude, fusion=None):
     index = indexes[0] if len(indexes) == 1 else ShardedIndex(indexes)
     memory = Memory(index, view, None, None)
     keys, sims, ran_at = memory.knn(queries, neighbours_needed(manifest, ks, exclude), ef, view)
-    return rank(manifest, keys, sims, view.labels_of_keys(keys), view.values, ks, exclude), ran_at
+    return rank(manifest, keys, sims, view.labels_of_keys(keys), view.values, ks, exclude, fusion), ran_at
 
 
-def distributed(indexes, shards, values, manifest, view, queries, ks, ef, exclude):
+def distributed(indexes, shards, values, manifest, view, queries, ks, ef, exclude, fusion=None):
     n = neighbours_needed(manifest, ks, exclude)
     fetch, ef = fetch_and_ef(n, ef, manifest.counts.memory_rows)
     answers = []
@@ -61,7 +63,8 @@ def distributed(indexes, shards, values, manifest, view, queries, ks, ef, exclud
         answers.append(ShardSearcher(index, rows, shard).search(queries, fetch, ef))
     keys, sims, positions, rows = merge_answers(answers, n)
     carried = ValueRows(rows) if rows is not None else None
-    return rank(manifest, positions, sims, view.labels_of_keys(keys), carried, ks, exclude), max(a.ef for a in answers)
+    rankings = rank(manifest, positions, sims, view.labels_of_keys(keys), carried, ks, exclude, fusion)
+    return rankings, max(a.ef for a in answers)
 
 
 @pytest.mark.parametrize(
@@ -75,6 +78,18 @@ def distributed(indexes, shards, values, manifest, view, queries, ks, ef, exclud
     ],
 )
 def test_the_distributed_search_equals_the_single_process(kind, sizes):
+    check_distributed_equals_single_process(kind, sizes, None)
+
+
+@pytest.mark.parametrize("sizes", [[60], [4, 50, 6]])
+def test_a_fused_ranking_is_the_same_on_shards(sizes):
+    """Fusion features read value rows by key position: the shards' carried rows must give the
+    single process's features, so the same fused answers."""
+    log_frequency = np.log1p(np.arange(RAE_LABELS, dtype=np.float32) % 4)
+    check_distributed_equals_single_process("rae_memory", sizes, ScoreFusion(random_tree(depth=5), log_frequency))
+
+
+def check_distributed_equals_single_process(kind, sizes, fusion):
     rng = np.random.default_rng(sum(sizes))
     keys, indexes, shards, values, manifest, view = build(kind, sizes, rng)
     for trial in range(30):
@@ -85,8 +100,8 @@ def test_the_distributed_search_equals_the_single_process(kind, sizes):
         ks = [int(rng.integers(1, 12))] * len(queries)
         ef = [16, 5, 1000][trial % 3]
         exclude = [set(rng.choice(view.num_labels, int(rng.integers(0, 4)), replace=False).tolist()) for _ in ks]
-        expected, expected_ef = single_process(indexes, manifest, view, queries, ks, ef, exclude)
-        got, got_ef = distributed(indexes, shards, values, manifest, view, queries, ks, ef, exclude)
+        expected, expected_ef = single_process(indexes, manifest, view, queries, ks, ef, exclude, fusion)
+        got, got_ef = distributed(indexes, shards, values, manifest, view, queries, ks, ef, exclude, fusion)
         assert got_ef == expected_ef
         for a, b in zip(expected, got, strict=True):
             assert a.ids.tolist() == b.ids.tolist() and a.scores.tolist() == b.scores.tolist()

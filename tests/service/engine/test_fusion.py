@@ -1,0 +1,154 @@
+"""service.engine.fusion: the tree as arrays predicts as scikit-learn does, each feature is what
+its definition says on a hand-made query, and rescoring adds the tree to the RAE score."""
+
+import math
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from sklearn.tree import DecisionTreeRegressor
+
+from service.engine.fusion import (
+    FEATURES,
+    LOG_FLOOR,
+    RegressionTree,
+    ScoreFusion,
+    memory_log_frequency,
+    query_features,
+)
+from service.engine.rae import ValueRows, aggregate, softmax
+
+
+def tree_from(model: DecisionTreeRegressor) -> RegressionTree:
+    t = model.tree_
+    return RegressionTree(t.feature, t.threshold, t.children_left, t.children_right, t.value[:, 0, 0])
+
+
+def random_tree(seed: int = 0, depth: int = 6) -> RegressionTree:
+    """A tree that splits on every feature (the target depends on all of them)."""
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(2000, len(FEATURES)))
+    y = np.sin(X @ rng.normal(size=len(FEATURES))) + 0.1 * rng.normal(size=len(X))
+    return tree_from(DecisionTreeRegressor(max_depth=depth, random_state=0).fit(X, y))
+
+
+def leaf(value: float) -> RegressionTree:
+    return RegressionTree(np.array([-2]), np.array([-2.0]), np.array([-1]), np.array([-1]), np.array([value]))
+
+
+def split_on(feature: str, threshold: float, below: float, above: float) -> RegressionTree:
+    return RegressionTree(
+        feature=np.array([FEATURES.index(feature), -2, -2]),
+        threshold=np.array([threshold, -2.0, -2.0]),
+        left=np.array([1, -1, -1]),
+        right=np.array([2, -1, -1]),
+        value=np.array([0.0, below, above]),
+    )
+
+
+def test_the_tree_as_arrays_predicts_what_scikit_learn_predicts():
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(3000, len(FEATURES)))
+    model = DecisionTreeRegressor(max_depth=7, min_samples_leaf=5, random_state=0).fit(
+        X[:2000], X[:2000, 0] * X[:2000, 3]
+    )
+    tree = tree_from(model)
+    assert tree.depth == model.get_depth()
+    np.testing.assert_allclose(tree.predict(X[2000:]), model.predict(X[2000:]), rtol=0, atol=1e-12)
+    assert leaf(0.25).predict(X[:3]).tolist() == [0.25] * 3
+
+
+@pytest.mark.parametrize(
+    ("array", "node", "value", "reason"),
+    [
+        ("left", 0, 0, "after their parent"),  # a cycle
+        ("right", 0, 99, "out of range"),
+        ("feature", 0, len(FEATURES), "unknown feature"),
+        ("value", 1, np.nan, "finite"),
+    ],
+)
+def test_a_malformed_tree_is_refused(array, node, value, reason):
+    good = split_on("rae_score", 0.5, 0.0, 1.0)
+    arrays = {
+        name: getattr(good, name).astype(np.float64 if name == "value" else np.int64).copy()
+        for name in ("feature", "left", "right", "value")
+    }
+    arrays["threshold"] = good.threshold.copy()
+    arrays[array][node] = value
+    with pytest.raises(ValueError, match=reason):
+        RegressionTree(**arrays)
+
+
+def memory():
+    """Two instances (labels {0, 1} and {1, 2}) then four label keys: keys 0, 1 | 2..5 = labels 0..3."""
+    Y = sp.csr_matrix(np.array([[1, 1, 0, 0], [0, 1, 1, 0]], dtype=np.float32))
+    lam = 0.6
+    V = sp.vstack([lam * Y, (1 - lam) * sp.identity(4, dtype=np.float32, format="csr")]).tocsr()
+    return ValueRows(V), lam
+
+
+def test_each_feature_is_its_definition_on_a_hand_made_query():
+    values, lam = memory()
+    tau = 0.1
+    keys = np.array([0, 3, 1, 5])  # instance 0, label 1, instance 1, label 3
+    sims = np.array([0.9, 0.8, 0.7, 0.2], dtype=np.float32)
+    key_labels = np.array([-1, 1, -1, 3])
+    log_frequency = np.log1p(np.array([1.0, 2.0, 1.0, 0.0]))
+    scores = aggregate(keys[None], sims[None], key_labels[None], values, tau, 4, [()], "split")
+    candidates, rae = scores.indices, scores.data
+    instance_rows = values.base[keys[key_labels < 0]]
+    F = query_features(candidates, rae, sims, key_labels, instance_rows, tau, log_frequency)
+    column = {name: dict(zip(candidates.tolist(), F[:, j], strict=True)) for j, name in enumerate(FEATURES)}
+
+    w_instance = softmax(np.array([0.9, 0.7]), tau)  # instance 0, instance 1
+    w_label = softmax(np.array([0.8, 0.2]), tau)  # label 1, label 3
+    assert sorted(candidates.tolist()) == [0, 1, 2, 3]
+    expected_vote = {0: w_instance[0], 1: w_instance.sum(), 2: w_instance[1], 3: 0.0}
+    for label, vote in expected_vote.items():
+        assert column["instance_vote"][label] == pytest.approx(math.log(LOG_FLOOR + vote))
+    assert column["label_match"][1] == pytest.approx(math.log(LOG_FLOOR + w_label[0]))
+    assert column["label_match"][0] == pytest.approx(math.log(LOG_FLOOR))
+    assert column["label_similarity"] == pytest.approx({0: 0.2, 1: 0.8, 2: 0.2, 3: 0.2})  # unretrieved: the lowest
+    assert column["label_retrieved"] == {0: 0.0, 1: 1.0, 2: 0.0, 3: 1.0}
+    assert column["log_frequency"] == pytest.approx(dict(enumerate(log_frequency)))
+    assert column["log_instance_votes"] == pytest.approx({0: math.log(2), 1: math.log(3), 2: math.log(2), 3: 0.0})
+    assert column["best_instance_similarity"] == pytest.approx({0: 0.9, 1: 0.9, 2: 0.7, 3: 0.7})  # none: the lowest
+    expected_rae = {label: lam * expected_vote[label] for label in range(4)}
+    expected_rae[1] += (1 - lam) * w_label[0]
+    expected_rae[3] += (1 - lam) * w_label[1]
+    assert column["rae_score"] == pytest.approx(expected_rae, rel=1e-5)
+
+
+def test_rescoring_adds_the_tree_to_the_rae_score_and_keeps_exclusions():
+    values, _ = memory()
+    keys = np.array([[0, 3, 1, 5], [2, 1, 4, 0]])
+    sims = np.array([[0.9, 0.8, 0.7, 0.2], [0.95, 0.6, 0.5, 0.4]], dtype=np.float32)
+    key_labels = np.array([[-1, 1, -1, 3], [0, -1, 2, -1]])
+    excluded = [(), {2}]
+    scores = aggregate(keys, sims, key_labels, values, 0.1, 4, excluded, "joint")
+    log_frequency = np.zeros(4)
+
+    shifted = ScoreFusion(leaf(0.5), log_frequency).rescore(scores, keys, sims, key_labels, values, 0.1, 4, excluded)
+    np.testing.assert_allclose(shifted.data, scores.data + 0.5)
+    assert shifted.indices.tolist() == scores.indices.tolist() and 2 not in shifted[1].indices
+
+    # a tree that lifts the labels whose own key was retrieved puts them first
+    lifted = ScoreFusion(split_on("label_retrieved", 0.5, 0.0, 10.0), log_frequency)
+    fused = lifted.rescore(scores, keys, sims, key_labels, values, 0.1, 4, excluded).toarray()
+    assert set(np.flatnonzero(fused[0] > 10)) == {1, 3} and set(np.flatnonzero(fused[1] > 10)) == {0}
+
+
+def test_fusion_files_round_trip_and_a_wrong_frequency_table_is_refused(tmp_path):
+    fusion = ScoreFusion(random_tree(), np.log1p(np.arange(5, dtype=np.float32)))
+    fusion.save(tmp_path / "fusion.npz")
+    loaded = ScoreFusion.load(tmp_path / "fusion.npz", 5)
+    X = np.random.default_rng(2).normal(size=(100, len(FEATURES)))
+    np.testing.assert_array_equal(loaded.tree.predict(X), fusion.tree.predict(X))
+    np.testing.assert_array_equal(loaded.log_frequency, fusion.log_frequency)
+    with pytest.raises(ValueError, match="6 finite values"):
+        ScoreFusion.load(tmp_path / "fusion.npz", 6)
+
+
+def test_label_frequencies_come_from_the_instance_rows_only():
+    values, _ = memory()
+    np.testing.assert_allclose(memory_log_frequency(values.base, 2), np.log1p([1, 2, 1, 0]))
