@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from export.build import ExportParams, build_bundle
 from export.derive import derive_rae_bundle
 from export.fuse import fuse_bundle
@@ -40,7 +42,8 @@ from service.engine.bundle import load_bundle
 from training.checkpoint import ServingHead
 from training.data import load_jsonl_split
 from training.evaluate import evaluate_bundle
-from training.params import HOLDOUT_FILE
+from training.params import HOLDOUT_FILE, PARAMS_FILE
+from training.trainer import LOG_FILE
 
 HEADLINE = ("P@1", "P@5", "PSP@5", "R@100")
 LAMBDAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -162,40 +165,81 @@ def main(argv: list[str] | None = None) -> int:
         help="evaluate only --run (DE⊕CLF label index and RAE rows, named --name) and add its rows and "
         "λ sweep to the results already in --out; the peers and the other rows are kept as they are",
     )
+    parser.add_argument(
+        "--only-pretrained",
+        action="store_true",
+        help="evaluate only the pretrained-MiniLM rows and their λ sweep, replacing theirs in --out",
+    )
+    parser.add_argument(
+        "--ablation-base", type=Path, default=None, help="a training run the --ablation runs are compared with"
+    )
+    parser.add_argument(
+        "--ablation",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="training runs that differ from --ablation-base in one method (their last dev check is tabled)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/quality-debian-dev.json"))
     args = parser.parse_args(argv)
+    ablations = training_ablations(args.ablation_base, args.ablation) if args.ablation_base else None
     args.workdir.mkdir(parents=True, exist_ok=True)
     train = load_jsonl_split(args.data, "trn")
     dev = load_jsonl_split(args.data, "dev", labels=train.labels)
-    if args.add_run:
+    if args.add_run or args.only_pretrained:
         earlier = json.loads(args.out.read_text())
-        trained, sweep = trained_rows(args, ensure_trained(args.run, args.config), train, dev, halves=False, int8=False)
-        sweeps = {**earlier["rae_lambda_sweep"], f"{args.name} (trained)": sweep}
-        write_results(args.out, args.data, dev, {**earlier["systems"], **trained}, sweeps)
+        if args.add_run:
+            checkpoint = ensure_trained(args.run, args.config)
+            rows, sweeps = trained_rows(args, checkpoint, train, dev, halves=False, int8=False)
+            sweeps = {f"{args.name} (trained)": sweeps}
+        else:
+            rows, sweeps = pretrained_rows(args.workdir, args.data, train, dev)
+        # the rows of one checkpoint (or of the pretrained encoder) are replaced as a group
+        systems = {name: row for name, row in earlier["systems"].items() if name not in rows_of_group(args)}
+        sweeps = {**earlier["rae_lambda_sweep"], **sweeps}
+        write_results(
+            args.out, args.data, dev, {**systems, **rows}, sweeps, ablations or earlier.get("training_ablations")
+        )
         return 0
     systems: dict[str, dict] = {}
     if not args.skip_peers:
         systems.update(run_peers(args.peers_python, args.data, args.workdir))
-
-    pretrained_de = args.workdir / "minilm-labels-64d"
-    seconds = ensure_bundle(pretrained_de, train, ExportParams(index_kind="labels"), None, args.data)
-    systems["minilm-zero-shot-de"] = bundle_row(
-        pretrained_de, dev, train, 0.0, f"pretrained MiniLM, 64-d PCA head, label index; export {seconds:.0f} s"
-    )
-    pretrained_rae = args.workdir / "minilm-rae-64d"
-    seconds = ensure_bundle(pretrained_rae, train, ExportParams(), None, args.data)
-    systems["minilm-rae"] = bundle_row(
-        pretrained_rae, dev, train, 0.0, f"pretrained MiniLM, 64-d PCA head, RAE λ 0.5; export {seconds:.0f} s"
-    )
-
+    pretrained, pretrained_sweep = pretrained_rows(args.workdir, args.data, train, dev)
+    systems.update(pretrained)
     checkpoint = ensure_trained(args.run, args.config)
     trained, sweep = trained_rows(args, checkpoint, train, dev, halves=True, int8=True)
     systems.update(trained)
-    sweeps = {"UniDEC (trained)": sweep}
-    print("λ sweep, pretrained encoder", flush=True)
-    sweeps["MiniLM (pretrained)"] = lambda_sweep(pretrained_rae, args.workdir, dev, train, LAMBDAS)
-    write_results(args.out, args.data, dev, systems, sweeps)
+    write_results(args.out, args.data, dev, systems, {"UniDEC (trained)": sweep, **pretrained_sweep}, ablations)
     return 0
+
+
+PRETRAINED_ROWS = ("minilm-zero-shot-de", "minilm-rae")
+TRAINED_SUFFIXES = ("-64d", "-de-32d", "-clf-32d", "-rae-64d", "-rae-64d-fused", "-rae-64d-int8")
+
+
+def rows_of_group(args) -> set[str]:
+    """The row names an ``--add-run`` (of ``--name``) or ``--only-pretrained`` evaluation writes."""
+    if args.only_pretrained:
+        return set(PRETRAINED_ROWS)
+    return {f"{args.name}{suffix}" for suffix in TRAINED_SUFFIXES}
+
+
+def pretrained_rows(workdir: Path, data: Path, train, dev) -> tuple[dict, dict]:
+    """The pretrained MiniLM as a label index and as an RAE memory, and the memory's λ sweep."""
+    pretrained_de = workdir / "minilm-labels-64d"
+    seconds = ensure_bundle(pretrained_de, train, ExportParams(index_kind="labels"), None, data)
+    rows = {
+        PRETRAINED_ROWS[0]: bundle_row(
+            pretrained_de, dev, train, 0.0, f"pretrained MiniLM, 64-d PCA head, label index; export {seconds:.0f} s"
+        )
+    }
+    pretrained_rae = workdir / "minilm-rae-64d"
+    seconds = ensure_bundle(pretrained_rae, train, ExportParams(), None, data)
+    rows[PRETRAINED_ROWS[1]] = bundle_row(
+        pretrained_rae, dev, train, 0.0, f"pretrained MiniLM, 64-d PCA head, RAE λ 0.5; export {seconds:.0f} s"
+    )
+    print("λ sweep, pretrained encoder", flush=True)
+    return rows, {"MiniLM (pretrained)": lambda_sweep(pretrained_rae, workdir, dev, train, LAMBDAS)}
 
 
 def trained_rows(args, checkpoint: Path, train, dev, halves: bool, int8: bool) -> tuple[dict, list[dict]]:
@@ -258,7 +302,61 @@ def trained_rows(args, checkpoint: Path, train, dev, halves: bool, int8: bool) -
     return systems, sweep
 
 
-def write_results(out: Path, data: Path, dev, systems: dict, sweeps: dict) -> None:
+ABLATION_SYSTEMS = ("de+clf", "rae")
+
+
+def training_ablations(base: Path, runs: list[Path]) -> dict:
+    """Each run's last dev check (the trainer's exact search, filter labels excluded before the
+    RAE softmax) beside the base run's, with the parameters it changed."""
+    base_params = yaml.safe_load((base / PARAMS_FILE).read_text())
+    rows = []
+    for run in [base, *runs]:
+        params = yaml.safe_load((run / PARAMS_FILE).read_text())
+        changed = {k: v for k, v in params.items() if base_params.get(k) != v and k not in ("out_dir", "cache_dir")}
+        last = json.loads((run / LOG_FILE).read_text().splitlines()[-1])
+        metrics = {system: {m: last["dev"][system][m] for m in HEADLINE} for system in ABLATION_SYSTEMS}
+        rows.append({"run": run.name, "changes": changed or "base", "epoch": last["epoch"], **metrics})
+    return {
+        "protocol": "trainer's exact-search dev check, filter labels excluded before aggregation",
+        "base": str(base),
+        "rows": rows,
+    }
+
+
+def fusion_ablation(systems: dict) -> list[dict]:
+    """Served RAE rows with and without their score fusion (peers' protocol)."""
+    return [{"without": name, "with": f"{name}-fused"} for name in systems if f"{name}-fused" in systems]
+
+
+def ablation_markdown(systems: dict, ablations: dict | None) -> str:
+    lines = []
+    pairs = fusion_ablation(systems)
+    if pairs:
+        lines += [
+            "",
+            "Score fusion on / off (served bundles, filter after ranking):",
+            "",
+            "| bundle | P@1 | P@5 | PSP@5 | R@100 |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        for pair in pairs:
+            for name in (pair["without"], pair["with"]):
+                lines.append(f"| {name} | " + " | ".join(f"{systems[name][m]:.2f}" for m in HEADLINE) + " |")
+    if ablations:
+        lines += [
+            "",
+            f"Training ablations ({ablations['protocol']}; P@1 / P@5 / PSP@5 / R@100):",
+            "",
+            "| run | changes | DE⊕CLF | RAE |",
+            "| --- | --- | --- | --- |",
+        ]
+        for row in ablations["rows"]:
+            cells = [" / ".join(f"{row[system][m]:.2f}" for m in HEADLINE) for system in ABLATION_SYSTEMS]
+            lines.append(f"| {row['run']} | {row['changes']} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def write_results(out: Path, data: Path, dev, systems: dict, sweeps: dict, ablations: dict | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "data": str(data),
@@ -267,11 +365,14 @@ def write_results(out: Path, data: Path, dev, systems: dict, sweeps: dict) -> No
         "filter_pairs_applied": int(len(dev.filter_pairs)),
         "systems": systems,
         "rae_lambda_sweep": sweeps,
+        "fusion_ablation": fusion_ablation(systems),
+        "training_ablations": ablations,
     }
     out.write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown_table(systems))
+    table = markdown_table(systems) + ablation_markdown(systems, ablations)
+    out.with_suffix(".md").write_text(table)
     plot_sweep(sweeps, out.with_name("quality-rae-lambda.png"))
-    print(markdown_table(systems))
+    print(table)
 
 
 if __name__ == "__main__":

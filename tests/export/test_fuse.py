@@ -11,6 +11,7 @@ from export.fuse import leave_one_out, main
 from service.engine.bundle import BundleError, load_bundle
 from service.engine.fusion import FEATURES
 from service.engine.manifest import FUSION_FILE, MANIFEST_FILE
+from service.engine.memory import AppendBatch
 from service.engine.search import load_predictor
 from training.data import load_jsonl_split
 from training.params import HOLDOUT_FILE
@@ -66,6 +67,16 @@ def test_the_fused_bundle_ranks_by_rae_score_plus_the_tree(fused, sample_bundle,
             assert np.min(np.abs(leaves - added)) < 1e-4  # the RAE score plus one of the tree's leaves
         changed += got.ids.tolist() != base.ids[:10].tolist()
     assert changed > 0
+
+
+def test_a_fused_bundle_takes_appends_and_ranks_a_new_label(fused):
+    predictor = load_predictor(fused)
+    text = "zzfusionpkg: a packager for fused retrieval tests"
+    predictor.append(AppendBatch(labels=[("zzfusionpkg", text)], instances=[(text + " tool", ["zzfusionpkg"])]))
+    answer = predictor.predict([text], k=10)
+    new_id = predictor.view.label_id("zzfusionpkg")
+    assert new_id == predictor.bundle.manifest.counts.labels  # the first id past the bundle's labels
+    assert new_id in answer.rankings[0].ids.tolist()
 
 
 def test_a_fused_bundle_with_other_features_is_refused(fused, tmp_path):
