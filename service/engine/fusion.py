@@ -26,6 +26,7 @@ A label added to a live memory after export has frequency 0, as zero-shot labels
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,7 +78,7 @@ class RegressionTree:
         if not np.all(np.isfinite(self.value)) or not np.all(np.isfinite(self.threshold[inner])):
             raise ValueError("tree values and thresholds must be finite")
 
-    @property
+    @functools.cached_property
     def depth(self) -> int:
         depth = np.zeros(len(self.value), dtype=np.int64)
         for node in np.flatnonzero(self.left >= 0):  # parents first (children come after)
@@ -141,12 +142,10 @@ class ScoreFusion:
     ) -> sp.csr_matrix:
         """``scores`` (the RAE scores of :func:`~service.engine.rae.aggregate`, same keys) with
         every stored score replaced by its fused score."""
+        features = batch_features(scores, keys, sims, key_labels, values, tau, top_b, excluded, self.log_frequency)
         fused = scores.copy()
-        for i, features in enumerate(
-            batch_features(scores, keys, sims, key_labels, values, tau, top_b, excluded, self.log_frequency)
-        ):
-            start, end = fused.indptr[i], fused.indptr[i + 1]
-            fused.data[start:end] = fused.data[start:end] + self.tree.predict(features)
+        # one walk of the tree for the whole batch (the rows of `features` follow scores' storage)
+        fused.data = fused.data + self.tree.predict(np.concatenate([np.zeros((0, len(FEATURES))), *features]))
         return fused
 
 

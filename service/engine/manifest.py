@@ -86,7 +86,7 @@ class FusionParams(_Strict):
 
     file: str = Field(FUSION_FILE, description="the tree and the label frequencies")
     features: list[str] = Field(description="φ's columns, in the order the tree reads them")
-    depth: int = Field(gt=0)
+    depth: int = Field(ge=0, description="the tree's depth (0: a single leaf)")
     fitted_on: str = Field(description="the queries the tree was fitted on (never the dev or test split)")
     queries: int = Field(gt=0)
     pairs: int = Field(gt=0, description="(query, candidate label) pairs in the fit")
