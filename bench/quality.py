@@ -132,13 +132,14 @@ def plot_sweep(sweeps: dict[str, list[dict]], path: Path) -> None:
 
 def markdown_table(systems: dict[str, dict]) -> str:
     """Headline columns under the peers' protocol (filter after ranking); xmcserve rows also show
-    the same four with the filter as ``exclude`` before aggregation (peers have no such mode)."""
+    the same four with the filter as ``exclude`` before aggregation (peers have no such mode).
+    n/m: not measured under that protocol."""
     lines = [
         "| system | P@1 | P@5 | PSP@5 | R@100 | exclude before: P@1 / P@5 / PSP@5 / R@100 | train s | notes |",
         "| --- | ---: | ---: | ---: | ---: | --- | ---: | --- |",
     ]
     for name, row in systems.items():
-        values = " | ".join(f"{row[m]:.2f}" for m in HEADLINE)
+        values = " | ".join("n/m" if row[m] is None else f"{row[m]:.2f}" for m in HEADLINE)
         before = " / ".join(f"{row['exclude_before'][m]:.2f}" for m in HEADLINE) if "exclude_before" in row else "—"
         lines.append(f"| {name} | {values} | {before} | {row['train_seconds']:.0f} | {row['notes']} |")
     return "\n".join(lines) + "\n"
