@@ -163,23 +163,13 @@ def batch_features(
     """Per query, φ of each label stored in its row of ``scores`` (in the row's order), from the
     same retrieved keys (``nq x m``, best first) that :func:`~service.engine.rae.aggregate` weighed."""
     kept = [drop_excluded_keys(keys[i], sims[i], key_labels[i], excluded[i], top_b) for i in range(keys.shape[0])]
-    instance_keys = [row_keys[row_labels < 0] for row_keys, _, row_labels in kept]
-    # the label rows of every retrieved instance key of the batch, in one product
-    all_rows = values.weigh(_one_hot(np.concatenate([np.zeros(0, dtype=np.int64), *instance_keys]), values.num_rows))
-    offsets = np.cumsum([0] + [len(k) for k in instance_keys])
     features = []
-    for i, (_, row_sims, row_labels) in enumerate(kept):
+    for i, (row_keys, row_sims, row_labels) in enumerate(kept):
         start, end = scores.indptr[i], scores.indptr[i + 1]
-        instance_rows = all_rows[offsets[i] : offsets[i + 1]]
+        carried = values.row_labels(row_keys[row_labels < 0])
         features.append(
             query_features(
-                scores.indices[start:end],
-                scores.data[start:end],
-                row_sims,
-                row_labels,
-                instance_rows,
-                tau,
-                log_frequency,
+                scores.indices[start:end], scores.data[start:end], row_sims, row_labels, carried, tau, log_frequency
             )
         )
     return features
@@ -190,12 +180,13 @@ def query_features(
     rae_scores: np.ndarray,
     sims: np.ndarray,
     key_labels: np.ndarray,
-    instance_rows: sp.csr_matrix,
+    instance_labels: tuple[np.ndarray, np.ndarray],
     tau: float,
     log_frequency: np.ndarray,
 ) -> np.ndarray:
     """φ (``len(candidates) x len(FEATURES)``) of one query's candidate labels from its kept keys'
-    similarities and label ids (−1: an instance key) and its instance keys' label rows, in order."""
+    similarities and label ids (−1: an instance key) and the labels its instance keys carry
+    (:meth:`~service.engine.rae.ValueRows.row_labels`: concatenated, and a count per key)."""
     order = np.argsort(candidates, kind="stable")
     sorted_candidates = candidates[order]
 
@@ -213,11 +204,10 @@ def query_features(
     lowest_instance = sims[instance].min() if instance.any() else (sims.min() if len(sims) else 0.0)
     best_instance = np.full(n, lowest_instance, dtype=np.float64)
     if instance.any():
-        carried = instance_rows.indices
-        per_key = np.diff(instance_rows.indptr)
+        carried, per_key = instance_labels
         at, hit = slots(carried)
-        np.add.at(vote, at, np.repeat(weights[instance], per_key)[hit])
-        np.add.at(votes, at, 1.0)
+        vote = np.bincount(at, weights=np.repeat(weights[instance], per_key)[hit], minlength=n)
+        votes = np.bincount(at, minlength=n).astype(np.float64)
         np.maximum.at(best_instance, at, np.repeat(sims[instance], per_key)[hit])
 
     match = np.zeros(n)
@@ -245,12 +235,6 @@ def query_features(
             rae_scores.astype(np.float64),
         ],
         axis=1,
-    )
-
-
-def _one_hot(keys: np.ndarray, columns: int) -> sp.csr_matrix:
-    return sp.csr_matrix(
-        (np.ones(len(keys), dtype=np.float32), keys, np.arange(len(keys) + 1)), shape=(len(keys), columns)
     )
 
 

@@ -87,6 +87,29 @@ class ValueRows:
         scores = widen((W[:, :rows] @ self.base).tocsr(), self.num_labels)
         return (scores + W[:, rows:] @ self.appended).tocsr()
 
+    def row_labels(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The label ids stored in each of ``rows`` (concatenated, in row order) and how many each
+        row holds: a gather over the CSR arrays, without building a matrix."""
+        parts = [(self.base, rows < self.base.shape[0], 0)]
+        if self.appended is not None:
+            parts.append((self.appended, rows >= self.base.shape[0], self.base.shape[0]))
+        counts = np.zeros(len(rows), dtype=np.int64)
+        starts = np.zeros(len(rows), dtype=np.int64)
+        owner = np.zeros(len(rows), dtype=np.int64)
+        for part, (matrix, mine, first) in enumerate(parts):
+            local = rows[mine] - first
+            starts[mine] = matrix.indptr[local]
+            counts[mine] = matrix.indptr[local + 1] - matrix.indptr[local]
+            owner[mine] = part
+        offsets = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+        positions = offsets + np.arange(counts.sum())
+        labels = np.empty(len(positions), dtype=np.int64)
+        which = np.repeat(owner, counts)
+        for part, (matrix, _, _) in enumerate(parts):
+            here = which == part
+            labels[here] = matrix.indices[positions[here]]
+        return labels, counts
+
     def extended(self, rows: sp.csr_matrix) -> ValueRows:
         """These rows followed by ``rows`` (whose width is the new label count)."""
         parts = [widen(self.appended, rows.shape[1])] if self.appended is not None else []

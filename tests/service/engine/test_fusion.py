@@ -96,8 +96,8 @@ def test_each_feature_is_its_definition_on_a_hand_made_query():
     log_frequency = np.log1p(np.array([1.0, 2.0, 1.0, 0.0]))
     scores = aggregate(keys[None], sims[None], key_labels[None], values, tau, 4, [()], "split")
     candidates, rae = scores.indices, scores.data
-    instance_rows = values.base[keys[key_labels < 0]]
-    F = query_features(candidates, rae, sims, key_labels, instance_rows, tau, log_frequency)
+    instance_labels = values.row_labels(keys[key_labels < 0])
+    F = query_features(candidates, rae, sims, key_labels, instance_labels, tau, log_frequency)
     column = {name: dict(zip(candidates.tolist(), F[:, j], strict=True)) for j, name in enumerate(FEATURES)}
 
     w_instance = softmax(np.array([0.9, 0.7]), tau)  # instance 0, instance 1

@@ -100,3 +100,13 @@ def test_appended_value_rows_score_like_one_stacked_matrix():
     W = sp.csr_matrix(np.array([[0.2, 0, 0.3, 0, 0, 0.4, 0.1], [0, 0.5, 0, 0, 0.5, 0, 0]], dtype=np.float32))
     assert values.num_rows == 7 and values.num_labels == 4
     np.testing.assert_allclose(values.weigh(W).toarray(), (W @ stacked).toarray(), rtol=1e-6)
+
+
+def test_row_labels_gathers_the_label_ids_of_base_and_appended_rows():
+    base = sp.csr_matrix(np.array([[1, 0, 1], [0, 0, 0], [0, 1, 0]], dtype=np.float32))
+    values = ValueRows(base).extended(sp.csr_matrix(np.array([[0, 0, 0, 1], [1, 1, 0, 0]], dtype=np.float32)))
+    rows = np.array([4, 0, 1, 3, 2, 0])
+    labels, counts = values.row_labels(rows)
+    assert counts.tolist() == [2, 2, 0, 1, 1, 2]
+    assert labels.tolist() == [0, 1, 0, 2, 3, 1, 0, 2]
+    assert [x.tolist() for x in values.row_labels(np.zeros(0, dtype=np.int64))] == [[], []]
