@@ -24,6 +24,7 @@ from export.build import write_index, write_labels
 from export.derive import link_or_copy
 from export.params import ExportParams
 from export.writer import refuse_existing, write_bundle
+from service.engine.fusion import ScoreFusion
 from service.engine.manifest import LABELS_FILE, MANIFEST_FILE, Counts, Manifest, shard_list, utc_now
 from service.engine.memory import MemoryView, appends_dir_beside
 from service.engine.rae import widen
@@ -42,6 +43,7 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
     keys = np.asarray(bundle.index.get_items(np.arange(view.num_keys)), dtype=np.float32)
     order, instance_rows = canonical_order(view)
     rebuilt = {MANIFEST_FILE, LABELS_FILE} | {name for shard in shard_list(src) for name in (shard.index, shard.values)}
+    rebuilt |= {src.fusion.file} if src.fusion is not None else set()
     params = ExportParams(
         hnsw_m=src.hnsw.M,
         ef_construction=src.hnsw.ef_construction,
@@ -58,6 +60,8 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
         write_labels(labels, stage / LABELS_FILE)
         memory_Y = instance_labels(view, instance_rows) if view.values is not None else None
         shards = write_index(stage, keys[order], memory_Y, params)
+        if bundle.fusion is not None:
+            carried_fusion(bundle.fusion, view.num_labels).save(stage / src.fusion.file)
         counts = Counts(labels=view.num_labels, memory_rows=view.num_keys, train_instances=len(instance_rows))
         return src.model_dump(exclude={"bundle_id", "files"}) | {
             "created_at": utc_now(),
@@ -67,6 +71,13 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
         }
 
     return write_bundle(out, populate, force)
+
+
+def carried_fusion(fusion: ScoreFusion, num_labels: int) -> ScoreFusion:
+    """The same tree with frequency 0 for the labels appended since export: what the live memory
+    used for them, so the compacted bundle answers as the grown one did."""
+    appended = np.zeros(num_labels - len(fusion.log_frequency), dtype=np.float32)
+    return ScoreFusion(fusion.tree, np.concatenate([fusion.log_frequency, appended]))
 
 
 def canonical_order(view: MemoryView) -> tuple[np.ndarray, np.ndarray]:

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
 from export.fuse import leave_one_out, main
 from service.engine.bundle import BundleError, load_bundle
@@ -77,6 +78,25 @@ def test_a_fused_bundle_takes_appends_and_ranks_a_new_label(fused):
     new_id = predictor.view.label_id("zzfusionpkg")
     assert new_id == predictor.bundle.manifest.counts.labels  # the first id past the bundle's labels
     assert new_id in answer.rankings[0].ids.tolist()
+
+
+def test_a_compacted_fused_bundle_keeps_its_fusion_and_answers_as_the_grown_one(fused, tmp_path):
+    grown = load_predictor(fused, appends_dir=tmp_path / "appends")
+    text = "zzcompactpkg: compaction of fused memories"
+    grown.append(
+        AppendBatch(labels=[("zzcompactpkg", text)], instances=[(text + " helper", ["zzcompactpkg", "libc6"])])
+    )
+    manifest = compact_bundle(fused, tmp_path / "compacted", appends_dir=tmp_path / "appends")
+    assert manifest.fusion is not None and manifest.counts.labels == grown.view.num_labels
+    compacted = load_predictor(tmp_path / "compacted")
+    queries = [text, "libc6: GNU C Library: Shared libraries", "python3-numpy: fast array facility"]
+    exhaustive = grown.view.num_keys  # exact search on both sides
+    before, after = grown.predict(queries, 10, ef=exhaustive), compacted.predict(queries, 10, ef=exhaustive)
+    for old, new in zip(before.rankings, after.rankings, strict=True):
+        np.testing.assert_allclose(new.scores, old.scores, rtol=1e-4, atol=1e-6)
+        # labels in one tree leaf with a vanishing p̂ tie at the cut: equal up to that tie
+        above_cut = old.scores > old.scores[-1] + 1e-6
+        assert old.ids[above_cut].tolist() == new.ids[above_cut].tolist()
 
 
 def test_a_fused_bundle_with_other_features_is_refused(fused, tmp_path):
