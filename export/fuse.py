@@ -28,7 +28,7 @@ from export.derive import derive_fused_bundle
 from export.writer import refuse_existing
 from service.engine.fusion import FEATURES, RegressionTree, ScoreFusion, batch_features, memory_log_frequency
 from service.engine.manifest import FusionParams, Manifest
-from service.engine.rae import aggregate
+from service.engine.rae import aggregate_kept, keep_keys
 from service.engine.search import Predictor, load_predictor
 from training.data import XMCDataset, load_jsonl_split, rows_of_uids
 from training.params import HOLDOUT_FILE
@@ -74,9 +74,9 @@ def pairs_of(predictor: Predictor, train: XMCDataset, rows: np.ndarray, log_freq
         widest = max(len(e) for e in excluded)
         keys, sims, _ = predictor.knn(vectors, rae.top_b + widest + 1, None)
         keys, sims = leave_one_out(keys, sims, block)
-        key_labels = view.labels_of_keys(keys)
-        scores = aggregate(keys, sims, key_labels, view.values, rae.tau, rae.top_b, excluded, rae.mode)
-        parts = batch_features(scores, keys, sims, key_labels, view.values, rae.tau, rae.top_b, excluded, log_frequency)
+        kept = keep_keys(keys, sims, view.labels_of_keys(keys), excluded, rae.top_b)
+        scores = aggregate_kept(kept, view.values, rae.tau, excluded, rae.mode)
+        parts = batch_features(scores, kept, view.values, rae.tau, log_frequency)
         for i, row in enumerate(block):
             candidates = scores.indices[scores.indptr[i] : scores.indptr[i + 1]]
             relevant = np.setdiff1d(train.Y[row].indices, list(excluded[i]))

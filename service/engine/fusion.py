@@ -27,14 +27,13 @@ A label added to a live memory after export has frequency 0, as zero-shot labels
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import scipy.sparse as sp
 
-from service.engine.rae import ValueRows, drop_excluded_keys, key_weights
+from service.engine.rae import KeptKeys, ValueRows, key_weights
 
 FEATURES = (
     "instance_vote",
@@ -129,20 +128,10 @@ class ScoreFusion:
             raise ValueError(f"log_frequency must be {num_labels} finite values")
         return cls(tree, log_frequency)
 
-    def rescore(
-        self,
-        scores: sp.csr_matrix,
-        keys: np.ndarray,
-        sims: np.ndarray,
-        key_labels: np.ndarray,
-        values: ValueRows,
-        tau: float,
-        top_b: int,
-        excluded: Sequence[Collection[int]],
-    ) -> sp.csr_matrix:
-        """``scores`` (the RAE scores of :func:`~service.engine.rae.aggregate`, same keys) with
-        every stored score replaced by its fused score."""
-        features = batch_features(scores, keys, sims, key_labels, values, tau, top_b, excluded, self.log_frequency)
+    def rescore(self, scores: sp.csr_matrix, kept: list[KeptKeys], values: ValueRows, tau: float) -> sp.csr_matrix:
+        """``scores`` (:func:`~service.engine.rae.aggregate_kept` of ``kept``) with every stored
+        score replaced by its fused score."""
+        features = batch_features(scores, kept, values, tau, self.log_frequency)
         fused = scores.copy()
         # one walk of the tree for the whole batch (the rows of `features` follow scores' storage)
         fused.data = fused.data + self.tree.predict(np.concatenate([np.zeros((0, len(FEATURES))), *features]))
@@ -150,19 +139,10 @@ class ScoreFusion:
 
 
 def batch_features(
-    scores: sp.csr_matrix,
-    keys: np.ndarray,
-    sims: np.ndarray,
-    key_labels: np.ndarray,
-    values: ValueRows,
-    tau: float,
-    top_b: int,
-    excluded: Sequence[Collection[int]],
-    log_frequency: np.ndarray,
+    scores: sp.csr_matrix, kept: list[KeptKeys], values: ValueRows, tau: float, log_frequency: np.ndarray
 ) -> list[np.ndarray]:
     """Per query, φ of each label stored in its row of ``scores`` (in the row's order), from the
-    same retrieved keys (``nq x m``, best first) that :func:`~service.engine.rae.aggregate` weighed."""
-    kept = [drop_excluded_keys(keys[i], sims[i], key_labels[i], excluded[i], top_b) for i in range(keys.shape[0])]
+    same kept keys (:func:`~service.engine.rae.keep_keys`) that gave ``scores``."""
     features = []
     for i, (row_keys, row_sims, row_labels) in enumerate(kept):
         start, end = scores.indptr[i], scores.indptr[i + 1]

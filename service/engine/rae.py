@@ -133,6 +133,17 @@ def drop_excluded_keys(
     return keys[valid][:top_b], sims[valid][:top_b], key_labels[valid][:top_b]
 
 
+# One query's retrieved keys after its exclusions (drop_excluded_keys): keys, sims, key labels.
+KeptKeys = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def keep_keys(
+    keys: np.ndarray, sims: np.ndarray, key_labels: np.ndarray, excluded: Sequence[Collection[int]], top_b: int
+) -> list[KeptKeys]:
+    """Per query of a batch (``nq x m``, best first), the keys its aggregation weighs."""
+    return [drop_excluded_keys(keys[i], sims[i], key_labels[i], excluded[i], top_b) for i in range(keys.shape[0])]
+
+
 def aggregate(
     keys: np.ndarray,
     sims: np.ndarray,
@@ -149,16 +160,23 @@ def aggregate(
     Returns an ``nq x L`` CSR matrix whose row i is softmax(sims_i / τ) · V[keys_i], with the
     excluded labels of query i removed from both the keys and the result.
     """
-    nq = keys.shape[0]
-    rows_keys, rows_weights = [], []
-    for i in range(nq):
-        kept_keys, kept_sims, kept_labels = drop_excluded_keys(keys[i], sims[i], key_labels[i], excluded[i], top_b)
-        rows_keys.append(kept_keys)
-        rows_weights.append(key_weights(kept_labels, kept_sims, tau, mode) if kept_keys.size else np.zeros(0))
+    return aggregate_kept(keep_keys(keys, sims, key_labels, excluded, top_b), values, tau, excluded, mode)
+
+
+def aggregate_kept(
+    kept: list[KeptKeys], values: ValueRows, tau: float, excluded: Sequence[Collection[int]], mode: str = "joint"
+) -> sp.csr_matrix:
+    """:func:`aggregate` over keys already kept by :func:`keep_keys` (a caller that reads them
+    again, such as the score fusion, keeps them once)."""
+    rows_keys = [row_keys for row_keys, _, _ in kept]
+    rows_weights = [
+        key_weights(row_labels, row_sims, tau, mode) if row_keys.size else np.zeros(0)
+        for row_keys, row_sims, row_labels in kept
+    ]
     indptr = np.concatenate([[0], np.cumsum([k.size for k in rows_keys])])
     W = sp.csr_matrix(
         (np.concatenate(rows_weights).astype(np.float32), np.concatenate(rows_keys), indptr),
-        shape=(nq, values.num_rows),
+        shape=(len(kept), values.num_rows),
     )
     scores = values.weigh(W)
     return _zero_excluded(scores, excluded)

@@ -28,7 +28,7 @@ from service.engine.memory import (
     MemoryView,
     base_view,
 )
-from service.engine.rae import ValueRows, aggregate, top_k_of_row
+from service.engine.rae import ValueRows, aggregate_kept, keep_keys, top_k_of_row
 
 # Texts per encoder call when encoding an append: a request queued behind one waits for at most
 # this many texts' encoding.
@@ -188,9 +188,10 @@ def rank(
             rankings.append(Ranking(ids=key_labels[i][keep][:k], scores=sims[i][keep][:k]))
         return rankings
     rae = manifest.rae
-    scores = aggregate(keys, sims, key_labels, values, rae.tau, rae.top_b, exclude, rae.mode)
+    kept = keep_keys(keys, sims, key_labels, exclude, rae.top_b)
+    scores = aggregate_kept(kept, values, rae.tau, exclude, rae.mode)
     if fusion is not None:
-        scores = fusion.rescore(scores, keys, sims, key_labels, values, rae.tau, rae.top_b, exclude)
+        scores = fusion.rescore(scores, kept, values, rae.tau)
     return [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
 
 

@@ -16,7 +16,7 @@ from service.engine.fusion import (
     memory_log_frequency,
     query_features,
 )
-from service.engine.rae import ValueRows, aggregate, softmax
+from service.engine.rae import ValueRows, aggregate, aggregate_kept, keep_keys, softmax
 
 
 def tree_from(model: DecisionTreeRegressor) -> RegressionTree:
@@ -125,16 +125,20 @@ def test_rescoring_adds_the_tree_to_the_rae_score_and_keeps_exclusions():
     sims = np.array([[0.9, 0.8, 0.7, 0.2], [0.95, 0.6, 0.5, 0.4]], dtype=np.float32)
     key_labels = np.array([[-1, 1, -1, 3], [0, -1, 2, -1]])
     excluded = [(), {2}]
-    scores = aggregate(keys, sims, key_labels, values, 0.1, 4, excluded, "joint")
+    kept = keep_keys(keys, sims, key_labels, excluded, 4)
+    scores = aggregate_kept(kept, values, 0.1, excluded, "joint")
+    np.testing.assert_array_equal(
+        scores.toarray(), aggregate(keys, sims, key_labels, values, 0.1, 4, excluded).toarray()
+    )
     log_frequency = np.zeros(4)
 
-    shifted = ScoreFusion(leaf(0.5), log_frequency).rescore(scores, keys, sims, key_labels, values, 0.1, 4, excluded)
+    shifted = ScoreFusion(leaf(0.5), log_frequency).rescore(scores, kept, values, 0.1)
     np.testing.assert_allclose(shifted.data, scores.data + 0.5)
     assert shifted.indices.tolist() == scores.indices.tolist() and 2 not in shifted[1].indices
 
     # a tree that lifts the labels whose own key was retrieved puts them first
     lifted = ScoreFusion(split_on("label_retrieved", 0.5, 0.0, 10.0), log_frequency)
-    fused = lifted.rescore(scores, keys, sims, key_labels, values, 0.1, 4, excluded).toarray()
+    fused = lifted.rescore(scores, kept, values, 0.1).toarray()
     assert set(np.flatnonzero(fused[0] > 10)) == {1, 3} and set(np.flatnonzero(fused[1] > 10)) == {0}
 
 
