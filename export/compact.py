@@ -27,7 +27,6 @@ from export.writer import refuse_existing, write_bundle
 from service.engine.fusion import ScoreFusion
 from service.engine.manifest import LABELS_FILE, MANIFEST_FILE, Counts, Manifest, shard_list, utc_now
 from service.engine.memory import MemoryView, appends_dir_beside
-from service.engine.rae import widen
 from service.engine.search import load_predictor
 from training.data import LabelSpace
 
@@ -93,11 +92,11 @@ def canonical_order(view: MemoryView) -> tuple[np.ndarray, np.ndarray]:
 def instance_labels(view: MemoryView, instance_keys: np.ndarray) -> sp.csr_matrix:
     """Y of the instance keys, read off the value rows' sparsity pattern (λ·y keeps y's pattern,
     even for λ = 0)."""
-    values = view.values
-    parts = [widen(values.base, view.num_labels)] + ([values.appended] if values.appended is not None else [])
-    rows = sp.vstack(parts, format="csr")[instance_keys]
-    rows.data = np.ones_like(rows.data)
-    return rows
+    labels, counts = view.values.row_labels(instance_keys)
+    indptr = np.concatenate([[0], np.cumsum(counts)])
+    return sp.csr_matrix(
+        (np.ones(len(labels), dtype=np.float32), labels, indptr), shape=(len(instance_keys), view.num_labels)
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
