@@ -27,8 +27,8 @@ from training.data import load_jsonl_split
 STAGES = (
     ("onnx_run", ("Session.run (",)),
     ("hnsw_search", ("knn_query", "Predictor.knn (")),
-    ("rae_aggregate", ("aggregate (service/rae.py", "key_weights")),
-    ("tokenize", ("encode_batch", "tokenize (service/encoder.py")),
+    ("rae_aggregate", ("rank (service/engine/search.py", "rae.py")),
+    ("tokenize", ("encode_batch", "tokenize (service/engine/encoder.py")),
     ("response_json", ("to_response", "json/encoder.py")),
     ("request_parse", ("pydantic", "fastapi/routing.py")),
     ("metrics", ("prometheus_client",)),

@@ -7,7 +7,10 @@
 2. ANN recall@10 of the served search path against exact search, at the bundle's default ef.
 3. For the naive server (per-request transformers + torch, same index) and xmcserve: real
    uvicorn processes on 127.0.0.1, closed-loop load at each concurrency, QPS and p50/p95/p99.
-4. xmcserve at 70 % of its peak QPS, open loop (latency from the scheduled send time): p99.
+4. xmcserve at 70 % of its peak QPS, open loop (latency from the scheduled send time): p50,
+   p99 and the refused fraction.
+5. The encoder alone (tokenize + ONNX, no search, no HTTP) in this process at batch 1, 8 and 32,
+   the bound the server's peak is held to (issue 19's targets, reported as ratios).
 
 Writes the JSON result and a PNG of latency against throughput.
 """
@@ -71,6 +74,44 @@ def encoder_flops_per_token(config: dict, mean_tokens: float, head_dim: int) -> 
     return layers * (dense + attention) + 2 * hidden * head_dim / mean_tokens
 
 
+ENCODER_BATCHES = (1, 8, 32)
+
+
+def encoder_alone(encoder, texts: list[str], batch: int, seconds: float) -> float:
+    """Texts/s of ``encoder.encode`` (tokenize + one ONNX call per length-sorted chunk) on
+    consecutive batches of the dev texts, one call at a time, as the server's encode stage runs."""
+    for i in range(3):
+        encoder.encode(texts[i * batch : (i + 1) * batch])
+    done, offset, start = 0, 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        chunk = texts[offset : offset + batch]
+        if len(chunk) < batch:
+            offset, chunk = 0, texts[:batch]
+        encoder.encode(chunk)
+        done += len(chunk)
+        offset += batch
+    return done / (time.perf_counter() - start)
+
+
+def refused_fraction(row: dict) -> float:
+    """Requests not answered 200 (429 / 503 / errors) over all sent."""
+    sent = row["requests"] + row["errors"]
+    return round((sent - row["ok"]) / sent, 4) if sent else 0.0
+
+
+def targets(result: dict) -> dict:
+    """Issue 19's targets as measured ratios: peak ≥ 0.9 × the encoder alone at batch 32; at 70 %
+    of peak p99 ≤ 10 × idle p50 with ≤ 1 % refused; idle p50 over the encoder's batch-1 time."""
+    encoder = result["encoder_alone_texts_per_s"]
+    paced = result["paced_70pct"]
+    return {
+        "peak_over_encoder_b32": round(result["peak_qps"] / encoder["32"], 3),
+        "p99_at_70pct_over_idle_p50": round(paced["p99_ms"] / result["idle_p50_ms"], 2),
+        "refused_fraction_at_70pct": refused_fraction(paced),
+        "idle_p50_over_encoder_b1_ms": round(result["idle_p50_ms"] / (1000 / encoder["1"]), 2),
+    }
+
+
 def run_levels(url: str, bodies: list[bytes], seconds: float, levels=CONCURRENCY) -> list[dict]:
     rows = []
     asyncio.run(closed_loop(url, bodies, 4, 2.0))  # warm-up
@@ -125,6 +166,10 @@ def main() -> None:
     gflops = matmul_gflops()
     flops_per_query = encoder_flops_per_token(config, mean_tokens, bundle.manifest.dim) * mean_tokens
     recall = ann_recall(bundle, texts, k=10)
+    encoder_rates = {
+        str(b): round(encoder_alone(bundle.encoder, texts, b, args.seconds / 2), 1) for b in ENCODER_BATCHES
+    }
+    print(json.dumps({"encoder_alone_texts_per_s": encoder_rates}), flush=True)
     result = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -139,6 +184,7 @@ def main() -> None:
         "flop_bound_qps": round(gflops * 1e9 / flops_per_query, 1),
         "recall_at_10": round(recall, 4),
         "recall_ef": bundle.manifest.hnsw.ef_search,
+        "encoder_alone_texts_per_s": encoder_rates,
     }
     del bundle
     print(json.dumps(result), flush=True)
@@ -168,6 +214,7 @@ def main() -> None:
     result["ratios"] = {
         "peak_over_naive": round(peak / result["naive_peak_qps"], 2) if result["naive_peak_qps"] else None,
         "peak_over_flop_bound": round(peak / result["flop_bound_qps"], 3),
+        **targets(result),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

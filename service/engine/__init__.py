@@ -5,7 +5,7 @@ The public surface:
 
 * :func:`load_predictor` — open a bundle directory, verify it (checksums, shapes, a warm-up
   prediction) and return a :class:`Predictor`; :func:`load_bundle` without the warm-up.
-* :class:`Predictor` — ``predict(texts, k, ef, exclude)`` (encode + search) and
+* :class:`Predictor` — ``predict(texts, k, ef, exclude)`` (``encode(texts)`` + search) and
   ``search(vectors, k, ef, exclude)`` (search only), both returning a :class:`Prediction`:
   one :class:`Ranking` (label ids and scores, best first) per text, the :class:`StageTimes`,
   and the HNSW ef the search ran at. ``exclude`` holds label *ids* per text;
@@ -16,8 +16,10 @@ The public surface:
   ``load_predictor(..., appends_dir=...)`` gave one, and published atomically; a
   :class:`MemoryView` is one consistent state of it. :class:`AppendRefused`: bad input.
 * :class:`MicroBatcher` — an asyncio queue of requests (``submit(texts, k, ef, exclude_uids)``)
-  batched onto one predictor per batch, bounded (:class:`QueueFullError`), stoppable
-  (:class:`BatcherStoppedError`); configured by :class:`BatcherConfig`.
+  batched onto one predictor per batch and run in two overlapped stages (an encode thread, a
+  search thread: the encoder never waits for the previous batch's search), bounded
+  (:class:`QueueFullError`), stoppable (:class:`BatcherStoppedError`); configured by
+  :class:`BatcherConfig`.
 * :class:`EncoderOptions` — how the ONNX encoder runs (provider, threads, spinning).
 * A sharded bundle (``manifest.shards``) loads as one :class:`~service.engine.shards.ShardedIndex`:
   every shard searched, the per-shard top-n merged exactly; nothing else changes.

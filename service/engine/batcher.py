@@ -1,30 +1,41 @@
-"""Micro-batching: concurrent /predict requests share one tokenizer call, one ONNX call per
-length-sorted chunk and one batched HNSW query.
+"""Micro-batching in two overlapped stages: concurrent /predict requests share one tokenizer call,
+one ONNX call per length-sorted chunk and one batched HNSW query, and the encoder never waits for
+the search of the batch before.
 
-Requests wait in a bounded FIFO. A worker takes the oldest request, adds every queued request
-that still fits in ``max_batch_size`` texts (waiting up to ``max_wait_ms`` for more when the
-batch is not full), runs the batch on a dedicated thread, and resolves each request's future.
-While a batch runs, the next one accumulates, so batches grow with load by themselves and an
-idle server answers a lone request without waiting. A full queue refuses at once
-(:class:`QueueFullError` → HTTP 429) instead of letting latency grow without bound.
+Requests wait in a bounded FIFO. An **encode** thread takes the oldest request and every queued
+request that still fits in ``max_batch_size`` texts (waiting up to ``max_wait_ms`` for more when
+the batch is not full), tokenizes and encodes them, and hands the vectors over a bounded queue of
+:data:`HANDOFF_BATCHES` batches to the **search** thread (HNSW, RAE aggregation, fusion), which
+hands the answers back to the event loop. While the search thread works on batch n the encoder
+already runs batch n + 1, as TEI's batching task prepares the next batch while the model runs.
+
+The batch size adapts to the queue by itself: an idle server encodes a lone request at once
+(batch of one, lowest latency); under load requests accumulate while the encoder is busy and
+the next batch takes all of them, up to ``max_batch_size`` (highest throughput). When the search
+falls behind, the hand-off queue fills, the encoder waits, and the request queue's bound turns
+the excess away (:class:`QueueFullError` → HTTP 429) instead of letting latency grow without bound.
 
 Background work on the same model (encoding an append to the live memory) is a second, lower
-priority class, as in Triton's priority levels: it runs on the batch thread only when no request
-is queued, so it takes the cores in turn with requests instead of beside them.
+priority class, as in Triton's priority levels: it runs on the encode thread only when no request
+is queued, so it takes the encoder in turn with requests instead of beside them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import queue
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from service.engine.memory import MemoryView
-from service.engine.search import Prediction, Predictor, Ranking, StageTimes
+from service.engine.search import Predictor, Ranking, StageTimes
 
 
 class QueueFullError(RuntimeError):
@@ -36,7 +47,7 @@ class QueueFullError(RuntimeError):
 
 
 class BatcherStoppedError(RuntimeError):
-    """The batcher was stopped (shutdown) before the request ran."""
+    """The batcher was stopped (shutdown) before the request was answered."""
 
 
 class DeadlineExceededError(RuntimeError):
@@ -55,7 +66,8 @@ class BatcherConfig:
         max_batch_size: most texts per batch; one request with more texts still runs, alone.
         max_wait_ms: how long a non-full batch waits for more requests; 0 = take what is queued.
         max_queue: most requests waiting; beyond it requests are refused with 429.
-        workers: batches run in parallel (each on its own thread).
+        workers: batches encoded in parallel, each on an encode thread of its own (one search
+            thread serves them all).
     """
 
     max_batch_size: int = 32
@@ -95,9 +107,25 @@ class _Background:
     queued: float
 
 
+@dataclass
+class _Encoded:
+    """A batch between the stages: its jobs, the predictor that encoded it, and its vectors."""
+
+    jobs: list[_Job]
+    predictor: Predictor
+    vectors: np.ndarray
+    times: StageTimes
+    started: float
+
+
 # Background work waits for an idle moment at most this long, then runs before the next batch:
 # under a load that never leaves the queue empty it still advances (a piece per this interval).
 BACKGROUND_MAX_WAIT_S = 0.5
+# Encoded batches waiting for the search thread: one computing plus one ready keeps the search
+# busy while the encoder runs ahead; more would only queue latency the request queue bounds.
+HANDOFF_BATCHES = 2
+# How often a thread blocked on a full hand-off looks whether the batcher is stopping.
+STOP_POLL_S = 0.1
 
 
 class MicroBatcher:
@@ -107,7 +135,10 @@ class MicroBatcher:
     A request leaves the queue unrun, and ``on_drop(reason)`` is called, when its caller stops
     waiting (the awaiting task is cancelled, e.g. the HTTP client went away: ``"client_gone"``)
     or when it is still queued at its deadline (``"deadline"``, :class:`DeadlineExceededError`).
-    A request already computing is answered however late: its batch is paid for."""
+    A request already computing is answered however late: its batch is paid for.
+
+    Call :meth:`start` and :meth:`submit` from one event loop; answers and ``on_batch_done`` /
+    ``on_drop`` calls happen on that loop."""
 
     def __init__(
         self,
@@ -120,35 +151,48 @@ class MicroBatcher:
         self._predictor_source = predictor_source
         self._on_batch_done = on_batch_done or (lambda texts, times: None)
         self._on_drop = on_drop or (lambda reason: None)
+        self._lock = threading.Condition()  # guards everything below that both stages touch
         self._jobs: deque[_Job] = deque()
         self._background: deque[_Background] = deque()
-        self._arrived = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=self.config.workers, thread_name_prefix="xmcserve-batch")
-        self._workers: list[asyncio.Task] = []
-        self._running: set[_Job] = set()
+        self._encoding: set[_Job] = set()  # taken by an encode thread
+        self._searching: set[_Job] = set()  # encoded, waiting for or in the search
         self._background_running: set[_Background] = set()
-        self.in_flight_batches = 0
-        self._seconds_per_text = 0.0  # moving average of the compute time per text of recent batches
+        self._handoff: queue.Queue[_Encoded | None] = queue.Queue(maxsize=HANDOFF_BATCHES)
+        self._threads: list[threading.Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self.in_flight_batches = 0  # batches taken from the queue and not yet answered
+        self._seconds_per_text = 0.0  # moving average of the encode time per text of recent batches
 
     @property
     def depth(self) -> int:
         return len(self._jobs)
 
     def start(self) -> None:
-        self._workers = [asyncio.create_task(self._work(), name=f"batcher-{i}") for i in range(self.config.workers)]
+        """Start the stage threads; answers go to the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._threads = [
+            threading.Thread(target=self._encode_loop, name=f"xmcserve-encode-{i}", daemon=True)
+            for i in range(self.config.workers)
+        ]
+        self._threads.append(threading.Thread(target=self._search_loop, name="xmcserve-search", daemon=True))
+        for thread in self._threads:
+            thread.start()
 
     async def stop(self) -> None:
-        for task in self._workers:
-            task.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
-        for job in [*self._running, *self._jobs, *self._background, *self._background_running]:
+        """Fail every request not yet answered with :class:`BatcherStoppedError` and let the stage
+        threads end; a batch still computing finishes on its thread, unobserved."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+            pending = [*self._jobs, *self._encoding, *self._searching, *self._background, *self._background_running]
+            self._jobs.clear()
+            self._background.clear()
+        with contextlib.suppress(queue.Full):  # wakes an idle search thread; a busy one sees _stopping
+            self._handoff.put_nowait(None)
+        for job in pending:
             if not job.future.done():
                 job.future.set_exception(BatcherStoppedError("service shutting down"))
-        self._jobs.clear()
-        self._background.clear()
-        self._running.clear()
-        # Without waiting: a batch still on its thread finishes there, unobserved.
-        self._executor.shutdown(wait=False)
 
     async def submit(
         self,
@@ -168,8 +212,11 @@ class MicroBatcher:
             self._on_drop("deadline")
             raise DeadlineExceededError(0.0)
         job = _Job(texts, k, ef, exclude, asyncio.get_running_loop().create_future(), time.perf_counter())
-        self._jobs.append(job)
-        self._arrived.set()
+        with self._lock:
+            if self._stopping:
+                raise BatcherStoppedError("service shutting down")
+            self._jobs.append(job)
+            self._lock.notify()
         try:
             if timeout_s is not None:
                 await asyncio.wait({job.future}, timeout=timeout_s)
@@ -181,66 +228,78 @@ class MicroBatcher:
             raise
 
     async def run_when_idle(self, work: Callable[[], Any]) -> Any:
-        """``work()``'s result, run on the batch thread when no request is queued (or once it has
+        """``work()``'s result, run on an encode thread when no request is queued (or once it has
         waited :data:`BACKGROUND_MAX_WAIT_S`): a request waits at most for one piece of such work.
         Keep each piece short (a few texts)."""
         job = _Background(work, asyncio.get_running_loop().create_future(), time.perf_counter())
-        self._background.append(job)
-        self._arrived.set()
+        with self._lock:
+            if self._stopping:
+                raise BatcherStoppedError("service shutting down")
+            self._background.append(job)
+            self._lock.notify()
         try:
             return await job.future
         except asyncio.CancelledError:
-            if job in self._background:
-                self._background.remove(job)
+            with self._lock:
+                if job in self._background:
+                    self._background.remove(job)
             raise
 
     def expected_wait_s(self) -> float:
         """How long a request queued now would wait to start: the texts ahead of it (queued and
-        computing) at the recent compute time per text, spread over the workers."""
-        ahead = sum(len(job.texts) for job in self._jobs) + sum(len(job.texts) for job in self._running)
+        encoding) at the recent encode time per text, spread over the encode threads."""
+        with self._lock:
+            ahead = sum(len(job.texts) for job in self._jobs) + sum(len(job.texts) for job in self._encoding)
         return ahead * self._seconds_per_text / self.config.workers
 
     def _withdraw(self, job: _Job, reason: str) -> bool:
         """Take a job that has not started out of the queue; False when it already runs."""
-        try:
-            self._jobs.remove(job)
-        except ValueError:
-            return False
+        with self._lock:
+            try:
+                self._jobs.remove(job)
+            except ValueError:
+                return False
         job.future.cancel()
         self._on_drop(reason)
         return True
 
-    async def _wait_for_work(self) -> None:
-        while not self._jobs and not self._background:
-            self._arrived.clear()
-            await self._arrived.wait()
+    # --- encode stage (its own thread) ---------------------------------------------------------
+
+    def _encode_loop(self) -> None:
+        while (work := self._take()) is not None:
+            if isinstance(work, _Background):
+                self._run_background(work)
+            else:
+                self._encode(work)
+
+    def _take(self) -> list[_Job] | _Background | None:
+        """The next piece of work for an encode thread: a batch, background work, or None (stop)."""
+        with self._lock:
+            while not self._stopping and not self._jobs and not self._background:
+                self._lock.wait()
+            if self._stopping:
+                return None
+            if self._background and (not self._jobs or self._background_overdue()):
+                job = self._background.popleft()
+                self._background_running.add(job)
+                return job
+            batch = self._next_batch()
+            if self._stopping:  # stop() has failed these jobs already
+                return None
+            self._encoding.update(batch)
+            self.in_flight_batches += 1
+            return batch
 
     def _background_overdue(self) -> bool:
-        return bool(self._background) and time.perf_counter() - self._background[0].queued > BACKGROUND_MAX_WAIT_S
+        return time.perf_counter() - self._background[0].queued > BACKGROUND_MAX_WAIT_S
 
-    async def _run_background(self, loop: asyncio.AbstractEventLoop) -> None:
-        job = self._background.popleft()
-        if job.future.done():
-            return
-        self._background_running.add(job)
-        try:
-            result, error = await loop.run_in_executor(self._executor, job.work), None
-        except Exception as exc:
-            result, error = None, exc
-        finally:
-            self._background_running.discard(job)
-        if job.future.done():  # its caller stopped waiting
-            return
-        if error is not None:
-            job.future.set_exception(error)
-        else:
-            job.future.set_result(result)
-
-    async def _next_batch(self) -> list[_Job]:
+    def _next_batch(self) -> list[_Job]:
+        """The oldest job and the queued ones that fit (called with the lock held; waiting for
+        more releases it, so requests keep arriving)."""
         batch = [self._jobs.popleft()]
         size = len(batch[0].texts)
         deadline = time.perf_counter() + self.config.max_wait_ms / 1000
-        while size < self.config.max_batch_size:
+        while size < self.config.max_batch_size and not self._stopping:
             if self._jobs:
                 if size + len(self._jobs[0].texts) > self.config.max_batch_size:
                     break
@@ -251,55 +310,91 @@ class MicroBatcher:
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 break
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), remaining)
-            except asyncio.TimeoutError:
-                break
-        # Requests whose client went away are not worth computing.
-        return [job for job in batch if not job.future.done()]
+            self._lock.wait(remaining)
+        return batch
 
-    async def _work(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await self._wait_for_work()
-            if not self._jobs or self._background_overdue():
-                await self._run_background(loop)
-                continue
-            batch = await self._next_batch()
-            if not batch:
-                continue
-            started = time.perf_counter()
-            predictor = self._predictor_source()
-            self.in_flight_batches += 1
-            self._running.update(batch)
-            try:
-                answers = await loop.run_in_executor(self._executor, _run_batch, predictor, batch, started)
-            except Exception as exc:  # the model failed: every request of the batch gets the error
-                answers = [exc] * len(batch)
-            finally:
-                self.in_flight_batches -= 1
-            # Reached only when not cancelled: on shutdown, stop() fails the jobs still in _running.
-            self._running.difference_update(batch)
-            texts = sum(len(job.texts) for job in batch)
-            per_text = (time.perf_counter() - started) / texts
+    def _encode(self, batch: list[_Job]) -> None:
+        started = time.perf_counter()
+        predictor = self._predictor_source()
+        texts = [t for job in batch for t in job.texts]
+        try:
+            vectors, encode_times = predictor.encode(texts)
+        except Exception as exc:  # the model failed: every request of the batch gets the error
+            with self._lock:
+                self._encoding.difference_update(batch)
+            self._answer(batch, exc)
+            return
+        per_text = (time.perf_counter() - started) / len(texts)
+        times = StageTimes(tokenize=encode_times.tokenize_s, encode=encode_times.encode_s)
+        with self._lock:
             self._seconds_per_text += 0.2 * (per_text - self._seconds_per_text) if self._seconds_per_text else per_text
-            if not isinstance(answers[0], Exception):
-                self._on_batch_done(answers[0].batch_texts, answers[0].times)
-            for job, answer in zip(batch, answers, strict=True):
-                if job.future.done():
-                    continue
-                if isinstance(answer, Exception):
-                    job.future.set_exception(answer)
-                else:
-                    job.future.set_result(answer)
+            self._encoding.difference_update(batch)
+            self._searching.update(batch)
+        encoded = _Encoded(batch, predictor, vectors, times, started)
+        while not self._stopping:
+            try:
+                self._handoff.put(encoded, timeout=STOP_POLL_S)
+                return
+            except queue.Full:
+                continue
+
+    def _run_background(self, job: _Background) -> None:
+        try:
+            result, error = job.work(), None
+        except Exception as exc:
+            result, error = None, exc
+        with self._lock:
+            self._background_running.discard(job)
+        self._call_on_loop(_settle, job.future, result, error)
+
+    # --- search stage (its own thread) ---------------------------------------------------------
+
+    def _search_loop(self) -> None:
+        while (encoded := self._handoff.get()) is not None and not self._stopping:
+            try:
+                answers: list[BatchAnswer] | Exception = _search_batch(encoded)
+            except Exception as exc:
+                answers = exc
+            self._answer(encoded.jobs, answers)
+
+    # --- back on the event loop ----------------------------------------------------------------
+
+    def _answer(self, batch: list[_Job], answers: list[BatchAnswer] | Exception) -> None:
+        with self._lock:
+            self._searching.difference_update(batch)
+            self.in_flight_batches -= 1
+        self._call_on_loop(self._resolve, batch, answers)
+
+    def _call_on_loop(self, callback: Callable[..., None], *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
+            self._loop.call_soon_threadsafe(callback, *args)
+
+    def _resolve(self, batch: list[_Job], answers: list[BatchAnswer] | Exception) -> None:
+        if isinstance(answers, Exception):
+            for job in batch:
+                if not job.future.done():
+                    job.future.set_exception(answers)
+            return
+        self._on_batch_done(answers[0].batch_texts, answers[0].times)
+        for job, answer in zip(batch, answers, strict=True):
+            if not job.future.done():  # its caller may have stopped waiting
+                job.future.set_result(answer)
 
 
-def predict_jobs(predictor: Predictor, jobs: Sequence[_Job]) -> tuple[list[list[Ranking]], Prediction, int]:
-    """Several requests as one prediction: their rankings (one list per job), the prediction
-    (stage times, the ef it ran at) and the batch's text count."""
-    texts = [t for job in jobs for t in job.texts]
-    ks = [job.k for job in jobs for _ in job.texts]
+def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> None:
+    if future.done():  # its caller stopped waiting
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _search_batch(encoded: _Encoded) -> list[BatchAnswer]:
+    """The search stage of one encoded batch: each request's rankings, at the widest ef any of
+    them is owed (its own, or the bundle's default when it gave none): a wider search only adds
+    recall, a narrower one would take recall from requests that did not ask for it."""
+    jobs, predictor = encoded.jobs, encoded.predictor
     # Uids map to ids of the memory the batch searches (a live memory grows between batches).
     # A request's flat exclude list is one object shared by all its texts: mapped once.
     view = predictor.view
@@ -309,29 +404,24 @@ def predict_jobs(predictor: Predictor, jobs: Sequence[_Job]) -> tuple[list[list[
         for job in jobs
         for e in job.exclude
     ]
-    # One HNSW call for the batch at the widest ef any request is owed (its own, or the bundle's
-    # default when it gave none): a wider search only adds recall, a narrower one would take
-    # recall from requests that did not ask for it.
+    ks = [job.k for job in jobs for _ in job.texts]
     ef = max(job.ef or predictor.default_ef for job in jobs)
-    prediction = predictor.predict(texts, ks, ef, exclude, view)
-    per_job, offset = [], 0
+    prediction = predictor.search(encoded.vectors, ks, ef, exclude, view)
+    times = prediction.times
+    times.tokenize, times.encode = encoded.times.tokenize, encoded.times.encode
+    answers, offset = [], 0
     for job in jobs:
-        per_job.append(prediction.rankings[offset : offset + len(job.texts)])
+        rankings = prediction.rankings[offset : offset + len(job.texts)]
         offset += len(job.texts)
-    return per_job, prediction, len(texts)
-
-
-def _run_batch(predictor: Predictor, batch: list[_Job], started: float) -> list[BatchAnswer]:
-    per_job, prediction, batch_texts = predict_jobs(predictor, batch)
-    return [
-        BatchAnswer(
-            rankings=rankings,
-            times=prediction.times,
-            queue_wait_s=started - job.enqueued,
-            batch_texts=batch_texts,
-            predictor=predictor,
-            ef=prediction.ef,
-            view=prediction.view,
+        answers.append(
+            BatchAnswer(
+                rankings=rankings,
+                times=times,
+                queue_wait_s=encoded.started - job.enqueued,
+                batch_texts=len(encoded.vectors),
+                predictor=predictor,
+                ef=prediction.ef,
+                view=prediction.view,
+            )
         )
-        for job, rankings in zip(batch, per_job, strict=True)
-    ]
+    return answers

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from service.engine.bundle import Bundle, BundleError, load_bundle
-from service.engine.encoder import EncoderOptions
+from service.engine.encoder import EncoderOptions, EncodeTimes
 from service.engine.fusion import ScoreFusion
 from service.engine.manifest import Manifest
 from service.engine.memory import (
@@ -107,6 +107,11 @@ class Predictor:
 
         return self.memory.prepare(batch, encode)
 
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, EncodeTimes]:
+        """The query vectors of ``texts`` (the first stage of :meth:`predict`; a pipelined caller
+        runs it apart from :meth:`search`)."""
+        return self.bundle.encoder.encode(texts)
+
     def predict(
         self,
         texts: list[str],
@@ -115,7 +120,7 @@ class Predictor:
         exclude: Sequence[Collection[int]] | None = None,
         view: MemoryView | None = None,
     ) -> Prediction:
-        vectors, enc_times = self.bundle.encoder.encode(texts)
+        vectors, enc_times = self.encode(texts)
         prediction = self.search(vectors, k, ef, exclude, view)
         prediction.times.tokenize = enc_times.tokenize_s
         prediction.times.encode = enc_times.encode_s

@@ -165,7 +165,7 @@ def add_admin_routes(app: FastAPI) -> None:
         predictor, batch = slot.predictor, body.batch()
         if predictor is None:
             raise HTTPException(409, f"variant {body.variant} has no bundle loaded")
-        # Encoded on the variant's batch thread between requests, and without the admin lock, so a
+        # Encoded on the variant's encode thread between requests, and without the admin lock, so a
         # long append never holds up a reload or promote; logged and applied under it.
         idle_time = slot.batcher.run_when_idle
         try:

@@ -59,7 +59,9 @@ class BatchingSettings(BaseSettings):
         0.0, ge=0, description="how long a non-full batch waits for more requests (0: take what is queued)"
     )
     max_queue: int = Field(128, ge=1, description="most requests waiting per variant; beyond it 429 + Retry-After")
-    batch_workers: int = Field(1, ge=1, description="micro-batches computed in parallel")
+    batch_workers: int = Field(
+        1, ge=1, description="micro-batches encoded in parallel, each on an encode thread of its own"
+    )
 
     def config(self) -> BatcherConfig:
         return BatcherConfig(self.max_batch_size, self.max_wait_ms, self.max_queue, self.batch_workers)

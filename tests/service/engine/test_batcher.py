@@ -1,4 +1,5 @@
-"""Micro-batcher: batching under concurrency, routing per requester, bounds, errors, shutdown.
+"""Micro-batcher: batching under concurrency, routing per requester, the overlap of the encode
+and search stages and the back-pressure between them, bounds, errors, shutdown.
 
 The fake predictor blocks on an event until the test releases it, so "a batch is running while
 others queue" is a state the test creates, not a timing it hopes for."""
@@ -18,6 +19,7 @@ from service.engine.batcher import (
     MicroBatcher,
     QueueFullError,
 )
+from service.engine.encoder import EncodeTimes
 from service.engine.search import Prediction, Ranking, StageTimes
 
 
@@ -34,43 +36,63 @@ class FakeView:
 
 
 class EchoPredictor:
-    """Answers each text with its excluded label ids (sorted) as ids and the text's crc32 as every
-    score, so an answer names the request it belongs to. ``hold``: each batch waits for a release."""
+    """Encodes each text as its crc32 and answers it with its excluded label ids (sorted) as ids
+    and that code as every score, so an answer names the request it belongs to. ``hold``: each
+    batch's encoding waits for a release; ``hold_search``: each batch's search does."""
 
     default_ef = 100
     view = FakeView()
 
-    def __init__(self, hold: bool = False, fail: bool = False):
-        self.hold, self.fail = hold, fail
+    def __init__(self, hold: bool = False, fail: bool = False, hold_search: bool = False):
+        self.hold, self.fail, self.hold_search = hold, fail, hold_search
         self.batches: list[list[str]] = []
         self.efs: list[int | None] = []
         self.threads: set[str] = set()
-        self.entered = threading.Semaphore(0)  # released once per batch that started
+        self.search_threads: set[str] = set()
+        self.entered = threading.Semaphore(0)  # released once per batch whose encoding started
         self.released = threading.Semaphore(0)
+        self.searching = threading.Semaphore(0)  # released once per batch whose search started
+        self.search_released = threading.Semaphore(0)
 
     def release(self, batches: int = 1) -> None:
         for _ in range(batches):
             self.released.release()
 
-    def predict(self, texts, ks, ef=None, exclude=None, view=None):
+    def release_search(self, batches: int = 1) -> None:
+        for _ in range(batches):
+            self.search_released.release()
+
+    def encode(self, texts):
         self.batches.append(list(texts))
-        self.efs.append(ef)
         self.threads.add(threading.current_thread().name)
         self.entered.release()
         if self.hold:
             assert self.released.acquire(timeout=30), "test never released the batch"
         if self.fail:
             raise RuntimeError("model exploded")
+        return np.array([[text_code(t)] for t in texts]), EncodeTimes(tokenize_s=0.0, encode_s=0.001)
+
+    def search(self, vectors, ks, ef=None, exclude=None, view=None):
+        self.efs.append(ef)
+        self.search_threads.add(threading.current_thread().name)
+        self.searching.release()
+        if self.hold_search:
+            assert self.search_released.acquire(timeout=30), "test never released the search"
         rankings = []
-        for text, k, excluded in zip(texts, ks, exclude, strict=True):
+        for code, k, excluded in zip(vectors[:, 0], ks, exclude, strict=True):
             ids = np.array(sorted(excluded) or [0] * k, dtype=np.int64)
-            rankings.append(Ranking(ids=ids, scores=np.full(len(ids), text_code(text))))
-        return Prediction(rankings, StageTimes(encode=0.001), ef=ef or self.default_ef, view=view)
+            rankings.append(Ranking(ids=ids, scores=np.full(len(ids), code)))
+        return Prediction(rankings, StageTimes(search=0.001), ef=ef or self.default_ef, view=view)
 
 
 async def batch_started(predictor: EchoPredictor) -> None:
-    """Wait (off the loop) until the predictor has entered one more batch."""
+    """Wait (off the loop) until the predictor has started encoding one more batch."""
     assert await asyncio.to_thread(predictor.entered.acquire, True, 30)
+
+
+async def search_started(predictor: EchoPredictor) -> None:
+    """Wait (off the loop) until the predictor has started searching one more batch."""
+    assert await asyncio.to_thread(predictor.searching.acquire, True, 30)
 
 
 async def run_with(predictor, config, coro_factory, on_drop=None):
@@ -80,8 +102,9 @@ async def run_with(predictor, config, coro_factory, on_drop=None):
     try:
         return await asyncio.wait_for(coro_factory(batcher), 60), done_batches
     finally:
-        predictor.hold = False
+        predictor.hold = predictor.hold_search = False
         predictor.release(100)
+        predictor.release_search(100)
         await batcher.stop()
 
 
@@ -122,7 +145,8 @@ def test_concurrent_requests_share_batches_and_keep_their_own_k():
     for i, answer in enumerate(answers):
         assert len(answer.rankings) == 1 and len(answer.rankings[0].ids) == max(i, 1)
     assert answers[5].batch_texts == 10 and answers[5].queue_wait_s > 0
-    assert predictor.threads and all(name.startswith("xmcserve-batch") for name in predictor.threads)
+    assert predictor.threads and all(name.startswith("xmcserve-encode") for name in predictor.threads)
+    assert predictor.search_threads == {"xmcserve-search"}
 
 
 def test_batches_never_exceed_max_batch_size_and_requests_stay_whole():
@@ -206,24 +230,6 @@ def test_a_model_error_reaches_every_request_of_the_batch_and_the_worker_survive
     (results, after), _ = asyncio.run(run_with(predictor, BatcherConfig(), scenario))
     assert all(isinstance(r, RuntimeError) and "exploded" in str(r) for r in results)
     assert len(after.rankings) == 1
-
-
-def test_stop_fails_requests_running_or_queued():
-    predictor = EchoPredictor(hold=True)
-
-    async def scenario():
-        batcher = MicroBatcher(lambda: predictor, BatcherConfig(max_batch_size=1))
-        batcher.start()
-        running = asyncio.create_task(batcher.submit(["a"], 1, None, [()]))
-        await batch_started(predictor)
-        queued = asyncio.create_task(batcher.submit(["b"], 1, None, [()]))
-        await asyncio.sleep(0)
-        await batcher.stop()
-        predictor.release(2)
-        return await asyncio.gather(running, queued, return_exceptions=True)
-
-    running, queued = asyncio.run(asyncio.wait_for(scenario(), 30))
-    assert isinstance(running, BatcherStoppedError) and isinstance(queued, BatcherStoppedError)
 
 
 def test_a_swapped_predictor_takes_the_next_batch():
@@ -317,9 +323,9 @@ def background_behind_requests(predictor: EchoPredictor, work):
     return scenario
 
 
-def test_background_work_runs_on_the_batch_thread_only_when_no_request_waits():
+def test_background_work_runs_on_the_encode_thread_only_when_no_request_waits():
     """Work queued with run_when_idle (an append's encoding) yields to requests queued before
-    and after it, and runs on the batch thread, never beside a batch."""
+    and after it, and runs on the encode thread, never beside a batch's encoding."""
     predictor = EchoPredictor(hold=True)
 
     def background():  # what the batcher had computed when the background work got its turn
@@ -328,7 +334,7 @@ def test_background_work_runs_on_the_batch_thread_only_when_no_request_waits():
     scenario = background_behind_requests(predictor, background)
     (batches_before, thread), _ = asyncio.run(run_with(predictor, BatcherConfig(max_batch_size=8), scenario))
     assert [len(b) for b in predictor.batches] == [1, 3]  # the requests queued after it went first
-    assert batches_before == 2 and thread.startswith("xmcserve-batch")
+    assert batches_before == 2 and thread.startswith("xmcserve-encode")
 
 
 def test_background_work_that_waited_too_long_runs_before_the_next_batch(monkeypatch):
@@ -340,3 +346,88 @@ def test_background_work_that_waited_too_long_runs_before_the_next_batch(monkeyp
     scenario = background_behind_requests(predictor, lambda: len(predictor.batches))
     batches_before, _ = asyncio.run(run_with(predictor, BatcherConfig(max_batch_size=8), scenario))
     assert batches_before == 1  # right after the running batch, ahead of the queued requests
+
+
+def test_the_encoder_runs_the_next_batch_while_the_previous_one_is_searched():
+    predictor = EchoPredictor(hold_search=True)
+
+    async def scenario(batcher):
+        first = asyncio.create_task(batcher.submit(["first"], 1, None, [()]))
+        await search_started(predictor)  # the first batch is held in its search
+        second = asyncio.create_task(batcher.submit(["second"], 1, None, [()]))
+        await batch_started(predictor)  # first's encoding
+        await batch_started(predictor)  # second's: it did not wait for first's search
+        assert not first.done() and not second.done()
+        predictor.release_search(2)
+        return await asyncio.gather(first, second)
+
+    answers, done = asyncio.run(run_with(predictor, BatcherConfig(), scenario))
+    assert predictor.batches == [["first"], ["second"]] and done == [1, 1]
+    assert [a.rankings[0].scores[0] for a in answers] == [text_code("first"), text_code("second")]
+
+
+def test_a_stalled_search_stops_the_encoder_after_the_handoff_fills_and_requests_stay_queued():
+    """Back-pressure: with the search held, the encoder runs ahead by the hand-off's batches plus
+    the one it cannot hand over, and the rest wait in the request queue (bounded, 429 beyond)."""
+    predictor = EchoPredictor(hold_search=True)
+    ahead = 1 + batcher_module.HANDOFF_BATCHES + 1  # searching + handed off + blocked on the hand-off
+    requests = ahead + 3
+
+    async def scenario(batcher):
+        tasks = [asyncio.create_task(batcher.submit([f"t{i}"], 1, None, [()])) for i in range(requests)]
+        for _ in range(ahead):
+            await batch_started(predictor)
+        # the encoder is now blocked; it must not take another batch however long we look
+        assert not await asyncio.to_thread(predictor.entered.acquire, True, 0.2)
+        assert batcher.depth == requests - ahead and batcher.in_flight_batches == ahead
+        predictor.release_search(requests)
+        return await asyncio.gather(*tasks)
+
+    answers, _ = asyncio.run(run_with(predictor, BatcherConfig(max_batch_size=1), scenario))
+    assert [a.rankings[0].scores[0] for a in answers] == [text_code(f"t{i}") for i in range(requests)]
+    assert predictor.batches == [[f"t{i}"] for i in range(requests)]  # in arrival order
+
+
+def test_a_search_error_reaches_its_batch_only_and_both_stages_go_on():
+    predictor = EchoPredictor()
+    search = predictor.search
+
+    def failing_once(vectors, *args, **kwargs):
+        predictor.search = search
+        raise RuntimeError("index exploded")
+
+    predictor.search = failing_once
+
+    async def scenario(batcher):
+        failed = await asyncio.gather(batcher.submit(["a"], 1, None, [()]), return_exceptions=True)
+        return failed[0], await batcher.submit(["b"], 1, None, [()])
+
+    (failed, after), _ = asyncio.run(run_with(predictor, BatcherConfig(), scenario))
+    assert isinstance(failed, RuntimeError) and "index exploded" in str(failed)
+    assert after.rankings[0].scores[0] == text_code("b")
+
+
+def test_stop_fails_requests_in_either_stage_and_in_the_queue():
+    predictor = EchoPredictor(hold=True, hold_search=True)
+
+    async def scenario():
+        batcher = MicroBatcher(lambda: predictor, BatcherConfig(max_batch_size=1))
+        batcher.start()
+        searching = asyncio.create_task(batcher.submit(["a"], 1, None, [()]))
+        await batch_started(predictor)
+        predictor.release()
+        await search_started(predictor)
+        encoding = asyncio.create_task(batcher.submit(["b"], 1, None, [()]))
+        await batch_started(predictor)
+        queued = asyncio.create_task(batcher.submit(["c"], 1, None, [()]))
+        await asyncio.sleep(0)
+        await batcher.stop()
+        predictor.release(5)
+        predictor.release_search(5)
+        results = await asyncio.gather(searching, encoding, queued, return_exceptions=True)
+        with pytest.raises(BatcherStoppedError):
+            await batcher.submit(["after"], 1, None, [()])
+        return results
+
+    results = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert all(isinstance(r, BatcherStoppedError) for r in results)
