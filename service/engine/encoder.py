@@ -43,6 +43,22 @@ def confined_cpu_count() -> int | None:
     return allowed if allowed < (os.cpu_count() or allowed) else None
 
 
+def thread_layout(workers: int, intra_op_threads: int, providers: str) -> tuple[int, int]:
+    """(encode workers, intra-op threads of each session call); 0 asks for the default.
+
+    On CPU the default is one worker per core, each call on one thread: a MiniLM call on a batch
+    of short titles is too small to split well over cores, and independent calls are not (on 2
+    cores: 790 texts/s at batch 1 against 600 for one call on both cores, 840 against 766 at batch
+    32; bench/results/README.md). A given count of either fills the cores with the other. On CUDA
+    two workers, so one batch is prepared while the other runs, and the default pool."""
+    if CUDA_PROVIDER in choose_providers(providers):
+        return workers or 2, intra_op_threads
+    cores = confined_cpu_count() or os.cpu_count() or 1
+    if not workers:
+        workers = max(1, cores // (intra_op_threads or 1))
+    return workers, intra_op_threads or max(1, cores // workers)
+
+
 def choose_providers(preference: str) -> list[str]:
     """``auto``: CUDA when this onnxruntime build has it, else CPU; ``cuda`` insists; ``cpu`` forces CPU."""
     available = ort.get_available_providers()

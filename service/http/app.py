@@ -35,6 +35,7 @@ from service.rollout.variants import CANDIDATE, PRIMARY, Variants
 
 log = logging.getLogger("xmcserve")
 
+
 class RequestMetricsMiddleware:
     """Latency histogram by route template (not raw path: bounded label cardinality), status and
     the variant that answered (``-`` for endpoints that do not predict)."""
@@ -126,7 +127,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        variants = Variants.create(settings.batching.config(), metrics.batch_observer, metrics.drop_observer)
+        variants = Variants.create(settings.batcher_config(), metrics.batch_observer, metrics.drop_observer)
         variants.split_b = settings.rollout.split_b
         for name, slot in variants.slots.items():
             metrics.queue_depth.labels(variant=name).set_function(lambda slot=slot: slot.batcher.depth)

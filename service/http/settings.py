@@ -15,7 +15,7 @@ from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.engine.batcher import BatcherConfig
-from service.engine.encoder import EncoderOptions
+from service.engine.encoder import EncoderOptions, thread_layout
 from service.engine.memory import appends_dir_beside
 from service.rollout.shadow import ShadowConfig
 
@@ -60,11 +60,15 @@ class BatchingSettings(BaseSettings):
     )
     max_queue: int = Field(128, ge=1, description="most requests waiting per variant; beyond it 429 + Retry-After")
     batch_workers: int = Field(
-        1, ge=1, description="micro-batches encoded in parallel, each on an encode thread of its own"
+        0,
+        ge=0,
+        description="micro-batches encoded in parallel, each on an encode thread of its own "
+        "(0: one per core on CPU, 2 on CUDA)",
     )
 
-    def config(self) -> BatcherConfig:
-        return BatcherConfig(self.max_batch_size, self.max_wait_ms, self.max_queue, self.batch_workers)
+    def config(self, workers: int) -> BatcherConfig:
+        """The batcher's parameters, with ``batch_workers`` resolved to ``workers``."""
+        return BatcherConfig(self.max_batch_size, self.max_wait_ms, self.max_queue, workers)
 
 
 class RolloutSettings(BaseSettings):
@@ -154,7 +158,9 @@ class Settings(BaseSettings):
     providers: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="ONNX Runtime provider: auto (CUDA when available, else CPU), cpu, cuda (or fail)"
     )
-    intra_op_threads: int = Field(0, ge=0, description="ONNX Runtime intra-op threads (0: one per core)")
+    intra_op_threads: int = Field(
+        0, ge=0, description="ONNX Runtime threads per encoder call (0: the cores shared out over the batch workers)"
+    )
     verify_checksums: bool = Field(True, description="sha256-check every bundle file before serving it")
 
     limits: LimitSettings = Field(default_factory=LimitSettings)
@@ -164,12 +170,19 @@ class Settings(BaseSettings):
     admin: AdminSettings = Field(default_factory=AdminSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
 
+    def thread_layout(self) -> tuple[int, int]:
+        """(batch workers, intra-op threads) with the defaults resolved (:func:`thread_layout`)."""
+        return thread_layout(self.batching.batch_workers, self.intra_op_threads, self.providers)
+
+    def batcher_config(self) -> BatcherConfig:
+        return self.batching.config(self.thread_layout()[0])
+
     def encoder_options(self) -> EncoderOptions:
         # Spinning intra-op threads cut single-call latency but keep their cores busy: beside a
         # candidate the two variants' pools would spin against each other.
         return EncoderOptions(
             providers=self.providers,
-            intra_op_threads=self.intra_op_threads,
+            intra_op_threads=self.thread_layout()[1],
             allow_spinning=self.rollout.candidate_bundle_dir is None,
         )
 

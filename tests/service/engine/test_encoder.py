@@ -83,3 +83,26 @@ print(sorted(set().union(*(os.sched_getaffinity(int(t)) for t in os.listdir("/pr
         preexec_fn=lambda: os.sched_setaffinity(0, {last}),
     )
     assert out.stdout.strip().splitlines()[-1] == f"[{last}]", out.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("workers", "threads", "layout"),
+    [
+        (0, 0, (4, 1)),  # the default on CPU: a worker per core, one thread per call
+        (1, 0, (1, 4)),  # the latency-first layout: one worker, all cores per call
+        (2, 0, (2, 2)),
+        (0, 2, (2, 2)),
+        (3, 3, (3, 3)),  # given both: as given
+        (8, 0, (8, 1)),
+    ],
+)
+def test_the_thread_layout_fills_the_cores_this_process_may_use(monkeypatch, workers, threads, layout):
+    monkeypatch.setattr(enc, "confined_cpu_count", lambda: 4)
+    monkeypatch.setattr(enc, "choose_providers", lambda preference: [enc.CPU_PROVIDER])
+    assert enc.thread_layout(workers, threads, "cpu") == layout
+
+
+def test_on_cuda_two_workers_share_the_device_by_default(monkeypatch):
+    monkeypatch.setattr(enc, "choose_providers", lambda preference: [enc.CUDA_PROVIDER, enc.CPU_PROVIDER])
+    assert enc.thread_layout(0, 0, "cuda") == (2, 0)
+    assert enc.thread_layout(3, 1, "cuda") == (3, 1)

@@ -80,3 +80,15 @@ def test_no_shadow_url_means_no_mirroring(monkeypatch):
 
     monkeypatch.setenv("XMCSERVE_SHADOW_FRACTION", "1.0")
     assert build_shadow(Settings(), Metrics()).config.fraction == 0.0
+
+
+def test_the_batcher_and_the_encoder_get_one_thread_layout(monkeypatch):
+    from service.engine import encoder as enc
+
+    monkeypatch.setattr(enc, "confined_cpu_count", lambda: 6)
+    monkeypatch.setenv("XMCSERVE_PROVIDERS", "cpu")
+    default = Settings()
+    assert default.batcher_config().workers == 6 and default.encoder_options().intra_op_threads == 1
+    monkeypatch.setenv("XMCSERVE_BATCH_WORKERS", "2")
+    latency_first = Settings()
+    assert latency_first.batcher_config().workers == 2 and latency_first.encoder_options().intra_op_threads == 3
