@@ -179,13 +179,16 @@ def test_torchrun_with_resume_matches_one_process(tiny_run_inputs, tmp_path):
                 assert two["dev"][system][name] == pytest.approx(value, abs=1.0), (system, name)
 
     single_head, ranks_head = (np.load(run / "checkpoint" / "head.npz") for run in (single_dir, ranks_dir))
+    lr = load_params(SMOKE, tiny_overrides(tiny_run_inputs, single_dir)).lr_heads
     for name in single_head.files:
         diff = np.abs(ranks_head[name] - single_head[name])
         # Adam divides each update by the gradient's running RMS, so a coordinate whose gradient
-        # is ~1e-9 (summation-order noise) can still move by up to the learning rate: compare the
-        # bulk tightly and bound the rest by a few steps of the largest learning rate
-        assert np.quantile(diff, 0.99) < 1e-5, name
-        assert diff.max() < 0.01, name
+        # is ~1e-9 (summation-order noise) can still move by up to the learning rate, and the
+        # noise itself depends on the CPU's kernels (1.8e-5 at the 99th percentile on one CI
+        # machine, under 1e-5 on others). A wrong gradient moves the bulk of the coordinates
+        # by about lr a step: bound the bulk far below one step and the rest by a few steps
+        assert np.quantile(diff, 0.99) < 0.05 * lr, name
+        assert diff.max() < 5 * lr, name
     encoders = (load_file(run / "checkpoint" / "encoder" / "model.safetensors") for run in (single_dir, ranks_dir))
     single_encoder, ranks_encoder = encoders
     for name, weights in single_encoder.items():
