@@ -165,11 +165,6 @@ class OnnxEncoder:
         self.input_names = [i.name for i in self.session.get_inputs()]
         log.info("encoder %s on %s", onnx_path, self.provider)
 
-    @property
-    def output_dim(self) -> int | None:
-        dim = self.session.get_outputs()[0].shape[-1]
-        return dim if isinstance(dim, int) else None
-
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tokenizer.encode_batch(texts)]
 

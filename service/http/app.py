@@ -30,7 +30,7 @@ from service.http.metrics import Metrics
 from service.http.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response
 from service.http.settings import Settings
 from service.rollout.shadow import ShadowMirror, ShadowRequest, ranked
-from service.rollout.shadow_worker import ShadowWorker, WorkerSpec
+from service.rollout.shadow_worker import ShadowWorker
 from service.rollout.variants import CANDIDATE, PRIMARY, Variants
 
 log = logging.getLogger("xmcserve")
@@ -100,15 +100,8 @@ async def answer_unless_gone(request: Request, submitted) -> BatchAnswer | None:
 
 def build_shadow(settings: Settings, metrics: Metrics) -> ShadowMirror:
     """The mirror to ``XMCSERVE_SHADOW_URL`` (off without one) and its worker process."""
-    shadow = settings.shadow
-    log_spec = (
-        {"path": str(shadow.log), "max_bytes": shadow.log_max_bytes, "backups": shadow.log_backups}
-        if shadow.log
-        else None
-    )
-    config = shadow.config()
-    worker = ShadowWorker(WorkerSpec(config=vars(config).copy(), url=shadow.url or "", log=log_spec))
-    return ShadowMirror(config, metrics, shadow.url or "", worker)
+    config, url = settings.shadow.config(), settings.shadow.url or ""
+    return ShadowMirror(config, metrics, url, ShadowWorker(config, url))
 
 
 def least_wait(app: FastAPI) -> float | None:

@@ -102,6 +102,9 @@ class ShadowSettings(BaseSettings):
             queue_size=self.queue,
             timeout_s=self.timeout_ms / 1000,
             batch_texts=self.batch_texts,
+            log=self.log,
+            log_max_bytes=self.log_max_bytes,
+            log_backups=self.log_backups,
         )
 
 

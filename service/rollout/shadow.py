@@ -119,6 +119,7 @@ class ShadowConfig:
     workers: shadow calls in flight at once.
     batch_wait_s: after the first copy, how long the worker waits for more before the call (the
         comparison is not latency-critical; fuller calls cost both sides less).
+    log: the JSONL comparison log (None: no log), rotated at ``log_max_bytes``, ``log_backups`` kept.
     """
 
     fraction: float = 0.0
@@ -127,6 +128,9 @@ class ShadowConfig:
     batch_texts: int = 32
     workers: int = 4
     batch_wait_s: float = 0.1
+    log: Path | None = None
+    log_max_bytes: int = 10_000_000
+    log_backups: int = 3
 
 
 class ShadowMirror:

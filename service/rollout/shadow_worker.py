@@ -31,31 +31,14 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
-from pathlib import Path
 
 from service.rollout.shadow import Copy, Ranked, ShadowConfig, ShadowLog, compare
 
 log = logging.getLogger(__name__)
 
 PIPE_SIZE_SETTING = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux's fcntl code for a pipe's capacity
-
-
-@dataclass
-class WorkerSpec:
-    """What the child is told at start (plain data).
-
-    Attributes:
-        config: the mirror's :class:`~service.rollout.shadow.ShadowConfig` as a dict.
-        url: the shadow's base URL (``<url>/predict`` answers the copies).
-        log: ``{"path", "max_bytes", "backups"}`` of the JSONL comparison log, or None.
-    """
-
-    config: dict
-    url: str
-    log: dict | None = None
 
 
 # ---------------------------------------------------------------- parent side
@@ -74,8 +57,11 @@ class ShadowWorker:
     child's result or, when the child dies, as lost with everything else outstanding.
     """
 
-    def __init__(self, spec: WorkerSpec, flush_s: float = 0.02):
-        self.spec = spec
+    def __init__(self, config: ShadowConfig, url: str, flush_s: float = 0.02):
+        """``config``: the mirror's (the child gets a copy at start); ``url``: the shadow's base
+        URL (``<url>/predict`` answers the copies)."""
+        self.config = config
+        self.url = url
         self.flush_s = flush_s
         self.on_result: Callable[[tuple], None] = lambda result: None
         self._submitted = 0
@@ -113,7 +99,7 @@ class ShadowWorker:
         self._results, results_out = context.Pipe(duplex=False)
         self._process = context.Process(
             target=worker_main,
-            args=(copies, results_out, asdict(self.spec)),
+            args=(copies, results_out, self.config, self.url),
             name="xmcserve-shadow",
             daemon=True,
         )
@@ -384,10 +370,7 @@ class WorkerLoop:
             self._results.send(result)
 
 
-def worker_main(conn: Connection, results: Connection, spec: dict) -> None:
+def worker_main(conn: Connection, results: Connection, config: ShadowConfig, url: str) -> None:
     """The child process: call the shadow for the copies the parent sends until it goes away."""
-    spec = WorkerSpec(**spec)
-    config = ShadowConfig(**spec.config)
-    shadow_log = ShadowLog(Path(spec.log["path"]), spec.log["max_bytes"], spec.log["backups"]) if spec.log else None
-    target = RemoteTarget(spec.url, config.workers)
-    WorkerLoop(conn, results, target, config, shadow_log, config.workers, spec.url).run()
+    shadow_log = ShadowLog(config.log, config.log_max_bytes, config.log_backups) if config.log else None
+    WorkerLoop(conn, results, RemoteTarget(url, config.workers), config, shadow_log, config.workers, url).run()

@@ -14,7 +14,7 @@ import pytest
 from bench.localserver import free_port
 from service.http.metrics import Metrics
 from service.rollout.shadow import Copy, ShadowConfig, ShadowMirror, ShadowRequest
-from service.rollout.shadow_worker import ShadowWorker, WorkerSpec, split_answers, take_batch
+from service.rollout.shadow_worker import ShadowWorker, split_answers, take_batch
 
 
 def request(texts, k=2) -> ShadowRequest:
@@ -46,9 +46,9 @@ def test_split_answers_gives_each_copy_its_texts_answers():
     assert split_answers(answers, batch) == [[[("A", 1.0)]], [[("B", 1.0)], [("C", 1.0)]]]
 
 
-def start_mirror(url: str, config: ShadowConfig, log: dict | None = None):
+def start_mirror(url: str, config: ShadowConfig):
     metrics = Metrics()
-    worker = ShadowWorker(WorkerSpec(config=vars(config).copy(), url=url, log=log))
+    worker = ShadowWorker(config, url)
     return ShadowMirror(config, metrics, url, worker), worker, metrics
 
 
@@ -102,10 +102,10 @@ def echo_server():
 
 def test_copies_share_calls_and_are_compared_and_logged_in_the_worker(echo_server, tmp_path):
     log_path = tmp_path / "shadow.jsonl"
-    config = ShadowConfig(fraction=1.0, batch_texts=4, batch_wait_s=0.2, timeout_s=30)
-    shadow, worker, metrics = start_mirror(
-        echo_server, config, {"path": str(log_path), "max_bytes": 1_000_000, "backups": 1}
+    config = ShadowConfig(
+        fraction=1.0, batch_texts=4, batch_wait_s=0.2, timeout_s=30, log=log_path, log_max_bytes=10**6, log_backups=1
     )
+    shadow, worker, metrics = start_mirror(echo_server, config)
     offers = [request([f"t{i}"]) for i in range(10)] + [request(["u0", "u1"], k=5)]
 
     async def scenario():
