@@ -114,7 +114,7 @@ def sharded_recall(bundle: Path, labels: int, queries: int, seed: int) -> dict:
         started = time.perf_counter()
         answers.append(searcher.search(query_vectors, fetch, ef))
         seconds.append(time.perf_counter() - started)
-    keys, _, _, _ = merge_answers(answers, 10)
+    keys = merge_answers(answers, 10).keys
     recall = recall_at_k([set(row) for row in truth.tolist()], keys.tolist())
     return {
         "recall_at_10": round(recall, 4),

@@ -21,11 +21,11 @@ import numpy as np
 import scipy.sparse as sp
 
 from export.build import write_index, write_labels
-from export.derive import link_or_copy
+from export.derive import fusion_files, link_or_copy, write_key_terms
 from export.params import ExportParams
 from export.writer import refuse_existing, write_bundle
 from service.engine.fusion import ScoreFusion
-from service.engine.manifest import LABELS_FILE, MANIFEST_FILE, Counts, Manifest, shard_list, utc_now
+from service.engine.manifest import INDEX_FILE, LABELS_FILE, MANIFEST_FILE, Counts, Manifest, Shard, shard_list, utc_now
 from service.engine.memory import MemoryView, appends_dir_beside
 from service.engine.search import load_predictor
 from training.data import LabelSpace
@@ -42,7 +42,7 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
     keys = np.asarray(bundle.index.get_items(np.arange(view.num_keys)), dtype=np.float32)
     order, instance_rows = canonical_order(view)
     rebuilt = {MANIFEST_FILE, LABELS_FILE} | {name for shard in shard_list(src) for name in (shard.index, shard.values)}
-    rebuilt |= {src.fusion.file} if src.fusion is not None else set()
+    rebuilt |= fusion_files(src)
     params = ExportParams(
         hnsw_m=src.hnsw.M,
         ef_construction=src.hnsw.ef_construction,
@@ -61,6 +61,12 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
         shards = write_index(stage, keys[order], memory_Y, params)
         if bundle.fusion is not None:
             carried_fusion(bundle.fusion, view.num_labels).save(stage / src.fusion.file)
+        if bundle.key_terms is not None:  # a lexical fusion: the keys' term vectors in the new key order
+            terms = bundle.key_terms.rows
+            if view.appended_key_terms is not None:
+                terms = sp.vstack([terms, view.appended_key_terms], format="csr")
+            new_shards = shards or [Shard(index=INDEX_FILE, values=None, first_key=0, keys=view.num_keys)]
+            write_key_terms(stage, terms[order], src.fusion.lexical, new_shards)
         counts = Counts(labels=view.num_labels, memory_rows=view.num_keys, train_instances=len(instance_rows))
         return src.model_dump(exclude={"bundle_id", "files"}) | {
             "created_at": utc_now(),
@@ -73,10 +79,10 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
 
 
 def carried_fusion(fusion: ScoreFusion, num_labels: int) -> ScoreFusion:
-    """The same tree with frequency 0 for the labels appended since export: what the live memory
-    used for them, so the compacted bundle answers as the grown one did."""
+    """The same tree (and lexicon) with frequency 0 for the labels appended since export: what
+    the live memory used for them, so the compacted bundle answers as the grown one did."""
     appended = np.zeros(num_labels - len(fusion.log_frequency), dtype=np.float32)
-    return ScoreFusion(fusion.tree, np.concatenate([fusion.log_frequency, appended]))
+    return ScoreFusion(fusion.tree, np.concatenate([fusion.log_frequency, appended]), fusion.lexicon)
 
 
 def canonical_order(view: MemoryView) -> tuple[np.ndarray, np.ndarray]:

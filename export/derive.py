@@ -17,7 +17,8 @@ import scipy.sparse as sp
 from export.params import RAE_ATTRIBUTES, RaeMode
 from export.writer import write_bundle, write_values
 from service.engine.fusion import ScoreFusion
-from service.engine.manifest import MANIFEST_FILE, FusionParams, Manifest, RaeParams, shard_list, utc_now
+from service.engine.lexical import save_key_terms
+from service.engine.manifest import MANIFEST_FILE, FusionParams, Manifest, RaeParams, Shard, shard_list, utc_now
 
 
 def derive_rae_bundle(
@@ -32,7 +33,8 @@ def derive_rae_bundle(
 ) -> Manifest:
     """An ``rae_memory`` bundle at ``out`` that differs from ``source`` only in the RAE parameters
     given (the others are kept); ``train_Y`` is the memory's label matrix, for a new λ's values.
-    A score fusion of ``source`` is dropped: it was fitted to the scores of the old parameters."""
+    A score fusion of ``source`` is dropped (with its key term files): it was fitted to the
+    scores of the old parameters."""
     src = Manifest.model_validate_json((source / MANIFEST_FILE).read_text())
     if src.index_kind != "rae_memory" or src.rae is None:
         raise ValueError(f"{source}: not an rae_memory bundle")
@@ -44,7 +46,7 @@ def derive_rae_bundle(
     new_values = rae.lam != src.rae.lam
     value_files = {shard.values for shard in shard_list(src)}
     dropped = value_files if new_values else set()
-    dropped |= {src.fusion.file} if src.fusion is not None else set()
+    dropped |= fusion_files(src)
 
     def populate(stage: Path) -> dict:
         if new_values:
@@ -65,18 +67,29 @@ def derive_rae_bundle(
 
 
 def derive_fused_bundle(
-    source: Path, out: Path, fusion: ScoreFusion, params: FusionParams, force: bool = False
+    source: Path,
+    out: Path,
+    fusion: ScoreFusion,
+    params: FusionParams,
+    key_terms: sp.csr_matrix | None = None,
+    force: bool = False,
 ) -> Manifest:
     """``source`` with the score fusion ``fusion`` (replacing any it had): its files linked, the
-    fusion written beside them, the manifest's ``fusion`` set."""
+    fusion written beside them (and, for a lexical fusion, the keys' term vectors ``key_terms``,
+    key id order, cut into ``params.lexical``'s files along the shards), the manifest's
+    ``fusion`` set."""
     src = Manifest.model_validate_json((source / MANIFEST_FILE).read_text())
-    replaced = {src.fusion.file} if src.fusion is not None else set()
+    replaced = fusion_files(src)
+    if (key_terms is not None) != (params.lexical is not None):
+        raise ValueError("a lexical fusion is written with its key term vectors, and only a lexical one")
 
     def populate(stage: Path) -> dict:
         for name in src.files:
             if name not in replaced:
                 link_or_copy(source / name, stage / name)
         fusion.save(stage / params.file)
+        if key_terms is not None:
+            write_key_terms(stage, key_terms, params.lexical, shard_list(src))
         return src.model_dump(exclude={"bundle_id", "files"}) | {
             "created_at": utc_now(),
             "fusion": params,
@@ -84,6 +97,21 @@ def derive_fused_bundle(
         }
 
     return write_bundle(out, populate, force)
+
+
+def write_key_terms(stage: Path, key_terms: sp.csr_matrix, names: list[str], shards: list[Shard]) -> None:
+    """Each shard's rows of the keys' term vectors into its file of ``names``."""
+    if key_terms.shape[0] != sum(shard.keys for shard in shards) or len(names) != len(shards):
+        raise ValueError(f"{key_terms.shape[0]} key term rows, {len(names)} files for {len(shards)} shards")
+    for name, shard in zip(names, shards, strict=True):
+        save_key_terms(stage / name, key_terms[shard.first_key : shard.first_key + shard.keys])
+
+
+def fusion_files(manifest: Manifest) -> set[str]:
+    """The files of ``manifest``'s score fusion (none without one)."""
+    if manifest.fusion is None:
+        return set()
+    return {manifest.fusion.file, *(manifest.fusion.lexical or [])}
 
 
 def link_or_copy(src: Path, dst: Path) -> None:

@@ -6,10 +6,20 @@ instances, and write it as a derived bundle.
 
 The held-out instances (``<run>/holdout.txt``, written by a run with ``TrainParams.holdout``)
 were never trained on, but they are keys of the bundle's memory: each is searched through the
-bundle's own encoder and index as a query with its own key removed (leave one out) and its
-filter-file labels excluded as the service excludes them. Every candidate label the search gives
-it becomes one pair (target 1 when the label is relevant), and a regression tree (NGAME App. C:
-depth 7) is fitted to the pairs. The dev and test splits are never read.
+bundle's own encoder and index as a query with its own key removed (leave one out). Every
+candidate label the search gives it becomes one pair (target 1 when the label is relevant), and a
+regression tree (NGAME App. C: depth 7) is fitted to the pairs. The dev and test splits are never
+read.
+
+Each held-out instance is searched twice, as the service is called two ways: with its filter-file
+labels excluded before aggregation (a caller's ``exclude``), and blind to them, its same-item
+label key retrieved and taking its share of the softmax (the filter labels are then left out of
+the pairs, as an evaluation that filters after ranking drops them). A tree fitted on both kinds of
+pairs ranks both kinds of call (``--fit-on``).
+
+By default the fusion is lexical (:mod:`service.engine.lexical`): the idf of the memory's texts
+(its training instances and labels) is fitted here, every key's term vector is written beside the
+fusion (one file per shard) and φ gains the lexical features.
 """
 
 from __future__ import annotations
@@ -20,14 +30,17 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import numpy as np
+import scipy.sparse as sp
 from sklearn.tree import DecisionTreeRegressor
 
 from export.derive import derive_fused_bundle
 from export.writer import refuse_existing
-from service.engine.fusion import FEATURES, RegressionTree, ScoreFusion, batch_features, memory_log_frequency
-from service.engine.manifest import FusionParams, Manifest
+from service.engine.fusion import RegressionTree, ScoreFusion, memory_log_frequency
+from service.engine.lexical import KeyTerms, Lexicon
+from service.engine.manifest import TOKENIZER_FILE, FusionParams, Manifest, lexical_file_names, shard_list
 from service.engine.rae import aggregate_kept, keep_keys
 from service.engine.search import Predictor, load_predictor
 from training.data import XMCDataset, load_jsonl_split, rows_of_uids
@@ -37,13 +50,16 @@ log = logging.getLogger("xmcserve.fuse")
 
 # Queries searched and featurised at once (bounds the key and feature arrays).
 QUERY_BLOCK = 256
+# Which searches of the held-out instances the tree is fitted on (see the module docstring).
+FitOn = Literal["both", "exclude"]
 
 
 @dataclass
 class FusionFit:
-    """The fitted fusion and what it was fitted on."""
+    """The fitted fusion (with its keys' term vectors when lexical) and what it was fitted on."""
 
     fusion: ScoreFusion
+    key_terms: sp.csr_matrix | None
     queries: int
     pairs: int
     positives_found: float  # share of the queries' relevant labels among their candidates
@@ -61,40 +77,75 @@ def leave_one_out(keys: np.ndarray, sims: np.ndarray, own_keys: np.ndarray) -> t
     return kept_keys, kept_sims
 
 
-def pairs_of(predictor: Predictor, train: XMCDataset, rows: np.ndarray, log_frequency: np.ndarray):
-    """φ and targets of every (held-out instance, candidate label) pair, searched as the service
-    searches (``rows``: the instances, which are also keys ``rows`` of the memory)."""
+def pairs_of(
+    predictor: Predictor,
+    train: XMCDataset,
+    rows: np.ndarray,
+    unfitted: ScoreFusion,
+    key_terms: KeyTerms | None,
+    excluding: bool,
+):
+    """φ (``unfitted.features``) and targets of every (held-out instance, candidate label) pair,
+    searched as the service searches (``rows``: the instances, which are also keys ``rows`` of
+    the memory), with their filter labels excluded or (``excluding`` False) left out of the pairs."""
     manifest, view = predictor.bundle.manifest, predictor.view
     rae, filters = manifest.rae, train.filter_sets()
-    features, targets, found = [], [], 0
+    features, targets, found = [], [], 0.0
     for start in range(0, len(rows), QUERY_BLOCK):
         block = rows[start : start + QUERY_BLOCK]
-        excluded = [filters[r] for r in block]
-        vectors, _ = predictor.bundle.encoder.encode([train.texts[r] for r in block])
+        texts = [train.texts[r] for r in block]
+        excluded = [filters[r] if excluding else set() for r in block]
+        vectors, _ = predictor.bundle.encoder.encode(texts)
         widest = max(len(e) for e in excluded)
         keys, sims, _ = predictor.knn(vectors, rae.top_b + widest + 1, None)
         keys, sims = leave_one_out(keys, sims, block)
-        kept = keep_keys(keys, sims, view.labels_of_keys(keys), excluded, rae.top_b)
+        lexical = None
+        if unfitted.lexicon is not None:
+            lexical = key_terms.similarities(unfitted.lexicon.query_terms(texts), keys)
+        kept = keep_keys(keys, sims, view.labels_of_keys(keys), excluded, rae.top_b, lexical)
         scores = aggregate_kept(kept, view.values, rae.tau, excluded, rae.mode)
-        parts = batch_features(scores, kept, view.values, rae.tau, log_frequency)
+        X = unfitted.features_of(scores, kept, view.values, rae.tau)
+        offset = 0
         for i, row in enumerate(block):
             candidates = scores.indices[scores.indptr[i] : scores.indptr[i + 1]]
-            relevant = np.setdiff1d(train.Y[row].indices, list(excluded[i]))
-            hits = np.isin(candidates, relevant)
+            scored = ~np.isin(candidates, list(filters[row]))  # a filter label is never a pair
+            relevant = np.setdiff1d(train.Y[row].indices, list(filters[row]))
+            hits = np.isin(candidates[scored], relevant)
             found += hits.sum() / max(len(relevant), 1)
-            features.append(parts[i])
+            features.append(X[offset : offset + len(candidates)][scored])
             targets.append(hits.astype(np.float64))
+            offset += len(candidates)
     return np.concatenate(features), np.concatenate(targets), found / len(rows)
 
 
 def fit_fusion(
-    predictor: Predictor, train: XMCDataset, rows: np.ndarray, depth: int = 7, min_leaf: int = 50, seed: int = 0
+    predictor: Predictor,
+    train: XMCDataset,
+    rows: np.ndarray,
+    depth: int = 7,
+    min_leaf: int = 50,
+    seed: int = 0,
+    lexical: bool = True,
+    fit_on: FitOn = "both",
 ) -> FusionFit:
-    """Fit the fusion tree on the held-out instances ``rows`` of ``train`` (the bundle's memory split)."""
+    """Fit the fusion tree on the held-out instances ``rows`` of ``train`` (the bundle's memory
+    split); ``lexical``: with the lexicon of the memory's texts and the lexical features."""
     started = time.perf_counter()
-    manifest = predictor.bundle.manifest
-    log_frequency = memory_log_frequency(predictor.bundle.values, manifest.counts.train_instances)
-    X, y, found = pairs_of(predictor, train, rows, log_frequency)
+    bundle = predictor.bundle
+    manifest = bundle.manifest
+    log_frequency = memory_log_frequency(bundle.values, manifest.counts.train_instances)
+    lexicon, key_rows = None, None
+    if lexical:
+        texts = list(train.texts) + list(bundle.label_texts)  # the memory's keys, in key order
+        lexicon = Lexicon.fit(bundle.path / TOKENIZER_FILE, manifest.tokenizer.max_length, texts)
+        key_rows = lexicon.rows(texts)
+    unfitted = ScoreFusion(RegressionTree.constant(0.0), log_frequency, lexicon)
+    key_terms = KeyTerms(key_rows) if key_rows is not None else None
+    parts = [
+        pairs_of(predictor, train, rows, unfitted, key_terms, excluding)
+        for excluding in ((True, False) if fit_on == "both" else (True,))
+    ]
+    X, y = np.concatenate([part[0] for part in parts]), np.concatenate([part[1] for part in parts])
     model = DecisionTreeRegressor(max_depth=depth, min_samples_leaf=min_leaf, random_state=seed).fit(X, y)
     t = model.tree_
     tree = RegressionTree(
@@ -104,7 +155,8 @@ def fit_fusion(
         right=t.children_right.astype(np.int64),
         value=t.value[:, 0, 0].astype(np.float64),
     )
-    return FusionFit(ScoreFusion(tree, log_frequency), len(rows), len(y), float(found), time.perf_counter() - started)
+    fusion = ScoreFusion(tree, log_frequency, lexicon)
+    return FusionFit(fusion, key_rows, len(rows), len(y), float(parts[0][2]), time.perf_counter() - started)
 
 
 def check_memory(predictor: Predictor, train: XMCDataset) -> None:
@@ -130,12 +182,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, required=True, help="the fused bundle dir to create")
     parser.add_argument("--depth", type=int, default=7, help="regression tree depth (NGAME App. C: 7)")
     parser.add_argument("--min-leaf", type=int, default=50, help="fewest pairs in a leaf of the tree")
+    parser.add_argument(
+        "--no-lexical",
+        action="store_true",
+        help="leave out the lexical features (and the key term files they read): the tree reads the RAE features only",
+    )
+    parser.add_argument(
+        "--fit-on",
+        choices=get_args(FitOn),
+        default="both",
+        help="the held-out searches the tree is fitted on: both (filter labels excluded, and not) or exclude only",
+    )
     parser.add_argument("--force", action="store_true", help="replace an existing --out bundle")
     return parser
 
 
 def fuse_bundle(
-    bundle: Path, run: Path, train: XMCDataset, out: Path, depth: int = 7, min_leaf: int = 50, force: bool = False
+    bundle: Path,
+    run: Path,
+    train: XMCDataset,
+    out: Path,
+    depth: int = 7,
+    min_leaf: int = 50,
+    force: bool = False,
+    lexical: bool = True,
+    fit_on: FitOn = "both",
 ) -> tuple[Manifest, FusionFit]:
     """``bundle`` with a fusion fitted on ``run``'s held-out instances of ``train`` (the bundle's
     memory split), written to ``out``."""
@@ -146,28 +217,41 @@ def fuse_bundle(
     predictor = load_predictor(bundle)
     check_memory(predictor, train)
     rows = rows_of_uids(train, holdout.read_text().split())
-    fit = fit_fusion(predictor, train, rows, depth, min_leaf)
+    fit = fit_fusion(predictor, train, rows, depth, min_leaf, lexical=lexical, fit_on=fit_on)
+    shards = shard_list(predictor.bundle.manifest)
     params = FusionParams(
-        features=list(FEATURES),
+        features=list(fit.fusion.features),
         depth=fit.fusion.tree.depth,
-        fitted_on=f"{len(rows)} held-out training instances of {run} (leave one out)",
+        fitted_on=f"{len(rows)} held-out training instances of {run} (leave one out; searched: {fit_on})",
         queries=fit.queries,
         pairs=fit.pairs,
+        lexical=lexical_file_names(len(shards)) if lexical else None,
     )
-    return derive_fused_bundle(bundle, out, fit.fusion, params, force), fit
+    return derive_fused_bundle(bundle, out, fit.fusion, params, fit.key_terms, force), fit
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     train = load_jsonl_split(args.data, args.split)
-    manifest, fit = fuse_bundle(args.bundle, args.run, train, args.out, args.depth, args.min_leaf, args.force)
+    manifest, fit = fuse_bundle(
+        args.bundle,
+        args.run,
+        train,
+        args.out,
+        args.depth,
+        args.min_leaf,
+        args.force,
+        lexical=not args.no_lexical,
+        fit_on=args.fit_on,
+    )
     summary = {
         "bundle": str(args.out),
         "bundle_id": manifest.bundle_id,
         "queries": fit.queries,
         "pairs": fit.pairs,
         "positives_among_candidates": round(fit.positives_found, 4),
+        "features": list(fit.fusion.features),
         "tree_nodes": len(fit.fusion.tree.value),
         "seconds": round(fit.seconds, 1),
     }

@@ -79,7 +79,8 @@ def rank_split(
         if vectors is None:
             prediction = predictor.predict([dataset.texts[r] for r in rows], depth, ef, exclude, view)
         else:
-            prediction = predictor.search(vectors[rows.start : rows.stop], depth, ef, exclude, view)
+            texts = [dataset.texts[r] for r in rows]  # a lexical score fusion reads them
+            prediction = predictor.search(vectors[rows.start : rows.stop], depth, ef, exclude, view, texts)
         for r, ranking in zip(rows, prediction.rankings, strict=True):
             ids = to_dataset[ranking.ids]
             if protocol == "filter_after":

@@ -6,7 +6,8 @@ The public surface:
 * :func:`load_predictor` — open a bundle directory, verify it (checksums, shapes, a warm-up
   prediction) and return a :class:`Predictor`; :func:`load_bundle` without the warm-up.
 * :class:`Predictor` — ``predict(texts, k, ef, exclude)`` (``encode(texts)`` + search) and
-  ``search(vectors, k, ef, exclude)`` (search only), both returning a :class:`Prediction`:
+  ``search(vectors, k, ef, exclude, view, texts)`` (search only; a bundle whose score fusion is
+  lexical, :mod:`service.engine.lexical`, needs the texts too), both returning a :class:`Prediction`:
   one :class:`Ranking` (label ids and scores, best first) per text, the :class:`StageTimes`,
   and the HNSW ef the search ran at. ``exclude`` holds label *ids* per text;
   ``predictor.view.label_ids(uids)`` maps uids to ids, and ``prediction.view.label_uids[id]``

@@ -406,7 +406,8 @@ def _search_batch(encoded: _Encoded) -> list[BatchAnswer]:
     ]
     ks = [job.k for job in jobs for _ in job.texts]
     ef = max(job.ef or predictor.default_ef for job in jobs)
-    prediction = predictor.search(encoded.vectors, ks, ef, exclude, view)
+    texts = [text for job in jobs for text in job.texts]
+    prediction = predictor.search(encoded.vectors, ks, ef, exclude, view, texts)
     times = prediction.times
     times.tokenize, times.encode = encoded.times.tokenize, encoded.times.encode
     answers, offset = [], 0

@@ -14,7 +14,8 @@ import scipy.sparse as sp
 from pydantic import ValidationError
 
 from service.engine.encoder import EncoderOptions, OnnxEncoder
-from service.engine.fusion import FEATURES, ScoreFusion
+from service.engine.fusion import FEATURE_SETS, ScoreFusion
+from service.engine.lexical import KeyTerms, load_key_terms
 from service.engine.manifest import (
     ENCODER_FILE,
     LABELS_FILE,
@@ -46,6 +47,7 @@ class Bundle:
     label_texts: list[str]
     values: sp.csr_matrix | None
     fusion: ScoreFusion | None = None
+    key_terms: KeyTerms | None = None  # the keys' term vectors, for a lexical fusion
 
     @property
     def bundle_id(self) -> str:
@@ -200,14 +202,46 @@ def load_fusion(path: Path, manifest: Manifest, verify: bool = True) -> ScoreFus
     """The bundle's score fusion (``manifest.fusion``), or None; its tree checked for shape."""
     if manifest.fusion is None:
         return None
-    if list(manifest.fusion.features) != list(FEATURES):
-        raise BundleError(f"{path}: fusion features {manifest.fusion.features}, this service computes {list(FEATURES)}")
+    features = tuple(manifest.fusion.features)
+    if features not in FEATURE_SETS:
+        raise BundleError(
+            f"{path}: fusion features {list(features)}, this service computes {[list(f) for f in FEATURE_SETS]}"
+        )
     if verify:
-        verify_checksums(path, manifest, [manifest.fusion.file])
+        verify_checksums(path, manifest, [manifest.fusion.file, TOKENIZER_FILE])
     try:
-        return ScoreFusion.load(path / manifest.fusion.file, manifest.counts.labels)
-    except (OSError, ValueError, KeyError) as exc:
+        fusion = ScoreFusion.load(
+            path / manifest.fusion.file, manifest.counts.labels, (path / TOKENIZER_FILE, manifest.tokenizer.max_length)
+        )
+    except Exception as exc:  # numpy, zip and tokenizers errors alike: the file is refused
         raise BundleError(f"{path / manifest.fusion.file}: cannot load score fusion ({exc})") from None
+    if fusion.features != features or (fusion.lexicon is not None) != (manifest.fusion.lexical is not None):
+        raise BundleError(f"{path}: the manifest lists fusion features {list(features)}, its file {fusion.features}")
+    return fusion
+
+
+def load_shard_key_terms(path: Path, manifest: Manifest, number: int) -> KeyTerms | None:
+    """Shard ``number``'s key term vectors, for a lexical fusion (None without one)."""
+    if manifest.fusion is None or manifest.fusion.lexical is None:
+        return None
+    shard, name = shard_list(manifest)[number], manifest.fusion.lexical[number]
+    try:
+        return load_key_terms(path / name, shard.keys, shard.first_key)
+    except (OSError, ValueError) as exc:
+        raise BundleError(f"{path / name}: cannot load key terms ({exc})") from None
+
+
+def load_key_terms_of(path: Path, manifest: Manifest, fusion: ScoreFusion | None) -> KeyTerms | None:
+    """Every key's term vectors (the shards' stacked in key order), for a lexical fusion, over
+    the fusion's term space."""
+    parts = [load_shard_key_terms(path, manifest, i) for i in range(len(shard_list(manifest)))]
+    if parts[0] is None:
+        return None
+    rows = parts[0].rows if len(parts) == 1 else sp.vstack([part.rows for part in parts], format="csr")
+    terms = len(fusion.lexicon.idf)
+    if rows.shape[1] != terms:
+        raise BundleError(f"{path}: key terms over {rows.shape[1]} terms, the fusion's lexicon has {terms}")
+    return KeyTerms(rows)
 
 
 def check_encoder(path: Path, encoder: OnnxEncoder, manifest: Manifest) -> None:
@@ -221,7 +255,7 @@ def check_encoder(path: Path, encoder: OnnxEncoder, manifest: Manifest) -> None:
 
 
 def open_encoder(path: Path, manifest: Manifest, options: EncoderOptions | None) -> OnnxEncoder:
-    """A session over the bundle's encoder; a bundle holds one, the in-process shadow opens a second."""
+    """An ONNX Runtime session over the bundle's encoder and its tokenizer."""
     try:
         return OnnxEncoder(path / ENCODER_FILE, path / TOKENIZER_FILE, manifest.tokenizer.max_length, options)
     except Exception as exc:  # onnxruntime raises its own exception types
@@ -235,11 +269,12 @@ def load_bundle(path: Path | str, options: EncoderOptions | None = None, verify:
 
 def _refusing(path: Path | str, load):
     """``load(resolved path)``, any failure a :class:`BundleError` (unreadable files, malformed
-    arrays, …: refused, never a crash)."""
+    arrays, …: refused, never a crash); running out of memory is the machine's failure, not the
+    bundle's, and stays a :class:`MemoryError` (a vetting child reports it as such)."""
     path = Path(path).resolve()
     try:
         return load(path)
-    except BundleError:
+    except (BundleError, MemoryError):
         raise
     except Exception as exc:
         raise BundleError(f"{path}: cannot load bundle ({type(exc).__name__}: {exc})") from None
@@ -284,7 +319,7 @@ def load_shard(
     path: Path | str, number: int, verify: bool = True, search_threads: int = 1
 ) -> tuple[Manifest, ShardSearcher]:
     """The manifest and shard ``number`` of a bundle alone (an unsharded bundle is shard 0 of 1):
-    its index and, for an RAE memory, its value rows."""
+    its index, for an RAE memory its value rows, and for a lexical fusion its keys' term vectors."""
 
     def load(path: Path) -> tuple[Manifest, ShardSearcher]:
         manifest = read_manifest(path)
@@ -292,13 +327,16 @@ def load_shard(
         if not 0 <= number < len(shards):
             raise BundleError(f"{path}: no shard {number}; the bundle has {len(shards)}")
         shard = shards[number]
+        lexical = manifest.fusion.lexical[number] if manifest.fusion and manifest.fusion.lexical else None
         if verify:
-            verify_checksums(path, manifest, [name for name in (shard.index, shard.values) if name])
+            verify_checksums(path, manifest, [name for name in (shard.index, shard.values, lexical) if name])
         values = None
         if manifest.index_kind == "rae_memory":
             check_rae_counts(path, manifest)
             values = load_shard_values(path, manifest, shard)
-        return manifest, ShardSearcher(load_shard_index(path, manifest, shard), values, shard, search_threads)
+        index = load_shard_index(path, manifest, shard)
+        key_terms = load_shard_key_terms(path, manifest, number)
+        return manifest, ShardSearcher(index, values, shard, search_threads, key_terms)
 
     return _refusing(path, load)
 
@@ -311,6 +349,7 @@ def _load_bundle(path: Path, options: EncoderOptions | None, verify: bool) -> Bu
     index = load_index(path, manifest)
     values = load_values(path, manifest)
     fusion = load_fusion(path, manifest, verify=False)  # its checksum is among those verified above
+    key_terms = load_key_terms_of(path, manifest, fusion)
     encoder = open_encoder(path, manifest, options)
     check_encoder(path, encoder, manifest)
     log.info(
@@ -329,4 +368,5 @@ def _load_bundle(path: Path, options: EncoderOptions | None, verify: bool) -> Bu
         label_texts=label_texts,
         values=values,
         fusion=fusion,
+        key_terms=key_terms,
     )

@@ -13,7 +13,10 @@ immutable directory::
     values-<i>.npz   index per contiguous range of key ids (the global ids are the HNSW labels)
                      and, for RAE, the value rows of those keys
     fusion.npz       optional (``fusion`` in the manifest): the score-fusion tree and label
-                     frequencies of an RAE memory (service.engine.fusion)
+                     frequencies of an RAE memory (service.engine.fusion), and for a lexical
+                     fusion the idf of its term space (service.engine.lexical)
+    lexical.npz      a lexical fusion's unit term vectors of the keys, key id order (CSR, keys x
+    lexical-<i>.npz  terms); a sharded bundle has one file per shard, its keys' rows
     head.npz/.json   the linear head inside encoder.onnx (training.checkpoint format); not read
                      by the service, there for torch tools that rebuild the same vectors
 """
@@ -36,6 +39,7 @@ LABELS_FILE = "labels.jsonl"
 INDEX_FILE = "index.hnsw"
 VALUES_FILE = "values.npz"
 FUSION_FILE = "fusion.npz"
+LEXICAL_FILE = "lexical.npz"
 
 IndexKind = Literal["labels", "rae_memory"]
 RaeMode = Literal["joint", "split"]
@@ -90,6 +94,11 @@ class FusionParams(_Strict):
     fitted_on: str = Field(description="the queries the tree was fitted on (never the dev or test split)")
     queries: int = Field(gt=0)
     pairs: int = Field(gt=0, description="(query, candidate label) pairs in the fit")
+    lexical: list[str] | None = Field(
+        None,
+        description="the keys' term vector files of a fusion with lexical features, one per shard in shard "
+        "order (one for an unsharded bundle); None: no lexical features",
+    )
 
 
 class Shard(_Strict):
@@ -137,6 +146,11 @@ class Manifest(_Strict):
     def _fusion_fuses_an_rae_memory(self) -> Manifest:
         if self.fusion is not None and self.index_kind != "rae_memory":
             raise ValueError("score fusion reranks an rae_memory bundle's labels, and only those")
+        if self.fusion is not None and self.fusion.lexical is not None:
+            if len(self.fusion.lexical) != len(self.shards or [None]):
+                raise ValueError("a lexical fusion has one key term file per shard")
+            if len(set(self.fusion.lexical)) != len(self.fusion.lexical):
+                raise ValueError("two shards name the same key term file")
         return self
 
     @model_validator(mode="after")
@@ -187,5 +201,10 @@ def required_files(manifest: Manifest) -> list[str]:
     for shard in shard_list(manifest):
         files += [shard.index] + ([shard.values] if shard.values else [])
     if manifest.fusion is not None:
-        files.append(manifest.fusion.file)
+        files += [manifest.fusion.file, *(manifest.fusion.lexical or [])]
     return files
+
+
+def lexical_file_names(shards: int) -> list[str]:
+    """The key term files of a lexical fusion: ``lexical.npz``, or ``lexical-<i>.npz`` per shard."""
+    return [LEXICAL_FILE] if shards == 1 else [f"lexical-{i}.npz" for i in range(shards)]

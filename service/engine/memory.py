@@ -98,6 +98,8 @@ class MemoryView:
     base_train: int  # instance keys at the front of the bundle's memory (0 for a label index)
     appended_key_labels: np.ndarray  # label id of each appended key, −1 for an instance key
     values: ValueRows | None = None
+    # the appended keys' term vectors, key order (a lexical score fusion reads them)
+    appended_key_terms: sp.csr_matrix | None = None
     version: int = 0
     appended_instances: int = 0
     append_ids: dict[str, tuple[int, str]] = field(default_factory=dict)  # id → (version, fingerprint)
@@ -185,10 +187,13 @@ def check_batch(view: MemoryView, batch: AppendBatch, has_instance_memory: bool)
         raise AppendRefused("; ".join(problems[:20]))
 
 
-def extend_view(view: MemoryView, batch: AppendBatch, lam: float | None) -> MemoryView:
-    """The view after ``batch``: new label ids, keys (labels first, then instances) and value
-    rows. Writes the new labels into the shared containers past ``view.num_labels`` (no older
-    view reads there); a failed earlier attempt's leftovers there are overwritten."""
+def extend_view(
+    view: MemoryView, batch: AppendBatch, lam: float | None, key_terms: sp.csr_matrix | None = None
+) -> MemoryView:
+    """The view after ``batch``: new label ids, keys (labels first, then instances), value rows
+    and (``key_terms``, the new keys' term vectors) term rows. Writes the new labels into the
+    shared containers past ``view.num_labels`` (no older view reads there); a failed earlier
+    attempt's leftovers there are overwritten."""
     del view.label_uids[view.num_labels :], view.label_texts[view.num_labels :]
     first_label = view.num_labels
     for offset, (uid, text) in enumerate(batch.labels):
@@ -201,6 +206,9 @@ def extend_view(view: MemoryView, batch: AppendBatch, lam: float | None) -> Memo
     values = view.values
     if values is not None:
         values = values.extended(value_rows(view, batch, new_label_ids, num_labels, lam))
+    terms = view.appended_key_terms
+    if key_terms is not None:
+        terms = key_terms if terms is None else sp.vstack([terms, key_terms], format="csr")
     append_ids = view.append_ids
     if batch.append_id is not None:
         append_ids = {**append_ids, batch.append_id: (view.version + 1, batch.fingerprint())}
@@ -210,6 +218,7 @@ def extend_view(view: MemoryView, batch: AppendBatch, lam: float | None) -> Memo
         num_keys=view.num_keys + len(key_labels),
         appended_key_labels=np.concatenate([view.appended_key_labels, key_labels]),
         values=values,
+        appended_key_terms=terms,
         version=view.version + 1,
         appended_instances=view.appended_instances + len(batch.instances),
         append_ids=append_ids,
@@ -387,12 +396,23 @@ class Memory:
 
     Thread-safe: searches take :attr:`lock` for the query (HNSW's ``ef`` is index-global and
     hnswlib's insertions are not safe against queries); appends are serialised among themselves.
+
+    ``key_terms_of``: the term vectors of texts (a lexical fusion's
+    :meth:`~service.engine.lexical.Lexicon.rows`), computed for every appended key; None: none kept.
     """
 
-    def __init__(self, index, view: MemoryView, lam: float | None, log: AppendLog | None):
+    def __init__(
+        self,
+        index,
+        view: MemoryView,
+        lam: float | None,
+        log: AppendLog | None,
+        key_terms_of: Callable[[list[str]], sp.csr_matrix] | None = None,
+    ):
         self.index = index
         self.lam = lam
         self.log = log
+        self.key_terms_of = key_terms_of
         self.lock = threading.Lock()
         self._append_lock = threading.Lock()
         self._view = view
@@ -474,7 +494,8 @@ class Memory:
         return AppendOutcome(version, {uid: view.uid_to_id[uid] for uid, _ in batch.labels}, len(batch.instances), True)
 
     def _apply(self, view: MemoryView, batch: AppendBatch, vectors: np.ndarray) -> AppendOutcome:
-        new_view = extend_view(view, batch, self.lam)
+        terms = self.key_terms_of(batch.texts) if self.key_terms_of is not None else None
+        new_view = extend_view(view, batch, self.lam, terms)
         keys = np.arange(view.num_keys, new_view.num_keys)
         self._reserve(new_view.num_keys)
         for start in range(0, len(keys), APPEND_CHUNK):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import get_args
+from typing import NamedTuple, get_args
 
 import numpy as np
 import scipy.sparse as sp
@@ -90,30 +90,42 @@ class ValueRows:
     def row_labels(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The label ids stored in each of ``rows`` (concatenated, in row order) and how many each
         row holds: a gather over the CSR arrays, without building a matrix."""
-        parts = [(self.base, rows < self.base.shape[0], 0)]
-        if self.appended is not None:
-            parts.append((self.appended, rows >= self.base.shape[0], self.base.shape[0]))
-        counts = np.zeros(len(rows), dtype=np.int64)
-        starts = np.zeros(len(rows), dtype=np.int64)
-        owner = np.zeros(len(rows), dtype=np.int64)
-        for part, (matrix, mine, first) in enumerate(parts):
-            local = rows[mine] - first
-            starts[mine] = matrix.indptr[local]
-            counts[mine] = matrix.indptr[local + 1] - matrix.indptr[local]
-            owner[mine] = part
-        offsets = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
-        positions = offsets + np.arange(counts.sum())
-        labels = np.empty(len(positions), dtype=np.int64)
-        which = np.repeat(owner, counts)
-        for part, (matrix, _, _) in enumerate(parts):
-            here = which == part
-            labels[here] = matrix.indices[positions[here]]
+        parts = [(self.base, 0)] + ([(self.appended, self.base.shape[0])] if self.appended is not None else [])
+        labels, _, counts = gather_rows(parts, rows)
         return labels, counts
 
     def extended(self, rows: sp.csr_matrix) -> ValueRows:
         """These rows followed by ``rows`` (whose width is the new label count)."""
         parts = [widen(self.appended, rows.shape[1])] if self.appended is not None else []
         return ValueRows(self.base, sp.vstack([*parts, rows], format="csr"))
+
+
+def gather_rows(
+    parts: list[tuple[sp.csr_matrix, int]], rows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The stored (column indices, values) of each of ``rows`` of a matrix kept in consecutive
+    CSR parts, ``(part, its first row)`` in row order, concatenated in row order; and how many
+    each row holds. A gather over the CSR arrays: no row slicing, no matrix built."""
+    counts = np.zeros(len(rows), dtype=np.int64)
+    starts = np.zeros(len(rows), dtype=np.int64)
+    owner = np.zeros(len(rows), dtype=np.int64)
+    bounds = [first for _, first in parts[1:]] + [np.iinfo(np.int64).max]
+    for part, ((matrix, first), end) in enumerate(zip(parts, bounds, strict=True)):
+        mine = (rows >= first) & (rows < end)
+        local = rows[mine] - first
+        starts[mine] = matrix.indptr[local]
+        counts[mine] = matrix.indptr[local + 1] - matrix.indptr[local]
+        owner[mine] = part
+    offsets = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+    positions = offsets + np.arange(counts.sum())
+    indices = np.empty(len(positions), dtype=np.int64)
+    data = np.empty(len(positions), dtype=np.float32)
+    which = np.repeat(owner, counts)
+    for part, (matrix, _) in enumerate(parts):
+        here = which == part
+        indices[here] = matrix.indices[positions[here]]
+        data[here] = matrix.data[positions[here]]
+    return indices, data, counts
 
 
 def widen(matrix: sp.csr_matrix, columns: int) -> sp.csr_matrix:
@@ -123,25 +135,47 @@ def widen(matrix: sp.csr_matrix, columns: int) -> sp.csr_matrix:
     return sp.csr_matrix((matrix.data, matrix.indices, matrix.indptr), shape=(matrix.shape[0], columns))
 
 
+class KeptKeys(NamedTuple):
+    """One query's retrieved keys after its exclusions, best first: key ids, similarities, label
+    ids (−1: an instance key) and, when the score fusion reads them, lexical similarities."""
+
+    keys: np.ndarray
+    sims: np.ndarray
+    labels: np.ndarray
+    lexical: np.ndarray | None = None
+
+
 def drop_excluded_keys(
-    keys: np.ndarray, sims: np.ndarray, key_labels: np.ndarray, excluded: Collection[int], top_b: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    keys: np.ndarray,
+    sims: np.ndarray,
+    key_labels: np.ndarray,
+    excluded: Collection[int],
+    top_b: int,
+    lexical: np.ndarray | None = None,
+) -> KeptKeys:
     """Remove label keys whose label is excluded (and no-keys, −1); keep the best ``top_b``."""
     valid = keys >= 0
     if excluded:
         valid &= ~np.isin(key_labels, np.fromiter(excluded, dtype=np.int64)) | (key_labels < 0)
-    return keys[valid][:top_b], sims[valid][:top_b], key_labels[valid][:top_b]
-
-
-# One query's retrieved keys after its exclusions (drop_excluded_keys): keys, sims, key labels.
-KeptKeys = tuple[np.ndarray, np.ndarray, np.ndarray]
+    kept = (a[valid][:top_b] for a in (keys, sims, key_labels))
+    return KeptKeys(*kept, lexical[valid][:top_b] if lexical is not None else None)
 
 
 def keep_keys(
-    keys: np.ndarray, sims: np.ndarray, key_labels: np.ndarray, excluded: Sequence[Collection[int]], top_b: int
+    keys: np.ndarray,
+    sims: np.ndarray,
+    key_labels: np.ndarray,
+    excluded: Sequence[Collection[int]],
+    top_b: int,
+    lexical: np.ndarray | None = None,
 ) -> list[KeptKeys]:
     """Per query of a batch (``nq x m``, best first), the keys its aggregation weighs."""
-    return [drop_excluded_keys(keys[i], sims[i], key_labels[i], excluded[i], top_b) for i in range(keys.shape[0])]
+    return [
+        drop_excluded_keys(
+            keys[i], sims[i], key_labels[i], excluded[i], top_b, lexical[i] if lexical is not None else None
+        )
+        for i in range(keys.shape[0])
+    ]
 
 
 def aggregate(
@@ -168,11 +202,8 @@ def aggregate_kept(
 ) -> sp.csr_matrix:
     """:func:`aggregate` over keys already kept by :func:`keep_keys` (a caller that reads them
     again, such as the score fusion, keeps them once)."""
-    rows_keys = [row_keys for row_keys, _, _ in kept]
-    rows_weights = [
-        key_weights(row_labels, row_sims, tau, mode) if row_keys.size else np.zeros(0)
-        for row_keys, row_sims, row_labels in kept
-    ]
+    rows_keys = [row.keys for row in kept]
+    rows_weights = [key_weights(row.labels, row.sims, tau, mode) if row.keys.size else np.zeros(0) for row in kept]
     indptr = np.concatenate([[0], np.cumsum([k.size for k in rows_keys])])
     W = sp.csr_matrix(
         (np.concatenate(rows_weights).astype(np.float32), np.concatenate(rows_keys), indptr),

@@ -77,7 +77,9 @@ class Predictor:
         self.bundle = bundle
         manifest = bundle.manifest
         view = base_view(bundle.label_uids, bundle.label_texts, manifest.counts.memory_rows, bundle.values)
-        self.memory = Memory(bundle.index, view, manifest.rae.lam if manifest.rae else None, append_log)
+        lexicon = bundle.fusion.lexicon if bundle.fusion is not None else None
+        lam = manifest.rae.lam if manifest.rae else None
+        self.memory = Memory(bundle.index, view, lam, append_log, lexicon.rows if lexicon is not None else None)
 
     @property
     def default_ef(self) -> int:
@@ -121,7 +123,7 @@ class Predictor:
         view: MemoryView | None = None,
     ) -> Prediction:
         vectors, enc_times = self.encode(texts)
-        prediction = self.search(vectors, k, ef, exclude, view)
+        prediction = self.search(vectors, k, ef, exclude, view, texts)
         prediction.times.tokenize = enc_times.tokenize_s
         prediction.times.encode = enc_times.encode_s
         return prediction
@@ -133,10 +135,12 @@ class Predictor:
         ef: int | None = None,
         exclude: Sequence[Collection[int]] | None = None,
         view: MemoryView | None = None,
+        texts: Sequence[str] | None = None,
     ) -> Prediction:
         """Top-k per query. ``k`` may differ per query (a micro-batch mixes requests); one
         batched HNSW call serves them all. ``exclude`` holds label ids of ``view`` (default: the
-        current memory), the memory the search then runs against."""
+        current memory), the memory the search then runs against. ``texts``: the queries'
+        texts, which a bundle whose score fusion is lexical needs."""
         view = view or self.memory.view
         ks = [k] * len(vectors) if isinstance(k, int) else list(k)
         exclude = exclude if exclude is not None else [()] * len(vectors)
@@ -146,9 +150,23 @@ class Predictor:
         keys, sims, ef = self.knn(vectors, neighbours_needed(self.bundle.manifest, ks, exclude), ef, view)
         t1 = time.perf_counter()
         key_labels = view.labels_of_keys(keys)
-        rankings = rank(self.bundle.manifest, keys, sims, key_labels, view.values, ks, exclude, self.bundle.fusion)
+        lexical = self.lexical_similarities(keys, view, texts)
+        fusion = self.bundle.fusion
+        rankings = rank(self.bundle.manifest, keys, sims, key_labels, view.values, ks, exclude, fusion, lexical)
         times = StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1)
         return Prediction(rankings, times, ef, view)
+
+    def lexical_similarities(
+        self, keys: np.ndarray, view: MemoryView, texts: Sequence[str] | None
+    ) -> np.ndarray | None:
+        """The keys' lexical similarities to the queries for a lexical fusion (None without one)."""
+        fusion = self.bundle.fusion
+        if fusion is None or fusion.lexicon is None:
+            return None
+        if texts is None or len(texts) != len(keys):
+            raise ValueError("this bundle's score fusion is lexical: search needs the query texts")
+        key_terms = self.bundle.key_terms.with_appended(view.appended_key_terms)
+        return key_terms.similarities(fusion.lexicon.query_terms(list(texts)), keys)
 
     def knn(
         self, vectors: np.ndarray, n: int, ef: int | None, view: MemoryView | None = None
@@ -176,6 +194,7 @@ def rank(
     ks: Sequence[int],
     exclude: Sequence[Collection[int]],
     fusion: ScoreFusion | None = None,
+    lexical: np.ndarray | None = None,
 ) -> list[Ranking]:
     """Each query's top-k labels from its nearest keys (``nq x n``, best first, −1: none).
 
@@ -183,7 +202,8 @@ def rank(
     labels; an RAE memory weighs the rows of ``values`` that ``keys`` index (a distributed front
     end passes the positions of the rows its shards sent, see
     :func:`~service.engine.shards.merge_answers`); with the bundle's ``fusion``, by fused score
-    (:mod:`service.engine.fusion`)."""
+    (:mod:`service.engine.fusion`), whose lexical features read the keys' ``lexical``
+    similarities (``nq x n``)."""
     if manifest.index_kind != "rae_memory":
         rankings = []
         for i, (k, excluded) in enumerate(zip(ks, exclude, strict=True)):
@@ -193,7 +213,7 @@ def rank(
             rankings.append(Ranking(ids=key_labels[i][keep][:k], scores=sims[i][keep][:k]))
         return rankings
     rae = manifest.rae
-    kept = keep_keys(keys, sims, key_labels, exclude, rae.top_b)
+    kept = keep_keys(keys, sims, key_labels, exclude, rae.top_b, lexical)
     scores = aggregate_kept(kept, values, rae.tau, exclude, rae.mode)
     if fusion is not None:
         scores = fusion.rescore(scores, kept, values, rae.tau)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
+from service.engine.lexical import KeyTerms, QueryTerms
 from service.engine.manifest import Shard
 from service.engine.memory import by_distance_then_key
 
@@ -94,15 +95,27 @@ class ShardedIndex:
 
 
 @dataclass
+class ShardQuery:
+    """One request's queries for a shard: ``fetch`` nearest keys each, at HNSW breadth ``ef``;
+    with the queries' ``terms`` (a lexical fusion), the keys' lexical similarities too."""
+
+    vectors: np.ndarray
+    fetch: int
+    ef: int
+    terms: list[QueryTerms] | None = None
+
+
+@dataclass
 class ShardAnswer:
     """One shard's nearest keys for a batch of queries: global key ids and distances (``nq x k``,
     best first), the value rows of those keys for an RAE memory (row-major: ``(nq·k) x labels``),
-    and the ef the search ran at."""
+    the ef the search ran at, and for a lexical fusion the keys' lexical similarities (``nq x k``)."""
 
     keys: np.ndarray
     distances: np.ndarray
     rows: sp.csr_matrix | None
     ef: int
+    lexical: np.ndarray | None = None
 
     def split(self, queries: list[int]) -> list[ShardAnswer]:
         """The answers of consecutive groups of ``queries[i]`` queries (one batch, several requests)."""
@@ -114,58 +127,89 @@ class ShardAnswer:
                 self.distances[start:end],
                 self.rows[start * width : end * width] if self.rows is not None else None,
                 self.ef,
+                self.lexical[start:end] if self.lexical is not None else None,
             )
             for start, end in zip(bounds[:-1], bounds[1:], strict=True)
         ]
 
 
 class ShardSearcher:
-    """One shard of a bundle, on its own: its HNSW index and (RAE) its rows of V. Thread-safe."""
+    """One shard of a bundle, on its own: its HNSW index, (RAE) its rows of V and (a lexical
+    fusion) its keys' term vectors. Thread-safe."""
 
-    def __init__(self, index, values: sp.csr_matrix | None, shard: Shard, search_threads: int = 1):
+    def __init__(
+        self,
+        index,
+        values: sp.csr_matrix | None,
+        shard: Shard,
+        search_threads: int = 1,
+        key_terms: KeyTerms | None = None,
+    ):
         self.index = index
         self.values = values
         self.shard = shard
         self.search_threads = search_threads
+        self.key_terms = key_terms
         self._lock = threading.Lock()  # ef is index-global in hnswlib
 
-    def search(self, vectors: np.ndarray, fetch: int, ef: int) -> ShardAnswer:
-        """The ``fetch`` nearest keys of this shard (fewer when it holds fewer) at HNSW breadth ``ef``."""
+    def search(self, vectors: np.ndarray, fetch: int, ef: int, terms: list[QueryTerms] | None = None) -> ShardAnswer:
+        """The ``fetch`` nearest keys of this shard (fewer when it holds fewer) at HNSW breadth
+        ``ef``; with the queries' ``terms``, the keys' lexical similarities too."""
         k = min(fetch, self.shard.keys)
         with self._lock:
             self.index.set_ef(max(ef, k))
             keys, distances = self.index.knn_query(vectors, k=k, num_threads=self.search_threads)
         keys = keys.astype(np.int64)
         rows = self.values[(keys - self.shard.first_key).ravel()] if self.values is not None else None
-        return ShardAnswer(keys, distances, rows, max(ef, k))
+        lexical = None
+        if terms is not None:
+            if self.key_terms is None:
+                raise ValueError("lexical similarities asked of a shard without key terms")
+            lexical = self.key_terms.similarities(terms, keys)
+        return ShardAnswer(keys, distances, rows, max(ef, k), lexical)
 
-    def search_many(self, queries: list[tuple[np.ndarray, int, int]]) -> list[ShardAnswer]:
-        """The answers to several requests' ``(vectors, fetch, ef)``, one HNSW call per distinct
-        ef at the largest fetch of its requests. With one ef (≥ every fetch) a longer list starts
-        with the shorter one, so each answer is the one its request would get alone."""
+    def search_many(self, queries: list[ShardQuery]) -> list[ShardAnswer]:
+        """The answers to several requests, one HNSW call per distinct ef at the largest fetch of
+        its requests. With one ef (≥ every fetch) a longer list starts with the shorter one, so
+        each answer is the one its request would get alone."""
         answers: list[ShardAnswer | None] = [None] * len(queries)
-        for ef in sorted({ef for _, _, ef in queries}):
-            group = [i for i, query in enumerate(queries) if query[2] == ef]
-            vectors = np.concatenate([queries[i][0] for i in group])
-            answer = self.search(vectors, max(queries[i][1] for i in group), ef)
-            for i, part in zip(group, answer.split([len(queries[i][0]) for i in group]), strict=True):
+        for ef in sorted({query.ef for query in queries}):
+            group = [i for i, query in enumerate(queries) if query.ef == ef]
+            vectors = np.concatenate([queries[i].vectors for i in group])
+            lexical = queries[group[0]].terms is not None
+            terms = [t for i in group for t in queries[i].terms] if lexical else None
+            answer = self.search(vectors, max(queries[i].fetch for i in group), ef, terms)
+            for i, part in zip(group, answer.split([len(queries[i].vectors) for i in group]), strict=True):
                 answers[i] = part
         return answers
 
 
-def merge_answers(
-    answers: list[ShardAnswer], n: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, sp.csr_matrix | None]:
-    """The ``n`` nearest keys over all shards, per query, as one index would give them: (keys,
-    inner-product similarities, positions, rows). ``rows`` stacks the shards' value rows;
-    ``positions`` says which of its rows belongs to each merged key (what
-    :func:`~service.engine.search.rank` weighs for an RAE memory)."""
+@dataclass
+class MergedAnswer:
+    """The ``n`` nearest keys over all shards, per query, as one index would give them: keys,
+    inner-product similarities, the shards' value rows stacked (``rows``) with ``positions``
+    saying which of them belongs to each merged key (what :func:`~service.engine.search.rank`
+    weighs for an RAE memory), and the keys' lexical similarities for a lexical fusion."""
+
+    keys: np.ndarray
+    sims: np.ndarray
+    positions: np.ndarray
+    rows: sp.csr_matrix | None
+    lexical: np.ndarray | None
+
+
+def merge_answers(answers: list[ShardAnswer], n: int) -> MergedAnswer:
+    """The shards' answers merged into the ``n`` nearest keys per query (:class:`MergedAnswer`)."""
     offsets = np.cumsum([0] + [answer.keys.size for answer in answers[:-1]])
     positions = [
         offset + np.arange(answer.keys.size).reshape(answer.keys.shape)
         for offset, answer in zip(offsets, answers, strict=True)
     ]
-    keys, distances, positions = merge_top_k([a.keys for a in answers], [a.distances for a in answers], n, positions)
+    lexical = answers[0].lexical is not None
+    carried = [positions] + ([[a.lexical for a in answers]] if lexical else [])
+    keys, distances, positions, *merged_lexical = merge_top_k(
+        [a.keys for a in answers], [a.distances for a in answers], n, *carried
+    )
     sims = (1.0 - distances).astype(np.float32)
     rows = sp.vstack([a.rows for a in answers], format="csr") if answers[0].rows is not None else None
-    return keys, sims, positions, rows
+    return MergedAnswer(keys, sims, positions, rows, merged_lexical[0] if lexical else None)

@@ -24,7 +24,6 @@ Failure and load, as the ingress answers them (never a 500, never a hang):
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +41,7 @@ from service.engine.manifest import shard_list
 from service.engine.memory import base_view, fetch_and_ef
 from service.engine.rae import ValueRows
 from service.engine.search import Ranking, neighbours_needed, rank
-from service.engine.shards import ShardAnswer, merge_answers
+from service.engine.shards import ShardAnswer, ShardQuery, merge_answers
 from service.http.guards import BodyLimitMiddleware, validation_error
 from service.http.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response
 from service.http.settings import LimitSettings
@@ -102,15 +101,6 @@ class AppArgs(BaseModel):
     verify: bool = Field(True, description="check the sha256 of every bundle file a replica reads")
 
 
-@dataclass(frozen=True)
-class ShardQuery:
-    """One request's queries for a shard: ``fetch`` nearest keys each, at HNSW breadth ``ef``."""
-
-    vectors: np.ndarray
-    fetch: int
-    ef: int
-
-
 def threads_for(cpus: float) -> int:
     return max(1, int(cpus))
 
@@ -155,8 +145,8 @@ class Shard:
     @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0, batch_size_fn=lambda q: sum(len(x.vectors) for x in q))
     async def search(self, queries: list[ShardQuery]) -> list[tuple[str, ShardAnswer]]:
         """Each request's nearest keys (as if searched alone), stamped with the bundle id."""
-        batch = [(q.vectors, q.fetch, q.ef) for q in queries]
-        return [(self.bundle_id, answer) for answer in await asyncio.to_thread(self.searcher.search_many, batch)]
+        answers = await asyncio.to_thread(self.searcher.search_many, queries)
+        return [(self.bundle_id, answer) for answer in answers]
 
     def check_health(self) -> None:
         """A real query (this shard's first key's own vector) answered with keys of this shard."""
@@ -243,12 +233,16 @@ class Ingress:
         ks = [k] * len(texts)
         n = neighbours_needed(self.manifest, ks, exclude)
         fetch, ef = fetch_and_ef(n, ef or self.manifest.hnsw.ef_search, self.manifest.counts.memory_rows)
-        answers = await self.fan_out(ShardQuery(vectors, fetch, ef), deadline)
+        lexicon = self.fusion.lexicon if self.fusion is not None else None
+        terms = lexicon.query_terms(texts) if lexicon is not None else None  # each shard scores its keys
+        answers = await self.fan_out(ShardQuery(vectors, fetch, ef, terms), deadline)
         searched = time.perf_counter()
-        keys, sims, positions, rows = merge_answers(answers, n)
-        values = ValueRows(rows) if rows is not None else None
-        key_labels = self.view.labels_of_keys(keys)
-        rankings = rank(self.manifest, positions, sims, key_labels, values, ks, exclude, self.fusion)
+        merged = merge_answers(answers, n)
+        values = ValueRows(merged.rows) if merged.rows is not None else None
+        key_labels = self.view.labels_of_keys(merged.keys)
+        rankings = rank(
+            self.manifest, merged.positions, merged.sims, key_labels, values, ks, exclude, self.fusion, merged.lexical
+        )
         for stage, seconds in (("encode", encoded - started), ("fanout", searched - encoded)):
             self.metrics.stage_seconds.observe(seconds, tags={"stage": stage})
         self.metrics.stage_seconds.observe(time.perf_counter() - searched, tags={"stage": "rank"})

@@ -72,7 +72,9 @@ class EchoPredictor:
             raise RuntimeError("model exploded")
         return np.array([[text_code(t)] for t in texts]), EncodeTimes(tokenize_s=0.0, encode_s=0.001)
 
-    def search(self, vectors, ks, ef=None, exclude=None, view=None):
+    def search(self, vectors, ks, ef=None, exclude=None, view=None, texts=None):
+        # each query's text reaches the search beside its own vector (a lexical fusion reads it)
+        assert [text_code(t) for t in texts] == vectors[:, 0].tolist()
         self.efs.append(ef)
         self.search_threads.add(threading.current_thread().name)
         self.searching.release()

@@ -9,14 +9,20 @@ import scipy.sparse as sp
 from sklearn.tree import DecisionTreeRegressor
 
 from service.engine.fusion import (
+    FEATURE_SETS,
     FEATURES,
+    LEXICAL_FEATURES,
+    LEXICAL_TAU,
     LOG_FLOOR,
     RegressionTree,
     ScoreFusion,
+    lexical_features,
     memory_log_frequency,
     query_features,
 )
+from service.engine.lexical import Lexicon
 from service.engine.rae import ValueRows, aggregate, aggregate_kept, keep_keys, softmax
+from training.checkpoint import default_encoder_dir
 
 
 def tree_from(model: DecisionTreeRegressor) -> RegressionTree:
@@ -24,11 +30,11 @@ def tree_from(model: DecisionTreeRegressor) -> RegressionTree:
     return RegressionTree(t.feature, t.threshold, t.children_left, t.children_right, t.value[:, 0, 0])
 
 
-def random_tree(seed: int = 0, depth: int = 6) -> RegressionTree:
-    """A tree that splits on every feature (the target depends on all of them)."""
+def random_tree(seed: int = 0, depth: int = 6, features: tuple[str, ...] = FEATURES) -> RegressionTree:
+    """A tree that splits on every one of ``features`` (the target depends on all of them)."""
     rng = np.random.default_rng(seed)
-    X = rng.normal(size=(2000, len(FEATURES)))
-    y = np.sin(X @ rng.normal(size=len(FEATURES))) + 0.1 * rng.normal(size=len(X))
+    X = rng.normal(size=(2000, len(features)))
+    y = np.sin(X @ rng.normal(size=len(features))) + 0.1 * rng.normal(size=len(X))
     return tree_from(DecisionTreeRegressor(max_depth=depth, random_state=0).fit(X, y))
 
 
@@ -38,7 +44,7 @@ def leaf(value: float) -> RegressionTree:
 
 def split_on(feature: str, threshold: float, below: float, above: float) -> RegressionTree:
     return RegressionTree(
-        feature=np.array([FEATURES.index(feature), -2, -2]),
+        feature=np.array([FEATURE_SETS[-1].index(feature), -2, -2]),
         threshold=np.array([threshold, -2.0, -2.0]),
         left=np.array([1, -1, -1]),
         right=np.array([2, -1, -1]),
@@ -63,7 +69,7 @@ def test_the_tree_as_arrays_predicts_what_scikit_learn_predicts():
     [
         ("left", 0, 0, "after their parent"),  # a cycle
         ("right", 0, 99, "out of range"),
-        ("feature", 0, len(FEATURES), "unknown feature"),
+        ("feature", 0, len(FEATURE_SETS[-1]), "unknown feature"),
         ("value", 1, np.nan, "finite"),
     ],
 )
@@ -156,3 +162,66 @@ def test_fusion_files_round_trip_and_a_wrong_frequency_table_is_refused(tmp_path
 def test_label_frequencies_come_from_the_instance_rows_only():
     values, _ = memory()
     np.testing.assert_allclose(memory_log_frequency(values.base, 2), np.log1p([1, 2, 1, 0]))
+
+
+def test_each_lexical_feature_is_its_definition_on_a_hand_made_query():
+    values, _ = memory()
+    keys = np.array([0, 3, 1, 5])  # instance 0 (labels 0, 1), label 1, instance 1 (labels 1, 2), label 3
+    key_labels = np.array([-1, 1, -1, 3])
+    lexical = np.array([0.6, 0.3, 0.2, 0.0])
+    candidates = np.array([3, 0, 2, 1])
+    F = lexical_features(candidates, lexical, key_labels, values.row_labels(keys[key_labels < 0]))
+    column = {name: dict(zip(candidates.tolist(), F[:, j], strict=True)) for j, name in enumerate(LEXICAL_FEATURES)}
+    w = softmax(np.array([0.6, 0.2]), LEXICAL_TAU)  # instance 0, instance 1
+    assert column["instance_lexical_max"] == pytest.approx({0: 0.6, 1: 0.6, 2: 0.2, 3: 0.0})
+    assert column["instance_lexical_sum"] == pytest.approx({0: 0.6, 1: 0.8, 2: 0.2, 3: 0.0})
+    expected_vote = {0: w[0], 1: w.sum(), 2: w[1], 3: 0.0}
+    assert column["instance_lexical_vote"] == pytest.approx(
+        {k: math.log(LOG_FLOOR + v) for k, v in expected_vote.items()}
+    )
+    assert column["label_lexical"] == pytest.approx({0: 0.0, 1: 0.3, 2: 0.0, 3: 0.0})  # label 3 retrieved at 0.0
+
+
+def lexicon() -> Lexicon:
+    return Lexicon.fit(default_encoder_dir() / "tokenizer.json", 128, ["libc6: GNU C Library", "python3: language"])
+
+
+def test_a_lexical_fusion_splits_on_the_keys_lexical_similarity_and_needs_it():
+    values, _ = memory()
+    keys, sims = np.array([[0, 3, 1, 5]]), np.array([[0.9, 0.8, 0.7, 0.2]], dtype=np.float32)
+    key_labels = np.array([[-1, 1, -1, 3]])
+    fusion = ScoreFusion(split_on("instance_lexical_max", 0.5, 0.0, 10.0), np.zeros(4), lexicon())
+    assert fusion.features == FEATURES + LEXICAL_FEATURES
+    kept = keep_keys(keys, sims, key_labels, [()], 4, lexical=np.array([[0.1, 0.0, 0.9, 0.0]]))
+    scores = aggregate_kept(kept, values, 0.1, [()], "split")
+    fused = fusion.rescore(scores, kept, values, 0.1).toarray()[0]
+    assert np.flatnonzero(fused > 10).tolist() == [1, 2]  # the labels of instance 1, the lexical match
+    with pytest.raises(ValueError, match="lexical similarities"):
+        fusion.rescore(scores, keep_keys(keys, sims, key_labels, [()], 4), values, 0.1)
+
+
+def test_exclusion_drops_a_key_s_lexical_similarity_with_it():
+    kept = keep_keys(
+        np.array([[0, 3, 5]]),
+        np.array([[0.9, 0.8, 0.2]]),
+        np.array([[-1, 1, 3]]),
+        [{1}],
+        4,
+        np.array([[0.1, 0.7, 0.3]]),
+    )
+    assert kept[0].keys.tolist() == [0, 5] and kept[0].lexical.tolist() == [0.1, 0.3]
+
+
+def test_lexical_fusion_files_round_trip_and_are_checked(tmp_path):
+    fusion = ScoreFusion(split_on("label_lexical", 0.5, 0.0, 1.0), np.zeros(5), lexicon())
+    fusion.save(tmp_path / "fusion.npz")
+    tokenizer = (default_encoder_dir() / "tokenizer.json", 128)
+    loaded = ScoreFusion.load(tmp_path / "fusion.npz", 5, tokenizer)
+    np.testing.assert_array_equal(loaded.lexicon.idf, fusion.lexicon.idf)
+    assert loaded.features == FEATURE_SETS[1]
+    with pytest.raises(ValueError, match="needs the bundle's tokenizer"):
+        ScoreFusion.load(tmp_path / "fusion.npz", 5)
+    # a tree on a lexical feature without the lexicon to compute it
+    ScoreFusion(fusion.tree, np.zeros(5)).save(tmp_path / "no-lexicon.npz")
+    with pytest.raises(ValueError, match="does not compute"):
+        ScoreFusion.load(tmp_path / "no-lexicon.npz", 5)

@@ -1,7 +1,8 @@
 """A distributed front end's search (every shard alone: ShardSearcher, merge_answers, rank over the
 carried value rows) gives the single process's answers (ShardedIndex under Memory.knn, rank over
 V) bit for bit: both index kinds, shards smaller than what is fetched, small and large ef,
-exclusions and keys tied in distance; and a shard's batch of requests answers each as if alone."""
+exclusions and keys tied in distance, a plain and a lexical score fusion (each shard scores its
+own keys' lexical similarity); and a shard's batch of requests answers each as if alone."""
 
 from types import SimpleNamespace
 
@@ -10,12 +11,14 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from service.engine.fusion import ScoreFusion
+from service.engine.fusion import FEATURE_SETS, ScoreFusion
+from service.engine.lexical import KeyTerms, Lexicon
 from service.engine.memory import Memory, base_view, fetch_and_ef
 from service.engine.rae import ValueRows
 from service.engine.search import neighbours_needed, rank
-from service.engine.shards import ShardAnswer, ShardedIndex, ShardSearcher, merge_answers
+from service.engine.shards import ShardAnswer, ShardedIndex, ShardQuery, ShardSearcher, merge_answers
 from tests.service.engine.test_fusion import random_tree
+from training.checkpoint import default_encoder_dir
 
 DIM, RAE_LABELS = 8, 30
 
@@ -47,23 +50,31 @@ def build(kind: str, sizes: list[int], rng: np.random.Generator):
     return keys, indexes, shards, values, manifest, view
 
 
-def single_process(indexes, manifest, view, queries, ks, ef, exclude, fusion=None):
+def single_process(indexes, manifest, view, queries, ks, ef, exclude, fusion=None, lexical=None):
+    """``lexical``: (the keys' term vectors, the queries' terms) for a lexical fusion."""
     index = indexes[0] if len(indexes) == 1 else ShardedIndex(indexes)
     memory = Memory(index, view, None, None)
     keys, sims, ran_at = memory.knn(queries, neighbours_needed(manifest, ks, exclude), ef, view)
-    return rank(manifest, keys, sims, view.labels_of_keys(keys), view.values, ks, exclude, fusion), ran_at
+    similarities = lexical[0].similarities(lexical[1], keys) if lexical else None
+    key_labels = view.labels_of_keys(keys)
+    return rank(manifest, keys, sims, key_labels, view.values, ks, exclude, fusion, similarities), ran_at
 
 
-def distributed(indexes, shards, values, manifest, view, queries, ks, ef, exclude, fusion=None):
+def distributed(indexes, shards, values, manifest, view, queries, ks, ef, exclude, fusion=None, lexical=None):
     n = neighbours_needed(manifest, ks, exclude)
     fetch, ef = fetch_and_ef(n, ef, manifest.counts.memory_rows)
     answers = []
     for index, shard in zip(indexes, shards, strict=True):
         rows = values[shard.first_key : shard.first_key + shard.keys] if values is not None else None
-        answers.append(ShardSearcher(index, rows, shard).search(queries, fetch, ef))
-    keys, sims, positions, rows = merge_answers(answers, n)
-    carried = ValueRows(rows) if rows is not None else None
-    rankings = rank(manifest, positions, sims, view.labels_of_keys(keys), carried, ks, exclude, fusion)
+        terms = None
+        if lexical:  # the shard holds only its own keys' term vectors
+            terms = KeyTerms(lexical[0].rows[shard.first_key : shard.first_key + shard.keys], shard.first_key)
+        searcher = ShardSearcher(index, rows, shard, key_terms=terms)
+        answers.append(searcher.search(queries, fetch, ef, lexical[1] if lexical else None))
+    merged = merge_answers(answers, n)
+    carried = ValueRows(merged.rows) if merged.rows is not None else None
+    key_labels = view.labels_of_keys(merged.keys)
+    rankings = rank(manifest, merged.positions, merged.sims, key_labels, carried, ks, exclude, fusion, merged.lexical)
     return rankings, max(a.ef for a in answers)
 
 
@@ -89,9 +100,30 @@ def test_a_fused_ranking_is_the_same_on_shards(sizes):
     check_distributed_equals_single_process("rae_memory", sizes, ScoreFusion(random_tree(depth=5), log_frequency))
 
 
-def check_distributed_equals_single_process(kind, sizes, fusion):
+WORDS = ["libc6", "python3", "numpy", "tryton", "sale", "stock", "module", "gnu", "library", "shared", "data", "tools"]
+
+
+@pytest.mark.parametrize("sizes", [[60], [4, 50, 6]])
+def test_a_lexically_fused_ranking_is_the_same_on_shards(sizes):
+    tree = random_tree(depth=5, features=FEATURE_SETS[1])
+    check_distributed_equals_single_process("rae_memory", sizes, tree, lexical=True)
+
+
+def random_texts(rng: np.random.Generator, count: int) -> list[str]:
+    return [" ".join(rng.choice(WORDS, int(rng.integers(1, 5)))) for _ in range(count)]
+
+
+def check_distributed_equals_single_process(kind, sizes, fusion, lexical=False):
+    """``fusion``: None, a fusion, or (with ``lexical``) the tree of a lexical one, whose lexicon
+    is fitted on random texts of the keys."""
     rng = np.random.default_rng(sum(sizes))
     keys, indexes, shards, values, manifest, view = build(kind, sizes, rng)
+    key_terms = None
+    if lexical:
+        texts = random_texts(rng, len(keys))
+        lexicon = Lexicon.fit(default_encoder_dir() / "tokenizer.json", 32, texts)
+        fusion = ScoreFusion(fusion, np.zeros(RAE_LABELS, np.float32), lexicon)
+        key_terms = KeyTerms(lexicon.rows(texts))
     for trial in range(30):
         picked = keys[rng.integers(0, len(keys), int(rng.integers(1, 4)))]
         queries = picked + rng.normal(scale=0.05, size=picked.shape).astype(np.float32)
@@ -100,8 +132,9 @@ def check_distributed_equals_single_process(kind, sizes, fusion):
         ks = [int(rng.integers(1, 12))] * len(queries)
         ef = [16, 5, 1000][trial % 3]
         exclude = [set(rng.choice(view.num_labels, int(rng.integers(0, 4)), replace=False).tolist()) for _ in ks]
-        expected, expected_ef = single_process(indexes, manifest, view, queries, ks, ef, exclude, fusion)
-        got, got_ef = distributed(indexes, shards, values, manifest, view, queries, ks, ef, exclude, fusion)
+        terms = (key_terms, lexicon.query_terms(random_texts(rng, len(queries)))) if lexical else None
+        expected, expected_ef = single_process(indexes, manifest, view, queries, ks, ef, exclude, fusion, terms)
+        got, got_ef = distributed(indexes, shards, values, manifest, view, queries, ks, ef, exclude, fusion, terms)
         assert got_ef == expected_ef
         for a, b in zip(expected, got, strict=True):
             assert a.ids.tolist() == b.ids.tolist() and a.scores.tolist() == b.scores.tolist()
@@ -117,11 +150,11 @@ def test_a_shard_answers_each_request_of_a_batch_as_if_alone():
     for _ in range(20):
         vectors = keys[rng.integers(0, len(keys), len(asks))] + rng.normal(scale=0.3, size=(len(asks), DIM))
         vectors = (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).astype(np.float32)
-        requests = [(vectors[i : i + 1], fetch, ef) for i, (fetch, ef) in enumerate(asks)]
-        for (one, fetch, ef), answer in zip(requests, searcher.search_many(requests), strict=True):
-            alone = searcher.search(one, fetch, ef)
+        requests = [ShardQuery(vectors[i : i + 1], fetch, ef) for i, (fetch, ef) in enumerate(asks)]
+        for request, answer in zip(requests, searcher.search_many(requests), strict=True):
+            alone = searcher.search(request.vectors, request.fetch, request.ef)
             assert answer.ef == alone.ef
-            assert answer.keys[:, :fetch].tolist() == alone.keys[:, :fetch].tolist()
+            assert answer.keys[:, : request.fetch].tolist() == alone.keys[:, : request.fetch].tolist()
 
 
 def test_split_keeps_each_requests_value_rows():

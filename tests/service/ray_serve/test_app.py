@@ -25,9 +25,11 @@ from ray._private import ray_constants
 from ray.cluster_utils import Cluster
 
 from export.build import ExportParams, build_bundle
+from export.fuse import fuse_bundle
 from service.engine import load_predictor
 from service.ray_serve import build_app
 from training.data import load_jsonl_split
+from training.params import HOLDOUT_FILE
 
 HOST = "127.0.0.1"
 SHARDS = 2
@@ -48,10 +50,15 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def sharded_bundle(sample_dir, distilbert_dir, tmp_path_factory):
+    """An RAE memory of the sample in two shards with a lexical score fusion: the ingress ranks
+    what the shards answer, their keys' lexical similarities included."""
     train = load_jsonl_split(sample_dir, "trn")
-    out = tmp_path_factory.mktemp("ray") / "rae-2-shards"
-    params = ExportParams(dim=16, max_train=300, rae_top_b=50, shards=SHARDS)
-    build_bundle(out, train.labels, train, distilbert_dir, params)
+    source = tmp_path_factory.mktemp("ray") / "rae-2-shards"
+    build_bundle(source, train.labels, train, distilbert_dir, ExportParams(dim=16, rae_top_b=50, shards=SHARDS))
+    run = tmp_path_factory.mktemp("run")
+    (run / HOLDOUT_FILE).write_text("\n".join(train.uids[::20]))
+    out = source.with_name("rae-2-shards-fused")
+    fuse_bundle(source, run, train, out)
     return out
 
 
@@ -130,6 +137,7 @@ def test_the_sharded_answers_equal_the_single_process(cluster, sharded_bundle, q
     _, _, url = cluster
     texts, exclude = queries
     single = load_predictor(sharded_bundle)
+    assert single.bundle.fusion.lexicon is not None  # the shards answer their keys' lexical similarities
     expected = single.predict(texts, 10, exclude=[single.view.label_ids(e) for e in exclude])
     answer = httpx.post(f"{url}/predict", json={"texts": texts, "k": 10, "exclude": exclude}, timeout=30)
     assert answer.status_code == 200, answer.text

@@ -1,0 +1,143 @@
+"""Lexical similarity of a query to the memory's keys, a signal the dense vectors blur.
+
+Short XMC texts (package names, product titles) share literal pieces with their labels and with
+the training instances that carry them (``tryton-modules-sale`` → ``tryton-modules-stock``), which
+is what the TF-IDF peers (Parabel, Bonsai, XR-Linear) rank by. The score fusion
+(:mod:`service.engine.fusion`) reads, for each key a query retrieves, the idf-weighted cosine of
+their term sets:
+
+    lex(q, key) = Σ_{t ∈ T(q) ∩ T(key)} idf_t² / (‖idf·T(q)‖ ‖idf·T(key)‖)
+
+A text's terms T are the word pieces of the bundle's own tokenizer (special tokens left out, at
+most its ``max_length``) and the pairs of consecutive word pieces, hashed into
+:data:`BIGRAM_BUCKETS` ids after the vocabulary: no second tokenizer, the same ids for every
+language the tokenizer knows. ``idf_t = log((n + 1) / (df_t + 1))`` over the n keys of the memory
+the fusion was fitted on (:class:`Lexicon`, stored in the fusion file).
+
+Each key's unit term vector is computed once, at export (:class:`KeyTerms`, one file per shard,
+so a shard of a distributed deployment holds the rows of its own keys and answers the lexical
+similarities of the keys it returns, as it returns their value rows); a key appended to a live
+memory gets its row from its text when it is added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+
+from service.engine.encoder import load_tokenizer
+from service.engine.rae import gather_rows
+
+# Hash buckets of word-piece pairs (term ids vocab_size .. vocab_size + BIGRAM_BUCKETS − 1).
+BIGRAM_BUCKETS = 1 << 20
+_PAIR_HASH = 1_000_003
+
+
+@dataclass(frozen=True)
+class QueryTerms:
+    """One text's unit term vector: sorted term ids and their weights."""
+
+    ids: np.ndarray
+    weights: np.ndarray
+
+
+class Lexicon:
+    """The term space (the tokenizer's vocabulary + hashed pairs) and its idf weights."""
+
+    def __init__(self, tokenizer_path: Path, max_length: int, idf: np.ndarray):
+        self.tokenizer, _ = load_tokenizer(tokenizer_path, max_length)
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        if idf.shape != (self.vocab_size + BIGRAM_BUCKETS,) or not np.all(np.isfinite(idf)) or np.any(idf < 0):
+            raise ValueError(f"idf must be {self.vocab_size + BIGRAM_BUCKETS} finite non-negative weights")
+        self.idf = idf.astype(np.float32)
+
+    @classmethod
+    def fit(cls, tokenizer_path: Path, max_length: int, texts: list[str]) -> Lexicon:
+        """The idf of ``texts`` (the memory's keys)."""
+        tokenizer, _ = load_tokenizer(tokenizer_path, max_length)
+        rows = term_rows(tokenizer, texts)
+        document_frequency = np.bincount(rows.indices, minlength=rows.shape[1])
+        return cls(tokenizer_path, max_length, np.log((len(texts) + 1) / (document_frequency + 1)))
+
+    def rows(self, texts: list[str]) -> sp.csr_matrix:
+        """The unit idf-weighted term vectors of ``texts`` (texts x terms, float32; a text with
+        no terms has an empty row)."""
+        rows = term_rows(self.tokenizer, texts)
+        rows.data = self.idf[rows.indices]
+        norms = np.sqrt(np.asarray(rows.multiply(rows).sum(axis=1)).ravel())
+        scale = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0).astype(np.float32)
+        rows.data *= np.repeat(scale, np.diff(rows.indptr))
+        return rows
+
+    def query_terms(self, texts: list[str]) -> list[QueryTerms]:
+        rows = self.rows(texts)
+        return [
+            QueryTerms(rows.indices[start:end].astype(np.int64), rows.data[start:end])
+            for start, end in zip(rows.indptr[:-1], rows.indptr[1:], strict=True)
+        ]
+
+
+def term_rows(tokenizer, texts: list[str]) -> sp.csr_matrix:
+    """Binary (texts x terms) CSR with sorted term ids per row: each text's word pieces
+    (special tokens left out) and its hashed pairs of consecutive word pieces."""
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    indptr, parts = [0], []
+    for encoding in tokenizer.encode_batch(texts):
+        ids = np.asarray(encoding.ids, dtype=np.int64)[np.asarray(encoding.special_tokens_mask) == 0]
+        pairs = vocab_size + (ids[:-1] * _PAIR_HASH + ids[1:]) % BIGRAM_BUCKETS
+        terms = np.unique(np.concatenate([ids, pairs]))
+        parts.append(terms)
+        indptr.append(indptr[-1] + len(terms))
+    indices = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return sp.csr_matrix(
+        (np.ones(len(indices), dtype=np.float32), indices.astype(np.int32), np.asarray(indptr, dtype=np.int64)),
+        shape=(len(texts), vocab_size + BIGRAM_BUCKETS),
+    )
+
+
+@dataclass(frozen=True)
+class KeyTerms:
+    """The unit term vectors of the keys ``first_key`` .. ``first_key + len(rows) − 1`` (a
+    bundle's, or one shard's) and of keys appended after them (a live memory's, ``appended``)."""
+
+    rows: sp.csr_matrix
+    first_key: int = 0
+    appended: sp.csr_matrix | None = None
+
+    def with_appended(self, appended: sp.csr_matrix | None) -> KeyTerms:
+        return self if appended is None else KeyTerms(self.rows, self.first_key, appended)
+
+    def similarities(self, queries: list[QueryTerms], keys: np.ndarray) -> np.ndarray:
+        """``lex(query i, keys[i, j])`` (``nq x n``, float32; 0 for no key, −1)."""
+        parts = [(self.rows, 0)]
+        if self.appended is not None:
+            parts.append((self.appended, self.rows.shape[0]))
+        out = np.zeros(keys.shape, dtype=np.float32)
+        for i, query in enumerate(queries):
+            present = np.flatnonzero(keys[i] >= 0)
+            terms, weights, counts = gather_rows(parts, keys[i][present] - self.first_key)
+            at = np.minimum(np.searchsorted(query.ids, terms), max(len(query.ids) - 1, 0))
+            shared = query.ids[at] == terms if len(query.ids) else np.zeros(len(terms), dtype=bool)
+            products = np.where(shared, weights * query.weights[at] if len(query.ids) else 0.0, 0.0)
+            owner = np.repeat(np.arange(len(present)), counts)
+            out[i, present] = np.bincount(owner, weights=products, minlength=len(present))
+        return out
+
+
+def save_key_terms(path: Path, rows: sp.csr_matrix) -> None:
+    sp.save_npz(path, rows.astype(np.float32), compressed=True)
+
+
+def load_key_terms(path: Path, keys: int, first_key: int = 0) -> KeyTerms:
+    """The key term rows in ``path`` (of the keys ``first_key`` ..), checked to be ``keys`` unit rows."""
+    rows = sp.load_npz(path).tocsr().astype(np.float32)
+    if rows.shape[0] != keys:
+        raise ValueError(f"{path.name}: term vectors of {rows.shape[0]} keys, the shard has {keys}")
+    rows.sort_indices()
+    norms = np.asarray(rows.multiply(rows).sum(axis=1)).ravel()
+    if not np.all(np.isfinite(rows.data)) or not np.all((np.abs(norms - 1) < 1e-3) | (norms == 0)):
+        raise ValueError(f"{path.name}: key term rows must be finite unit vectors")
+    return KeyTerms(rows, first_key)

@@ -1,0 +1,93 @@
+"""service.engine.lexical: a text's terms are its word pieces and their hashed pairs, the idf is
+fitted on the memory's texts, and a key's lexical similarity is the cosine of the two unit
+idf-weighted term vectors, for the bundle's keys and a live memory's appended ones alike."""
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from service.engine.lexical import BIGRAM_BUCKETS, KeyTerms, Lexicon, load_key_terms, save_key_terms, term_rows
+from training.checkpoint import default_encoder_dir
+
+TOKENIZER = default_encoder_dir() / "tokenizer.json"
+MEMORY = [
+    "tryton-modules-sale: Tryton application platform - sale module",
+    "tryton-modules-stock: Tryton application platform - stock module",
+    "libc6: GNU C Library: Shared libraries",
+    "python3-numpy: Fast array facility to the Python 3 language",
+    "python3: interactive high-level object-oriented language",
+]
+
+
+@pytest.fixture(scope="module")
+def lexicon():
+    return Lexicon.fit(TOKENIZER, 128, MEMORY)
+
+
+def test_terms_are_word_pieces_and_hashed_pairs_without_special_tokens(lexicon):
+    encoding = lexicon.tokenizer.encode("libc6 library")
+    pieces = [i for i, special in zip(encoding.ids, encoding.special_tokens_mask, strict=True) if not special]
+    assert len(pieces) < len(encoding.ids)  # [CLS] and [SEP] were there
+    row = term_rows(lexicon.tokenizer, ["libc6 library"])
+    pairs = {
+        lexicon.vocab_size + (a * 1_000_003 + b) % BIGRAM_BUCKETS for a, b in zip(pieces[:-1], pieces[1:], strict=True)
+    }
+    assert set(row.indices.tolist()) == set(pieces) | pairs
+    assert row.shape == (1, lexicon.vocab_size + BIGRAM_BUCKETS)
+
+
+def test_idf_is_fitted_on_the_memory_texts(lexicon):
+    rows = term_rows(lexicon.tokenizer, MEMORY)
+    df = np.bincount(rows.indices, minlength=rows.shape[1])
+    np.testing.assert_allclose(lexicon.idf, np.log((len(MEMORY) + 1) / (df + 1)), rtol=1e-6)
+    shared = lexicon.tokenizer.encode("tryton").ids[1]  # in two of the five texts
+    assert lexicon.idf[shared] == pytest.approx(np.log(6 / 3))
+
+
+def test_a_key_s_similarity_is_the_cosine_of_the_idf_weighted_term_vectors(lexicon):
+    keys = KeyTerms(lexicon.rows(MEMORY))
+    query = "tryton-modules-purchase: Tryton application platform - purchase module"
+    got = keys.similarities(lexicon.query_terms([query]), np.array([[0, 1, 2, 4, -1]]))
+
+    def vector(text):
+        row = term_rows(lexicon.tokenizer, [text]).toarray()[0] * lexicon.idf
+        return row / np.linalg.norm(row)
+
+    expected = [vector(query) @ vector(MEMORY[k]) for k in (0, 1, 2, 4)] + [0.0]
+    np.testing.assert_allclose(got[0], expected, atol=1e-5)
+    assert got[0, 0] > 0.4 and got[0, 2] < 0.05  # a sibling module shares pieces, libc6 does not
+    identical = keys.similarities(lexicon.query_terms([MEMORY[3]]), np.array([[3]]))
+    assert identical[0, 0] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_appended_keys_and_a_shard_s_range_are_scored_alike(lexicon):
+    rows = lexicon.rows(MEMORY)
+    queries, keys = lexicon.query_terms(MEMORY[:2]), np.array([[4, 3, 2], [0, 1, 4]])
+    whole = KeyTerms(rows).similarities(queries, keys)
+    grown = KeyTerms(rows[:3]).with_appended(rows[3:])  # keys 3 and 4 appended to a live memory
+    np.testing.assert_allclose(grown.similarities(queries, keys), whole)
+    shard = KeyTerms(rows[2:], first_key=2)  # a shard holding keys 2..4 answers with global key ids
+    np.testing.assert_allclose(shard.similarities(queries[:1], keys[:1]), whole[:1])
+
+
+def test_a_text_with_no_terms_has_similarity_zero(lexicon):
+    keys = KeyTerms(lexicon.rows(MEMORY + [""]))
+    got = keys.similarities(lexicon.query_terms(["", "libc6"]), np.array([[0, 5], [2, 5]]))
+    assert got[0].tolist() == [0.0, 0.0] and got[1, 0] > 0 and got[1, 1] == 0.0
+
+
+def test_key_term_files_round_trip_and_are_checked(lexicon, tmp_path):
+    rows = lexicon.rows(MEMORY)
+    save_key_terms(tmp_path / "lexical.npz", rows)
+    loaded = load_key_terms(tmp_path / "lexical.npz", len(MEMORY), first_key=7)
+    assert loaded.first_key == 7 and (loaded.rows != rows).nnz == 0
+    with pytest.raises(ValueError, match="of 5 keys, the shard has 4"):
+        load_key_terms(tmp_path / "lexical.npz", 4)
+    save_key_terms(tmp_path / "scaled.npz", sp.csr_matrix(rows * 2))
+    with pytest.raises(ValueError, match="unit vectors"):
+        load_key_terms(tmp_path / "scaled.npz", len(MEMORY))
+
+
+def test_an_idf_of_the_wrong_size_is_refused(lexicon):
+    with pytest.raises(ValueError, match="idf must be"):
+        Lexicon(TOKENIZER, 128, lexicon.idf[:-1])
