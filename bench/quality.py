@@ -16,8 +16,9 @@ comparison uses) and, beside it, as a caller's ``exclude`` before aggregation
 * ``xmcserve-unidec-de-32d`` / ``xmcserve-unidec-clf-32d``: its halves served alone;
 * ``xmcserve-unidec-rae-64d``: the trained encoder as an RAE memory at the best dev λ of a sweep
   (each λ is a derived bundle: same encoder and index, new value matrix);
-* ``xmcserve-unidec-rae-64d-fused``: that memory with a score fusion (:mod:`export.fuse`) fitted
-  on the run's held-out training instances, when the run kept some out (``holdout``).
+* ``xmcserve-unidec-rae-64d-fused``: that memory with a score fusion (:mod:`export.fuse`, lexical
+  features included) fitted on the run's held-out training instances, when the run kept some out
+  (``holdout``); ``…-fused-rae-features``: the same fusion without the lexical features (ablation).
 
 The trained checkpoint comes from ``--run`` (trained first with ``--config`` when it has none);
 its ``train_seconds`` is the run's own measurement (cache building + epochs). Writes the JSON,
@@ -215,7 +216,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 PRETRAINED_ROWS = ("minilm-zero-shot-de", "minilm-rae")
-TRAINED_SUFFIXES = ("-64d", "-de-32d", "-clf-32d", "-rae-64d", "-rae-64d-fused", "-rae-64d-int8")
+TRAINED_SUFFIXES = (
+    "-64d",
+    "-de-32d",
+    "-clf-32d",
+    "-rae-64d",
+    "-rae-64d-fused",
+    "-rae-64d-fused-rae-features",
+    "-rae-64d-int8",
+)
+# The fused rows of a run with held-out instances: (row suffix, lexical features, what the note says).
+FUSIONS = (
+    ("-fused", True, "score fusion (NGAME App. C tree over the RAE and lexical features, export.fuse)"),
+    ("-fused-rae-features", False, "score fusion over the RAE features alone (no lexical features)"),
+)
 
 
 def rows_of_group(args) -> set[str]:
@@ -275,18 +289,18 @@ def trained_rows(args, checkpoint: Path, train, dev, halves: bool, int8: bool) -
         f"b {args.rae_top_b}; {where}",
     )
     if (args.run / HOLDOUT_FILE).is_file():  # the run kept instances out: fuse the chosen memory
-        fused = best_bundle.with_name(f"{best_bundle.name}-fused")
-        if not (fused / "manifest.json").is_file():
-            fuse_bundle(best_bundle, args.run, train, fused, force=True)
-        queries = load_bundle(fused).manifest.fusion.queries
-        systems[f"{args.name}-rae-64d-fused"] = bundle_row(
-            fused,
-            dev,
-            train,
-            train_seconds,
-            f"as {args.name}-rae-64d + score fusion (NGAME App. C tree, export.fuse) fitted on the run's "
-            f"{queries} held-out training instances",
-        )
+        for suffix, lexical, what in FUSIONS:
+            fused = best_bundle.with_name(f"{best_bundle.name}{suffix}")
+            if not (fused / "manifest.json").is_file():
+                fuse_bundle(best_bundle, args.run, train, fused, force=True, lexical=lexical)
+            queries = load_bundle(fused).manifest.fusion.queries
+            systems[f"{args.name}-rae-64d{suffix}"] = bundle_row(
+                fused,
+                dev,
+                train,
+                train_seconds,
+                f"as {args.name}-rae-64d + {what} fitted on the run's {queries} held-out training instances",
+            )
     if int8:  # the serving-speed option: dynamic int8 weights, its quality cost measured on the same split
         out = args.workdir / f"{trained_rae.name}-int8-lambda{best['lambda']:.1f}"
         int8_params = ExportParams(
@@ -325,8 +339,13 @@ def training_ablations(base: Path, runs: list[Path]) -> dict:
 
 
 def fusion_ablation(systems: dict) -> list[dict]:
-    """Served RAE rows with and without their score fusion (peers' protocol)."""
-    return [{"without": name, "with": f"{name}-fused"} for name in systems if f"{name}-fused" in systems]
+    """Served RAE rows without a score fusion, with one over the RAE features alone, and with the
+    lexical features too (peers' protocol)."""
+    rows = []
+    for name in [n for n in systems if f"{n}-fused" in systems]:
+        fused = {f"with{suffix}": f"{name}{suffix}" for suffix, _, _ in FUSIONS if f"{name}{suffix}" in systems}
+        rows.append({"without": name, **fused})
+    return rows
 
 
 def ablation_markdown(systems: dict, ablations: dict | None) -> str:
@@ -335,13 +354,14 @@ def ablation_markdown(systems: dict, ablations: dict | None) -> str:
     if pairs:
         lines += [
             "",
-            "Score fusion on / off (served bundles, filter after ranking):",
+            "Score fusion off / over the RAE features / with the lexical features too (served bundles, filter "
+            "after ranking):",
             "",
             "| bundle | P@1 | P@5 | PSP@5 | R@100 |",
             "| --- | ---: | ---: | ---: | ---: |",
         ]
         for pair in pairs:
-            for name in (pair["without"], pair["with"]):
+            for name in (pair[key] for key in ("without", "with-fused-rae-features", "with-fused") if key in pair):
                 lines.append(f"| {name} | " + " | ".join(f"{systems[name][m]:.2f}" for m in HEADLINE) + " |")
     if ablations:
         lines += [

@@ -73,28 +73,36 @@ class Lexicon:
         return rows
 
     def query_terms(self, texts: list[str]) -> list[QueryTerms]:
-        rows = self.rows(texts)
-        return [
-            QueryTerms(rows.indices[start:end].astype(np.int64), rows.data[start:end])
-            for start, end in zip(rows.indptr[:-1], rows.indptr[1:], strict=True)
-        ]
+        """Each text's unit term vector, as :meth:`rows` has it; plain arrays, since a served
+        query is one or a few texts and building a sparse matrix for them costs more than the rest."""
+        out = []
+        for ids in term_ids(self.tokenizer, texts):
+            weights = self.idf[ids]
+            norm = float(np.sqrt(np.dot(weights, weights)))
+            out.append(QueryTerms(ids, weights / norm if norm > 0 else np.zeros_like(weights)))
+        return out
 
 
-def term_rows(tokenizer, texts: list[str]) -> sp.csr_matrix:
-    """Binary (texts x terms) CSR with sorted term ids per row: each text's word pieces
-    (special tokens left out) and its hashed pairs of consecutive word pieces."""
+def term_ids(tokenizer, texts: list[str]) -> list[np.ndarray]:
+    """Each text's sorted, distinct term ids: its word pieces (special tokens left out) and its
+    hashed pairs of consecutive word pieces."""
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    indptr, parts = [0], []
+    terms = []
     for encoding in tokenizer.encode_batch(texts):
         ids = np.asarray(encoding.ids, dtype=np.int64)[np.asarray(encoding.special_tokens_mask) == 0]
         pairs = vocab_size + (ids[:-1] * _PAIR_HASH + ids[1:]) % BIGRAM_BUCKETS
-        terms = np.unique(np.concatenate([ids, pairs]))
-        parts.append(terms)
-        indptr.append(indptr[-1] + len(terms))
+        terms.append(np.unique(np.concatenate([ids, pairs])))
+    return terms
+
+
+def term_rows(tokenizer, texts: list[str]) -> sp.csr_matrix:
+    """Binary (texts x terms) CSR of :func:`term_ids`, term ids sorted per row."""
+    parts = term_ids(tokenizer, texts)
+    indptr = np.concatenate([[0], np.cumsum([len(t) for t in parts])]).astype(np.int64)
     indices = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     return sp.csr_matrix(
-        (np.ones(len(indices), dtype=np.float32), indices.astype(np.int32), np.asarray(indptr, dtype=np.int64)),
-        shape=(len(texts), vocab_size + BIGRAM_BUCKETS),
+        (np.ones(len(indices), dtype=np.float32), indices.astype(np.int32), indptr),
+        shape=(len(texts), tokenizer.get_vocab_size(with_added_tokens=True) + BIGRAM_BUCKETS),
     )
 
 

@@ -91,3 +91,11 @@ def test_key_term_files_round_trip_and_are_checked(lexicon, tmp_path):
 def test_an_idf_of_the_wrong_size_is_refused(lexicon):
     with pytest.raises(ValueError, match="idf must be"):
         Lexicon(TOKENIZER, 128, lexicon.idf[:-1])
+
+
+def test_a_query_s_terms_are_its_row_of_the_key_term_matrix(lexicon):
+    texts = [*MEMORY, "", "libc6 libc6 library"]
+    rows = lexicon.rows(texts)
+    for i, query in enumerate(lexicon.query_terms(texts)):
+        np.testing.assert_array_equal(query.ids, rows.indices[rows.indptr[i] : rows.indptr[i + 1]])
+        np.testing.assert_allclose(query.weights, rows.data[rows.indptr[i] : rows.indptr[i + 1]], rtol=1e-6)

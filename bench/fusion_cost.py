@@ -1,0 +1,96 @@
+"""What a score fusion costs a served query: the same RAE memory without a fusion, with one over
+the RAE features and with the lexical features too, measured in alternating rounds in one run.
+
+    python -m bench.fusion_cost --bundle none=bundles/quality/…-lambda0.3 \
+        --bundle rae-features=bundles/quality/…-lambda0.3-fused-rae-features \
+        --bundle lexical=bundles/quality/…-lambda0.3-fused [--rounds 2] [--requests 400]
+
+Each round serves every bundle in turn (a real uvicorn process on 127.0.0.1, one client, single
+texts of the dev split, k 10, as :mod:`bench.idle_latency`) and times the service's stages in
+process on the same texts. Alternating rounds keep a slow minute of this shared VM from landing on
+one bundle only. The dev metrics and batched throughput of the same bundles are in
+``quality-debian-dev.json`` (``queries_per_second``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+from datetime import date
+from pathlib import Path
+
+from bench.idle_latency import http_latencies, percentiles, stage_medians
+from bench.localserver import start_server, stop_server
+from training.data import load_jsonl_split
+
+
+def named_bundle(value: str) -> tuple[str, Path]:
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    return name, Path(path)
+
+
+def measure(bundle: Path, texts: list[str]) -> dict:
+    """HTTP latency of single texts and the in-process stage medians of one bundle."""
+    server = start_server(bundle, Path("/tmp/xmcserve-bench-fusion-cost.log"))
+    try:
+        http_ms = http_latencies(server.url, texts)
+    finally:
+        stop_server(server)
+    return {
+        "requests": len(http_ms),
+        "http_ms": percentiles(http_ms),
+        "in_process_stage_median_ms": stage_medians(bundle, texts[:200]),
+    }
+
+
+def summary(runs: list[dict]) -> dict:
+    """Per-bundle medians over the rounds of HTTP p50 and each stage's median."""
+    stages = runs[0]["in_process_stage_median_ms"]
+    return {
+        "http_p50_ms": round(statistics.median(r["http_ms"]["p50"] for r in runs), 2),
+        "stage_median_ms": {
+            stage: round(statistics.median(r["in_process_stage_median_ms"][stage] for r in runs), 3) for stage in stages
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--bundle",
+        type=named_bundle,
+        action="append",
+        required=True,
+        help="NAME=PATH of a bundle to measure (repeat; the same memory with and without its fusions)",
+    )
+    parser.add_argument("--data", type=Path, default=Path("../shared/data/debian-related"), help="dataset dir")
+    parser.add_argument("--requests", type=int, default=400, help="single-text requests per bundle and round")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds over the bundles")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/fusion-cost.json"), help="result JSON")
+    args = parser.parse_args(argv)
+    texts = load_jsonl_split(args.data, "dev").texts[: args.requests]
+    runs: dict[str, list[dict]] = {name: [] for name, _ in args.bundle}
+    for round_number in range(1, args.rounds + 1):
+        for name, bundle in args.bundle:
+            print(f"round {round_number}: {name}", flush=True)
+            runs[name].append({"round": round_number, "bundle": str(bundle), **measure(bundle, texts)})
+    result = {
+        "what": "idle single-query cost of a score fusion, same memory, bundles served in alternating rounds",
+        "date": date.today().isoformat(),
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "summary": {name: summary(r) for name, r in runs.items()},
+        "runs": runs,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["summary"], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
