@@ -12,7 +12,8 @@ Failure and load, as the ingress answers them (never a 500, never a hang):
   → ``503`` with ``Retry-After``, naming the part. Answers are never partial: a result missing a
   shard could silently lack the best labels.
 * a call silent past ``attempt_timeout_ms`` (a replica on a lost node, not yet declared dead)
-  → hedged: a second send while the first runs, the first answer wins; a replica found lost →
+  → hedged: another send while the first runs (and one more after another such wait), the
+  first answer wins; a replica found lost →
   sent again, for as long as the deadline allows (:mod:`service.ray_serve.calls`).
 * a full queue: the ingress's own (``max_queued_requests``, answered by Serve's proxy) or a
   part's → ``503`` with ``Retry-After``.

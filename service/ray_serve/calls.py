@@ -1,10 +1,12 @@
 """Calls from the ingress to a part of the deployment (the encoder, a shard), with a deadline.
 
-A call still unanswered after ``attempt_timeout_s`` is **hedged**: a second send goes out while
-the first keeps running, and whichever answers first wins ("The Tail at Scale"). A replica on a
-node that was just lost is silent until Ray declares the node dead (seconds later); the hedge
-reaches another replica meanwhile, and a slow but live replica still answers (its answer is
-taken if it comes first, and its work is not thrown away to start again at the back of a queue).
+A call still unanswered after ``attempt_timeout_s`` is **hedged**: another send goes out while
+the earlier ones keep running, and whichever answers first wins ("The Tail at Scale"); one more
+goes out each ``attempt_timeout_s`` after that, up to :data:`MAX_IN_FLIGHT` at once. A replica on
+a node that was just lost is silent until Ray declares the node dead (seconds later), and Serve
+may route a hedge to that same replica until then: each further hedge is one more chance of a
+live one. A slow but live replica still answers (its answer is taken if it comes first, and its
+work is not thrown away to start again at the back of a queue).
 
 A send whose replica is found lost (its actor, worker or node died, or its answer's object was
 lost with the node) is sent again, after a short pause, for as long as the deadline allows: Serve
@@ -38,8 +40,9 @@ REPLICA_LOST = (
     ObjectLostError,
     ReplicaUnavailableError,
 )
-# Sends of one call in flight at once: the first and its hedge.
-MAX_IN_FLIGHT = 2
+# Sends of one call in flight at once: the first and two hedges. With one replica of two lost,
+# a hedge lands on the silent one about half the time until Serve drops it from its routing.
+MAX_IN_FLIGHT = 3
 # Pause before sending again after a lost replica, growing with each loss (Serve's routing
 # table needs a moment to drop the dead replica).
 LOST_BACKOFF_S = 0.05

@@ -68,9 +68,9 @@ def test_shadow_settings_reach_the_worker(monkeypatch, tmp_path):
     }.items():
         monkeypatch.setenv(name, value)
     mirror = build_shadow(Settings(), Metrics())
-    spec = mirror._worker.spec
-    assert spec.config["batch_texts"] == 8 and spec.config["timeout_s"] == 0.25 and spec.config["fraction"] == 0.5
-    assert spec.url == "http://127.0.0.1:9" and spec.log["path"] == str(tmp_path / "s.jsonl")
+    worker = mirror._worker
+    assert worker.config.batch_texts == 8 and worker.config.timeout_s == 0.25 and worker.config.fraction == 0.5
+    assert worker.url == "http://127.0.0.1:9" and worker.config.log == tmp_path / "s.jsonl"
     assert mirror.target == "http://127.0.0.1:9"
 
 

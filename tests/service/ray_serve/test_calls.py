@@ -9,7 +9,7 @@ import pytest
 from ray.exceptions import ActorDiedError, ObjectLostError
 from ray.serve.exceptions import BackPressureError
 
-from service.ray_serve.calls import PartCaller, PartUnavailable
+from service.ray_serve.calls import MAX_IN_FLIGHT, PartCaller, PartUnavailable
 
 
 class FakeResponse:
@@ -61,10 +61,11 @@ def test_a_silent_send_is_hedged_and_the_first_answer_wins():
 def test_a_slow_live_send_still_answers_after_the_hedge():
     async def scenario():
         slow_release, hedge_release = asyncio.Event(), asyncio.Event()
-        send, sent = sender([FakeResponse("first", release=slow_release), FakeResponse("hedge", release=hedge_release)])
+        hedges = [FakeResponse("hedge", release=hedge_release) for _ in range(2)]
+        send, sent = sender([FakeResponse("first", release=slow_release), *hedges])
         caller = PartCaller(attempt_timeout_s=0.01)
         running = asyncio.ensure_future(call(caller, send))
-        while len(sent) < 2:  # the hedge went out; the first is still running, not cancelled
+        while len(sent) < MAX_IN_FLIGHT:  # both hedges went out; the first is still running, not cancelled
             await asyncio.sleep(0.005)
         assert not sent[0].cancelled
         slow_release.set()
@@ -72,7 +73,7 @@ def test_a_slow_live_send_still_answers_after_the_hedge():
         return answer, sent
 
     answer, sent = asyncio.run(scenario())
-    assert answer == "first" and sent[1].cancelled and len(sent) == 2  # no third send
+    assert answer == "first" and all(hedge.cancelled for hedge in sent[1:]) and len(sent) == MAX_IN_FLIGHT
 
 
 def test_lost_replicas_are_sent_again_beyond_any_fixed_count():
@@ -95,14 +96,14 @@ def test_a_full_queue_and_an_error_end_the_call_at_once():
 
 
 def test_no_answer_by_the_deadline_is_part_unavailable_and_cancels_what_runs():
-    silent = [FakeResponse(release=asyncio.Event()) for _ in range(2)]
-    send, sent = sender(silent)
+    silent = [FakeResponse(release=asyncio.Event()) for _ in range(MAX_IN_FLIGHT)]
+    send, sent = sender(silent)  # a send past MAX_IN_FLIGHT would find no response and fail the call
     failures = []
     caller = PartCaller(attempt_timeout_s=0.01, on_failure=lambda part, reason: failures.append(reason))
     with pytest.raises(PartUnavailable, match="within the request's deadline"):
         asyncio.run(call(caller, send, within_s=0.1))
-    assert len(sent) == 2 and all(response.cancelled for response in sent)  # one hedge, no more
-    assert failures == ["hedged", "timeout"]
+    assert len(sent) == MAX_IN_FLIGHT and all(response.cancelled for response in sent)  # no more hedges
+    assert failures == ["hedged"] * (MAX_IN_FLIGHT - 1) + ["timeout"]
 
 
 def test_a_send_that_raises_at_once_counts_like_one_that_fails_later():
