@@ -22,9 +22,10 @@ import statistics
 from datetime import date
 from pathlib import Path
 
-from bench.idle_latency import http_latencies, percentiles, stage_medians
-from bench.localserver import start_server, stop_server
+from bench.idle_latency import measure
 from training.data import load_jsonl_split
+
+SERVER_LOG = Path("/tmp/xmcserve-bench-fusion-cost.log")
 
 
 def named_bundle(value: str) -> tuple[str, Path]:
@@ -32,20 +33,6 @@ def named_bundle(value: str) -> tuple[str, Path]:
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
     return name, Path(path)
-
-
-def measure(bundle: Path, texts: list[str]) -> dict:
-    """HTTP latency of single texts and the in-process stage medians of one bundle."""
-    server = start_server(bundle, Path("/tmp/xmcserve-bench-fusion-cost.log"))
-    try:
-        http_ms = http_latencies(server.url, texts)
-    finally:
-        stop_server(server)
-    return {
-        "requests": len(http_ms),
-        "http_ms": percentiles(http_ms),
-        "in_process_stage_median_ms": stage_medians(bundle, texts[:200]),
-    }
 
 
 def summary(runs: list[dict]) -> dict:
@@ -78,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     for round_number in range(1, args.rounds + 1):
         for name, bundle in args.bundle:
             print(f"round {round_number}: {name}", flush=True)
-            runs[name].append({"round": round_number, "bundle": str(bundle), **measure(bundle, texts)})
+            runs[name].append({"round": round_number, "bundle": str(bundle), **measure(bundle, texts, SERVER_LOG)})
     result = {
         "what": "idle single-query cost of a score fusion, same memory, bundles served in alternating rounds",
         "date": date.today().isoformat(),

@@ -55,6 +55,21 @@ def stage_medians(bundle_dir: Path, texts: list[str]) -> dict[str, float]:
     return {stage: round(statistics.median(v), 3) for stage, v in per_stage.items()}
 
 
+def measure(bundle_dir: Path, texts: list[str], server_log: Path) -> dict:
+    """Client-side latency of ``texts`` sent one at a time to a served ``bundle_dir``, and the
+    in-process stage medians on the first 200 of them."""
+    server = start_server(bundle_dir, server_log)
+    try:
+        http_ms = http_latencies(server.url, texts)
+    finally:
+        stop_server(server)
+    return {
+        "requests": len(http_ms),
+        "http_ms": percentiles(http_ms),
+        "in_process_stage_median_ms": stage_medians(bundle_dir, texts[:200]),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", type=Path, default=Path("bundles/default"))
@@ -63,16 +78,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/idle-latency.json"))
     args = parser.parse_args()
     texts = load_jsonl_split(args.data, "dev").texts[: args.requests]
-    server = start_server(args.bundle, Path("/tmp/xmcserve-bench-idle.log"))
-    try:
-        http_ms = http_latencies(server.url, texts)
-    finally:
-        stop_server(server)
     result = {
         "bundle": str(args.bundle),
-        "requests": len(http_ms),
-        "http_ms": percentiles(http_ms),
-        "in_process_stage_median_ms": stage_medians(args.bundle, texts[:200]),
+        **measure(args.bundle, texts, Path("/tmp/xmcserve-bench-idle.log")),
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

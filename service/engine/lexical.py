@@ -64,17 +64,15 @@ class Lexicon:
 
     def rows(self, texts: list[str]) -> sp.csr_matrix:
         """The unit idf-weighted term vectors of ``texts`` (texts x terms, float32; a text with
-        no terms has an empty row)."""
-        rows = term_rows(self.tokenizer, texts)
-        rows.data = self.idf[rows.indices]
-        norms = np.sqrt(np.asarray(rows.multiply(rows).sum(axis=1)).ravel())
-        scale = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0).astype(np.float32)
-        rows.data *= np.repeat(scale, np.diff(rows.indptr))
-        return rows
+        no terms has an empty row): :meth:`query_terms` as one matrix."""
+        terms = self.query_terms(texts)
+        indptr = np.concatenate([[0], np.cumsum([len(t.ids) for t in terms])]).astype(np.int64)
+        indices = np.concatenate([t.ids for t in terms]) if terms else np.zeros(0, dtype=np.int64)
+        data = np.concatenate([t.weights for t in terms]) if terms else np.zeros(0, dtype=np.float32)
+        return sp.csr_matrix((data, indices.astype(np.int32), indptr), shape=(len(texts), len(self.idf)))
 
     def query_terms(self, texts: list[str]) -> list[QueryTerms]:
-        """Each text's unit term vector, as :meth:`rows` has it; plain arrays, since a served
-        query is one or a few texts and building a sparse matrix for them costs more than the rest."""
+        """Each text's unit term vector: its terms' idf, scaled to norm 1 (all 0 when it has none)."""
         out = []
         for ids in term_ids(self.tokenizer, texts):
             weights = self.idf[ids]
