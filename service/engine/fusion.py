@@ -49,7 +49,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from service.engine.lexical import Lexicon
-from service.engine.rae import KeptKeys, ValueRows, key_weights, softmax
+from service.engine.rae import KeptKeys, ValueRows
 
 FEATURES = (
     "instance_vote",
@@ -182,8 +182,7 @@ class ScoreFusion:
         """φ (columns :attr:`features`) of every label stored in ``scores``, in its storage order."""
         if self.lexicon is not None and any(row.lexical is None for row in kept):
             raise ValueError("this fusion's lexical features need the retrieved keys' lexical similarities")
-        per_query = batch_features(scores, kept, values, tau, self.log_frequency, self.lexicon is not None)
-        return np.concatenate([np.zeros((0, len(self.features))), *per_query])
+        return batch_features(scores, kept, values, tau, self.log_frequency, self.lexicon is not None)
 
 
 def batch_features(
@@ -193,112 +192,136 @@ def batch_features(
     tau: float,
     log_frequency: np.ndarray,
     lexical: bool = False,
-) -> list[np.ndarray]:
-    """Per query, φ of each label stored in its row of ``scores`` (in the row's order), from the
-    same kept keys (:func:`~service.engine.rae.keep_keys`) that gave ``scores``; with
-    ``lexical``, the :data:`LEXICAL_FEATURES` columns too."""
-    features = []
-    for i, row in enumerate(kept):
-        start, end = scores.indptr[i], scores.indptr[i + 1]
-        candidates = scores.indices[start:end]
-        carried = values.row_labels(row.keys[row.labels < 0])
-        phi = query_features(candidates, scores.data[start:end], row.sims, row.labels, carried, tau, log_frequency)
-        if lexical:
-            phi = np.concatenate([phi, lexical_features(candidates, row.lexical, row.labels, carried)], axis=1)
-        features.append(phi)
-    return features
-
-
-def candidate_slots(candidates: np.ndarray):
-    """``slots(labels)``: the positions (in ``candidates``) of those of ``labels`` that are
-    candidates, and which of ``labels`` are."""
-    order = np.argsort(candidates, kind="stable")
-    sorted_candidates = candidates[order]
-
-    def slots(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        at = np.minimum(np.searchsorted(sorted_candidates, labels), max(len(candidates) - 1, 0))
-        hit = sorted_candidates[at] == labels if len(candidates) else np.zeros(len(labels), dtype=bool)
-        return order[at[hit]], hit
-
-    return slots
-
-
-def lexical_features(
-    candidates: np.ndarray, lexical: np.ndarray, key_labels: np.ndarray, instance_labels: tuple[np.ndarray, np.ndarray]
 ) -> np.ndarray:
-    """The :data:`LEXICAL_FEATURES` (``len(candidates) x 4``) of one query's candidates from its
-    kept keys' lexical similarities (see :func:`query_features` for the other arguments)."""
-    n = len(candidates)
-    slots = candidate_slots(candidates)
-    best, total, vote, own = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
-    instance, label = key_labels < 0, key_labels >= 0
-    if instance.any():
-        carried, per_key = instance_labels
-        at, hit = slots(carried)
-        similarity = np.repeat(lexical[instance], per_key)[hit]
-        np.maximum.at(best, at, similarity)
-        total = np.bincount(at, weights=similarity, minlength=n)
-        weights = np.repeat(softmax(lexical[instance], LEXICAL_TAU), per_key)[hit]
-        vote = np.bincount(at, weights=weights, minlength=n)
-    if label.any():
-        at, hit = slots(key_labels[label])
-        own[at] = lexical[label][hit]
-    return np.stack([best, total, np.log(LOG_FLOOR + vote), own], axis=1)
+    """φ (columns :data:`FEATURES`, then :data:`LEXICAL_FEATURES` with ``lexical``) of every
+    label stored in ``scores``, in its storage order, from the kept keys
+    (:func:`~service.engine.rae.keep_keys`) that gave ``scores``. One pass over the whole batch:
+    every query's keys are laid end to end and each feature is one grouped numpy operation, so a
+    batch costs about what one query does."""
+    batch = _BatchKeys.of(kept)
+    slots = _StoredSlots(scores)
+    n, nq = scores.nnz, len(kept)
+    row_of_stored = np.repeat(np.arange(nq), np.diff(scores.indptr))
+    instance, label = batch.labels < 0, batch.labels >= 0
+    # the features weigh instances and labels apart ("split"), whatever the bundle's mode
+    weights = grouped_softmax(batch.sims, tau, 2 * batch.query + label, 2 * nq)
 
+    carried, per_key = values.row_labels(batch.keys[instance])
+    at, hit = slots(np.repeat(batch.query[instance], per_key), carried)
 
-def query_features(
-    candidates: np.ndarray,
-    rae_scores: np.ndarray,
-    sims: np.ndarray,
-    key_labels: np.ndarray,
-    instance_labels: tuple[np.ndarray, np.ndarray],
-    tau: float,
-    log_frequency: np.ndarray,
-) -> np.ndarray:
-    """φ (``len(candidates) x len(FEATURES)``) of one query's candidate labels from its kept keys'
-    similarities and label ids (−1: an instance key) and the labels its instance keys carry
-    (:meth:`~service.engine.rae.ValueRows.row_labels`: concatenated, and a count per key)."""
-    slots = candidate_slots(candidates)
-    n = len(candidates)
-    instance, label = key_labels < 0, key_labels >= 0
-    weights = key_weights(key_labels, sims, tau, "split") if len(sims) else np.zeros(0)
+    def carried_by(x: np.ndarray) -> np.ndarray:
+        """``x`` of each instance key, once per candidate label it carries."""
+        return np.repeat(x, per_key)[hit]
 
-    vote, votes = np.zeros(n), np.zeros(n)
-    lowest_instance = sims[instance].min() if instance.any() else (sims.min() if len(sims) else 0.0)
-    best_instance = np.full(n, lowest_instance, dtype=np.float64)
-    if instance.any():
-        carried, per_key = instance_labels
-        at, hit = slots(carried)
-        vote = np.bincount(at, weights=np.repeat(weights[instance], per_key)[hit], minlength=n)
-        votes = np.bincount(at, minlength=n).astype(np.float64)
-        np.maximum.at(best_instance, at, np.repeat(sims[instance], per_key)[hit])
+    vote = np.bincount(at, weights=carried_by(weights[instance]), minlength=n)
+    votes = np.bincount(at, minlength=n).astype(np.float64)
+    best_instance = lowest_per_query(batch.sims, instance, batch.query, nq)[row_of_stored]
+    np.maximum.at(best_instance, at, carried_by(batch.sims[instance]))
 
+    own_at, own_hit = slots(batch.query[label], batch.labels[label])
     match = np.zeros(n)
-    lowest_label = sims[label].min() if label.any() else (sims.min() if len(sims) else 0.0)
-    similarity = np.full(n, lowest_label, dtype=np.float64)
+    match[own_at] = weights[label][own_hit]
+    similarity = lowest_per_query(batch.sims, label, batch.query, nq)[row_of_stored]
+    similarity[own_at] = batch.sims[label][own_hit]
     retrieved = np.zeros(n)
-    if label.any():
-        at, hit = slots(key_labels[label])
-        match[at] = weights[label][hit]
-        similarity[at] = sims[label][hit]
-        retrieved[at] = 1.0
+    retrieved[own_at] = 1.0
 
+    candidates = scores.indices
     known = candidates < len(log_frequency)
     frequency = np.zeros(n)
     frequency[known] = log_frequency[candidates[known]]
-    return np.stack(
-        [
-            np.log(LOG_FLOOR + vote),
-            np.log(LOG_FLOOR + match),
-            similarity,
-            retrieved,
-            frequency,
-            np.log1p(votes),
-            best_instance,
-            rae_scores.astype(np.float64),
-        ],
-        axis=1,
-    )
+    columns = [
+        np.log(LOG_FLOOR + vote),
+        np.log(LOG_FLOOR + match),
+        similarity,
+        retrieved,
+        frequency,
+        np.log1p(votes),
+        best_instance,
+        scores.data.astype(np.float64),
+    ]
+    if lexical:
+        lex = batch.lexical
+        best_lexical = np.zeros(n)
+        np.maximum.at(best_lexical, at, carried_by(lex[instance]))
+        lexical_weights = grouped_softmax(lex[instance], LEXICAL_TAU, batch.query[instance], nq)
+        own_lexical = np.zeros(n)
+        own_lexical[own_at] = lex[label][own_hit]
+        columns += [
+            best_lexical,
+            np.bincount(at, weights=carried_by(lex[instance]), minlength=n),
+            np.log(LOG_FLOOR + np.bincount(at, weights=carried_by(lexical_weights), minlength=n)),
+            own_lexical,
+        ]
+    return np.stack(columns, axis=1)
+
+
+@dataclass(frozen=True)
+class _BatchKeys:
+    """The kept keys of a batch's queries laid end to end, with the query each belongs to."""
+
+    query: np.ndarray
+    keys: np.ndarray
+    sims: np.ndarray
+    labels: np.ndarray
+    lexical: np.ndarray | None
+
+    @classmethod
+    def of(cls, kept: list[KeptKeys]) -> _BatchKeys:
+        def joined(arrays: list[np.ndarray], dtype) -> np.ndarray:
+            return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype)
+
+        lexical = None
+        if all(row.lexical is not None for row in kept):
+            lexical = joined([row.lexical for row in kept], np.float64)
+        return cls(
+            query=np.repeat(np.arange(len(kept)), [len(row.keys) for row in kept]),
+            keys=joined([row.keys for row in kept], np.int64),
+            sims=joined([row.sims for row in kept], np.float64),
+            labels=joined([row.labels for row in kept], np.int64),
+            lexical=lexical,
+        )
+
+
+class _StoredSlots:
+    """Where (query, label) pairs are stored in a batch's score matrix."""
+
+    def __init__(self, scores: sp.csr_matrix):
+        self.width = scores.shape[1]
+        rows = np.repeat(np.arange(scores.shape[0], dtype=np.int64), np.diff(scores.indptr))
+        stored = rows * self.width + scores.indices
+        self.order = np.argsort(stored, kind="stable")
+        self.sorted = stored[self.order]
+
+    def __call__(self, query: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The storage positions of those pairs ``(query[j], labels[j])`` that are stored, and
+        which pairs are."""
+        if not len(self.sorted):
+            return np.zeros(0, dtype=np.int64), np.zeros(len(labels), dtype=bool)
+        wanted = query.astype(np.int64) * self.width + labels
+        at = np.minimum(np.searchsorted(self.sorted, wanted), len(self.sorted) - 1)
+        hit = (self.sorted[at] == wanted) & (labels < self.width)
+        return self.order[at[hit]], hit
+
+
+def grouped_softmax(x: np.ndarray, tau: float, group: np.ndarray, groups: int) -> np.ndarray:
+    """softmax(x / τ) within each group of ``x`` (group ids below ``groups``)."""
+    z = x.astype(np.float64) / tau
+    top = np.full(groups, -np.inf)
+    np.maximum.at(top, group, z)
+    w = np.exp(z - top[group])
+    return w / np.bincount(group, weights=w, minlength=groups)[group]
+
+
+def lowest_per_query(sims: np.ndarray, side: np.ndarray, query: np.ndarray, nq: int) -> np.ndarray:
+    """Each query's lowest similarity among its ``side`` keys; among all its keys when it has none
+    of that side; 0 when it has no key (the value of a feature whose key was not retrieved)."""
+    lowest_any = np.full(nq, np.inf)
+    np.minimum.at(lowest_any, query, sims)
+    lowest = np.full(nq, np.inf)
+    np.minimum.at(lowest, query[side], sims[side])
+    lowest = np.where(np.isinf(lowest), lowest_any, lowest)
+    return np.where(np.isinf(lowest), 0.0, lowest)
 
 
 def memory_log_frequency(values: sp.csr_matrix, num_train: int) -> np.ndarray:

@@ -117,19 +117,25 @@ class KeyTerms:
         return self if appended is None else KeyTerms(self.rows, self.first_key, appended)
 
     def similarities(self, queries: list[QueryTerms], keys: np.ndarray) -> np.ndarray:
-        """``lex(query i, keys[i, j])`` (``nq x n``, float32; 0 for no key, −1)."""
+        """``lex(query i, keys[i, j])`` (``nq x n``, float32; 0 for no key, −1). One pass over the
+        batch: every (query, term) pair is a single id ``i·width + term``, so all queries' terms
+        form one sorted array that every key term is looked up in at once."""
         parts = [(self.rows, 0)]
         if self.appended is not None:
             parts.append((self.appended, self.rows.shape[0]))
         out = np.zeros(keys.shape, dtype=np.float32)
-        for i, query in enumerate(queries):
-            present = np.flatnonzero(keys[i] >= 0)
-            terms, weights, counts = gather_rows(parts, keys[i][present] - self.first_key)
-            at = np.minimum(np.searchsorted(query.ids, terms), max(len(query.ids) - 1, 0))
-            shared = query.ids[at] == terms if len(query.ids) else np.zeros(len(terms), dtype=bool)
-            products = np.where(shared, weights * query.weights[at] if len(query.ids) else 0.0, 0.0)
-            owner = np.repeat(np.arange(len(present)), counts)
-            out[i, present] = np.bincount(owner, weights=products, minlength=len(present))
+        query_of, column = np.nonzero(keys >= 0)
+        terms, weights, counts = gather_rows(parts, keys[query_of, column] - self.first_key)
+        width = self.rows.shape[1]
+        query_ids = np.concatenate([np.zeros(0, dtype=np.int64)] + [q.ids + i * width for i, q in enumerate(queries)])
+        if not len(query_ids) or not len(terms):
+            return out
+        query_weights = np.concatenate([q.weights for q in queries])
+        owner = np.repeat(np.arange(len(query_of)), counts)
+        wanted = query_of[owner] * width + terms
+        at = np.minimum(np.searchsorted(query_ids, wanted), len(query_ids) - 1)
+        products = np.where(query_ids[at] == wanted, weights * query_weights[at], 0.0)
+        out[query_of, column] = np.bincount(owner, weights=products, minlength=len(query_of))
         return out
 
 

@@ -16,12 +16,11 @@ from service.engine.fusion import (
     LOG_FLOOR,
     RegressionTree,
     ScoreFusion,
-    lexical_features,
+    batch_features,
     memory_log_frequency,
-    query_features,
 )
 from service.engine.lexical import Lexicon
-from service.engine.rae import ValueRows, aggregate, aggregate_kept, keep_keys, softmax
+from service.engine.rae import KeptKeys, ValueRows, aggregate, aggregate_kept, keep_keys, softmax
 from training.checkpoint import default_encoder_dir
 
 
@@ -101,9 +100,8 @@ def test_each_feature_is_its_definition_on_a_hand_made_query():
     key_labels = np.array([-1, 1, -1, 3])
     log_frequency = np.log1p(np.array([1.0, 2.0, 1.0, 0.0]))
     scores = aggregate(keys[None], sims[None], key_labels[None], values, tau, 4, [()], "split")
-    candidates, rae = scores.indices, scores.data
-    instance_labels = values.row_labels(keys[key_labels < 0])
-    F = query_features(candidates, rae, sims, key_labels, instance_labels, tau, log_frequency)
+    candidates = scores.indices
+    F = batch_features(scores, [KeptKeys(keys, sims, key_labels)], values, tau, log_frequency)
     column = {name: dict(zip(candidates.tolist(), F[:, j], strict=True)) for j, name in enumerate(FEATURES)}
 
     w_instance = softmax(np.array([0.9, 0.7]), tau)  # instance 0, instance 1
@@ -168,9 +166,12 @@ def test_each_lexical_feature_is_its_definition_on_a_hand_made_query():
     values, _ = memory()
     keys = np.array([0, 3, 1, 5])  # instance 0 (labels 0, 1), label 1, instance 1 (labels 1, 2), label 3
     key_labels = np.array([-1, 1, -1, 3])
+    sims = np.array([0.9, 0.8, 0.7, 0.2], dtype=np.float32)
     lexical = np.array([0.6, 0.3, 0.2, 0.0])
-    candidates = np.array([3, 0, 2, 1])
-    F = lexical_features(candidates, lexical, key_labels, values.row_labels(keys[key_labels < 0]))
+    scores = aggregate(keys[None], sims[None], key_labels[None], values, 0.1, 4, [()], "split")
+    candidates = scores.indices
+    kept = [KeptKeys(keys, sims, key_labels, lexical)]
+    F = batch_features(scores, kept, values, 0.1, np.zeros(4), lexical=True)[:, len(FEATURES) :]
     column = {name: dict(zip(candidates.tolist(), F[:, j], strict=True)) for j, name in enumerate(LEXICAL_FEATURES)}
     w = softmax(np.array([0.6, 0.2]), LEXICAL_TAU)  # instance 0, instance 1
     assert column["instance_lexical_max"] == pytest.approx({0: 0.6, 1: 0.6, 2: 0.2, 3: 0.0})
@@ -225,3 +226,27 @@ def test_lexical_fusion_files_round_trip_and_are_checked(tmp_path):
     ScoreFusion(fusion.tree, np.zeros(5)).save(tmp_path / "no-lexicon.npz")
     with pytest.raises(ValueError, match="does not compute"):
         ScoreFusion.load(tmp_path / "no-lexicon.npz", 5)
+
+
+def test_a_batch_s_features_are_each_query_s_features_alone():
+    """The features are computed for the whole batch at once; no query's may leak into another's,
+    whatever keys each kept (instances only, labels only, none) and whatever it excluded."""
+    values, _ = memory()
+    rng = np.random.default_rng(3)
+    keys = np.array([[0, 3, 1, 5], [2, 4, 3, 5], [0, 1, -1, -1], [-1, -1, -1, -1], [5, 0, 2, 1]])
+    key_labels = np.where(keys >= 2, keys - 2, -1)
+    sims = np.sort(rng.uniform(0, 1, size=keys.shape).astype(np.float32), axis=1)[:, ::-1].copy()
+    lexical = rng.uniform(0, 1, size=keys.shape)
+    excluded = [(), {1}, (), (), {0, 3}]
+    kept = keep_keys(keys, sims, key_labels, excluded, 4, lexical)
+    log_frequency = np.log1p(np.array([1.0, 2.0, 1.0, 0.0]))
+    scores = aggregate_kept(kept, values, 0.1, excluded, "split")
+    batch = batch_features(scores, kept, values, 0.1, log_frequency, lexical=True)
+    assert batch.shape == (scores.nnz, len(FEATURE_SETS[-1]))
+    for i, row in enumerate(kept):
+        alone = aggregate_kept([row], values, 0.1, [excluded[i]], "split")
+        start, end = scores.indptr[i], scores.indptr[i + 1]
+        assert alone.indices.tolist() == scores.indices[start:end].tolist()
+        np.testing.assert_allclose(
+            batch[start:end], batch_features(alone, [row], values, 0.1, log_frequency, lexical=True), rtol=1e-12
+        )

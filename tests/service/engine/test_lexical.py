@@ -70,6 +70,17 @@ def test_appended_keys_and_a_shard_s_range_are_scored_alike(lexicon):
     np.testing.assert_allclose(shard.similarities(queries[:1], keys[:1]), whole[:1])
 
 
+def test_a_batch_s_similarities_are_each_query_s_alone(lexicon):
+    keys = KeyTerms(lexicon.rows(MEMORY))
+    texts = [MEMORY[1], "python3 numpy array", "", "libc6"]
+    queries = lexicon.query_terms(texts)
+    ids = np.array([[0, 1, 2, -1], [3, 4, 0, 1], [2, 3, -1, -1], [2, -1, 4, 0]])
+    batch = keys.similarities(queries, ids)
+    for i in range(len(texts)):
+        np.testing.assert_array_equal(batch[i], keys.similarities(queries[i : i + 1], ids[i : i + 1])[0])
+    assert batch[0, 1] == pytest.approx(1.0, abs=1e-5) and batch[1, 0] > 0.3 and not batch[2].any()
+
+
 def test_a_text_with_no_terms_has_similarity_zero(lexicon):
     keys = KeyTerms(lexicon.rows(MEMORY + [""]))
     got = keys.similarities(lexicon.query_terms(["", "libc6"]), np.array([[0, 5], [2, 5]]))
