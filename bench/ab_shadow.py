@@ -266,24 +266,29 @@ def reload_run(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bundle", type=Path, default=Path("bundles/default"))
+    parser.add_argument("--bundle", type=Path, default=Path("bundles/default"), help="the primary's bundle")
     parser.add_argument(
         "--alt-bundle",
         type=Path,
         default=Path("bundles/default-fp32"),
         help="second bundle (same root): what the shadow serves, and the reload loop's other bundle",
     )
-    parser.add_argument("--data", type=Path, default=Path("data/debian-sample"))
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=Path("data/debian-sample"),
+        help="dataset directory whose dev texts are sent as requests",
+    )
     parser.add_argument("--rps", type=float, default=None, help="offered load; default: --load-share of the peak")
     parser.add_argument("--load-share", type=float, default=0.5, help="offered load as a share of the measured peak")
     parser.add_argument("--segment-seconds", type=float, default=8.0, help="shadow on/off phase length")
     parser.add_argument("--rounds", type=int, default=30, help="off/on pairs per shadow kind")
-    parser.add_argument("--reload-every", type=float, default=4.0)
-    parser.add_argument("--reload-seconds", type=float, default=60.0)
+    parser.add_argument("--reload-every", type=float, default=4.0, help="seconds between reloads in the reload loop")
+    parser.add_argument("--reload-seconds", type=float, default=60.0, help="length of the reload loop, in seconds")
     parser.add_argument("--primary-cpus", default=None, help="pin the primary server, e.g. 0-1")
     parser.add_argument("--shadow-cpus", default=None, help="pin the shadow server, e.g. 2-3")
     parser.add_argument("--loadgen-cpus", default=None, help="pin this process (the load generator)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/ab-shadow.json"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/ab-shadow.json"), help="result JSON file")
     args = parser.parse_args()
     primary_cpus, shadow_cpus = parse_cpus(args.primary_cpus), parse_cpus(args.shadow_cpus)
     if loadgen_cpus := parse_cpus(args.loadgen_cpus):

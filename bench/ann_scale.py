@@ -104,14 +104,21 @@ def measure(n: int, efs: list[int], queries_n: int, m: int, ef_construction: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="42242,250000,1000000")
-    parser.add_argument("--efs", default="50,100,200,300,500")
-    parser.add_argument("--queries", type=int, default=1000)
-    parser.add_argument("--m", type=int, default=32)
-    parser.add_argument("--ef-construction", type=int, default=200)
-    parser.add_argument("--target", type=float, default=0.99)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/ann-scale.json"))
+    parser.add_argument("--sizes", default="42242,250000,1000000", help="comma list of label counts to index")
+    parser.add_argument("--efs", default="50,100,200,300,500", help="comma list of ef_search values to try")
+    parser.add_argument(
+        "--queries", type=int, default=1000, help="queries per size (latency is timed on the first 500)"
+    )
+    parser.add_argument("--m", type=int, default=32, help="HNSW M (links per node)")
+    parser.add_argument("--ef-construction", type=int, default=200, help="HNSW ef_construction")
+    parser.add_argument("--target", type=float, default=0.99, help="recall@10 the chosen ef must reach")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the vectors and the index")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench/results/ann-scale.json"),
+        help="result JSON file (rewritten after each size)",
+    )
     args = parser.parse_args()
     efs = [int(x) for x in args.efs.split(",")]
     result = {"dim": DIM, "space": "ip", "target_recall": args.target}

@@ -72,10 +72,10 @@ def measure(bundle_dir: Path, texts: list[str], server_log: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bundle", type=Path, default=Path("bundles/default"))
-    parser.add_argument("--data", type=Path, default=Path("data/debian-sample"))
-    parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/idle-latency.json"))
+    parser.add_argument("--bundle", type=Path, default=Path("bundles/default"), help="bundle to serve")
+    parser.add_argument("--data", type=Path, default=Path("data/debian-sample"), help="dataset dir (its dev texts)")
+    parser.add_argument("--requests", type=int, default=300, help="single-text requests to time")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/idle-latency.json"), help="result JSON")
     args = parser.parse_args()
     texts = load_jsonl_split(args.data, "dev").texts[: args.requests]
     result = {

@@ -118,12 +118,26 @@ SYSTEMS = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, default=Path("../shared/data/debian-related"))
-    parser.add_argument("--split", default="dev")
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
-    parser.add_argument("--k", type=int, default=100)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=Path("../shared/data/debian-related"),
+        help="dataset directory: the trn split, the evaluated split and its filter file",
+    )
+    parser.add_argument("--split", default="dev", help="split to evaluate on (the models train on trn)")
+    parser.add_argument(
+        "--systems", default=",".join(SYSTEMS), help="comma list of the systems above to run (default: all)"
+    )
+    parser.add_argument(
+        "--k",
+        type=int,
+        default=100,
+        help="labels kept per text after the filter pairs are removed (the metrics' depth)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="training and prediction threads (default: all cores)"
+    )
+    parser.add_argument("--out", type=Path, required=True, help="result JSON file")
     args = parser.parse_args(argv)
     train = load_jsonl_split(args.data, "trn")
     dev = load_jsonl_split(args.data, args.split, labels=train.labels)

@@ -69,13 +69,27 @@ def fold(collapsed: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bundle", type=Path, default=Path("bundles/default"))
-    parser.add_argument("--data", type=Path, default=Path("data/debian-sample"))
-    parser.add_argument("--rps", type=float, default=100.0)
-    parser.add_argument("--seconds", type=float, default=12.0)
+    parser.add_argument(
+        "--bundle", type=Path, default=Path("bundles/default"), help="bundle the profiled server serves"
+    )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=Path("data/debian-sample"),
+        help="dataset directory whose dev texts are sent as requests",
+    )
+    parser.add_argument("--rps", type=float, default=100.0, help="offered open-loop load, in requests per second")
+    parser.add_argument(
+        "--seconds", type=float, default=12.0, help="load and profiling time in seconds (py-spy takes whole seconds)"
+    )
     parser.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     parser.add_argument("--env", action="append", default=[], help="extra XMCSERVE_* settings, NAME=VALUE")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/profile.json"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench/results/profile.json"),
+        help="result JSON file; the collapsed stacks are written beside it as .txt",
+    )
     args = parser.parse_args()
     texts = load_jsonl_split(args.data, "dev").texts
     bodies = [json.dumps({"text": t, "k": 10}).encode() for t in texts]

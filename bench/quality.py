@@ -148,12 +148,37 @@ def markdown_table(systems: dict[str, dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, default=Path("../shared/data/debian-related"))
-    parser.add_argument("--run", type=Path, default=Path("runs/debian-unidec"))
-    parser.add_argument("--config", type=Path, default=Path("training/configs/debian-unidec.yaml"))
-    parser.add_argument("--workdir", type=Path, default=Path("bundles/quality"))
-    parser.add_argument("--peers-python", type=Path, default=Path(".venv-peers/bin/python"))
-    parser.add_argument("--skip-peers", action="store_true")
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=Path("../shared/data/debian-related"),
+        help="dataset directory: trn and dev splits and the dev filter file",
+    )
+    parser.add_argument(
+        "--run",
+        type=Path,
+        default=Path("runs/debian-unidec"),
+        help="training run whose best/ checkpoint is evaluated (trained with --config when it has none)",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=Path("training/configs/debian-unidec.yaml"),
+        help="training config for --run when it has no checkpoint yet",
+    )
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path("bundles/quality"),
+        help="directory the evaluated bundles (and peers.json) are built in; existing ones are reused",
+    )
+    parser.add_argument(
+        "--peers-python",
+        type=Path,
+        default=Path(".venv-peers/bin/python"),
+        help="Python of the peers' environment, to run bench.peers with",
+    )
+    parser.add_argument("--skip-peers", action="store_true", help="leave out the classical peers' rows")
     parser.add_argument("--rae-tau", type=float, default=ExportParams.rae_tau, help="τ of the trained RAE memory")
     parser.add_argument("--rae-top-b", type=int, default=ExportParams.rae_top_b, help="b of the trained RAE memory")
     parser.add_argument(
@@ -182,7 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="training runs that differ from --ablation-base in one method (their last dev check is tabled)",
     )
-    parser.add_argument("--out", type=Path, default=Path("bench/results/quality-debian-dev.json"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench/results/quality-debian-dev.json"),
+        help="result JSON file; the markdown table and the λ plot are written beside it",
+    )
     args = parser.parse_args(argv)
     ablations = training_ablations(args.ablation_base, args.ablation) if args.ablation_base else None
     args.workdir.mkdir(parents=True, exist_ok=True)

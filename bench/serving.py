@@ -179,11 +179,26 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bundle", type=Path, default=Path("bundles/default"))
-    parser.add_argument("--data", type=Path, default=Path("data/debian-sample"))
+    parser.add_argument(
+        "--bundle",
+        type=Path,
+        default=Path("bundles/default"),
+        help="bundle served by xmcserve (and by the naive server)",
+    )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=Path("data/debian-sample"),
+        help="dataset directory whose dev texts are sent as requests",
+    )
     parser.add_argument("--seconds", type=float, default=12.0, help="per concurrency level")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/serving.json"))
-    parser.add_argument("--skip-naive", action="store_true")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench/results/serving.json"),
+        help="result JSON file; the latency plot is written beside it as .png",
+    )
+    parser.add_argument("--skip-naive", action="store_true", help="do not run the naive server (and write no plot)")
     parser.add_argument("--levels", default=",".join(map(str, CONCURRENCY)), help="closed-loop concurrencies")
     parser.add_argument("--env", action="append", default=[], help="extra XMCSERVE_* settings, NAME=VALUE")
     args = parser.parse_args()

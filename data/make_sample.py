@@ -46,11 +46,18 @@ def sample_split(rows: list[dict], n: int, rng: random.Random) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--src", type=Path, default=Path("../shared/data/debian-related"))
-    parser.add_argument("--out", type=Path, default=Path("data/debian-sample"))
-    parser.add_argument("--n-trn", type=int, default=4000)
-    parser.add_argument("--n-dev", type=int, default=1000)
-    parser.add_argument("--seed", type=int, default=20261121)
+    parser.add_argument(
+        "--src",
+        type=Path,
+        default=Path("../shared/data/debian-related"),
+        help="full Debian-Related dataset directory to sample from",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("data/debian-sample"), help="directory the sample is written to"
+    )
+    parser.add_argument("--n-trn", type=int, default=4000, help="training instances to draw")
+    parser.add_argument("--n-dev", type=int, default=1000, help="dev instances to draw")
+    parser.add_argument("--seed", type=int, default=20261121, help="random seed of the draw")
     args = parser.parse_args()
 
     rng = random.Random(args.seed)

@@ -70,13 +70,25 @@ class LocustError(RuntimeError):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", default="steady", choices=["steady", "ramp", "spike"])
-    parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--users", type=int, default=8)
-    parser.add_argument("--bundle", type=Path, default=Path("bundles/default"))
+    parser.add_argument(
+        "--scenario",
+        default="steady",
+        choices=["steady", "ramp", "spike"],
+        help="load shape: steady, ramp (up in 4 steps) or spike (all users in the middle fifth, a quarter otherwise)",
+    )
+    parser.add_argument("--seconds", type=float, default=60.0, help="total run time in seconds")
+    parser.add_argument("--users", type=int, default=8, help="peak number of simulated users")
+    parser.add_argument(
+        "--bundle",
+        type=Path,
+        default=Path("bundles/default"),
+        help="bundle the started server serves (unused with --host)",
+    )
     parser.add_argument("--host", default=None, help="a running server (loopback only); default: start one")
     parser.add_argument("--ab-keys", action="store_true", help="send a sticky X-Request-Key per user")
-    parser.add_argument("--results", type=Path, default=HERE / "results")
+    parser.add_argument(
+        "--results", type=Path, default=HERE / "results", help="directory for locust's CSV and HTML output"
+    )
     add_slo_arguments(parser)
     args = parser.parse_args(argv)
     server = None

@@ -72,9 +72,21 @@ def format_table(figures: list[dict], slo: Slo, misses: list[str]) -> str:
 
 def add_slo_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = Slo()
-    parser.add_argument("--p99-ms", type=float, default=defaults.p99_ms)
-    parser.add_argument("--max-failure-ratio", type=float, default=defaults.max_failure_ratio)
-    parser.add_argument("--min-rps", type=float, default=defaults.min_rps)
+    parser.add_argument(
+        "--p99-ms",
+        type=float,
+        default=defaults.p99_ms,
+        help="SLO: highest allowed p99 latency over all requests, in ms",
+    )
+    parser.add_argument(
+        "--max-failure-ratio",
+        type=float,
+        default=defaults.max_failure_ratio,
+        help="SLO: highest allowed fraction of failed requests, 0 to 1",
+    )
+    parser.add_argument(
+        "--min-rps", type=float, default=defaults.min_rps, help="SLO: lowest allowed throughput, in requests per second"
+    )
 
 
 def slo_from(args: argparse.Namespace) -> Slo:
@@ -83,7 +95,7 @@ def slo_from(args: argparse.Namespace) -> Slo:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stats_csv", type=Path)
+    parser.add_argument("stats_csv", type=Path, help="locust's *_stats.csv of the run to judge")
     add_slo_arguments(parser)
     args = parser.parse_args(argv)
     slo = slo_from(args)

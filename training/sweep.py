@@ -44,11 +44,19 @@ def run_vectors(params: TrainParams, checkpoint: Path, train: XMCDataset, dev: X
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run", type=Path, required=True)
+    parser.add_argument(
+        "--run", type=Path, required=True, help="training run directory: its params file and checkpoints"
+    )
     parser.add_argument("--checkpoint", default="checkpoint", help="the run's checkpoint to sweep: checkpoint | best")
-    parser.add_argument("--lambdas", default="0.3,0.5,0.7")
-    parser.add_argument("--taus", default="0.03,0.04,0.06")
-    parser.add_argument("--top-b", default="100,200,400")
+    parser.add_argument(
+        "--lambdas",
+        default="0.3,0.5,0.7",
+        help="comma list of λ values to try: weight of the training-instance memory against the labels",
+    )
+    parser.add_argument("--taus", default="0.03,0.04,0.06", help="comma list of softmax temperatures τ to try")
+    parser.add_argument(
+        "--top-b", default="100,200,400", help="comma list of b values to try: memory keys retrieved per query"
+    )
     parser.add_argument("--modes", default="joint,split", help="RAE weighting modes (service.engine.rae)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -104,8 +104,10 @@ def format_summary(summary: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("logs", nargs="+", type=Path)
-    parser.add_argument("--worst", type=int, default=10)
+    parser.add_argument(
+        "logs", nargs="+", type=Path, help="shadow comparison log files (JSON lines), e.g. a log and its rotated parts"
+    )
+    parser.add_argument("--worst", type=int, default=10, help="how many of the most disagreeing queries to list")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(argv)
     summary = summarise(read_records(args.logs), args.worst)
