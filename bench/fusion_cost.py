@@ -7,9 +7,9 @@ the RAE features and with the lexical features too, measured in alternating roun
 
 Each round serves every bundle in turn (a real uvicorn process on 127.0.0.1, one client, single
 texts of the dev split, k 10, as :mod:`bench.idle_latency`) and times the service's stages in
-process on the same texts. Alternating rounds keep a slow minute of this shared VM from landing on
-one bundle only. The dev metrics and batched throughput of the same bundles are in
-``quality-debian-dev.json`` (``queries_per_second``).
+process on the same texts, then evaluates it on the whole dev split as ``bench.quality`` does
+(:func:`training.evaluate.evaluate_bundle`: batched search, k 100), whose queries per second are the
+batched cost. Alternating rounds keep a slow minute of this shared VM from landing on one bundle only.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from datetime import date
 from pathlib import Path
 
 from bench.idle_latency import measure
+from service.engine.bundle import load_bundle
 from training.data import load_jsonl_split
+from training.evaluate import evaluate_bundle
 
 SERVER_LOG = Path("/tmp/xmcserve-bench-fusion-cost.log")
 
@@ -36,10 +38,11 @@ def named_bundle(value: str) -> tuple[str, Path]:
 
 
 def summary(runs: list[dict]) -> dict:
-    """Per-bundle medians over the rounds of HTTP p50 and each stage's median."""
+    """Per-bundle medians over the rounds of HTTP p50, each stage's median and batched throughput."""
     stages = runs[0]["in_process_stage_median_ms"]
     return {
         "http_p50_ms": round(statistics.median(r["http_ms"]["p50"] for r in runs), 2),
+        "batched_queries_per_second": round(statistics.median(r["batched_queries_per_second"] for r in runs), 1),
         "stage_median_ms": {
             stage: round(statistics.median(r["in_process_stage_median_ms"][stage] for r in runs), 3) for stage in stages
         },
@@ -60,14 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds over the bundles")
     parser.add_argument("--out", type=Path, default=Path("bench/results/fusion-cost.json"), help="result JSON")
     args = parser.parse_args(argv)
-    texts = load_jsonl_split(args.data, "dev").texts[: args.requests]
+    dev, train = load_jsonl_split(args.data, "dev"), load_jsonl_split(args.data, "trn")
+    texts = dev.texts[: args.requests]
     runs: dict[str, list[dict]] = {name: [] for name, _ in args.bundle}
     for round_number in range(1, args.rounds + 1):
         for name, bundle in args.bundle:
             print(f"round {round_number}: {name}", flush=True)
-            runs[name].append({"round": round_number, "bundle": str(bundle), **measure(bundle, texts, SERVER_LOG)})
+            run = {"round": round_number, "bundle": str(bundle), **measure(bundle, texts, SERVER_LOG)}
+            evaluation = evaluate_bundle(load_bundle(bundle), dev, train, k=100)
+            run["batched_queries_per_second"] = evaluation["queries_per_second"]
+            run["dev_metrics"] = {name: evaluation["metrics"][name] for name in ("P@1", "P@5", "PSP@5", "R@100")}
+            runs[name].append(run)
     result = {
-        "what": "idle single-query cost of a score fusion, same memory, bundles served in alternating rounds",
+        "what": "idle single-query and batched cost of a score fusion, same memory, bundles in alternating rounds",
         "date": date.today().isoformat(),
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
         "summary": {name: summary(r) for name, r in runs.items()},
