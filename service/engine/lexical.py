@@ -127,10 +127,14 @@ class KeyTerms:
         query_of, column = np.nonzero(keys >= 0)
         terms, weights, counts = gather_rows(parts, keys[query_of, column] - self.first_key)
         width = self.rows.shape[1]
-        query_ids = np.concatenate([np.zeros(0, dtype=np.int64)] + [q.ids + i * width for i, q in enumerate(queries)])
+        query_ids, query_weights = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.float32)]
+        for i, query in enumerate(queries):
+            inside = query.ids < width  # a term outside the keys' term space matches no key
+            query_ids.append(query.ids[inside].astype(np.int64) + i * width)
+            query_weights.append(query.weights[inside])
+        query_ids, query_weights = np.concatenate(query_ids), np.concatenate(query_weights)
         if not len(query_ids) or not len(terms):
             return out
-        query_weights = np.concatenate([q.weights for q in queries])
         owner = np.repeat(np.arange(len(query_of)), counts)
         wanted = query_of[owner] * width + terms
         at = np.minimum(np.searchsorted(query_ids, wanted), len(query_ids) - 1)

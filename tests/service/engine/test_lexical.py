@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from service.engine.lexical import BIGRAM_BUCKETS, KeyTerms, Lexicon, load_key_terms, save_key_terms, term_rows
+from service.engine.lexical import (
+    BIGRAM_BUCKETS,
+    KeyTerms,
+    Lexicon,
+    QueryTerms,
+    load_key_terms,
+    save_key_terms,
+    term_rows,
+)
 from training.checkpoint import default_encoder_dir
 
 TOKENIZER = default_encoder_dir() / "tokenizer.json"
@@ -79,6 +87,14 @@ def test_a_batch_s_similarities_are_each_query_s_alone(lexicon):
     for i in range(len(texts)):
         np.testing.assert_array_equal(batch[i], keys.similarities(queries[i : i + 1], ids[i : i + 1])[0])
     assert batch[0, 1] == pytest.approx(1.0, abs=1e-5) and batch[1, 0] > 0.3 and not batch[2].any()
+
+
+def test_a_query_term_outside_the_keys_term_space_matches_nothing_and_leaves_other_queries_alone():
+    rows = sp.csr_matrix((np.array([1.0, 1.0], dtype=np.float32), np.array([2, 3]), np.array([0, 1, 2])), shape=(2, 10))
+    outside = QueryTerms(np.array([2, 12, 15]), np.array([0.6, 0.6, 0.53], dtype=np.float32))
+    inside = QueryTerms(np.array([3], dtype=np.int32), np.array([0.7], dtype=np.float32))
+    got = KeyTerms(rows).similarities([outside, inside], np.array([[0, 1], [1, 0]]))
+    np.testing.assert_allclose(got, [[0.6, 0.0], [0.7, 0.0]], rtol=1e-6)
 
 
 def test_a_text_with_no_terms_has_similarity_zero(lexicon):
