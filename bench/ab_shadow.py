@@ -312,8 +312,15 @@ def main() -> None:
     shadow = start_server(args.alt_bundle, logs / "remote-shadow.log", cpus=shadow_cpus)
     try:
         result["remote_shadow"] = interleaved_run(
-            args.bundle, bodies, args.rps, args.segment_seconds, args.rounds,
-            {"XMCSERVE_SHADOW_URL": shadow.url}, logs, "remote", primary_cpus,
+            args.bundle,
+            bodies,
+            args.rps,
+            args.segment_seconds,
+            args.rounds,
+            {"XMCSERVE_SHADOW_URL": shadow.url},
+            logs,
+            "remote",
+            primary_cpus,
         )
     finally:
         stop_server(shadow)

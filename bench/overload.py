@@ -119,9 +119,7 @@ def main() -> None:
         | {"rss_growth_mib": round(max(p["rss_mib"] for p in phases.values()) - before["rss_mib"], 1)},
         "targets": {
             "accepted_p99_over_idle_p50_max": 20,
-            "met_tail": {
-                name: phase["accepted_p99_ms"] / idle["p50_ms"] <= 20 for name, phase in at_highest.items()
-            },
+            "met_tail": {name: phase["accepted_p99_ms"] / idle["p50_ms"] <= 20 for name, phase in at_highest.items()},
             "refusals_only_429_503": all(
                 status in ("429", "503") for phase in phases.values() for status in phase["refused_share_by_status"]
             ),

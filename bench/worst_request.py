@@ -25,6 +25,7 @@ def hwm(pid: int) -> int:
     status = Path(f"/proc/{pid}/status").read_text().splitlines()
     return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmHWM"))
 
+
 srv = start_server(Path(sys.argv[1]).resolve(), Path("/tmp/worst.log"))
 pid = srv.process.pid
 try:

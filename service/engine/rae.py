@@ -100,9 +100,7 @@ class ValueRows:
         return ValueRows(self.base, sp.vstack([*parts, rows], format="csr"))
 
 
-def gather_rows(
-    parts: list[tuple[sp.csr_matrix, int]], rows: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def gather_rows(parts: list[tuple[sp.csr_matrix, int]], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The stored (column indices, values) of each of ``rows`` of a matrix kept in consecutive
     CSR parts, ``(part, its first row)`` in row order, concatenated in row order; and how many
     each row holds. A gather over the CSR arrays: no row slicing, no matrix built."""

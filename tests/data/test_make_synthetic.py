@@ -55,13 +55,11 @@ def test_instances_share_words_with_their_labels(synthetic):
     # the signal a text encoder learns: a title and its labels' titles come from one topic
     out, _ = synthetic
     trn = load_jsonl_split(out, "trn")
+
     def words(text: str) -> set[str]:
         return set(text.split(":", 1)[1].split())
 
-    shared = [
-        bool(words(trn.texts[i]) & words(trn.labels.texts[trn.Y.indices[trn.Y.indptr[i]]]))
-        for i in range(500)
-    ]
+    shared = [bool(words(trn.texts[i]) & words(trn.labels.texts[trn.Y.indices[trn.Y.indptr[i]]])) for i in range(500)]
     random_pairs = [bool(words(trn.texts[i]) & words(trn.labels.texts[(7 * i) % 2000])) for i in range(500)]
     assert np.mean(shared) > np.mean(random_pairs) + 0.3
 

@@ -271,6 +271,7 @@ def test_the_rayservice_matches_the_bundle_job_the_image_and_the_ray_pin():
         assert container["image"] == "xmcserve-ray:0.1.0", name
         assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"], name
         assert any(m["mountPath"] == "/bundles" and m["readOnly"] for m in container["volumeMounts"]), name
-        assert template["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == k8s("PersistentVolumeClaim")[
-            "metadata"
-        ]["name"]
+        assert (
+            template["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"]
+            == k8s("PersistentVolumeClaim")["metadata"]["name"]
+        )

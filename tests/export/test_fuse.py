@@ -78,9 +78,10 @@ def test_the_fused_bundle_ranks_by_rae_score_plus_the_tree(fused, sample_bundle,
     source = load_bundle(sample_bundle)
     assert bundle.manifest.fusion.features == list(FEATURE_SETS[1]) and bundle.manifest.fusion.queries == 150
     assert {FUSION_FILE, LEXICAL_FILE} <= set(bundle.manifest.files) and bundle.bundle_id != source.bundle_id
-    assert bundle.manifest.fusion.lexical == [LEXICAL_FILE] and bundle.key_terms.rows.shape[0] == len(
-        source.label_uids
-    ) + bundle.manifest.counts.train_instances
+    assert (
+        bundle.manifest.fusion.lexical == [LEXICAL_FILE]
+        and bundle.key_terms.rows.shape[0] == len(source.label_uids) + bundle.manifest.counts.train_instances
+    )
     assert "held-out training instances" in bundle.manifest.fusion.fitted_on
     lexical_splits = np.isin(bundle.fusion.tree.feature[bundle.fusion.tree.left >= 0], np.arange(len(FEATURES), 12))
     assert lexical_splits.any()  # the tree uses the lexical features

@@ -13,8 +13,13 @@ ALLOWED = {
     "service.rollout": ("service.engine", "service.rollout"),
     "service.http": ("service.engine", "service.rollout", "service.http"),
     # the Ray Serve front end speaks the single server's API: its schemas, guards and limits
-    "service.ray_serve": ("service.engine", "service.http.schemas", "service.http.guards", "service.http.settings",
-                          "service.ray_serve"),
+    "service.ray_serve": (
+        "service.engine",
+        "service.http.schemas",
+        "service.http.guards",
+        "service.http.settings",
+        "service.ray_serve",
+    ),
 }
 
 

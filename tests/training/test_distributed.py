@@ -123,9 +123,9 @@ def first_step_gradients(trainer: Trainer) -> dict[str, np.ndarray]:
     rows = cluster_batches(trainer.state.clusters, trainer.params.batch_size, trainer.rng)[0]
     loss, _ = trainer.batch_loss(trainer.batcher.make(rows))
     loss.backward()
-    return {
-        name: p.grad.numpy().copy() for name, p in trainer.model.named_parameters() if p.grad is not None
-    } | {"loss": np.array(float(loss.detach()))}
+    return {name: p.grad.numpy().copy() for name, p in trainer.model.named_parameters() if p.grad is not None} | {
+        "loss": np.array(float(loss.detach()))
+    }
 
 
 def _save_first_step(world: World, overrides: list[str], out: Path) -> None:

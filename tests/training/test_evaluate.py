@@ -52,5 +52,3 @@ def test_the_protocols_agree_on_a_label_index_and_differ_on_an_rae_memory(bundle
     rae_after, _ = rank_split(tiny_rae, dev, k=20, ef=None, protocol="filter_after")
     rae_before, _ = rank_split(tiny_rae, dev, k=20, ef=None, protocol="exclude_before")
     assert not (rae_after == rae_before).all()
-
-

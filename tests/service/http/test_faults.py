@@ -89,9 +89,10 @@ def test_a_connection_that_sends_no_request_is_closed_after_the_header_timeout(t
     srv = start_server(tiny_rae_bundle, tmp_path / "headers.log", extra_env={"XMCSERVE_HEADER_TIMEOUT_S": "0.5"})
     host, port = srv.url.removeprefix("http://").split(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=30) as idle, socket.create_connection(
-            (host, int(port)), timeout=30
-        ) as slow:
+        with (
+            socket.create_connection((host, int(port)), timeout=30) as idle,
+            socket.create_connection((host, int(port)), timeout=30) as slow,
+        ):
             slow.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\n")  # headers that never end
             assert idle.recv(1) == b"" and slow.recv(1) == b""  # the server closed both (not the 30 s timeout)
         assert httpx.post(f"{srv.url}/predict", json=TEXT, timeout=30).status_code == 200
