@@ -53,16 +53,6 @@ def candidate_models() -> dict[str, object]:
     }
 
 
-@dataclasses.dataclass(frozen=True)
-class FittedModel:
-    """A fitted model in the place of the fusion's tree (the fusion calls ``tree.predict``)."""
-
-    model: object
-
-    def predict(self, X: np.ndarray) -> np.ndarray:
-        return self.model.predict(X)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", type=Path, required=True, help="a fused rae_memory bundle (export.fuse's output)")
@@ -85,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         model.fit(X, y)
         fit_seconds = time.perf_counter() - started
-        fused = dataclasses.replace(bundle, fusion=dataclasses.replace(bundle.fusion, tree=FittedModel(model)))
+        # in the tree's place: the fusion only calls tree.predict(φ), as a fitted scikit-learn model does
+        fused = dataclasses.replace(bundle, fusion=dataclasses.replace(bundle.fusion, tree=model))
         evaluation = evaluate_bundle(fused, dev, train, k=100)
         results[name] = {
             "fit_seconds": round(fit_seconds, 1),

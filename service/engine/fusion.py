@@ -201,7 +201,6 @@ def batch_features(
     batch = _BatchKeys.of(kept)
     slots = _StoredSlots(scores)
     n, nq = scores.nnz, len(kept)
-    row_of_stored = np.repeat(np.arange(nq), np.diff(scores.indptr))
     instance, label = batch.labels < 0, batch.labels >= 0
     # the features weigh instances and labels apart ("split"), whatever the bundle's mode
     weights = grouped_softmax(batch.sims, tau, 2 * batch.query + label, 2 * nq)
@@ -215,13 +214,16 @@ def batch_features(
 
     vote = np.bincount(at, weights=carried_by(weights[instance]), minlength=n)
     votes = np.bincount(at, minlength=n).astype(np.float64)
-    best_instance = lowest_per_query(batch.sims, instance, batch.query, nq)[row_of_stored]
+    # a label no retrieved key of a side carries gets that side's lowest similarity (of any key
+    # when the query retrieved none of the side, 0 when it retrieved none at all)
+    lowest_key = lowest_per_query(batch.sims, batch.query, nq, 0.0)
+    best_instance = lowest_per_query(batch.sims[instance], batch.query[instance], nq, lowest_key)[slots.rows]
     np.maximum.at(best_instance, at, carried_by(batch.sims[instance]))
 
     own_at, own_hit = slots(batch.query[label], batch.labels[label])
     match = np.zeros(n)
     match[own_at] = weights[label][own_hit]
-    similarity = lowest_per_query(batch.sims, label, batch.query, nq)[row_of_stored]
+    similarity = lowest_per_query(batch.sims[label], batch.query[label], nq, lowest_key)[slots.rows]
     similarity[own_at] = batch.sims[label][own_hit]
     retrieved = np.zeros(n)
     retrieved[own_at] = 1.0
@@ -288,8 +290,8 @@ class _StoredSlots:
 
     def __init__(self, scores: sp.csr_matrix):
         self.width = scores.shape[1]
-        rows = np.repeat(np.arange(scores.shape[0], dtype=np.int64), np.diff(scores.indptr))
-        stored = rows * self.width + scores.indices
+        self.rows = np.repeat(np.arange(scores.shape[0], dtype=np.int64), np.diff(scores.indptr))  # of each entry
+        stored = self.rows * self.width + scores.indices
         self.order = np.argsort(stored, kind="stable")
         self.sorted = stored[self.order]
 
@@ -313,15 +315,12 @@ def grouped_softmax(x: np.ndarray, tau: float, group: np.ndarray, groups: int) -
     return w / np.bincount(group, weights=w, minlength=groups)[group]
 
 
-def lowest_per_query(sims: np.ndarray, side: np.ndarray, query: np.ndarray, nq: int) -> np.ndarray:
-    """Each query's lowest similarity among its ``side`` keys; among all its keys when it has none
-    of that side; 0 when it has no key (the value of a feature whose key was not retrieved)."""
-    lowest_any = np.full(nq, np.inf)
-    np.minimum.at(lowest_any, query, sims)
+def lowest_per_query(sims: np.ndarray, query: np.ndarray, nq: int, none: float | np.ndarray) -> np.ndarray:
+    """Each query's lowest of ``sims`` (``query[j]``: the query of ``sims[j]``); ``none`` (per
+    query, or one value) for a query with none of them."""
     lowest = np.full(nq, np.inf)
-    np.minimum.at(lowest, query[side], sims[side])
-    lowest = np.where(np.isinf(lowest), lowest_any, lowest)
-    return np.where(np.isinf(lowest), 0.0, lowest)
+    np.minimum.at(lowest, query, sims)
+    return np.where(np.isinf(lowest), none, lowest)
 
 
 def memory_log_frequency(values: sp.csr_matrix, num_train: int) -> np.ndarray:
