@@ -24,10 +24,11 @@ from export.build import write_index, write_labels
 from export.derive import fusion_files, link_or_copy, write_key_terms
 from export.params import ExportParams
 from export.writer import refuse_existing, write_bundle
+from service.engine.append_log import appends_dir_beside
 from service.engine.fusion import ScoreFusion
+from service.engine.loading import load_predictor
 from service.engine.manifest import INDEX_FILE, LABELS_FILE, MANIFEST_FILE, Counts, Manifest, Shard, shard_list, utc_now
-from service.engine.memory import MemoryView, appends_dir_beside
-from service.engine.search import load_predictor
+from service.engine.memory import MemoryView
 from training.data import LabelSpace
 
 

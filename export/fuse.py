@@ -40,9 +40,10 @@ from export.derive import derive_fused_bundle
 from export.writer import refuse_existing
 from service.engine.fusion import RegressionTree, ScoreFusion, memory_log_frequency
 from service.engine.lexical import KeyTerms, Lexicon
+from service.engine.loading import load_predictor
 from service.engine.manifest import TOKENIZER_FILE, FusionParams, Manifest, lexical_file_names, shard_list
 from service.engine.rae import aggregate_kept, keep_keys
-from service.engine.search import Predictor, load_predictor
+from service.engine.search import Predictor
 from training.data import XMCDataset, load_jsonl_split, rows_of_uids
 from training.params import HOLDOUT_FILE
 

@@ -14,9 +14,9 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.engine.append_log import appends_dir_beside
 from service.engine.batcher import BatcherConfig
 from service.engine.encoder import EncoderOptions, thread_layout
-from service.engine.memory import appends_dir_beside
 from service.rollout.shadow import ShadowConfig
 
 ENV_PREFIX = "XMCSERVE_"

@@ -13,10 +13,11 @@ from export.derive import derive_rae_bundle
 from export.fuse import leave_one_out, main
 from service.engine.bundle import BundleError, load_bundle, load_labels, load_shard
 from service.engine.fusion import FEATURE_SETS, FEATURES
+from service.engine.loading import load_predictor
 from service.engine.manifest import FUSION_FILE, LEXICAL_FILE, MANIFEST_FILE
 from service.engine.memory import AppendBatch, base_view, fetch_and_ef
 from service.engine.rae import ValueRows
-from service.engine.search import load_predictor, neighbours_needed, rank
+from service.engine.search import neighbours_needed, rank
 from service.engine.shards import ShardQuery, merge_answers
 from training.data import load_jsonl_split
 from training.params import HOLDOUT_FILE
