@@ -98,6 +98,8 @@ class MemoryView:
     version: int = 0
     appended_instances: int = 0
     append_ids: dict[str, tuple[int, str]] = field(default_factory=dict)  # id → (version, fingerprint)
+    # logged appends that no longer applied at load and were skipped (an operator's choice): where, why
+    replay_skipped: tuple[dict, ...] = ()
 
     @property
     def appended_labels(self) -> int:
@@ -129,7 +131,7 @@ class MemoryView:
             "labels": self.num_labels,
             "appended_labels": self.appended_labels,
             "appended_instances": self.appended_instances,
-        }
+        } | ({"replay_skipped": list(self.replay_skipped)} if self.replay_skipped else {})
 
 
 def base_view(label_uids: list[str], label_texts: list[str], num_keys: int, values: sp.csr_matrix | None) -> MemoryView:
@@ -151,6 +153,8 @@ def base_view(label_uids: list[str], label_texts: list[str], num_keys: int, valu
 def check_batch(view: MemoryView, batch: AppendBatch, has_instance_memory: bool) -> None:
     """Raise :class:`AppendRefused` with every reason the batch cannot be applied to ``view``."""
     problems = []
+    if batch.append_id is not None and not is_unicode(batch.append_id):
+        problems.append("append_id is not valid Unicode (it contains a lone surrogate)")
     if not batch.labels and not batch.instances:
         problems.append("nothing to append: give labels and/or instances")
     if batch.instances and not has_instance_memory:
@@ -180,6 +184,15 @@ def check_batch(view: MemoryView, batch: AppendBatch, has_instance_memory: bool)
             problems.append(f"instances[{i}]: a label uid given twice")
     if problems:
         raise AppendRefused("; ".join(problems[:20]))
+
+
+def is_unicode(text: str) -> bool:
+    """Whether ``text`` has a UTF-8 form (a lone surrogate, from a ``\\ud800`` JSON escape, has none)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def extend_view(
@@ -343,6 +356,11 @@ class Memory:
                 raise AppendRefused(f"{len(vectors)} vectors for {len(batch.texts)} keys")
             self._apply(self._view, batch, vectors)
             return True
+
+    def report_skipped(self, skipped: list[dict]) -> None:
+        """Record the logged appends that replay left out (see :attr:`MemoryView.replay_skipped`)."""
+        with self._append_lock, self.lock:
+            self._view = replace(self._view, replay_skipped=self._view.replay_skipped + tuple(skipped))
 
     def _repeated(self, view: MemoryView, batch: AppendBatch) -> AppendOutcome | None:
         if batch.append_id is None or batch.append_id not in view.append_ids:

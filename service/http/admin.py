@@ -42,7 +42,9 @@ async def load_predictor(path: Path, settings: Settings, vet: bool = True) -> Pr
         limit = VET_BASE_BYTES + 4 * files
         await anyio.to_thread.run_sync(lambda: engine.vet_in_child(path, options, settings.verify_checksums, limit))
     return await anyio.to_thread.run_sync(
-        lambda: engine.load_predictor(path, options, settings.verify_checksums, appends_dir)
+        lambda: engine.load_predictor(
+            path, options, settings.verify_checksums, appends_dir, settings.admin.replay_skip_refused
+        )
     )
 
 
@@ -65,6 +67,7 @@ class ServingState:
 
     def install(self, name: str, predictor: Predictor, source: str) -> Predictor | None:
         previous = self.variants.install(name, predictor, source)
+        self.metrics.replay_skipped.labels(variant=name).inc(len(predictor.view.replay_skipped))
         self.publish_bundle_info()
         return previous
 

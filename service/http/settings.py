@@ -128,6 +128,13 @@ class AdminSettings(BaseSettings):
         "unset: <bundle dir>.appends/ beside each bundle",
     )
 
+    replay_skip_refused: bool = Field(
+        False,
+        validation_alias=AliasChoices("XMCSERVE_REPLAY_SKIP_REFUSED", "replay_skip_refused"),
+        description="at load, skip a logged append that no longer applies (reported in /info "
+        "memory.replay_skipped and xmcserve_replay_skipped_total) instead of refusing the bundle",
+    )
+
     def appends_dir(self, bundle_path: Path) -> Path:
         return self.append_log_dir or appends_dir_beside(bundle_path)
 
