@@ -129,3 +129,10 @@ def test_predict_during_appends_and_reloads_answers_every_request(bundle_root, t
             thread.join(60)
         stop_server(srv)
     assert len(answers) >= 30 and set(answers) == {200}, [a for a in answers if a != 200][:3]
+
+
+def test_an_append_id_with_a_lone_surrogate_is_a_422_not_a_500(server):
+    raw = b'{"labels": [{"uid": "zz-surrogate", "text": "zz-surrogate: text"}], "append_id": "id-\\ud800"}'
+    headers = {**ADMIN, "content-type": "application/json"}
+    r = httpx.post(f"{server.url}/admin/append", content=raw, headers=headers, timeout=60)
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "append_id"], r.text

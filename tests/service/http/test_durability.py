@@ -4,6 +4,7 @@ final record, and with a second process on the same log. After each restart ever
 append is there (a re-send answers ``repeated``, or, once folded into a compacted bundle, its label
 exists) and nothing else changed (one memory version, one label per append)."""
 
+import hashlib
 import os
 import random
 import shutil
@@ -28,8 +29,8 @@ def body(i: int, padding: int = 0) -> dict:
     return {"labels": [{"uid": f"zz-d-{i}", "text": text}], "append_id": f"d-{i}"}
 
 
-def serve(bundle, log_path, appends_dir=None, **kwargs):
-    env = {"XMCSERVE_ADMIN_TOKEN": TOKEN, "XMCSERVE_BUNDLE_ROOT": str(bundle.parent)}
+def serve(bundle, log_path, appends_dir=None, extra_env=None, **kwargs):
+    env = {"XMCSERVE_ADMIN_TOKEN": TOKEN, "XMCSERVE_BUNDLE_ROOT": str(bundle.parent), **(extra_env or {})}
     if appends_dir is not None:
         env["XMCSERVE_APPEND_LOG_DIR"] = str(appends_dir)
     return start_server(bundle, log_path, extra_env=env, **kwargs)
@@ -211,3 +212,29 @@ def test_a_second_process_on_the_same_log_fails_to_start_and_the_first_keeps_app
             assert resend(client, 0).status_code == 200 and memory(client)["version"] == 1
     finally:
         stop_server(first)
+
+
+def test_a_logged_append_that_no_longer_applies_stops_the_load_unless_the_operator_skips_it(tiny_rae_bundle, tmp_path):
+    appends = tmp_path / "appends"
+    server = serve(tiny_rae_bundle, tmp_path / "first.log", appends)
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            assert resend(client, 0).status_code == 200
+    finally:
+        stop_server(server)
+    [log_path] = appends.iterdir()
+    record = log_path.read_bytes()
+    other_id = record.replace(b'"append_id":"d-0"', b'"append_id":"d-other"').split(b" ", 1)[1]
+    log_path.write_bytes(record + hashlib.sha256(other_id[:-1]).hexdigest().encode() + b" " + other_id)
+    with pytest.raises(RuntimeError, match=r"appends.log:2 .*no longer applies.*already exists"):
+        serve(tiny_rae_bundle, tmp_path / "refused.log", appends)
+    env = {"XMCSERVE_REPLAY_SKIP_REFUSED": "true"}
+    server = serve(tiny_rae_bundle, tmp_path / "skipping.log", appends, extra_env=env)
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            [skipped] = memory(client)["replay_skipped"]
+            assert skipped["line"] == 2 and skipped["append_id"] == "d-other" and "already exists" in skipped["reason"]
+            assert 'xmcserve_replay_skipped_total{variant="A"} 1.0' in client.get("/metrics").text
+            assert memory(client)["version"] == 1
+    finally:
+        stop_server(server)
