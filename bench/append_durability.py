@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--workdir", type=Path, default=None, help="where the logs go (the filesystem measured; default: a temp dir)"
     )
+    parser.add_argument("--note", default="", help="what the bundle and the disk are, for the JSON")
     parser.add_argument("--out", type=Path, default=Path("bench/results/append-durability.json"), help="JSON out")
     return parser
 
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         filesystem = os.statvfs(workdir)
     result = {
         "bundle": str(args.bundle),
+        "note": args.note,
         "rounds": args.rounds,
         "appends_per_round": args.appends,
         "append": "one label + one instance of it, append_id set, one call at a time (engine, no HTTP)",
