@@ -2,6 +2,7 @@
 append, /info and the metrics count it, traffic during appends and reloads gets only 200s, and a
 restarted server serves the same memory from its log."""
 
+import shutil
 import threading
 import time
 
@@ -82,7 +83,8 @@ def test_an_append_is_served_counted_and_survives_a_restart(server, bundle_root,
         assert 'xmcserve_appends_total{outcome="applied",variant="A"} 1.0' in metrics
         assert 'xmcserve_appended_keys_total{kind="instance",variant="A"} 1.0' in metrics
         expected = top_uids(client, NEW["instances"][0]["text"], k=10)
-    restarted = start(bundle_root, appends_dir, tmp_path / "restarted.log")
+    # the module's server still holds its log (one writer per log): the restart reads a copy of it
+    restarted = start(bundle_root, shutil.copytree(appends_dir, tmp_path / "appends"), tmp_path / "restarted.log")
     try:
         with httpx.Client(base_url=restarted.url, timeout=60) as client:
             assert top_uids(client, NEW["instances"][0]["text"], k=10) == expected
