@@ -20,9 +20,9 @@ import anyio
 from fastapi import Depends, FastAPI, HTTPException, Request
 
 from service import engine
+from service.api.schemas import ConfigUpdate, ReloadRequest, build_append_request
 from service.engine import AppendIdReused, AppendLogError, AppendRefused, BundleError, Predictor
 from service.http.metrics import Metrics
-from service.http.schemas import ConfigUpdate, ReloadRequest, build_append_request
 from service.http.settings import Settings
 from service.rollout.shadow import ShadowMirror
 from service.rollout.variants import Variants

@@ -36,6 +36,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.util import metrics as ray_metrics
 
+from service.api.guards import BodyLimitMiddleware, validation_error
+from service.api.limits import LimitSettings
+from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response
 from service.engine.bundle import BundleError, load_encoder, load_fusion, load_labels, load_shard, read_manifest
 from service.engine.encoder import EncoderOptions
 from service.engine.manifest import shard_list
@@ -43,9 +46,6 @@ from service.engine.memory import base_view, fetch_and_ef
 from service.engine.rae import ValueRows
 from service.engine.search import Ranking, neighbours_needed, rank
 from service.engine.shards import ShardAnswer, ShardQuery, merge_answers
-from service.http.guards import BodyLimitMiddleware, validation_error
-from service.http.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response
-from service.http.settings import LimitSettings
 from service.ray_serve.calls import PartCaller, PartUnavailable
 
 log = logging.getLogger("xmcserve.ray")
