@@ -186,11 +186,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except LookupError as exc:
             return JSONResponse({"detail": str(exc)}, status_code=409)
         request.state.variant = slot.name
-        texts, exclude = body.all_texts(), body.exclusions()
+        texts = body.all_texts()
         started = time.perf_counter()
         timeout_s = (body.timeout_ms or settings.limits.request_timeout_ms) / 1000
         try:
-            answer = await answer_unless_gone(request, slot.batcher.submit(texts, body.k, body.ef, exclude, timeout_s))
+            answer = await answer_unless_gone(
+                request, slot.batcher.submit(texts, body.k, body.ef, body.exclude, timeout_s)
+            )
         except (QueueFullError, DeadlineExceededError) as exc:
             if isinstance(exc, QueueFullError):
                 metrics.rejected.labels(variant=slot.name).inc()
@@ -210,7 +212,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     texts,
                     body.k,
                     body.ef,
-                    exclude,
+                    body.exclusions(),
                     ranked(answer.rankings, answer.view.label_uids),
                     time.perf_counter() - started,
                     slot.name,
