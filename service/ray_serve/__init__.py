@@ -1,9 +1,9 @@
 """xmcserve on Ray Serve: one bundle's shards on as many machines as it needs.
 
-A second front end over the engine (:mod:`service.engine`), beside the uvicorn server
-(:mod:`service.http`), for label sets that do not fit one machine. Importable only where
-``ray[serve]`` is installed (``pip install 'xmcserve[ray]'``); nothing else in ``service/``
-imports it.
+A second front end over the engine (:mod:`service.engine`), beside the single uvicorn server,
+for label sets that do not fit one machine; both serve the API of :mod:`service.api` and
+import nothing of each other. Importable only where ``ray[serve]`` is installed
+(``pip install 'xmcserve[ray]'``); nothing else in ``service/`` imports it.
 
 The application (:func:`~service.ray_serve.app.build_app`) is three kinds of deployment:
 
