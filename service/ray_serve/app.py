@@ -230,8 +230,8 @@ class Ingress:
         started = time.perf_counter()
         vectors = await self.ask("encoder", lambda: self.encoder.encode.remote(texts), deadline)
         encoded = time.perf_counter()
-        search = RankedSearch(self.manifest, [k] * len(texts), exclude, self.fusion)
         manifest = self.manifest
+        search = RankedSearch(manifest, [k] * len(texts), exclude, self.fusion)
         fetch, ef = fetch_and_ef(search.neighbours, ef or manifest.hnsw.ef_search, manifest.counts.memory_rows)
         lexicon = self.fusion.lexicon if self.fusion is not None else None
         terms = lexicon.query_terms(texts) if lexicon is not None else None  # each shard scores its keys
