@@ -108,7 +108,12 @@ def build_predict_request(limits: LimitSettings) -> type[PredictRequestBase]:
             max_length=limits.max_texts_per_request,
             description=f"several texts, at most {limits.max_texts_per_request}, answered in order",
         )
-        k: int = Field(limits.default_k, ge=1, le=limits.max_k, description="labels to return per text")
+        k: int = Field(
+            limits.default_k,
+            ge=1,
+            le=limits.max_k,
+            description=f"labels to return per text (texts x k at most {limits.max_labels_per_response})",
+        )
         ef: int | None = Field(
             None, ge=1, le=limits.max_ef, description="HNSW search breadth; default: the bundle's ef"
         )
@@ -159,6 +164,13 @@ def build_predict_request(limits: LimitSettings) -> type[PredictRequestBase]:
         def _one_input(self) -> PredictRequest:
             if (self.text is None) == (self.texts is None):
                 raise ValueError("give exactly one of 'text' or 'texts'")
+            labels = len(self.all_texts()) * self.k
+            if labels > limits.max_labels_per_response:
+                raise ValueError(
+                    f"{len(self.all_texts())} texts x k {self.k} = {labels} labels; the limit per response is "
+                    f"{limits.max_labels_per_response} (XMCSERVE_MAX_LABELS_PER_RESPONSE): ask for fewer texts or a "
+                    "smaller k"
+                )
             if self.exclude and isinstance(self.exclude[0], list) and len(self.exclude) != len(self.all_texts()):
                 raise ValueError(
                     f"'exclude' has {len(self.exclude)} lists for {len(self.all_texts())} texts; "

@@ -34,6 +34,9 @@ class LimitSettings(BaseSettings):
     max_texts_per_request: int = Field(64, ge=1, description="most texts one /predict may carry")
     max_text_bytes: int = Field(2048, ge=1, description="most UTF-8 bytes per text")
     max_k: int = Field(1000, ge=1, description="largest k a request may ask for")
+    max_labels_per_response: int = Field(
+        10_000, ge=1, description="most labels one /predict may ask for in all (texts x k); 422 beyond"
+    )
     max_ef: int = Field(4096, ge=1, description="largest HNSW ef a request may ask for")
     default_k: int = Field(10, ge=1, description="k of a request that gives none")
     max_exclude_per_text: int = Field(1000, ge=0, description="most excluded uids per text")
@@ -146,6 +149,12 @@ class ServerSettings(BaseSettings):
         10.0, gt=0, description="a connection whose next request headers do not arrive within this is closed"
     )
     keep_alive_s: int = Field(5, ge=1, description="an idle keep-alive connection is closed after this")
+    write_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        description="a response the client stops reading for this long (its send buffer full) is abandoned "
+        "and the connection closed, freeing what was buffered",
+    )
     max_header_bytes: int = Field(16384, ge=1024, description="most bytes of request headers (h11)")
     graceful_shutdown_s: int = Field(
         20, ge=1, description="on SIGTERM, how long requests in progress may finish before the server stops"
