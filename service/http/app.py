@@ -27,7 +27,7 @@ from service.engine.bundle import BundleError
 from service.http.admin import ServingState, add_admin_routes, load_predictor, require_admin
 from service.http.guards import BodyLimitMiddleware, ShedBeforeParsingMiddleware, method_label, validation_error
 from service.http.metrics import Metrics
-from service.http.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response
+from service.http.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response_off_loop
 from service.http.settings import Settings
 from service.rollout.shadow import ShadowMirror, ShadowRequest, ranked
 from service.rollout.shadow_worker import ShadowWorker
@@ -72,18 +72,9 @@ class RequestMetricsMiddleware:
             ).observe(time.perf_counter() - start)
 
 
-# Answers with more labels than this are serialised on a worker thread: building and encoding a
-# label object costs ~5 µs, so 64 texts x k 1000 held the event loop (every other request) for
-# ~0.3 s; below it the thread hop (~0.1 ms) costs more than it frees.
-INLINE_LABELS = 256
-
-
 async def to_response(answer: BatchAnswer, variant: str, k: int) -> Response:
     bundle = answer.predictor.bundle
-    build = functools.partial(predict_response, bundle.manifest, variant, k, answer.ef, answer.rankings, answer.view)
-    if sum(len(ranking.ids) for ranking in answer.rankings) <= INLINE_LABELS:
-        return build()
-    return await asyncio.to_thread(build)
+    return await predict_response_off_loop(bundle.manifest, variant, k, answer.ef, answer.rankings, answer.view)
 
 
 async def until_disconnected(request: Request) -> None:

@@ -47,7 +47,7 @@ from service.engine.rae import ValueRows
 from service.engine.search import Ranking, neighbours_needed, rank
 from service.engine.shards import ShardAnswer, ShardQuery, merge_answers
 from service.http.guards import BodyLimitMiddleware, validation_error
-from service.http.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response
+from service.http.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response_off_loop
 from service.http.settings import LimitSettings
 from service.ray_serve.calls import PartCaller, PartUnavailable, split_expired, time_left
 
@@ -367,7 +367,7 @@ def ingress_app(ingress: Ingress) -> FastAPI:
             ingress.metrics.predictions.inc(tags={"outcome": "unavailable"})
             return unavailable(exc)
         ingress.metrics.predictions.inc(tags={"outcome": "ok"})
-        return predict_response(ingress.manifest, "A", body.k, ef, rankings, ingress.view)
+        return await predict_response_off_loop(ingress.manifest, "A", body.k, ef, rankings, ingress.view)
 
     @app.get("/healthz")
     async def healthz() -> dict:
