@@ -164,10 +164,10 @@ def check_index_body(file: Path, manifest: Manifest, shard: Shard) -> None:
     neighbour id names an element, a neighbour at level l lives on level l, the entry point is on
     the top level, the labels are exactly the shard's key ids and the vectors are finite. hnswlib
     checks none of these; a search follows the links unchecked."""
-    (_, _, count, per_element, label_offset, data_offset, max_level, entry, max_m, max_m0, _, _, _) = (
-        HNSW_HEADER.unpack(file.read_bytes()[: HNSW_HEADER.size])
-    )
     data = np.fromfile(file, dtype=np.uint8)
+    (_, _, count, per_element, label_offset, data_offset, max_level, entry, max_m, max_m0, _, _, _) = (
+        HNSW_HEADER.unpack(data[: HNSW_HEADER.size].tobytes())
+    )
     elements = data[HNSW_HEADER.size : HNSW_HEADER.size + count * per_element].reshape(count, per_element)
 
     def refuse(problem: str) -> None:
@@ -188,50 +188,55 @@ def check_index_body(file: Path, manifest: Manifest, shard: Shard) -> None:
         refuse(f"its labels are not the key ids {shard.first_key}..{shard.first_key + shard.keys - 1}")
     if not np.all(np.isfinite(column(data_offset, label_offset, np.float32))):
         refuse("a vector is not finite")
-    levels, lists = check_upper_levels(file, data, HNSW_HEADER.size + count * per_element, count, max_m, refuse)
+    levels = check_upper_levels(data, HNSW_HEADER.size + count * per_element, count, max_m, refuse)
     if count and (levels.max(initial=0) > max_level or levels[entry] != max_level):
         refuse(f"the entry point is on level {levels[entry]}, the top level is {max_level}")
-    for level, (owners, ids) in lists.items():
-        if np.any(levels[ids] < level):
-            refuse(
-                f"a level-{level} link of element {int(owners[np.argmax(levels[ids] < level)])} names an "
-                "element below that level"
-            )
 
 
-def check_upper_levels(file: Path, data: np.ndarray, offset: int, count: int, max_m: int, refuse):
-    """The level of every element and, per level above 0, (owner, neighbour id) of every link;
-    each list's length at most ``max_m`` and every id an element."""
+def check_upper_levels(data: np.ndarray, offset: int, count: int, max_m: int, refuse) -> np.ndarray:
+    """The level of every element, its upper link lists checked: each at most ``max_m`` long,
+    every id an element that lives on the list's level."""
     list_bytes = 4 * (max_m + 1)
+    size_at = struct.Struct("<I").unpack_from
+    buffer = data.data
     levels = np.zeros(count, dtype=np.int64)
-    blocks, owners = [], []
-    for element in range(count):
+    owners, blocks = [], []
+    for element in range(count):  # sizes are read in sequence: each says where the next one is
         if offset + 4 > len(data):
             refuse(f"the file ends inside the link lists (element {element})")
-        size = int(data[offset : offset + 4].view(np.uint32)[0])
+        size = size_at(buffer, offset)[0]
         offset += 4
         if size:
             if size % list_bytes or offset + size > len(data):
                 refuse(f"element {element}'s upper link lists are {size} bytes, not whole lists inside the file")
             levels[element] = size // list_bytes
-            blocks.append(data[offset : offset + size])
             owners.append(element)
+            blocks.append(data[offset : offset + size])
             offset += size
     if offset != len(data):
         refuse(f"{len(data) - offset} bytes after the last element's link lists")
-    lists: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    for element, block in zip(owners, blocks, strict=True):
-        rows = block.view(np.uint32).reshape(-1, max_m + 1)
-        lengths = rows[:, 0] & LINK_COUNT_MASK
-        if np.any(lengths > max_m):
-            refuse(f"element {element} lists {int(lengths.max())} links on an upper level, at most {max_m}")
-        for level, (length, row) in enumerate(zip(lengths, rows, strict=True), start=1):
-            ids = row[1 : 1 + length].astype(np.int64)
-            if np.any(ids >= count):
-                refuse(f"a level-{level} link of element {element} names element {int(ids.max())} of {count}")
-            owned, known = lists.get(level, ([], []))
-            lists[level] = ([*owned, *[element] * len(ids)], [*known, *ids])
-    return levels, {level: (np.asarray(o), np.asarray(i, dtype=np.int64)) for level, (o, i) in lists.items()}
+    if not owners:
+        return levels
+    rows = np.concatenate(blocks).view(np.uint32).reshape(-1, max_m + 1)
+    per_owner = levels[owners]
+    owner = np.repeat(owners, per_owner)
+    level = np.arange(len(rows)) - np.repeat(np.cumsum(per_owner) - per_owner, per_owner) + 1
+    lengths = rows[:, 0] & LINK_COUNT_MASK
+    if np.any(lengths > max_m):
+        bad = int(np.argmax(lengths > max_m))
+        refuse(f"element {owner[bad]} lists {lengths[bad]} links on level {level[bad]}, at most {max_m}")
+    used = np.arange(max_m) < lengths[:, None]
+    ids = rows[:, 1:][used].astype(np.int64)
+    link_owner, link_level = (np.broadcast_to(a[:, None], used.shape)[used] for a in (owner, level))
+    outside = ids >= count
+    if np.any(outside):
+        bad = int(np.argmax(outside))
+        refuse(f"a level-{link_level[bad]} link of element {link_owner[bad]} names element {ids[bad]} of {count}")
+    below = levels[ids] < link_level
+    if np.any(below):
+        bad = int(np.argmax(below))
+        refuse(f"a level-{link_level[bad]} link of element {link_owner[bad]} names an element below that level")
+    return levels
 
 
 def load_shard_index(path: Path, manifest: Manifest, shard: Shard) -> hnswlib.Index:
