@@ -88,21 +88,29 @@ def test_a_label_outside_the_key_range_is_refused(bundle_copy):
         load_bundle(bundle_copy)
 
 
-def test_an_upper_level_link_to_no_element_is_refused(bundle_copy):
-    data, _, fields = index_elements(bundle_copy)
-    count, per_element, max_m = fields[2], fields[3], fields[8]
-    offset = HNSW_HEADER.size + count * per_element
-    for _ in range(count):  # the first element with upper levels: its first level-1 neighbour
+def upper_levels(data, fields):
+    """(element, offset of its level-1 list) of the elements with upper levels, and the elements without."""
+    count, per_element = fields[2], fields[3]
+    offset, upper, ground = HNSW_HEADER.size + count * per_element, [], []
+    for element in range(count):
         size = int.from_bytes(data[offset : offset + 4], "little")
         offset += 4
-        if size and int.from_bytes(data[offset : offset + 2], "little"):
-            data[offset + 4 : offset + 8] = np.uint32(count + 5).tobytes()
-            break
+        (upper if size else ground).append((element, offset))
         offset += size
-    assert max_m > 0 and size
+    return upper, [element for element, _ in ground]
+
+
+@pytest.mark.parametrize("target", ["no element", "a level-0 element"])
+def test_an_upper_level_link_to_no_element_or_one_below_its_level_is_refused(bundle_copy, target):
+    data, _, fields = index_elements(bundle_copy)
+    upper, ground = upper_levels(data, fields)
+    element, offset = next((e, o) for e, o in upper if int.from_bytes(data[o : o + 2], "little"))  # has links
+    named = fields[2] + 5 if target == "no element" else ground[0]
+    data[offset + 4 : offset + 8] = np.uint32(named).tobytes()  # its first level-1 neighbour
     (bundle_copy / INDEX_FILE).write_bytes(bytes(data))
     resign(bundle_copy, INDEX_FILE)
-    with pytest.raises(BundleError, match=f"a level-1 link of element [0-9]+ names element {count + 5}"):
+    reason = f"names element {named} of" if target == "no element" else "names an element below that level"
+    with pytest.raises(BundleError, match=f"HNSW body refused: a level-1 link of element {element} {reason}"):
         load_bundle(bundle_copy)
 
 
