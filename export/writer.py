@@ -119,7 +119,7 @@ def _writer_is_gone(leftover: Path, prefix: str) -> bool:
     except ProcessLookupError:
         return True
     except PermissionError:  # alive, another user's
-        return False
+        pass
     return False
 
 
@@ -131,7 +131,7 @@ def remove_stale(out: Path) -> None:
         return
     for kind in (REPLACED, STAGING):
         prefix = _leftover_prefix(out, kind)
-        for leftover in sorted(out.parent.glob(f"{prefix}*")):
+        for leftover in sorted(p for p in out.parent.iterdir() if p.name.startswith(prefix)):
             with contextlib.suppress(FileNotFoundError):
                 if not _writer_is_gone(leftover, prefix):
                     continue
