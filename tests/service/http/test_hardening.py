@@ -105,7 +105,7 @@ def test_an_answer_at_the_label_cap_is_served(server):
     r = httpx.post(f"{server.url}/predict", json={"texts": [TEXT] * 10, "k": 1000}, timeout=60)
     assert r.status_code == 200, r.text
     results = r.json()["results"]
-    from service.http.schemas import INLINE_LABELS
+    from service.api.schemas import INLINE_LABELS
 
     assert len(results) == 10 and sum(len(result["labels"]) for result in results) > INLINE_LABELS
 
