@@ -149,6 +149,8 @@ class ShadowMirror:
         self._worker = worker
         self._rng = random.Random()
         worker.on_result = self.record
+        metrics.shadow_worker_exits.labels(variant=variant)
+        worker.on_exit = lambda: metrics.shadow_worker_exits.labels(variant=variant).inc()
 
     def start(self) -> None:
         if self.config.fraction > 0:
