@@ -27,6 +27,7 @@ from service.engine.bundle import BundleError
 from service.http.admin import ServingState, add_admin_routes, load_predictor, require_admin
 from service.http.guards import BodyLimitMiddleware, ShedBeforeParsingMiddleware, method_label, validation_error
 from service.http.metrics import Metrics
+from service.http.rollout_page import add_rollout_routes
 from service.http.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response
 from service.http.settings import Settings
 from service.rollout.shadow import ShadowMirror, ShadowRequest, ranked
@@ -251,4 +252,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     add_admin_routes(app)
+    add_rollout_routes(app)
     return app
