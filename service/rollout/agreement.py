@@ -38,13 +38,14 @@ class AgreementHistory:
     def __init__(self, capacity: int = DEFAULT_CAPACITY, clock: Callable[[], float] = time.time):
         self.capacity = capacity
         self._clock = clock
-        self._compared: deque[Compared] = deque(maxlen=capacity)
+        # plain tuples: an append is the shadow's cost; Compared objects are built when the page reads
+        self._compared: deque[tuple] = deque(maxlen=capacity)
         self._dropped: deque[list] = deque(maxlen=capacity)  # [second, reason, copies]
 
     def add_compared(self, samples: Iterable[tuple]) -> None:
         """``samples``: (text, k, overlap, kendall_tau, score_delta, latency_delta_s) per text."""
         now = self._clock()
-        self._compared.extend(Compared(now, *sample) for sample in samples)
+        self._compared.extend((now, *sample) for sample in samples)
 
     def add_dropped(self, reason: str, copies: int) -> None:
         second = int(self._clock())
@@ -57,7 +58,7 @@ class AgreementHistory:
     def since(self, window_s: float) -> tuple[list[Compared], list[tuple[int, str, int]]]:
         """The comparisons and drop events of the last ``window_s`` seconds, oldest first."""
         start = self._clock() - window_s
-        compared = [c for c in self._compared if c.ts >= start]
+        compared = [Compared(*c) for c in self._compared if c[0] >= start]
         dropped = [(second, reason, copies) for second, reason, copies in self._dropped if second >= start]
         return compared, dropped
 

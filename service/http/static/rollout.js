@@ -6,6 +6,7 @@
   let token = null;
   let state = null;
   let timer = null;
+  let worstShown = null;
   const $ = (id) => document.getElementById(id);
   const SVG = "http://www.w3.org/2000/svg";
 
@@ -43,6 +44,7 @@
   function lock(message) {
     token = null;
     state = null;
+    worstShown = null;
     clearInterval(timer);
     $("main").hidden = true;
     $("gate").hidden = false;
@@ -159,7 +161,7 @@
 
   function sideColumn(side, labels) {
     const head = el("div", { class: "side-head" }, el("strong", {}, side.variant), ` ${side.bundle_id || "no bundle"}`);
-    if (side.latency_ms !== null && side.latency_ms !== undefined) head.append(el("span", { class: "latency" }, ` ${fmt(side.latency_ms, 1)} ms`));
+    if (side.latency_ms !== null && side.latency_ms !== undefined) head.append(el("span", { class: "latency" }, ` · ${fmt(side.latency_ms, 1)} ms`));
     const column = el("div", { class: `side side-${side.variant}` }, head);
     if (side.error) {
       column.append(el("p", { class: "error" }, side.error));
@@ -203,8 +205,8 @@
   // ------------------------------------------------------------------ agreement over time
 
   // One small scatter plot (or bars) of [time, value] points as inline SVG.
-  function chart(title, points, { from, to, min, max, bars = false, unit = "" }) {
-    const W = 320, H = 130, L = 44, R = 6, T = 18, B = 18;
+  function chart(title, points, { from, to, min, max, bars = false }) {
+    const W = 320, H = 130, L = 40, R = 6, T = 18, B = 18;
     const values = points.map((p) => p[1]);
     if (min === undefined) min = Math.min(0, ...values);
     if (max === undefined) max = Math.max(min + 1e-9, ...values);
@@ -223,8 +225,10 @@
     add("text", { x: L, y: 12, class: "title" }, `${title} (${points.length})`);
     add("line", { x1: L, y1: T, x2: L, y2: H - B, class: "axis" });
     add("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, class: "axis" });
-    add("text", { x: L - 4, y: T + 4, class: "tick", "text-anchor": "end" }, `${fmt(max, 2)}${unit}`);
-    add("text", { x: L - 4, y: H - B, class: "tick", "text-anchor": "end" }, `${fmt(min, 2)}${unit}`);
+    const digits = Math.max(Math.abs(min), Math.abs(max)) >= 10 ? 0 : 2;
+    add("text", { x: L - 4, y: T + 4, class: "tick", "text-anchor": "end" }, fmt(max, digits));
+    add("text", { x: L - 4, y: H - B, class: "tick", "text-anchor": "end" }, fmt(min, digits));
+    if (min < 0 && max > 0) add("line", { x1: L, y1: y(0), x2: W - R, y2: y(0), class: "zero" });
     add("text", { x: L, y: H - 4, class: "tick" }, `−${Math.round((to - from) / 60)} min`);
     add("text", { x: W - R, y: H - 4, class: "tick", "text-anchor": "end" }, "now");
     for (const [t, v] of points) {
@@ -260,8 +264,11 @@
       chart("overlap@k", overlaps, { from, to, min: 0, max: 1 }),
       chart("rank correlation (τ)", series(2), { from, to, min: -1, max: 1 }),
       chart("mean |score Δ|", series(3), { from, to }),
-      chart("latency Δ shadow − A", series(4), { from, to, unit: " ms" }),
-      chart("dropped copies", [...binned.entries()], { from, to, min: 0, bars: true }));
+      chart("latency Δ shadow − A, ms", series(4), { from, to }),
+      chart("dropped copies", [...binned.entries()], { from, to, min: 0, max: Math.max(1, ...binned.values()), bars: true }));
+    const worstNow = JSON.stringify(data.worst.map((item) => [item.text, item.k, item.overlap, item.kendall_tau]));
+    if (worstNow === worstShown) return;  // unchanged: the list stays still under the pointer
+    worstShown = worstNow;
     $("worst").replaceChildren(...data.worst.map((item) => {
       const button = el("button", { type: "button", class: "link" }, item.text);
       button.addEventListener("click", () => openInCompare(item));

@@ -161,13 +161,15 @@ def browser(tmp_path_factory):
 
 
 def test_an_operator_compares_watches_and_promotes_in_the_browser(servers, browser, tmp_path):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     primary, _ = servers
     shots = Path(os.environ.get("ROLLOUT_SCREENSHOTS") or tmp_path)
     shots.mkdir(parents=True, exist_ok=True)
-    wait = WebDriverWait(browser, 30)
+    # the page redraws its plots and list every 5 s: an element found just before a redraw is retried
+    wait = WebDriverWait(browser, 30, ignored_exceptions=[StaleElementReferenceException])
     find = browser.find_element
     a_id = httpx.get(f"{primary.url}/readyz").json()["bundle_id"]
     httpx.post(f"{primary.url}/admin/config", json={"split_b": 0.0}, headers=ADMIN)
@@ -222,10 +224,18 @@ def test_an_operator_compares_watches_and_promotes_in_the_browser(servers, brows
     find(By.ID, "compare-panel").screenshot(str(shots / "rollout-compare.png"))
 
     # agreement over time: points on the plots; a worst text opens in the query box
+    Select(find(By.ID, "window")).select_by_value("60")
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#charts svg:first-child circle")) >= 12)
-    worst = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#worst li button"))
-    first_text = worst[0].text
-    worst[0].click()
+
+    def open_worst(driver) -> str | None:
+        listed = driver.find_elements(By.CSS_SELECTOR, "#worst li button")
+        if not listed:
+            return None
+        text = listed[0].text
+        listed[0].click()
+        return text
+
+    first_text = wait.until(open_worst)
     headings = "#compare-result .query h3"
     wait.until(lambda d: [h.text for h in d.find_elements(By.CSS_SELECTOR, headings)] == [first_text])
     assert find(By.ID, "texts").get_attribute("value") == first_text
