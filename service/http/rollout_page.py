@@ -15,8 +15,8 @@ With no admin token configured the page is not served (404), as the admin API is
 costs /predict nothing: it only calls admin endpoints, and only while it is open.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: FastAPI must resolve the per-app request model from the
+# endpoint's annotation at runtime.
 import json
 import time
 from pathlib import Path
@@ -127,7 +127,8 @@ def add_rollout_routes(app: FastAPI) -> None:
     ):
         app.get(path, include_in_schema=False)(page_file(name, media_type))
 
-    async def compare_variants(body, request: Request) -> dict:
+    @app.post("/admin/compare", dependencies=guarded)
+    async def compare_variants(body: CompareRequest, request: Request) -> dict:
         """A's and B's answers to the same texts, their latencies and their agreement (overlap@k,
         Kendall's τ of the shared labels, mean score delta), computed as the shadow computes it.
         Neither side's answer is counted as traffic nor mirrored."""
@@ -137,9 +138,6 @@ def add_rollout_routes(app: FastAPI) -> None:
         a = await answer_side(state.variants[PRIMARY], texts, body.k, body.ef, exclude, timeout_s)
         b = await answer_side(state.variants[CANDIDATE], texts, body.k, body.ef, exclude, timeout_s)
         return {"texts": texts, **side_by_side(a, b, body.k, len(texts))}
-
-    compare_variants.__annotations__["body"] = CompareRequest  # built per app, like /predict's model
-    app.post("/admin/compare", dependencies=guarded)(compare_variants)
 
     @app.get("/admin/agreement", dependencies=guarded)
     async def agreement(
