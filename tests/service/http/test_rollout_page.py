@@ -157,6 +157,7 @@ def browser(tmp_path_factory):
         f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}",
     ):
         add_switch(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the page's console, read at the end
     driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)  # no driver download
     driver.set_page_load_timeout(30)
     yield driver
@@ -265,3 +266,6 @@ def test_an_operator_compares_watches_and_promotes_in_the_browser(servers, brows
     wait.until(lambda d: find(By.ID, "a-bundle").text == b_id and find(By.ID, "b-bundle").text == "no bundle loaded")
     assert find(By.ID, "promote").get_attribute("disabled")
     assert all((shots / f"rollout-{name}.png").stat().st_size > 0 for name in ("compare", "agreement", "promote"))
+    # no script error, no blocked request; the refusals above (403, 422) are the only failed loads
+    console = [entry["message"] for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert console and all("Failed to load resource" in message for message in console), console
