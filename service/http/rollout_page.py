@@ -25,10 +25,10 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse
 from pydantic import Field
 
+from service.api.schemas import build_predict_request
 from service.engine.batcher import BatcherStoppedError, DeadlineExceededError, QueueFullError
 from service.engine.manifest import MANIFEST_FILE
 from service.http.admin import require_admin, serving_state
-from service.http.schemas import build_predict_request
 from service.rollout.shadow import compare, ranked
 from service.rollout.variants import CANDIDATE, PRIMARY
 
@@ -133,7 +133,7 @@ def add_rollout_routes(app: FastAPI) -> None:
         Kendall's τ of the shared labels, mean score delta), computed as the shadow computes it.
         Neither side's answer is counted as traffic nor mirrored."""
         state = serving_state(request)
-        texts, exclude = body.all_texts(), body.exclusions()
+        texts, exclude = body.all_texts(), body.exclude
         timeout_s = (body.timeout_ms or settings.limits.request_timeout_ms) / 1000
         a = await answer_side(state.variants[PRIMARY], texts, body.k, body.ef, exclude, timeout_s)
         b = await answer_side(state.variants[CANDIDATE], texts, body.k, body.ef, exclude, timeout_s)
