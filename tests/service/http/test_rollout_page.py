@@ -112,6 +112,10 @@ def test_compare_answers_both_sides_with_the_shadows_agreement(servers):
         assert [label["shared"] for label in a["results"][i]] == [uid in shared for uid in a_uids]
         assert both["agreement"][i]["overlap"] == len(shared) / 5
         assert all(label["text"] for label in a["results"][i] + b["results"][i])
+    top = a["results"][0][0]["uid"]
+    excluded = httpx.post(f"{primary.url}/admin/compare", json={**body, "exclude": [top]}, headers=ADMIN, timeout=60)
+    for side in excluded.json()["sides"].values():
+        assert all(top not in [label["uid"] for label in labels] for labels in side["results"])
     refused = httpx.post(f"{primary.url}/admin/compare", json={**body, "k": 0}, headers=ADMIN, timeout=60)
     assert refused.status_code == 422
     httpx.post(f"{primary.url}/admin/reload", json={"variant": "B", "bundle": "tiny-rae"}, headers=ADMIN, timeout=60)
