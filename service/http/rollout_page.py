@@ -100,8 +100,10 @@ def side_by_side(a: dict, b: dict, k: int, n_texts: int) -> dict:
 
 def bundles_under(root: Path) -> list[dict]:
     """The bundle dirs directly under ``root`` (a manifest is all that is read; a reload verifies)."""
+    if not root.is_dir():
+        return []
     out = []
-    for path in sorted(p for p in root.iterdir() if (p / MANIFEST_FILE).is_file()) if root.is_dir() else []:
+    for path in sorted(p for p in root.iterdir() if (p / MANIFEST_FILE).is_file()):
         try:
             bundle_id = json.loads((path / MANIFEST_FILE).read_text())["bundle_id"]
         except (OSError, ValueError, KeyError, TypeError):
