@@ -29,6 +29,7 @@ from service.engine.bundle import BundleError
 from service.http.admin import add_admin_routes, require_admin
 from service.http.guards import ShedBeforeParsingMiddleware, method_label
 from service.http.metrics import Metrics
+from service.http.rollout_page import add_rollout_routes
 from service.http.settings import Settings
 from service.http.state import ServingState, load_for_serving
 from service.rollout.shadow import ShadowMirror, ShadowRequest, ranked
@@ -255,4 +256,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     add_admin_routes(app)
+    add_rollout_routes(app)
     return app

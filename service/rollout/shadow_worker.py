@@ -376,12 +376,23 @@ class WorkerLoop:
             self._slots.release()
 
     def _compare(self, batch: list[Copy], answers: list[Ranked], shadow_seconds: float) -> tuple:
-        overlaps, taus, score_deltas, latency_deltas = [], [], [], []
+        overlaps, taus, score_deltas, latency_deltas, samples = [], [], [], [], []
         for copy, shadow in zip(batch, answers, strict=True):
             request = copy.request
-            latency_deltas.append(shadow_seconds - request.primary_seconds)
+            latency_delta = shadow_seconds - request.primary_seconds
+            latency_deltas.append(latency_delta)
             for text, primary, mirrored in zip(request.texts, request.primary, shadow, strict=False):
                 agreement = compare(primary, mirrored, request.k)
+                samples.append(
+                    (
+                        text,
+                        request.k,
+                        agreement["overlap"],
+                        agreement["kendall_tau"],
+                        agreement["score_delta"],
+                        latency_delta,
+                    )
+                )
                 overlaps.append(agreement["overlap"])
                 if agreement["kendall_tau"] is not None:
                     taus.append(agreement["kendall_tau"])
@@ -402,7 +413,7 @@ class WorkerLoop:
                             "shadow_top": [uid for uid, _ in mirrored[:10]],
                         }
                     )
-        return ("compared", len(batch), overlaps, taus, score_deltas, latency_deltas)
+        return ("compared", len(batch), overlaps, taus, score_deltas, latency_deltas, samples)
 
     def _report(self, result: tuple) -> None:
         with self._send_lock, contextlib.suppress(OSError, ValueError):  # the parent is gone
