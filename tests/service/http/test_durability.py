@@ -41,8 +41,8 @@ class Stream:
     keeping the ids acknowledged (200), the one in flight when the server went away, and every
     other status."""
 
-    def __init__(self, url: str, first: int, padding: int = 0):
-        self.url, self.next, self.padding = url, first, padding
+    def __init__(self, url: str, first: int, padding: int = 0, pause_s: float = 0.0):
+        self.url, self.next, self.padding, self.pause_s = url, first, padding, pause_s
         self.acked: list[int] = []
         self.unanswered: list[int] = []
         self.other: list[tuple[int, int, str]] = []
@@ -53,7 +53,7 @@ class Stream:
     def _run(self) -> None:
         with httpx.Client(base_url=self.url, headers=ADMIN, timeout=30) as client:
             for _ in range(STREAM_LIMIT):
-                if self.stop.is_set():
+                if self.stop.wait(self.pause_s):
                     return
                 i, self.next = self.next, self.next + 1
                 try:
@@ -141,7 +141,7 @@ def test_a_compaction_while_the_server_appends_refuses_nothing_and_loses_nothing
     try:
         with httpx.Client(base_url=server.url, timeout=30) as client:
             base_labels = memory(client)["labels"]
-        stream = Stream(server.url, 0)
+        stream = Stream(server.url, 0, pause_s=0.02)  # paced: it must outlast the compaction
         stream.wait_for(5)
         compacted = own_bundle.parent / "compacted"
         compact_bundle(own_bundle, compacted, appends_dir=appends)
