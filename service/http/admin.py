@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from service.http.schemas import ConfigUpdate, ReloadRequest, build_append_reque
 from service.http.settings import Settings
 from service.rollout.shadow import ShadowMirror
 from service.rollout.variants import Variants
+
+log = logging.getLogger("xmcserve.admin")
 
 # A vetting child may map this much beyond the bundle's files (interpreter, ONNX Runtime, arenas).
 VET_BASE_BYTES = 1 << 30
@@ -41,9 +44,25 @@ async def load_predictor(path: Path, settings: Settings, vet: bool = True) -> Pr
         files = sum(f.stat().st_size for f in Path(path).glob("*") if f.is_file())
         limit = VET_BASE_BYTES + 4 * files
         await anyio.to_thread.run_sync(lambda: engine.vet_in_child(path, options, settings.verify_checksums, limit))
-    return await anyio.to_thread.run_sync(
+    predictor = await anyio.to_thread.run_sync(
         lambda: engine.load_predictor(path, options, settings.verify_checksums, appends_dir)
     )
+    bundle = predictor.bundle
+    log.info(
+        "bundle %s loaded from %s (%s, checksums %s)",
+        bundle.bundle_id,
+        path,
+        bundle.encoder.provider,
+        "verified" if settings.verify_checksums else "not checked",
+        extra={
+            "event": "bundle_loaded",
+            "bundle_id": bundle.bundle_id,
+            "path": str(path),
+            "provider": bundle.encoder.provider,
+            "verified": settings.verify_checksums,
+        },
+    )
+    return predictor
 
 
 def confined_bundle_path(root: Path, requested: str) -> Path:
@@ -133,9 +152,29 @@ def add_admin_routes(app: FastAPI) -> None:
                 predictor = await load_predictor(path, state.settings)
             except BundleError as exc:
                 state.metrics.reloads.labels(variant=body.variant, outcome="refused").inc()
+                log.warning(
+                    "reload of %s refused, variant %s unchanged: %s",
+                    path,
+                    body.variant,
+                    exc,
+                    extra={"event": "bundle_refused", "variant": body.variant, "path": str(path), "reason": str(exc)},
+                )
                 raise HTTPException(422, f"bundle refused, variant {body.variant} unchanged: {exc}") from None
             previous = state.install(body.variant, predictor, str(path))
         state.metrics.reloads.labels(variant=body.variant, outcome="loaded").inc()
+        previous_id = previous.bundle.bundle_id if previous else None
+        log.info(
+            "variant %s reloaded: %s (was %s)",
+            body.variant,
+            predictor.bundle.bundle_id,
+            previous_id,
+            extra={
+                "event": "reload",
+                "variant": body.variant,
+                "bundle_id": predictor.bundle.bundle_id,
+                "previous_bundle_id": previous_id,
+            },
+        )
         return {
             "variant": body.variant,
             "bundle_id": predictor.bundle.bundle_id,
@@ -151,6 +190,13 @@ def add_admin_routes(app: FastAPI) -> None:
             except LookupError as exc:
                 raise HTTPException(409, str(exc)) from None
             state.publish_bundle_info()
+        promoted = state.variants["A"].bundle_id
+        log.info(
+            "promoted %s to A (was %s)",
+            promoted,
+            previous.bundle.bundle_id,
+            extra={"event": "promote", "bundle_id": promoted, "previous_bundle_id": previous.bundle.bundle_id},
+        )
         return {
             "promoted_bundle_id": state.variants["A"].bundle_id,
             "previous_bundle_id": previous.bundle.bundle_id,
@@ -180,12 +226,41 @@ def add_admin_routes(app: FastAPI) -> None:
                 outcome = await anyio.to_thread.run_sync(predictor.memory.commit, batch, vectors)
         except AppendRefused as exc:
             state.metrics.appends.labels(variant=body.variant, outcome="refused").inc()
+            log.warning(
+                "append to %s refused: %s",
+                body.variant,
+                exc,
+                extra={"event": "append_refused", "variant": body.variant, "reason": str(exc)},
+            )
             status = 409 if isinstance(exc, AppendIdReused) else 422
             raise HTTPException(status, f"nothing appended: {exc}") from None
         except AppendLogError as exc:
             state.metrics.appends.labels(variant=body.variant, outcome="failed").inc()
+            log.error(
+                "append to %s failed, nothing appended: %s",
+                body.variant,
+                exc,
+                extra={"event": "append_failed", "variant": body.variant, "reason": str(exc)},
+            )
             raise HTTPException(503, f"nothing appended: {exc}", headers={"Retry-After": "5"}) from None
         state.metrics.appends.labels(variant=body.variant, outcome="repeated" if outcome.repeated else "applied").inc()
+        log.info(
+            "append to %s %s: version %s, %d labels, %d instances",
+            body.variant,
+            "repeated (already applied)" if outcome.repeated else "applied",
+            outcome.version,
+            len(outcome.label_ids),
+            outcome.instances,
+            extra={
+                "event": "append_applied",
+                "variant": body.variant,
+                "bundle_id": predictor.bundle.bundle_id,
+                "version": outcome.version,
+                "repeated": outcome.repeated,
+                "labels": len(outcome.label_ids),
+                "instances": outcome.instances,
+            },
+        )
         if not outcome.repeated:
             state.metrics.appended_keys.labels(variant=body.variant, kind="label").inc(len(outcome.label_ids))
             state.metrics.appended_keys.labels(variant=body.variant, kind="instance").inc(outcome.instances)
@@ -213,4 +288,10 @@ def add_admin_routes(app: FastAPI) -> None:
             if body.shadow_fraction > 0 and not state.shadow.target:
                 raise HTTPException(409, "no shadow configured: set XMCSERVE_SHADOW_URL")
             state.shadow.set_fraction(body.shadow_fraction)
+        changed = body.model_dump(exclude_none=True)
+        log.info(
+            "config changed: %s",
+            ", ".join(f"{k}={v}" for k, v in changed.items()),
+            extra={"event": "config_change", **changed},
+        )
         return state.describe()

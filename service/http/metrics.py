@@ -135,7 +135,7 @@ class Metrics:
         return observe
 
     def batch_observer(self, variant: str):
-        def observe(texts: int, times) -> None:
+        def observe(texts: int, times, started: float, tags: list) -> None:
             self.batch_texts.labels(variant=variant).observe(texts)
             for stage, seconds in times.as_dict().items():
                 self.stage_seconds.labels(stage=stage, variant=variant).observe(seconds)

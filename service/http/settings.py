@@ -108,6 +108,21 @@ class ShadowSettings(BaseSettings):
         )
 
 
+class LogSettings(BaseSettings):
+    """Logs (:mod:`service.observability.logs`); tracing is configured by the standard ``OTEL_*`` variables."""
+
+    model_config = _group("LOG_")
+
+    format: Literal["auto", "json", "text"] = Field(
+        "auto", description="json (one object a line), text (readable), auto: text on a terminal, else json"
+    )
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="lowest level logged")
+    access: bool = Field(True, description="one access line per request (route, status, variant, timings)")
+    texts: bool = Field(
+        False, description="debugging only: put each /predict request's texts in its access line (never otherwise)"
+    )
+
+
 class AdminSettings(BaseSettings):
     """The token-protected /admin/* API."""
 
@@ -171,6 +186,7 @@ class Settings(BaseSettings):
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     shadow: ShadowSettings = Field(default_factory=ShadowSettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
+    log: LogSettings = Field(default_factory=LogSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
 
     def thread_layout(self) -> tuple[int, int]:
@@ -197,6 +213,7 @@ GROUPS: dict[str, type[BaseSettings]] = {
     "rollout": RolloutSettings,
     "shadow": ShadowSettings,
     "admin": AdminSettings,
+    "log": LogSettings,
     "server": ServerSettings,
 }
 

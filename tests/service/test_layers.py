@@ -11,13 +11,16 @@ HTTP_PACKAGES = ("fastapi", "starlette", "uvicorn", "httpx")
 ALLOWED = {
     "service.engine": ("service.engine",),
     "service.rollout": ("service.engine", "service.rollout"),
-    "service.http": ("service.engine", "service.rollout", "service.http"),
+    # logs, request ids and tracing: shared by both front ends, importing nothing of service/
+    "service.observability": ("service.observability",),
+    "service.http": ("service.engine", "service.rollout", "service.http", "service.observability"),
     # the Ray Serve front end speaks the single server's API: its schemas, guards and limits
     "service.ray_serve": (
         "service.engine",
         "service.http.schemas",
         "service.http.guards",
         "service.http.settings",
+        "service.observability",
         "service.ray_serve",
     ),
 }
