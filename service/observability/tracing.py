@@ -15,9 +15,10 @@ request a ``queue wait`` child of the request's span.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, SpanContext
@@ -156,7 +157,22 @@ class Tracing:
 
         return observe
 
-
-def context_from_headers(headers: dict[str, str]):
-    """The OpenTelemetry context a ``traceparent`` carrier names (for spans in another process)."""
-    return propagate.extract(headers)
+    @contextlib.contextmanager
+    def part_span(
+        self, name: str, carriers: Sequence[Mapping[str, str]], attributes: Mapping | None = None
+    ) -> Iterator[None]:
+        """A span around work done in another process for the requests whose trace headers are
+        ``carriers`` (a Ray part's batch): the child of the first request's span, linked to every
+        request's. Nothing when off or when no request is traced."""
+        parents = (
+            [trace.get_current_span(propagate.extract(c)).get_span_context() for c in carriers] if self.enabled else []
+        )
+        parents = [p for p in parents if p.is_valid]
+        if not parents:
+            yield
+            return
+        parent = trace.set_span_in_context(trace.NonRecordingSpan(parents[0]))
+        links = [Link(p) for p in parents]
+        attrs = {"xmcserve.batch.requests": len(carriers), **(attributes or {})}
+        with self.tracer.start_as_current_span(name, context=parent, links=links, attributes=attrs):
+            yield

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -46,7 +46,10 @@ from service.engine.shards import ShardAnswer, ShardQuery, merge_answers
 from service.http.guards import BodyLimitMiddleware, validation_error
 from service.http.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response
 from service.http.settings import LimitSettings
-from service.ray_serve.calls import PartCaller, PartUnavailable
+from service.observability.logs import REQUEST_ID
+from service.observability.requests import RequestContextMiddleware
+from service.observability.tracing import Tracing
+from service.ray_serve.calls import CallContext, PartCaller, PartUnavailable
 
 log = logging.getLogger("xmcserve.ray")
 
@@ -102,6 +105,10 @@ class AppArgs(BaseModel):
     verify: bool = Field(True, description="check the sha256 of every bundle file a replica reads")
 
 
+def request_ids(contexts: list[CallContext | None]) -> list[str]:
+    return [c.request_id for c in contexts if c is not None]
+
+
 def threads_for(cpus: float) -> int:
     return max(1, int(cpus))
 
@@ -115,13 +122,18 @@ class Encoder:
         options = EncoderOptions(intra_op_threads=threads_for(cpus), allow_spinning=False)
         manifest, self.encoder = load_encoder(bundle_dir, options, verify)
         self.bundle_id = manifest.bundle_id
+        self.tracing = Tracing.from_environment("xmcserve-encoder")
         self.encode.set_max_batch_size(max_batch_texts)
         self.encode.set_batch_wait_timeout_s(batch_wait_s)
 
     @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0, batch_size_fn=lambda texts: sum(map(len, texts)))
-    async def encode(self, requests: list[list[str]]) -> list[tuple[str, np.ndarray]]:
+    async def encode(
+        self, requests: list[list[str]], contexts: list[CallContext | None]
+    ) -> list[tuple[str, np.ndarray]]:
         """Each request's vectors, stamped with the bundle id."""
-        vectors, _ = await asyncio.to_thread(self.encoder.encode, [text for texts in requests for text in texts])
+        log.debug("encode: %d texts for requests %s", sum(map(len, requests)), request_ids(contexts))
+        with self.tracing.part_span("encode", [c.trace_headers for c in contexts if c is not None]):
+            vectors, _ = await asyncio.to_thread(self.encoder.encode, [text for texts in requests for text in texts])
         return [(self.bundle_id, part) for part in np.split(vectors, np.cumsum([len(t) for t in requests])[:-1])]
 
     def check_health(self) -> None:
@@ -138,15 +150,22 @@ class Shard:
     def __init__(self, bundle_dir: str, number: int, cpus: float, max_batch: int, batch_wait_s: float, verify: bool):
         manifest, self.searcher = load_shard(bundle_dir, number, verify, search_threads=threads_for(cpus))
         self.bundle_id = manifest.bundle_id
+        self.number = number
+        self.tracing = Tracing.from_environment("xmcserve-shard")
         first = self.searcher.shard.first_key
         self.probe = np.asarray(self.searcher.index.get_items([first]), dtype=np.float32)
         self.search.set_max_batch_size(max_batch)
         self.search.set_batch_wait_timeout_s(batch_wait_s)
 
     @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0, batch_size_fn=lambda q: sum(len(x.vectors) for x in q))
-    async def search(self, queries: list[ShardQuery]) -> list[tuple[str, ShardAnswer]]:
+    async def search(
+        self, queries: list[ShardQuery], contexts: list[CallContext | None]
+    ) -> list[tuple[str, ShardAnswer]]:
         """Each request's nearest keys (as if searched alone), stamped with the bundle id."""
-        answers = await asyncio.to_thread(self.searcher.search_many, queries)
+        log.debug("shard %d: %d queries for requests %s", self.number, len(queries), request_ids(contexts))
+        traces = [c.trace_headers for c in contexts if c is not None]
+        with self.tracing.part_span("search", traces, {"xmcserve.shard": self.number}):
+            answers = await asyncio.to_thread(self.searcher.search_many, queries)
         return [(self.bundle_id, answer) for answer in answers]
 
     def check_health(self) -> None:
@@ -202,6 +221,7 @@ class Ingress:
         self.limits = LimitSettings()
         self.metrics = IngressMetrics()
         self.caller = PartCaller(attempt_timeout_s, self.count_failure)
+        self.tracing = Tracing.from_environment("xmcserve-ray-ingress")
 
     def count_failure(self, part: str, reason: str) -> None:
         self.metrics.part_failures.inc(tags={"part": part, "reason": reason})
@@ -210,33 +230,46 @@ class Ingress:
         return ingress_app(self)
 
     async def predict(
-        self, texts: list[str], k: int, ef: int | None, exclude: list[set[int]], timeout_s: float
+        self,
+        texts: list[str],
+        k: int,
+        ef: int | None,
+        exclude: list[set[int]],
+        timeout_s: float,
+        context: CallContext | None = None,
     ) -> tuple[list[Ranking], int]:
         """Rankings and the ef they ran at; :class:`PartUnavailable` past the deadline. A request
-        larger than a batch goes in batch-sized pieces, side by side."""
+        larger than a batch goes in batch-sized pieces, side by side. ``context`` goes with every
+        part call (request id, trace headers)."""
         deadline = time.monotonic() + timeout_s
         size = self.max_batch_texts
         pieces = await asyncio.gather(
             *(
-                self.predict_piece(texts[i : i + size], k, ef, exclude[i : i + size], deadline)
+                self.predict_piece(texts[i : i + size], k, ef, exclude[i : i + size], deadline, context)
                 for i in range(0, len(texts), size)
             )
         )
         return [ranking for rankings, _ in pieces for ranking in rankings], max(ef for _, ef in pieces)
 
     async def predict_piece(
-        self, texts: list[str], k: int, ef: int | None, exclude: list[set[int]], deadline: float
+        self,
+        texts: list[str],
+        k: int,
+        ef: int | None,
+        exclude: list[set[int]],
+        deadline: float,
+        context: CallContext | None = None,
     ) -> tuple[list[Ranking], int]:
         """Encode, fan out to every shard, merge, rank."""
         started = time.perf_counter()
-        vectors = await self.ask("encoder", lambda: self.encoder.encode.remote(texts), deadline)
+        vectors = await self.ask("encoder", lambda: self.encoder.encode.remote(texts, context), deadline)
         encoded = time.perf_counter()
         ks = [k] * len(texts)
         n = neighbours_needed(self.manifest, ks, exclude)
         fetch, ef = fetch_and_ef(n, ef or self.manifest.hnsw.ef_search, self.manifest.counts.memory_rows)
         lexicon = self.fusion.lexicon if self.fusion is not None else None
         terms = lexicon.query_terms(texts) if lexicon is not None else None  # each shard scores its keys
-        answers = await self.fan_out(ShardQuery(vectors, fetch, ef, terms), deadline)
+        answers = await self.fan_out(ShardQuery(vectors, fetch, ef, terms), deadline, context)
         searched = time.perf_counter()
         merged = merge_answers(answers, n)
         values = ValueRows(merged.rows) if merged.rows is not None else None
@@ -249,9 +282,13 @@ class Ingress:
         self.metrics.stage_seconds.observe(time.perf_counter() - searched, tags={"stage": "rank"})
         return rankings, max(answer.ef for answer in answers)
 
-    async def fan_out(self, query: ShardQuery, deadline: float) -> list[ShardAnswer]:
+    async def fan_out(
+        self, query: ShardQuery, deadline: float, context: CallContext | None = None
+    ) -> list[ShardAnswer]:
         calls = [
-            asyncio.ensure_future(self.ask(f"shard-{i}", lambda shard=shard: shard.search.remote(query), deadline))
+            asyncio.ensure_future(
+                self.ask(f"shard-{i}", lambda shard=shard: shard.search.remote(query, context), deadline)
+            )
             for i, shard in enumerate(self.shards)
         ]
         try:
@@ -296,15 +333,21 @@ def ingress_app(ingress: Ingress) -> FastAPI:
         exception_handlers={RequestValidationError: validation_error},
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, read_timeout_s=limits.body_timeout_s)
+    # Ray's workers log through Ray's own handlers: the access line takes their format
+    app.add_middleware(RequestContextMiddleware, trace_id=ingress.tracing.trace_id)
+    ingress.tracing.instrument(app)
 
     @app.post("/predict", response_model=PredictResponse)
-    async def predict(body: PredictRequest) -> Response:  # type: ignore[valid-type]
+    async def predict(body: PredictRequest, request: Request) -> Response:  # type: ignore[valid-type]
+        request.state.variant, request.state.bundle_id = "A", ingress.manifest.bundle_id
+        request.state.texts, request.state.k = len(body.all_texts()), body.k
         if body.variant == "B":
             return JSONResponse({"detail": "this deployment serves one bundle (A); no candidate B"}, status_code=409)
         exclude = [ingress.view.label_ids(uids) for uids in body.exclusions()]
         timeout_s = (body.timeout_ms or limits.request_timeout_ms) / 1000
+        context = CallContext(REQUEST_ID.get(), ingress.tracing.headers())
         try:
-            rankings, ef = await ingress.predict(body.all_texts(), body.k, body.ef, exclude, timeout_s)
+            rankings, ef = await ingress.predict(body.all_texts(), body.k, body.ef, exclude, timeout_s, context)
         except PartUnavailable as exc:
             ingress.metrics.predictions.inc(tags={"outcome": "unavailable"})
             return unavailable(exc)

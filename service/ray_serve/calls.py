@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray.exceptions import (
@@ -46,6 +47,16 @@ MAX_IN_FLIGHT = 3
 # Pause before sending again after a lost replica, growing with each loss (Serve's routing
 # table needs a moment to drop the dead replica).
 LOST_BACKOFF_S = 0.05
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What a part call carries besides its work, so one request id and one trace follow a
+    request into the encoder and shard replicas: the ingress request's ``X-Request-Id`` and its
+    W3C trace headers (``traceparent``, ``tracestate``; empty when tracing is off)."""
+
+    request_id: str = "-"
+    trace_headers: dict[str, str] = field(default_factory=dict)
 
 
 class PartUnavailable(RuntimeError):
