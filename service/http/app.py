@@ -152,6 +152,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
             # counters exported at 0 from the start, so a rate() has a series before the first event
             metrics.rejected.labels(variant=name)
             metrics.predicted_texts.labels(variant=name)
+            metrics.start_at_zero(name)
         state = ServingState(settings, metrics, variants)
         # nothing serves yet: a primary that fails stops start-up, no need to vet it apart
         predictor = await load_predictor(settings.bundle_dir, settings, vet=False)

@@ -152,6 +152,8 @@ class ShadowMirror:
         self.variant = variant
         self._metrics = metrics
         metrics.shadow_compared.labels(variant=variant)  # exported at 0 until the first comparison
+        for reason in ("queue_full", "timeout", "error"):
+            metrics.shadow_dropped.labels(reason=reason, variant=variant)
         self._worker = worker
         self._rng = random.Random()
         self._clock = clock
