@@ -95,11 +95,11 @@ class RequestContextMiddleware:
             # Starlette's outermost error middleware would answer 500 without the id: answer here
             # (it sees the response started and only re-raises, for the server to log the trace).
             if not responded:
-                error_body = json.dumps({"detail": "internal server error"}).encode()
+                body = json.dumps({"detail": "internal server error"}).encode()
                 await send_with_id(
                     {"type": "http.response.start", "status": 500, "headers": [(b"content-type", b"application/json")]}
                 )
-                await send_with_id({"type": "http.response.body", "body": error_body})
+                await send_with_id({"type": "http.response.body", "body": body})
             raise
         finally:
             if self.access_log:
@@ -108,7 +108,13 @@ class RequestContextMiddleware:
 
     def log(self, scope, state: dict, headers: dict, status: int, error_body: bytes, seconds: float) -> None:
         route = getattr(scope.get("route"), "path", None) or scope["path"][:200]
-        fields = {"method": scope["method"], "route": route, "status": status, "total_ms": round(seconds * 1000, 3)}
+        fields = {
+            "request_id": state["request_id"],
+            "method": scope["method"],
+            "route": route,
+            "status": status,
+            "total_ms": round(seconds * 1000, 3),
+        }
         for name in STATE_FIELDS:
             if name in state:
                 fields[name] = state[name]
@@ -122,5 +128,7 @@ class RequestContextMiddleware:
             fields["trace_id"] = trace_id
         message = f"{scope['method']} {route} {status}"
         if self.readable:
-            message += " " + " ".join(f"{k}={v}" for k, v in fields.items() if k not in ("method", "route", "status"))
+            message += " " + " ".join(
+                f"{k}={v}" for k, v in fields.items() if k not in ("request_id", "method", "route", "status")
+            )
         access_log.log(logging.WARNING if status >= 500 else logging.INFO, message, extra=fields)
