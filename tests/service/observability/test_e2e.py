@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from bench.localserver import start_server, stop_server
-from tests.service.observability.otlp_receiver import OtlpReceiver
+from bench.otlp_receiver import OtlpReceiver
 
 TEXT = {"text": "libc6: GNU C Library: Shared libraries", "k": 5}
 

@@ -1,4 +1,5 @@
-"""An OTLP/HTTP trace receiver on 127.0.0.1 for tests: collects the spans POSTed to /v1/traces."""
+"""An OTLP/HTTP trace receiver on 127.0.0.1 (tests and benchmarks): collects the spans POSTed to
+/v1/traces, decoded with the OpenTelemetry protobufs."""
 
 from __future__ import annotations
 
@@ -69,3 +70,39 @@ class OtlpReceiver:
     def __exit__(self, *exc):
         self._server.shutdown()
         self._server.server_close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m bench.otlp_receiver --port N``: a receiver in a process of its own (so that a
+    benchmark's load generator does not share its interpreter); it answers every export and
+    counts them, without decoding (a collector's work is not the server's cost)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--port", type=int, required=True, help="port to listen on, on 127.0.0.1")
+    args = parser.parse_args(argv)
+    received = {"exports": 0, "bytes": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            received["bytes"] += len(self.rfile.read(int(self.headers.get("content-length", 0))))
+            received["exports"] += 1
+            self.send_response(200)
+            self.send_header("content-type", "application/x-protobuf")
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print(received, flush=True)
+
+
+if __name__ == "__main__":
+    main()
