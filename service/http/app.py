@@ -226,7 +226,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         RequestContextMiddleware,
         access_log=settings.log.access,
         readable=resolved_format(settings.log.format) == "text",
-        trace_id=tracing.trace_id,
+        tracing=tracing,
     )
     tracing.instrument(app)  # the instrumentation's span wraps everything, the middlewares above included
 

@@ -61,11 +61,11 @@ class RequestContextMiddleware:
     """Request id in and out, and the access line (``access_log=False``: ids only).
     ``readable``: the text log format, where the access message spells out the fields."""
 
-    def __init__(self, app, access_log: bool = True, readable: bool = False, trace_id=lambda: None):
+    def __init__(self, app, access_log: bool = True, readable: bool = False, tracing=None):
         self.app = app
         self.access_log = access_log
         self.readable = readable
-        self.trace_id = trace_id  # () -> the current trace's id (hex) or None: tracing off
+        self.tracing = tracing  # a service.observability.tracing.Tracing, or None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -76,6 +76,8 @@ class RequestContextMiddleware:
         token = REQUEST_ID.set(request_id)
         state = scope.setdefault("state", {})
         state["request_id"] = request_id
+        if self.tracing is not None:
+            self.tracing.tag_request(request_id)
         status, error_body, responded = 500, b"", False
         id_header = (HEADER, request_id.encode())
 
@@ -124,7 +126,7 @@ class RequestContextMiddleware:
                 fields["reason"] = reason
         if (shadow_of := headers.get(b"x-shadow")) is not None:
             fields["shadow_of"] = shadow_of.decode("latin-1")[:SHADOW_OF_CHARS]
-        if (trace_id := self.trace_id()) is not None:
+        if self.tracing is not None and (trace_id := self.tracing.trace_id()) is not None:
             fields["trace_id"] = trace_id
         message = f"{scope['method']} {route} {status}"
         if self.readable:

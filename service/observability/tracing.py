@@ -83,7 +83,12 @@ class Tracing:
         if self.enabled:
             from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 
-            FastAPIInstrumentor.instrument_app(app, tracer_provider=self.provider, excluded_urls=EXCLUDED_URLS)
+            FastAPIInstrumentor.instrument_app(
+                app,
+                tracer_provider=self.provider,
+                excluded_urls=EXCLUDED_URLS,
+                exclude_spans=["receive", "send"],  # a span per ASGI message: noise, and their cost per request
+            )
 
     def shutdown(self) -> None:
         """Exports what is buffered (at the end of the process's lifespan)."""
@@ -96,6 +101,11 @@ class Tracing:
             return None
         context = trace.get_current_span().get_span_context()
         return context if context.is_valid else None
+
+    def tag_request(self, request_id: str) -> None:
+        """Names the request id on the current (request) span, so a trace is found by the id."""
+        if self.enabled:
+            trace.get_current_span().set_attribute("xmcserve.request_id", request_id)
 
     def trace_id(self) -> str | None:
         context = self.current()

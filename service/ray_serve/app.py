@@ -334,7 +334,7 @@ def ingress_app(ingress: Ingress) -> FastAPI:
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, read_timeout_s=limits.body_timeout_s)
     # Ray's workers log through Ray's own handlers: the access line takes their format
-    app.add_middleware(RequestContextMiddleware, trace_id=ingress.tracing.trace_id)
+    app.add_middleware(RequestContextMiddleware, tracing=ingress.tracing)
     ingress.tracing.instrument(app)
 
     @app.post("/predict", response_model=PredictResponse)

@@ -58,6 +58,8 @@ def test_a_request_continues_the_callers_trace_with_queue_wait_and_a_linked_batc
     server = next(s for s in spans if s.kind.name == "SERVER")
     assert format(server.context.trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"
     assert server.parent.span_id == 0xB7AD6B7169203331
+    assert server.attributes["xmcserve.request_id"] == answer.headers["x-request-id"]
+    assert not [s for s in spans if s.name.endswith(("http send", "http receive"))]
     (queue,) = [s for s in spans if s.name == "queue wait"]
     assert queue.parent.span_id == server.context.span_id and queue.end_time >= queue.start_time
     (batch,) = [s for s in spans if s.name == "batch"]
