@@ -170,9 +170,24 @@ OBSERVABILITY = {
 }
 
 
-def observability_cost(bundle: Path, bodies: list[bytes], concurrency: int, seconds: float, rounds: int) -> dict:
-    """Throughput of each configuration in :data:`OBSERVABILITY`, loaded in turn (order rotated
-    each round), and its ratio to ``access_log_off`` in the same round."""
+def server_cpu_s(url: str) -> float:
+    """The server process's CPU seconds so far (its ``process_cpu_seconds_total``)."""
+    import httpx
+
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("process_cpu_seconds_total "):
+            return float(line.split()[1])
+    raise RuntimeError("no process_cpu_seconds_total in /metrics")
+
+
+def observability_cost(
+    bundle: Path, bodies: list[bytes], concurrency: int, seconds: float, rounds: int, extra_env: dict
+) -> dict:
+    """Throughput and server CPU per answered request of each configuration in
+    :data:`OBSERVABILITY`, loaded in turn (order rotated each round), and their ratios to
+    ``access_log_off`` in the same round. On a machine shared with other work the throughput
+    swings with their load; the CPU per request (what bounds the peak of a CPU-bound server)
+    much less."""
     logs = Path("/tmp/xmcserve-bench")
     logs.mkdir(exist_ok=True)
     port = free_port()
@@ -182,18 +197,24 @@ def observability_cost(bundle: Path, bodies: list[bytes], concurrency: int, seco
     servers = {}
     try:
         for name, env in OBSERVABILITY.items():
-            env = {k: v or f"http://127.0.0.1:{port}" for k, v in env.items()}
+            env = {**extra_env, **{k: v or f"http://127.0.0.1:{port}" for k, v in env.items()}}
             servers[name] = start_server(bundle, logs / f"{name}.log", extra_env=env, timeout_s=180)
         names = list(servers)
         for server in servers.values():
             asyncio.run(closed_loop(server.url, bodies, concurrency, 3.0))  # warm-up
         qps: dict[str, list[float]] = {name: [] for name in names}
+        cpu_ms: dict[str, list[float]] = {name: [] for name in names}
         for round_ in range(rounds):
             order = names[round_ % len(names) :] + names[: round_ % len(names)]
             for name in order:
+                cpu0 = server_cpu_s(servers[name].url)
                 row = asyncio.run(closed_loop(servers[name].url, bodies, concurrency, seconds)).summary()
+                per_request = (server_cpu_s(servers[name].url) - cpu0) * 1000 / max(row["ok"], 1)
                 qps[name].append(row["qps"])
-                print(json.dumps({"round": round_, "config": name, **row}), flush=True)
+                cpu_ms[name].append(round(per_request, 4))
+                print(
+                    json.dumps({"round": round_, "config": name, "cpu_ms_per_request": per_request, **row}), flush=True
+                )
     finally:
         for server in servers.values():
             stop_server(server)
@@ -201,6 +222,8 @@ def observability_cost(bundle: Path, bodies: list[bytes], concurrency: int, seco
         exported = receiver.communicate(timeout=10)[0].strip()
     baseline = qps["access_log_off"]
     ratios = {name: [q / b for q, b in zip(values, baseline, strict=True)] for name, values in qps.items()}
+    cpu_base = cpu_ms["access_log_off"]
+    cpu_ratios = {name: [c / b for c, b in zip(values, cpu_base, strict=True)] for name, values in cpu_ms.items()}
     return {
         "concurrency": concurrency,
         "seconds_per_load": seconds,
@@ -210,6 +233,12 @@ def observability_cost(bundle: Path, bodies: list[bytes], concurrency: int, seco
         "median_qps": {name: round(statistics.median(values), 1) for name, values in qps.items()},
         "ratio_to_access_log_off_per_round": {name: [round(r, 4) for r in values] for name, values in ratios.items()},
         "median_throughput_loss": {name: round(1 - statistics.median(values), 4) for name, values in ratios.items()},
+        "server_cpu_ms_per_request": cpu_ms,
+        "cpu_per_request_ratio_per_round": {name: [round(r, 4) for r in values] for name, values in cpu_ratios.items()},
+        # a CPU-bound server's peak is cores / CPU per request: the loss that CPU ratio implies
+        "median_peak_loss_from_cpu": {
+            name: round(1 - 1 / statistics.median(values), 4) for name, values in cpu_ratios.items()
+        },
         "otlp_receiver": exported,
     }
 
@@ -282,11 +311,13 @@ def main() -> None:
         result = {
             "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
             "bundle": str(args.bundle),
-            **observability_cost(args.bundle, bodies, args.concurrency, args.seconds, args.rounds),
+            "settings": extra_env,
+            **observability_cost(args.bundle, bodies, args.concurrency, args.seconds, args.rounds, extra_env),
         }
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
-        print(json.dumps({k: result[k] for k in ("median_qps", "median_throughput_loss")}, indent=2))
+        summary = ("median_qps", "median_throughput_loss", "median_peak_loss_from_cpu")
+        print(json.dumps({k: result[k] for k in summary}, indent=2))
         return
     bundle = load_bundle(args.bundle)
     mean_tokens = float(np.mean([len(ids) for ids in bundle.encoder.tokenize(texts)]))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.engine.batcher import BatcherConfig
@@ -121,6 +121,11 @@ class LogSettings(BaseSettings):
     texts: bool = Field(
         False, description="debugging only: put each /predict request's texts in its access line (never otherwise)"
     )
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def upper_case_level(cls, value):
+        return value.upper() if isinstance(value, str) else value
 
 
 class AdminSettings(BaseSettings):

@@ -56,3 +56,13 @@ def test_uvicorn_loggers_go_through_the_same_handler(restore_logging):
     assert not logging.getLogger("uvicorn.error").handlers
     (line,) = out.getvalue().splitlines()
     assert "INFO" in line and " - uvicorn.error: Application startup complete." in line  # "-": outside a request
+
+
+def test_the_log_settings_read_the_environment(monkeypatch):
+    from service.http.settings import LogSettings
+
+    monkeypatch.setenv("XMCSERVE_LOG_LEVEL", "debug")
+    monkeypatch.setenv("XMCSERVE_LOG_FORMAT", "text")
+    monkeypatch.setenv("XMCSERVE_LOG_ACCESS", "false")
+    settings = LogSettings()
+    assert (settings.level, settings.format, settings.access, settings.texts) == ("DEBUG", "text", False, False)
