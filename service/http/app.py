@@ -155,7 +155,21 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
             metrics.start_at_zero(name)
         state = ServingState(settings, metrics, variants)
         # nothing serves yet: a primary that fails stops start-up, no need to vet it apart
-        predictor = await load_predictor(settings.bundle_dir, settings, vet=False)
+        try:
+            predictor = await load_predictor(settings.bundle_dir, settings, vet=False)
+        except BundleError as exc:
+            log.error(
+                "bundle %s refused, not starting: %s",
+                settings.bundle_dir,
+                exc,
+                extra={
+                    "event": "bundle_refused",
+                    "variant": PRIMARY,
+                    "path": str(settings.bundle_dir),
+                    "reason": str(exc),
+                },
+            )
+            raise
         state.install(PRIMARY, predictor, str(settings.bundle_dir))
         if candidate_dir := settings.rollout.candidate_bundle_dir:
             try:
