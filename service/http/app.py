@@ -22,13 +22,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from service.api.guards import BodyLimitMiddleware, validation_error
+from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response
 from service.engine.batcher import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
 from service.engine.bundle import BundleError
-from service.http.admin import ServingState, add_admin_routes, load_predictor, require_admin
-from service.http.guards import BodyLimitMiddleware, ShedBeforeParsingMiddleware, method_label, validation_error
+from service.http.admin import add_admin_routes, require_admin
+from service.http.guards import ShedBeforeParsingMiddleware, method_label
 from service.http.metrics import Metrics
-from service.http.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response
 from service.http.settings import Settings
+from service.http.state import ServingState, load_for_serving
 from service.observability.logs import resolved_format
 from service.observability.requests import RequestContextMiddleware
 from service.observability.tracing import Tracing
@@ -156,7 +158,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         state = ServingState(settings, metrics, variants)
         # nothing serves yet: a primary that fails stops start-up, no need to vet it apart
         try:
-            predictor = await load_predictor(settings.bundle_dir, settings, vet=False)
+            predictor = await load_for_serving(settings.bundle_dir, settings, vet=False)
         except BundleError as exc:
             log.error(
                 "bundle %s refused, not starting: %s",
@@ -173,7 +175,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         state.install(PRIMARY, predictor, str(settings.bundle_dir))
         if candidate_dir := settings.rollout.candidate_bundle_dir:
             try:
-                state.install(CANDIDATE, await load_predictor(candidate_dir, settings), str(candidate_dir))
+                state.install(CANDIDATE, await load_for_serving(candidate_dir, settings), str(candidate_dir))
             except BundleError as exc:
                 log.error(
                     "candidate bundle refused, serving A only: %s",
@@ -258,7 +260,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
             slot = state.variants.choose(request.headers.get("x-request-key"), body.variant)
         except LookupError as exc:
             return JSONResponse({"detail": str(exc)}, status_code=409)
-        texts, exclude = body.all_texts(), body.exclusions()
+        texts = body.all_texts()
         request.state.variant = slot.name
         request.state.bundle_id = slot.bundle_id
         request.state.texts, request.state.k = len(texts), body.k
@@ -266,7 +268,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
             request.state.request_texts = texts
         started = time.perf_counter()
         timeout_s = (body.timeout_ms or settings.limits.request_timeout_ms) / 1000
-        submitted = slot.batcher.submit(texts, body.k, body.ef, exclude, timeout_s, tracing.current())
+        submitted = slot.batcher.submit(texts, body.k, body.ef, body.exclude, timeout_s, tracing.current())
         try:
             answer = await answer_unless_gone(request, submitted)
         except (QueueFullError, DeadlineExceededError) as exc:
@@ -291,7 +293,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
                     texts,
                     body.k,
                     body.ef,
-                    exclude,
+                    body.exclusions(),
                     ranked(answer.rankings, answer.view.label_uids),
                     time.perf_counter() - started,
                     slot.name,
