@@ -127,6 +127,12 @@ class Metrics:
             ["reason", "variant"],
             registry=self.registry,
         )
+        self.shadow_worker_exits = Counter(
+            "xmcserve_shadow_worker_exits",
+            "Shadow worker processes that exited unasked (each restart waits longer while they keep exiting)",
+            ["variant"],
+            registry=self.registry,
+        )
 
     def start_at_zero(self, variant: str) -> None:
         """Every outcome of the variant's event counters exported at 0 before its first event, so

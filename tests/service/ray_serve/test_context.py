@@ -3,6 +3,7 @@ routes over fake part handles that record what they were sent, and an encoder re
 method called directly."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -37,7 +38,7 @@ class Method:
         self.answer = answer
         self.contexts: list[CallContext | None] = []
 
-    def remote(self, work, context):
+    def remote(self, work, timeout_s, context):
         self.contexts.append(context)
         return Answer(self.answer(work))
 
@@ -58,7 +59,8 @@ def traced() -> tuple[Tracing, InMemorySpanExporter]:
 @pytest.fixture
 def ingress_over_fakes(tiny_rae_bundle):
     """An ingress whose encoder answers unit vectors of the bundle and whose one shard answers
-    for another bundle (so the request ends with a 503 after both were called)."""
+    for another bundle (so the request ends with a 503 after both were called, the shard call
+    sent again until the deadline)."""
     holder = {}
 
     def vectors(texts):
@@ -79,7 +81,8 @@ def test_every_part_call_carries_the_request_id_and_the_traceparent(ingress_over
     with TestClient(ingress.__serve_build_asgi_app__()) as client:
         answer = client.post("/predict", json={"text": "some text", "k": 3}, headers={"X-Request-Id": "ray-req-7"})
     assert answer.status_code == 503 and answer.headers["x-request-id"] == "ray-req-7"
-    (sent_to_encoder,), (sent_to_shard,) = encode.contexts, search.contexts
+    (sent_to_encoder,), sent_to_shard = encode.contexts, search.contexts[0]
+    assert all(context == sent_to_shard for context in search.contexts)  # every send of the call carries it
     assert sent_to_encoder.request_id == sent_to_shard.request_id == "ray-req-7"
     server_span = next(s for s in exporter.get_finished_spans() if s.kind.name == "SERVER")
     trace_id = format(server_span.context.trace_id, "032x")
@@ -103,8 +106,10 @@ def test_the_encoder_replica_continues_the_request_trace(tiny_rae_bundle):
     with caller.tracer.start_as_current_span("ingress request") as request_span:
         headers = caller.headers()
 
-    batch = Encoder.func_or_class.encode.__wrapped__  # the batch as @serve.batch hands it over, outside a replica
-    ((bundle_id, vectors),) = asyncio.run(batch(encoder, [["a text", "another"]], [CallContext("enc-1", headers)]))
+    batch = Encoder.func_or_class.encode_batch.__wrapped__  # as @serve.batch hands it over, outside a replica
+    deadline = time.monotonic() + 60
+    work = [(["a text", "another"], deadline)]
+    ((bundle_id, vectors),) = asyncio.run(batch(encoder, work, [CallContext("enc-1", headers)]))
     assert vectors.shape[0] == 2
     (span,) = exporter.get_finished_spans()
     assert span.name == "encode" and span.parent.span_id == request_span.get_span_context().span_id
