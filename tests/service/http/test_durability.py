@@ -135,7 +135,10 @@ def test_sigkill_during_an_append_stream_loses_no_acknowledged_append(tiny_rae_b
 
 
 @pytest.mark.parametrize("shared_dir", [True, False], ids=["XMCSERVE_APPEND_LOG_DIR", "default-dir"])
-def test_a_compaction_while_the_server_appends_refuses_nothing_and_loses_nothing(own_bundle, tmp_path, shared_dir):
+def test_a_compaction_while_the_server_appends_refuses_nothing_and_loses_nothing(
+    own_bundle, tmp_path, shared_dir, monkeypatch
+):
+    monkeypatch.delenv("XMCSERVE_APPEND_LOG_DIR")  # the default, unless the test gives one
     appends = tmp_path / "appends" if shared_dir else None
     server = serve(own_bundle, tmp_path / "live.log", appends)
     try:
