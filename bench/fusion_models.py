@@ -53,10 +53,10 @@ from service.engine.lexical import KeyTerms
 from service.engine.search import load_predictor
 from training.data import label_frequencies, load_jsonl_split, rows_of_uids
 from training.evaluate import evaluate_bundle
-from training.metrics import compute_all
+from training.metrics import HEADLINE, compute_all
 from training.params import HOLDOUT_FILE
 
-VALIDATION_METRICS = ("P@1", "P@5", "PSP@5", "R@100")
+VALIDATION_METRICS = HEADLINE
 DEV_METRICS = ("P@1", "P@3", "P@5", "PSP@5", "R@100")
 DEFAULT_GROUPS = ("rae", "lexical")
 MODELS = ("tree", "gbdt", "lambdarank")

@@ -23,12 +23,13 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from service.api.guards import BodyLimitMiddleware, validation_error
-from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response
+from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response_off_loop
 from service.engine.batcher import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
 from service.engine.bundle import BundleError
 from service.http.admin import add_admin_routes, require_admin
 from service.http.guards import ShedBeforeParsingMiddleware, method_label
 from service.http.metrics import Metrics
+from service.http.rollout_page import add_rollout_routes
 from service.http.settings import Settings
 from service.http.state import ServingState, load_for_serving
 from service.rollout.shadow import ShadowMirror, ShadowRequest, ranked
@@ -74,9 +75,9 @@ class RequestMetricsMiddleware:
             ).observe(time.perf_counter() - start)
 
 
-def to_response(answer: BatchAnswer, variant: str, k: int) -> Response:
+async def to_response(answer: BatchAnswer, variant: str, k: int) -> Response:
     bundle = answer.predictor.bundle
-    return predict_response(bundle.manifest, variant, k, answer.ef, answer.rankings, answer.view)
+    return await predict_response_off_loop(bundle.manifest, variant, k, answer.ef, answer.rankings, answer.view)
 
 
 async def until_disconnected(request: Request) -> None:
@@ -219,7 +220,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     slot.name,
                 )
             )
-        return to_response(answer, slot.name, body.k)
+        return await to_response(answer, slot.name, body.k)
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -255,4 +256,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     add_admin_routes(app)
+    add_rollout_routes(app)
     return app

@@ -120,6 +120,12 @@ class ServerSettings(BaseSettings):
         10.0, gt=0, description="a connection whose next request headers do not arrive within this is closed"
     )
     keep_alive_s: int = Field(5, ge=1, description="an idle keep-alive connection is closed after this")
+    write_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        description="a response the client stops reading for this long (its send buffer full) is abandoned "
+        "and the connection closed, freeing what was buffered",
+    )
     max_header_bytes: int = Field(16384, ge=1024, description="most bytes of request headers (h11)")
     graceful_shutdown_s: int = Field(
         20, ge=1, description="on SIGTERM, how long requests in progress may finish before the server stops"
