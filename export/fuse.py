@@ -256,7 +256,7 @@ def to_onnx(fitted: FittedModel, width: int) -> bytes:
         from onnxmltools.convert.common.data_types import FloatTensorType
 
         model = convert_lightgbm(
-            fitted.library_model.booster_,
+            float32_thresholds(fitted.library_model.booster_),
             initial_types=[("features", FloatTensorType([None, width]))],
             target_opset=ONNX_OPSETS[""],
             zipmap=False,
@@ -265,6 +265,27 @@ def to_onnx(fitted: FittedModel, width: int) -> bytes:
     if "TreeEnsembleRegressor" not in ops:
         raise SystemExit(f"export.fuse: the converter wrote {ops}, not an ai.onnx.ml TreeEnsembleRegressor")
     return model.SerializeToString()
+
+
+def float32_thresholds(booster):
+    """``booster`` with every split threshold t replaced by the largest float32 ≤ t. LightGBM's
+    thresholds are doubles, which the converter rounds to the nearest float32 of an ai.onnx.ml
+    TreeEnsemble: a feature value equal to a rounded-up threshold then goes left where LightGBM
+    sends it right. φ is float32, and a float32 x is ≤ t exactly when it is ≤ that float, so the
+    replaced booster routes every row as the fitted one does and converts exactly."""
+    import lightgbm
+
+    lines = []
+    for line in booster.model_to_string().splitlines():
+        if line.startswith("threshold="):
+            exact = np.array(line.removeprefix("threshold=").split(), dtype=np.float64)
+            nearest = exact.astype(np.float32)
+            below = np.where(nearest > exact, np.nextafter(nearest, np.float32(-np.inf)), nearest)
+            line = "threshold=" + " ".join(repr(float(t)) for t in below)
+        elif line.startswith("tree_sizes="):  # byte offsets of the trees' text, which changed: parse in order
+            continue
+        lines.append(line)
+    return lightgbm.Booster(model_str="\n".join(lines) + "\n")
 
 
 def onnx_fusion_model(fitted: FittedModel, X: np.ndarray) -> tuple[OnnxTreeEnsemble, float]:

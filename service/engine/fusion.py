@@ -190,7 +190,7 @@ class RegressionTree:
             raise ValueError("tree children must come after their parent")
         if np.any(self.left[inner] >= nodes) or np.any(self.right[inner] >= nodes):
             raise ValueError("tree child out of range")
-        if np.any((self.feature[inner] < 0) | (self.feature[inner] >= len(FEATURES + LEXICAL_FEATURES))):
+        if np.any((self.feature[inner] < 0) | (self.feature[inner] >= len(features_of_groups(FEATURE_GROUPS)))):
             raise ValueError("tree splits on an unknown feature")
         if not np.all(np.isfinite(self.value)) or not np.all(np.isfinite(self.threshold[inner])):
             raise ValueError("tree values and thresholds must be finite")

@@ -4,14 +4,10 @@ protocols, optional feature groups are tried on the best, and dev is measured on
 import json
 
 import numpy as np
-import pytest
 
 from bench.fusion_models import MODELS, fold_of_instances, main, ranked_by
-from export.build import ExportParams, build_bundle
 from export.fuse import HeldOutPairs
 from service.engine.fusion import OPTIONAL_GROUPS
-from training.data import load_jsonl_split
-from training.params import HOLDOUT_FILE
 
 
 def test_folds_split_the_instances_evenly():
@@ -30,17 +26,6 @@ def test_each_search_ranks_its_own_candidates_best_first():
     )
     ranked = ranked_by(pairs, np.array([0.1, 0.9, 0.5, 0.2, 0.3]), k=2)
     assert ranked.tolist() == [[8, 9], [-1, -1], [2, 1]]
-
-
-@pytest.fixture(scope="module")
-def memory_and_run(sample_dir, distilbert_dir, tmp_path_factory):
-    train = load_jsonl_split(sample_dir, "trn")
-    bundle = tmp_path_factory.mktemp("bundles") / "tiny"
-    build_bundle(bundle, train.labels, train, distilbert_dir, ExportParams(dim=16, rae_top_b=50))
-    run = tmp_path_factory.mktemp("run")
-    held = np.random.default_rng(0).choice(len(train), 150, replace=False)
-    (run / HOLDOUT_FILE).write_text("".join(f"{train.uids[r]}\n" for r in held))
-    return bundle, run
 
 
 def test_the_choice_is_made_on_validation_and_dev_is_measured_for_it_alone(memory_and_run, sample_dir, tmp_path):

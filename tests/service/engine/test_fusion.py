@@ -113,7 +113,7 @@ def test_the_tree_as_arrays_predicts_what_scikit_learn_predicts():
     [
         ("left", 0, 0, "after their parent"),  # a cycle
         ("right", 0, 99, "out of range"),
-        ("feature", 0, len(FEATURES + LEXICAL_FEATURES), "unknown feature"),
+        ("feature", 0, len(ALL_FEATURES), "unknown feature"),
         ("value", 1, np.nan, "finite"),
     ],
 )
