@@ -20,6 +20,11 @@ The choice, in two steps, by :func:`selection_score` (the mean of P@1 and P@5, f
 2. for the best of them, each optional group added alone; a group is kept when it raises the
    validation score by more than ``--min-gain``, and the kept groups are then fitted together.
 
+Each candidate's row also says what serving it costs: its last fold's model in ONNX Runtime as the
+service runs it (one thread), µs per pair and ms per query on this machine. The bill (batched dev
+q/s of the fused bundle ≥ 0.85 × the unfused) is measured by ``bench.fusion_cost`` on the fused
+bundle; these figures say which candidates can meet it.
+
 ``--curve`` fits the chosen candidate on a growing share of the training folds' instances (does a
 bigger holdout help?); ``--dev`` fits it on every pair and evaluates the dev split through the
 service's code path (``training.evaluate``), the model in ONNX Runtime as served.
@@ -140,6 +145,13 @@ def validate(
         held = np.isin(pairs.query % instances, np.flatnonzero(fold == f))
         out_of_fold[held] = model.predict(pairs.X[held])
     seconds = time.perf_counter() - started
+    # what serving it costs: the last fold's model in ONNX Runtime as the service runs it, on its fold
+    onnx_model, _ = onnx_fusion_model(model, pairs.X[held])
+    timings = []
+    for _ in range(3):
+        timed = time.perf_counter()
+        onnx_model.predict(pairs.X[held])
+        timings.append(time.perf_counter() - timed)
     ranked = ranked_by(pairs, rae_score + out_of_fold)
     Y = relevant_matrix(pairs, len(frequencies))
     validation = {}
@@ -147,7 +159,14 @@ def validate(
         rows = slice(s * instances, (s + 1) * instances)
         metrics = compute_all(ranked[rows], Y[rows], frequencies, num_train, ks=(1, 5), recall_ks=(100,))
         validation[protocol] = {name: round(metrics[name], 2) for name in VALIDATION_METRICS}
-    return {"validation": validation, "fit_seconds": round(seconds, 1)}
+    us_per_pair = 1e6 * min(timings) / max(int(held.sum()), 1)
+    pairs_per_search = len(pairs.y) / len(pairs.relevant)
+    return {
+        "validation": validation,
+        "fit_seconds": round(seconds, 1),
+        "onnx_us_per_pair": round(us_per_pair, 4),
+        "onnx_ms_per_query": round(us_per_pair * pairs_per_search / 1e3, 4),
+    }
 
 
 def choose(pairs, fold, frequencies, num_train, params, min_gain, report) -> tuple[Candidate, dict]:
@@ -180,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", type=Path, default=Path("../shared/data/debian-related"), help="dataset dir")
     parser.add_argument("--folds", type=int, default=5, help="cross-fitting folds of the held-out instances")
     parser.add_argument("--trees", type=int, help="boosting rounds of gbdt / lambdarank (default: export.fuse's)")
+    parser.add_argument("--leaves", type=int, help="max leaves per tree of gbdt / lambdarank (default: export.fuse's)")
     parser.add_argument(
         "--min-gain", type=float, default=0.05, help="validation score points an optional feature group must add"
     )
@@ -198,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     pair_seconds = time.perf_counter() - started
     frequencies, num_train = label_frequencies(train.Y), len(train)
     fold = fold_of_instances(len(rows), args.folds)
-    params = {m: {"trees": args.trees} for m in ("gbdt", "lambdarank")} if args.trees else {}
+    given = {name: value for name, value in (("trees", args.trees), ("leaves", args.leaves)) if value is not None}
+    params = {m: given for m in ("gbdt", "lambdarank")}
 
     def report(name: str, result: dict) -> None:
         print(name, json.dumps(result["validation"]), f"{result['fit_seconds']} s", flush=True)

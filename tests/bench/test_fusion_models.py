@@ -46,3 +46,4 @@ def test_the_choice_is_made_on_validation_and_dev_is_measured_for_it_alone(memor
     assert set(result["dev"]["filter_after"]) == {"P@1", "P@3", "P@5", "PSP@5", "R@100"}
     assert list(result["curve"]) == ["0.25", "0.5", "1"]
     assert result["curve"]["1"] == candidates[result["chosen"]]["validation"]  # the same cross-fit
+    assert all(figures["onnx_us_per_pair"] > 0 for figures in candidates.values())

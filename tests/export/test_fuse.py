@@ -15,7 +15,7 @@ from onnx import helper
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
-from export.fuse import PARITY_BOUND, FittedModel, leave_one_out, main, onnx_fusion_model
+from export.fuse import PARITY_BOUND, FittedModel, HeldOutPairs, fit_model, leave_one_out, main, onnx_fusion_model
 from service.engine.bundle import BundleError, load_bundle, load_fusion, load_labels, load_shard
 from service.engine.fusion import (
     FEATURE_GROUPS,
@@ -299,7 +299,7 @@ def test_a_lexical_fusion_without_its_key_terms_is_refused(fused, tmp_path):
     (copy / MANIFEST_FILE).write_text(json.dumps(manifest))
     rows = sp.load_npz(copy / LEXICAL_FILE)
     sp.save_npz(copy / LEXICAL_FILE, rows[:-1])  # a key short
-    with pytest.raises(BundleError, match="cannot load key terms"):
+    with pytest.raises(BundleError, match="key term matrix refused"):
         load_bundle(copy, verify=False)
 
 
@@ -337,3 +337,24 @@ def test_a_run_without_holdout_or_a_partial_memory_is_refused(tiny_rae_bundle, s
             ]
         )
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("kind", ["gbdt", "lambdarank"])
+def test_lightgbm_s_double_thresholds_convert_exactly_on_float32_features(kind, monkeypatch):
+    """A feature whose values are adjacent float32s: LightGBM splits between them at a double the
+    converter alone rounds to the nearest float32, the upper value half the time, sending that
+    value the wrong way; floored thresholds route every row as LightGBM does."""
+    rng = np.random.default_rng(5)
+    low = rng.uniform(0.1, 0.9, size=8).astype(np.float32)
+    upper = rng.integers(0, 2, size=(4000, 8)).astype(bool)
+    X = np.where(upper, np.nextafter(low, np.float32(1)), low).astype(np.float64)
+    y = (upper @ rng.normal(size=8) + rng.normal(scale=0.3, size=4000) > 0).astype(np.float64)
+    pairs = HeldOutPairs(X, y, np.repeat(np.arange(100), 40), np.zeros(4000, dtype=np.int64), [], 1.0)
+    pairs.relevant = [np.zeros(0, dtype=np.int64)] * 100
+    features = tuple(f"f{i}" for i in range(7)) + ("rae_score",)  # fit_model boosts lambdarank from rae_score
+    fitted = fit_model(kind, pairs, features, {"trees": 30})
+    _, parity = onnx_fusion_model(fitted, X)
+    assert parity <= PARITY_BOUND
+    monkeypatch.setattr("export.fuse.float32_thresholds", lambda booster: booster)  # the converter alone
+    with pytest.raises(SystemExit, match="bound"):
+        onnx_fusion_model(fitted, X)
