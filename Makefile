@@ -131,8 +131,10 @@ images:
 	$(PYTHON) deploy/checks/build_images.py --only $(IMAGES) $(IMAGE_ARGS) --out $(DEPLOY_RESULTS)
 
 # The serving image with a bundle mounted read-only: /readyz, /predict, /metrics, SIGTERM drain.
+# CHECK_BUNDLE=<dir> mounts that bundle; by default bundles/default, else one the train image builds.
+CHECK_BUNDLE ?=
 image-check:
-	$(PYTHON) deploy/checks/image_check.py --out $(DEPLOY_RESULTS)
+	$(PYTHON) deploy/checks/image_check.py $(if $(CHECK_BUNDLE),--bundle $(CHECK_BUNDLE)) --out $(DEPLOY_RESULTS)
 
 # The compose stack's services as containers (host network): bundle, shadow, api, Prometheus and
 # a locust SLO run from the load generator image. Reads docker-compose.yml with PyYAML.

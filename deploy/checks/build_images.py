@@ -76,11 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         figures[tag] = {
             "dockerfile": dockerfile,
             "build_args": build_args,
-            "build_seconds": round(seconds, 1),
+            "build_seconds": seconds["tagged"],
+            "build_seconds_with_cleanup": seconds["total"],
             "size_mb": round(size / 1e6, 1) if size else None,
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         }
-        print(f"{tag}: {seconds:.0f} s, {figures[tag]['size_mb']} MB", flush=True)
+        print(f"{tag}: {seconds['tagged']:.0f} s to the image, {figures[tag]['size_mb']} MB", flush=True)
     if args.out:
         record = json.loads(args.out.read_text()) if args.out.exists() else {}
         record.setdefault("images", {}).update(figures)

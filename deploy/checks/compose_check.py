@@ -1,6 +1,6 @@
 """Bring up the compose stack's services as containers and check them: the bundle one-shot, the
 shadow, the API mirroring to it, Prometheus scraping both, and a short headless locust run from
-the load generator image that must pass its SLO. Every service's image, command, user,
+the load generator image that must pass its SLO. Every service's image, command, user, CPU cap,
 environment, volumes, read-only root and stop grace period come from docker-compose.yml.
 
     python3 deploy/checks/compose_check.py [--seconds 30] [--users 8] [--out results.json]
@@ -74,6 +74,8 @@ class Stack:
             # a path beside the compose file, or a named volume (named as compose names them)
             source = str((ROOT / source).resolve()) if source.startswith(".") else f"{PROJECT}_{source}"
             args += ["-v", f"{source}:{rest}"]
+        if "cpus" in service:
+            args += ["--cpus", interpolate(service["cpus"])]
         if service.get("read_only"):
             args.append("--read-only")
         for path in service.get("tmpfs") or []:

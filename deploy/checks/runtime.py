@@ -72,16 +72,25 @@ class Runtime:
 
     def build(
         self, dockerfile: str, tag: str, build_args: dict[str, str] | None = None, log: Path | None = None
-    ) -> float:
-        """Build ``tag`` from ``dockerfile`` with the repository as context; seconds taken."""
+    ) -> dict[str, float]:
+        """Build ``tag`` from ``dockerfile`` with the repository as context. Returns the seconds
+        until the image was tagged and until the tool exited (podman and buildah then remove
+        their intermediate containers, which on vfs storage takes minutes)."""
         args = [f"--build-arg={k}={v}" for k, v in (build_args or {}).items()]
         command = [*self.build_prefix, "-f", dockerfile, "-t", tag, *args, str(ROOT)]
         started = time.monotonic()
+        tagged = None
         with open(log or os.devnull, "w") as out:
-            done = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        if done.returncode != 0:
-            raise SystemExit(f"building {tag} from {dockerfile} failed (exit {done.returncode}); log: {log}")
-        return time.monotonic() - started
+            process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for line in process.stdout:
+                out.write(line)
+                if tagged is None and re.match(r"(Successfully tagged|#\d+ naming to)", line):
+                    tagged = time.monotonic() - started
+            code = process.wait()
+        if code != 0:
+            raise SystemExit(f"building {tag} from {dockerfile} failed (exit {code}); log: {log}")
+        total = time.monotonic() - started
+        return {"tagged": round(tagged if tagged is not None else total, 1), "total": round(total, 1)}
 
     def cli(self, *args: str, check: bool = True, timeout: float = 120) -> str:
         if self.cli_prefix is None:
