@@ -5,7 +5,7 @@ Uvicorn bounds connections (``limit_concurrency``: a 503 beyond it) and header s
 a client that opens connections and sends nothing, or a header a byte a minute, would hold
 descriptors until the cap refuses everyone else. :class:`HeaderTimeoutProtocol` closes a
 connection whose next request's headers have not arrived within ``XMCSERVE_HEADER_TIMEOUT_S``
-(the body has its own deadline, :mod:`service.http.guards`).
+(the body has its own deadline, :mod:`service.api.guards`).
 """
 
 from __future__ import annotations

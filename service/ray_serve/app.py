@@ -36,16 +36,15 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.util import metrics as ray_metrics
 
+from service.api.guards import BodyLimitMiddleware, validation_error
+from service.api.limits import LimitSettings
+from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response
 from service.engine.bundle import BundleError, load_encoder, load_fusion, load_labels, load_shard, read_manifest
 from service.engine.encoder import EncoderOptions
 from service.engine.manifest import shard_list
 from service.engine.memory import base_view, fetch_and_ef
-from service.engine.rae import ValueRows
-from service.engine.search import Ranking, neighbours_needed, rank
-from service.engine.shards import ShardAnswer, ShardQuery, merge_answers
-from service.http.guards import BodyLimitMiddleware, validation_error
-from service.http.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response
-from service.http.settings import LimitSettings
+from service.engine.search import RankedSearch, Ranking, excluded_label_ids, merged_neighbours
+from service.engine.shards import ShardAnswer, ShardQuery
 from service.ray_serve.calls import PartCaller, PartUnavailable
 
 log = logging.getLogger("xmcserve.ray")
@@ -227,27 +226,23 @@ class Ingress:
     async def predict_piece(
         self, texts: list[str], k: int, ef: int | None, exclude: list[set[int]], deadline: float
     ) -> tuple[list[Ranking], int]:
-        """Encode, fan out to every shard, merge, rank."""
+        """Encode, fan out to every shard, merge, rank (:class:`~service.engine.search.RankedSearch`)."""
         started = time.perf_counter()
         vectors = await self.ask("encoder", lambda: self.encoder.encode.remote(texts), deadline)
         encoded = time.perf_counter()
-        ks = [k] * len(texts)
-        n = neighbours_needed(self.manifest, ks, exclude)
-        fetch, ef = fetch_and_ef(n, ef or self.manifest.hnsw.ef_search, self.manifest.counts.memory_rows)
+        manifest = self.manifest
+        search = RankedSearch(manifest, [k] * len(texts), exclude, self.fusion)
+        fetch, ef = fetch_and_ef(search.neighbours, ef or manifest.hnsw.ef_search, manifest.counts.memory_rows)
         lexicon = self.fusion.lexicon if self.fusion is not None else None
         terms = lexicon.query_terms(texts) if lexicon is not None else None  # each shard scores its keys
         answers = await self.fan_out(ShardQuery(vectors, fetch, ef, terms), deadline)
         searched = time.perf_counter()
-        merged = merge_answers(answers, n)
-        values = ValueRows(merged.rows) if merged.rows is not None else None
-        key_labels = self.view.labels_of_keys(merged.keys)
-        rankings = rank(
-            self.manifest, merged.positions, merged.sims, key_labels, values, ks, exclude, self.fusion, merged.lexical
-        )
+        found = merged_neighbours(answers, search.neighbours, self.view)
+        rankings = search.rank(found)
         for stage, seconds in (("encode", encoded - started), ("fanout", searched - encoded)):
             self.metrics.stage_seconds.observe(seconds, tags={"stage": stage})
         self.metrics.stage_seconds.observe(time.perf_counter() - searched, tags={"stage": "rank"})
-        return rankings, max(answer.ef for answer in answers)
+        return rankings, found.ef
 
     async def fan_out(self, query: ShardQuery, deadline: float) -> list[ShardAnswer]:
         calls = [
@@ -301,10 +296,11 @@ def ingress_app(ingress: Ingress) -> FastAPI:
     async def predict(body: PredictRequest) -> Response:  # type: ignore[valid-type]
         if body.variant == "B":
             return JSONResponse({"detail": "this deployment serves one bundle (A); no candidate B"}, status_code=409)
-        exclude = [ingress.view.label_ids(uids) for uids in body.exclusions()]
+        texts = body.all_texts()
+        exclude = excluded_label_ids(ingress.view, body.exclude, len(texts))
         timeout_s = (body.timeout_ms or limits.request_timeout_ms) / 1000
         try:
-            rankings, ef = await ingress.predict(body.all_texts(), body.k, body.ef, exclude, timeout_s)
+            rankings, ef = await ingress.predict(texts, body.k, body.ef, exclude, timeout_s)
         except PartUnavailable as exc:
             ingress.metrics.predictions.inc(tags={"outcome": "unavailable"})
             return unavailable(exc)

@@ -1,4 +1,4 @@
-"""Request and response models of the HTTP API.
+"""Request and response models of the HTTP API (both front ends serve it).
 
 The request model is built from the settings, so the limits the service enforces are the
 limits its OpenAPI schema documents.
@@ -19,7 +19,7 @@ from service.engine.memory import MAX_LABELS_PER_INSTANCE, AppendBatch, MemoryVi
 
 if TYPE_CHECKING:
     from service.engine.search import Ranking
-from service.http.settings import LimitSettings
+from service.api.limits import LimitSettings
 
 try:
     SERVICE_VERSION = version("xmcserve")
