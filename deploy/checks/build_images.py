@@ -82,12 +82,12 @@ def main(argv: list[str] | None = None) -> int:
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         }
         print(f"{tag}: {seconds['tagged']:.0f} s to the image, {figures[tag]['size_mb']} MB", flush=True)
-    if args.out:
-        record = json.loads(args.out.read_text()) if args.out.exists() else {}
-        record.setdefault("images", {}).update(figures)
-        record["runtime"] = runtime.name
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=2) + "\n")
+        if args.out:  # after each image: a later build that fails leaves the earlier figures
+            record = json.loads(args.out.read_text()) if args.out.exists() else {}
+            record.setdefault("images", {}).update(figures)
+            record["runtime"] = runtime.name
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(record, indent=2) + "\n")
     return 0
 
 
