@@ -138,8 +138,10 @@ image-check:
 
 # The compose stack's services as containers (host network): bundle, shadow, api, Prometheus and
 # a locust SLO run from the load generator image. Reads docker-compose.yml with PyYAML.
+# CHECK_BUNDLE=<dir> seeds the bundles volume with that bundle instead of running the bundle service.
 compose-check:
-	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) deploy/checks/compose_check.py --out $(DEPLOY_RESULTS)
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) deploy/checks/compose_check.py $(if $(CHECK_BUNDLE),--bundle $(CHECK_BUNDLE)) \
+		--out $(DEPLOY_RESULTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
