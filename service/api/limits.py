@@ -24,6 +24,9 @@ class LimitSettings(BaseSettings):
     max_texts_per_request: int = Field(64, ge=1, description="most texts one /predict may carry")
     max_text_bytes: int = Field(2048, ge=1, description="most UTF-8 bytes per text")
     max_k: int = Field(1000, ge=1, description="largest k a request may ask for")
+    max_labels_per_response: int = Field(
+        10_000, ge=1, description="most labels one /predict may ask for in all (texts x k); 422 beyond"
+    )
     max_ef: int = Field(4096, ge=1, description="largest HNSW ef a request may ask for")
     default_k: int = Field(10, ge=1, description="k of a request that gives none")
     max_exclude_per_text: int = Field(1000, ge=0, description="most excluded uids per text")

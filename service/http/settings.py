@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings
 
 from service.api.limits import LimitSettings, settings_group
@@ -82,6 +82,26 @@ class ShadowSettings(BaseSettings):
         )
 
 
+class LogSettings(BaseSettings):
+    """Logs (:mod:`service.observability.logs`); tracing is configured by the standard ``OTEL_*`` variables."""
+
+    model_config = _group("LOG_")
+
+    format: Literal["auto", "json", "text"] = Field(
+        "auto", description="json (one object a line), text (readable), auto: text on a terminal, else json"
+    )
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="lowest level logged")
+    access: bool = Field(True, description="one access line per request (route, status, variant, timings)")
+    texts: bool = Field(
+        False, description="debugging only: put each /predict request's texts in its access line (never otherwise)"
+    )
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def upper_case_level(cls, value):
+        return value.upper() if isinstance(value, str) else value
+
+
 class AdminSettings(BaseSettings):
     """The token-protected /admin/* API."""
 
@@ -120,6 +140,12 @@ class ServerSettings(BaseSettings):
         10.0, gt=0, description="a connection whose next request headers do not arrive within this is closed"
     )
     keep_alive_s: int = Field(5, ge=1, description="an idle keep-alive connection is closed after this")
+    write_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        description="a response the client stops reading for this long (its send buffer full) is abandoned "
+        "and the connection closed, freeing what was buffered",
+    )
     max_header_bytes: int = Field(16384, ge=1024, description="most bytes of request headers (h11)")
     graceful_shutdown_s: int = Field(
         20, ge=1, description="on SIGTERM, how long requests in progress may finish before the server stops"
@@ -145,6 +171,7 @@ class Settings(BaseSettings):
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     shadow: ShadowSettings = Field(default_factory=ShadowSettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
+    log: LogSettings = Field(default_factory=LogSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
 
     def thread_layout(self) -> tuple[int, int]:
@@ -171,6 +198,7 @@ GROUPS: dict[str, type[BaseSettings]] = {
     "rollout": RolloutSettings,
     "shadow": ShadowSettings,
     "admin": AdminSettings,
+    "log": LogSettings,
     "server": ServerSettings,
 }
 
