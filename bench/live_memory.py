@@ -37,7 +37,8 @@ from export.compact import compact_bundle
 from service.engine import AppendBatch, load_predictor
 from service.engine.bundle import load_labels
 from training.data import XMCDataset, load_jsonl_split
-from training.evaluate import HEADLINE, evaluate_predictor
+from training.evaluate import evaluate_predictor
+from training.metrics import HEADLINE
 
 TOKEN = "bench-live-memory"
 

@@ -43,10 +43,10 @@ from service.engine.bundle import load_bundle
 from training.checkpoint import ServingHead
 from training.data import load_jsonl_split
 from training.evaluate import evaluate_bundle
+from training.metrics import HEADLINE
 from training.params import HOLDOUT_FILE, PARAMS_FILE
 from training.trainer import LOG_FILE
 
-HEADLINE = ("P@1", "P@5", "PSP@5", "R@100")
 LAMBDAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 

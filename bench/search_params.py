@@ -24,7 +24,8 @@ from export.derive import derive_rae_bundle
 from service.engine.bundle import load_bundle
 from service.engine.search import Predictor
 from training.data import load_jsonl_split
-from training.evaluate import HEADLINE, evaluate_bundle
+from training.evaluate import evaluate_bundle
+from training.metrics import HEADLINE
 
 
 def search_ms_per_query(predictor: Predictor, vectors: np.ndarray, ef: int) -> float:

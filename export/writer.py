@@ -6,15 +6,29 @@ an id derived from that content go into ``manifest.json`` — and only then rena
 reader sees no bundle or a complete one; a failure at any step removes the staging dir and leaves
 the target as it was.
 
+Durable, not only atomic: every file and the staging directory are fsynced before the rename and
+the parent directory after it, so a power loss after :func:`write_bundle` returns cannot leave a
+bundle whose name exists but whose files are empty (ext4 and XFS may otherwise commit the rename
+before the data). ``force`` swaps the new bundle and the old in one ``renameat2(RENAME_EXCHANGE)``
+(Linux ≥ 3.15), so a process killed at any point leaves the old bundle or the new one at the
+target, never neither; where the file system cannot exchange, the old one is renamed aside first
+and put back by the next write if the writer died in between. Staging and replaced directories a
+dead writer left behind are removed by the next write beside them.
+
 The id depends on the files and on the RAE parameters (τ and b live only in the manifest, yet
 change what the bundle serves), not on timestamps: the same inputs give the same id.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
+import os
 import shutil
+import socket
 import tempfile
-import uuid
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +50,7 @@ def write_bundle(out: Path, populate: Populate, force: bool = False) -> Manifest
     Raises ``FileExistsError`` when ``out`` exists, unless ``force`` (then it is replaced).
     """
     refuse_existing(out, force)
+    remove_stale(out)
     with _staging_dir(out) as stage:
         manifest = _seal(stage, populate(stage))
     return manifest
@@ -79,15 +94,102 @@ def _seal(stage: Path, fields: dict[str, Any]) -> Manifest:
     return manifest
 
 
+# Leftovers of a writer that died: ``.<name>.staging-<host>-<pid>-<random>`` and
+# ``.<name>.replaced-<host>-<pid>-<random>``, removed by the next write of ``<name>`` once their
+# writer is gone (its pid dead on this host; on another host sharing the volume, after a day).
+STAGING, REPLACED = "staging", "replaced"
+FOREIGN_STALE_AFTER_S = 24 * 3600
+
+
+def _leftover_prefix(out: Path, kind: str) -> str:
+    return f".{out.name}.{kind}-"
+
+
+def _owner_tag() -> str:
+    return f"{socket.gethostname().replace('-', '_')}-{os.getpid()}-"
+
+
+def _writer_is_gone(leftover: Path, prefix: str) -> bool:
+    host, _, rest = leftover.name.removeprefix(prefix).partition("-")
+    pid = rest.partition("-")[0]
+    if host != socket.gethostname().replace("-", "_") or not pid.isdigit():
+        return time.time() - leftover.stat().st_mtime > FOREIGN_STALE_AFTER_S
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        pass
+    return False
+
+
+def remove_stale(out: Path) -> None:
+    """Clean up after writers of ``out`` that died: put a replaced bundle back when ``out`` is
+    missing (the fallback replacement was cut between its renames), then remove their staging
+    and replaced directories."""
+    if not out.parent.is_dir():
+        return
+    for kind in (REPLACED, STAGING):
+        prefix = _leftover_prefix(out, kind)
+        for leftover in sorted(p for p in out.parent.iterdir() if p.name.startswith(prefix)):
+            with contextlib.suppress(FileNotFoundError):
+                if not _writer_is_gone(leftover, prefix):
+                    continue
+                if kind == REPLACED and not out.exists() and (leftover / out.name).is_dir():
+                    (leftover / out.name).rename(out)
+                    fsync_directory(out.parent)
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make the entries of ``directory`` (names created, renamed or removed) durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(directory: Path) -> None:
+    """Make every file under ``directory`` and the directories themselves durable."""
+    for root, _, names in os.walk(directory):
+        for name in names:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_directory(Path(root))
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``); False where
+    the C library or the file system cannot (the caller falls back to two renames)."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
 @contextmanager
 def _staging_dir(out: Path) -> Iterator[Path]:
     """A hidden sibling of ``out`` (same file system, so the final rename is atomic) that replaces
     ``out`` when the block succeeds and is removed when it fails."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    stage = Path(tempfile.mkdtemp(prefix=_leftover_prefix(out, STAGING) + _owner_tag(), dir=out.parent))
     stage.chmod(0o755)  # mkdtemp makes it private; a serving container runs as another user
     try:
         yield stage
+        fsync_tree(stage)
         _move_into_place(stage, out)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
@@ -97,14 +199,20 @@ def _staging_dir(out: Path) -> Iterator[Path]:
 def _move_into_place(stage: Path, out: Path) -> None:
     if not out.exists():
         stage.rename(out)
+        fsync_directory(out.parent)
         return
-    # Replacing: move the old bundle aside by a rename rather than deleting it in place, so no
-    # reader ever sees a half-deleted bundle at ``out``; it is deleted once the new one is there.
-    retired = out.with_name(f".{out.name}.replaced-{uuid.uuid4().hex[:8]}")
-    out.rename(retired)
+    if exchange(stage, out):  # the new bundle at ``out``, the old one at ``stage``: delete it
+        fsync_directory(out.parent)
+        shutil.rmtree(stage, ignore_errors=True)
+        return
+    # No exchange: the old bundle moves aside first (a reader never sees it half-deleted); a
+    # writer killed before the second rename leaves it aside, and the next write puts it back.
+    retired = Path(tempfile.mkdtemp(prefix=_leftover_prefix(out, REPLACED) + _owner_tag(), dir=out.parent))
+    out.rename(retired / out.name)
     try:
         stage.rename(out)
     except BaseException:
-        retired.rename(out)
+        (retired / out.name).rename(out)
         raise
+    fsync_directory(out.parent)
     shutil.rmtree(retired, ignore_errors=True)

@@ -15,10 +15,7 @@ import scipy.sparse as sp
 
 from service.engine.rae import ValueRows, aggregate, labels_of_keys, top_k_of_row
 from training.data import XMCDataset, label_frequencies
-from training.metrics import compute_all
-
-HEADLINE = ("P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@5", "R@10", "R@100")
-
+from training.metrics import DETAILED, compute_all
 
 # Scores held at once by the brute-force search: queries go in blocks of at most this many
 # (query, key) pairs, so 10^6 keys take ~16 queries a block instead of a 1,024 × 10^6 matrix.
@@ -89,7 +86,7 @@ def rank_rae(
 
 def score_ranking(ranked: np.ndarray, dev: XMCDataset, train: XMCDataset) -> dict[str, float]:
     metrics = compute_all(ranked, dev.Y, label_frequencies(train.Y), len(train), recall_ks=(10, 100))
-    return {name: round(metrics[name], 2) for name in HEADLINE if name in metrics}
+    return {name: round(metrics[name], 2) for name in DETAILED if name in metrics}
 
 
 @dataclass

@@ -33,9 +33,8 @@ from service.engine.bundle import Bundle, load_bundle
 from service.engine.memory import MemoryView
 from service.engine.search import Predictor
 from training.data import XMCDataset, label_frequencies, load_jsonl_split
-from training.metrics import PROPENSITY_PRESETS, Segments, compute_all
+from training.metrics import HEADLINE, PROPENSITY_PRESETS, Segments, compute_all
 
-HEADLINE = ("P@1", "P@5", "PSP@5", "R@100")
 Protocol = Literal["filter_after", "exclude_before"]
 PROTOCOLS: tuple[Protocol, ...] = ("filter_after", "exclude_before")
 

@@ -12,6 +12,11 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
+# The four figures every quality comparison leads with (the peers' tables report these), and the
+# wider set an embedding evaluation and a training run's model selection read.
+HEADLINE = ("P@1", "P@5", "PSP@5", "R@100")
+DETAILED = ("P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@5", "R@10", "R@100")
+
 # Jain et al. (2016) propensity parameters (A, B) used by the XMC repository.
 PROPENSITY_PRESETS: dict[str, tuple[float, float]] = {
     "default": (0.55, 1.5),

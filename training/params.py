@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from training.embedding_eval import HEADLINE
+from training.metrics import DETAILED
 
 # the systems ranked on dev after every epoch (training.embedding_eval.score_dev_systems)
 DEV_SYSTEMS = ("de+clf", "de", "clf", "rae")
@@ -168,10 +168,10 @@ class TrainParams:
                 if not 0.0 <= getattr(self, name) <= 1.0:
                     raise ValueError(f"{name} must be in [0, 1] with symmetric_form=convex")
         system, _, metric = self.select_metric.partition("/")
-        if system not in DEV_SYSTEMS or metric not in HEADLINE:
+        if system not in DEV_SYSTEMS or metric not in DETAILED:
             raise ValueError(
                 f"select_metric {self.select_metric!r}: expected <system>/<metric> with system one of "
-                f"{', '.join(DEV_SYSTEMS)} and metric one of {', '.join(HEADLINE)}, e.g. rae/P@5"
+                f"{', '.join(DEV_SYSTEMS)} and metric one of {', '.join(DETAILED)}, e.g. rae/P@5"
             )
         if not 0.0 <= self.gandalf_threshold < 1.0:
             raise ValueError("gandalf_threshold must be in [0, 1)")

@@ -34,8 +34,9 @@ from typing import Any
 
 import numpy as np
 
+from service.engine.encoder import EncodeTimes
 from service.engine.memory import MemoryView
-from service.engine.search import Predictor, Ranking, StageTimes
+from service.engine.search import Predictor, Ranking, StageTimes, excluded_label_ids
 
 
 class QueueFullError(RuntimeError):
@@ -95,7 +96,7 @@ class _Job:
     texts: list[str]
     k: int
     ef: int | None
-    exclude: list[Collection[str]]
+    exclude: Collection[str] | list[Collection[str]]
     future: asyncio.Future
     enqueued: float
 
@@ -114,7 +115,7 @@ class _Encoded:
     jobs: list[_Job]
     predictor: Predictor
     vectors: np.ndarray
-    times: StageTimes
+    times: EncodeTimes
     started: float
 
 
@@ -199,10 +200,11 @@ class MicroBatcher:
         texts: list[str],
         k: int,
         ef: int | None,
-        exclude: list[Collection[str]],
+        exclude: Collection[str] | list[Collection[str]],
         timeout_s: float | None = None,
     ) -> BatchAnswer:
-        """Queue one request; ``exclude`` holds label *uids* per text, mapped to ids by the bundle
+        """Queue one request; ``exclude`` holds label *uids*, one collection for all texts or one
+        per text (:func:`~service.engine.search.excluded_label_ids`), mapped to ids by the bundle
         that runs the batch (a reload may swap bundles between submit and run). ``timeout_s``:
         how long it may wait to start (None: as long as it takes)."""
         if len(self._jobs) >= self.config.max_queue:
@@ -325,12 +327,11 @@ class MicroBatcher:
             self._answer(batch, exc)
             return
         per_text = (time.perf_counter() - started) / len(texts)
-        times = StageTimes(tokenize=encode_times.tokenize_s, encode=encode_times.encode_s)
         with self._lock:
             self._seconds_per_text += 0.2 * (per_text - self._seconds_per_text) if self._seconds_per_text else per_text
             self._encoding.difference_update(batch)
             self._searching.update(batch)
-        encoded = _Encoded(batch, predictor, vectors, times, started)
+        encoded = _Encoded(batch, predictor, vectors, encode_times, started)
         while not self._stopping:
             try:
                 self._handoff.put(encoded, timeout=STOP_POLL_S)
@@ -396,20 +397,14 @@ def _search_batch(encoded: _Encoded) -> list[BatchAnswer]:
     recall, a narrower one would take recall from requests that did not ask for it."""
     jobs, predictor = encoded.jobs, encoded.predictor
     # Uids map to ids of the memory the batch searches (a live memory grows between batches).
-    # A request's flat exclude list is one object shared by all its texts: mapped once.
     view = predictor.view
-    mapped: dict[int, set[int]] = {}
-    exclude = [
-        mapped[id(e)] if id(e) in mapped else mapped.setdefault(id(e), view.label_ids(e))
-        for job in jobs
-        for e in job.exclude
-    ]
+    exclude = [ids for job in jobs for ids in excluded_label_ids(view, job.exclude, len(job.texts))]
     ks = [job.k for job in jobs for _ in job.texts]
     ef = max(job.ef or predictor.default_ef for job in jobs)
     texts = [text for job in jobs for text in job.texts]
     prediction = predictor.search(encoded.vectors, ks, ef, exclude, view, texts)
     times = prediction.times
-    times.tokenize, times.encode = encoded.times.tokenize, encoded.times.encode
+    times.add_encoding(encoded.times)
     answers, offset = [], 0
     for job in jobs:
         rankings = prediction.rankings[offset : offset + len(job.texts)]

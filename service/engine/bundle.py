@@ -1,4 +1,13 @@
-"""Load a bundle directory and verify it (checksums, shapes, a warm-up encode) before use."""
+"""Load a bundle directory and verify it (checksums, shapes, a warm-up encode) before use.
+
+Checksums say a file is the one the exporter wrote, not that the exporter wrote a sound one: every
+array a search reads by index is checked before it is used (the HNSW file's links, labels and
+vectors, every CSR matrix's ``indptr``/``indices``), since an out-of-range index reaches native
+code (hnswlib, scipy's C++ products) as an out-of-bounds read, a crash or a silent wrong answer,
+on whichever row a query happens to touch. A bundle that fails is refused with the file and the
+reason. Servers vet a bundle in a child process (:func:`~service.engine.search.vet_in_child`),
+so these checks run there.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +24,7 @@ from pydantic import ValidationError
 
 from service.engine.encoder import EncoderOptions, OnnxEncoder
 from service.engine.fusion import FEATURE_SETS, ScoreFusion
-from service.engine.lexical import KeyTerms, load_key_terms
+from service.engine.lexical import KeyTerms, key_terms_of
 from service.engine.manifest import (
     ENCODER_FILE,
     LABELS_FILE,
@@ -147,19 +156,99 @@ def check_index_header(file: Path, manifest: Manifest, keys: int) -> None:
             raise BundleError(f"{file}: HNSW header refused: {problem}")
 
 
+LINK_COUNT_MASK = 0xFFFF  # hnswlib keeps a list's length in the low 16 bits of its first uint32
+
+
+def check_index_body(file: Path, manifest: Manifest, shard: Shard) -> None:
+    """The HNSW file's elements, before hnswlib reads them (its header checked already): every
+    neighbour id names an element, a neighbour at level l lives on level l, the entry point is on
+    the top level, the labels are exactly the shard's key ids and the vectors are finite. hnswlib
+    checks none of these; a search follows the links unchecked."""
+    data = np.fromfile(file, dtype=np.uint8)
+    (_, _, count, per_element, label_offset, data_offset, max_level, entry, max_m, max_m0, _, _, _) = (
+        HNSW_HEADER.unpack(data[: HNSW_HEADER.size].tobytes())
+    )
+    elements = data[HNSW_HEADER.size : HNSW_HEADER.size + count * per_element].reshape(count, per_element)
+
+    def refuse(problem: str) -> None:
+        raise BundleError(f"{file}: HNSW body refused: {problem}")
+
+    def column(start: int, stop: int, dtype) -> np.ndarray:
+        return np.ascontiguousarray(elements[:, start:stop]).view(dtype)
+
+    counts = column(0, 4, np.uint32)[:, 0] & LINK_COUNT_MASK
+    if np.any(counts > max_m0):
+        refuse(f"element {int(np.argmax(counts > max_m0))} lists {int(counts.max())} level-0 links, at most {max_m0}")
+    links = column(4, 4 + 4 * max_m0, np.uint32)
+    used = np.arange(max_m0) < counts[:, None]
+    if np.any(links[used] >= count):
+        refuse(f"a level-0 link names element {int(links[used].max())} of {count}")
+    labels = np.sort(column(label_offset, label_offset + 8, np.uint64)[:, 0])
+    if not np.array_equal(labels, shard.first_key + np.arange(shard.keys, dtype=np.uint64)):
+        refuse(f"its labels are not the key ids {shard.first_key}..{shard.first_key + shard.keys - 1}")
+    if not np.all(np.isfinite(column(data_offset, label_offset, np.float32))):
+        refuse("a vector is not finite")
+    levels = check_upper_levels(data, HNSW_HEADER.size + count * per_element, count, max_m, refuse)
+    if count and (levels.max(initial=0) > max_level or levels[entry] != max_level):
+        refuse(f"the entry point is on level {levels[entry]}, the top level is {max_level}")
+
+
+def check_upper_levels(data: np.ndarray, offset: int, count: int, max_m: int, refuse) -> np.ndarray:
+    """The level of every element, its upper link lists checked: each at most ``max_m`` long,
+    every id an element that lives on the list's level."""
+    list_bytes = 4 * (max_m + 1)
+    size_at = struct.Struct("<I").unpack_from
+    buffer = data.data
+    levels = np.zeros(count, dtype=np.int64)
+    owners, blocks = [], []
+    for element in range(count):  # sizes are read in sequence: each says where the next one is
+        if offset + 4 > len(data):
+            refuse(f"the file ends inside the link lists (element {element})")
+        size = size_at(buffer, offset)[0]
+        offset += 4
+        if size:
+            if size % list_bytes or offset + size > len(data):
+                refuse(f"element {element}'s upper link lists are {size} bytes, not whole lists inside the file")
+            levels[element] = size // list_bytes
+            owners.append(element)
+            blocks.append(data[offset : offset + size])
+            offset += size
+    if offset != len(data):
+        refuse(f"{len(data) - offset} bytes after the last element's link lists")
+    if not owners:
+        return levels
+    rows = np.concatenate(blocks).view(np.uint32).reshape(-1, max_m + 1)
+    per_owner = levels[owners]
+    owner = np.repeat(owners, per_owner)
+    level = np.arange(len(rows)) - np.repeat(np.cumsum(per_owner) - per_owner, per_owner) + 1
+    lengths = rows[:, 0] & LINK_COUNT_MASK
+    if np.any(lengths > max_m):
+        bad = int(np.argmax(lengths > max_m))
+        refuse(f"element {owner[bad]} lists {lengths[bad]} links on level {level[bad]}, at most {max_m}")
+    used = np.arange(max_m) < lengths[:, None]
+    ids = rows[:, 1:][used].astype(np.int64)
+    link_owner, link_level = (np.broadcast_to(a[:, None], used.shape)[used] for a in (owner, level))
+    outside = ids >= count
+    if np.any(outside):
+        bad = int(np.argmax(outside))
+        refuse(f"a level-{link_level[bad]} link of element {link_owner[bad]} names element {ids[bad]} of {count}")
+    below = levels[ids] < link_level
+    if np.any(below):
+        bad = int(np.argmax(below))
+        refuse(f"a level-{link_level[bad]} link of element {link_owner[bad]} names an element below that level")
+    return levels
+
+
 def load_shard_index(path: Path, manifest: Manifest, shard: Shard) -> hnswlib.Index:
-    """One shard's HNSW index, its header checked before hnswlib allocates, its key ids checked
-    against the shard's range."""
+    """One shard's HNSW index, its header and body checked before hnswlib reads them."""
     file = path / shard.index
     check_index_header(file, manifest, shard.keys)
+    check_index_body(file, manifest, shard)
     index = hnswlib.Index(space=manifest.hnsw.space, dim=manifest.dim)
     try:
         index.load_index(str(file))
     except RuntimeError as exc:
         raise BundleError(f"{file}: cannot load HNSW index ({exc})") from None
-    expected_ids = shard.first_key + np.arange(shard.keys)
-    if manifest.shards and not np.array_equal(np.sort(index.get_ids_list()), expected_ids):
-        raise BundleError(f"{file}: its key ids are not {shard.first_key}..{shard.first_key + shard.keys - 1}")
     index.set_ef(manifest.hnsw.ef_search)
     return index
 
@@ -170,16 +259,45 @@ def load_index(path: Path, manifest: Manifest) -> hnswlib.Index | ShardedIndex:
     return indexes[0] if len(indexes) == 1 else ShardedIndex(indexes)
 
 
+def load_csr(file: Path, shape: tuple[int, int], what: str) -> sp.csr_matrix:
+    """A CSR matrix written by ``scipy.sparse.save_npz``, as float32, refused unless it is one of
+    ``shape`` whose structure holds: ``indptr`` starts at 0, never decreases and ends at the
+    number of entries, every column index is inside the matrix, every value is finite. scipy
+    checks none of this when it loads a file, and its C++ products index by these arrays."""
+
+    def refuse(problem: str) -> None:
+        raise BundleError(f"{file}: {what} refused: {problem}")
+
+    try:
+        with np.load(file, allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in ("format", "shape", "indptr", "indices", "data")}
+    except KeyError as exc:
+        raise BundleError(f"{file}: {what} refused: not a scipy sparse file (no {exc})") from None
+    except (OSError, ValueError) as exc:
+        raise BundleError(f"{file}: cannot load {what} ({exc})") from None
+    fmt, declared, indptr, indices, data = arrays.values()
+    rows, cols = shape
+    if fmt.item() not in (b"csr", "csr"):
+        refuse(f"stored as {fmt.item()!r}, not csr")
+    if tuple(int(n) for n in declared.ravel()) != shape:
+        refuse(f"shape {tuple(declared.ravel().tolist())}, expected {shape}")
+    for name, array in (("indptr", indptr), ("indices", indices)):
+        if array.ndim != 1 or array.dtype.kind not in "iu":
+            refuse(f"{name} is not a 1-d integer array")
+    if data.ndim != 1 or data.dtype.kind not in "fiu" or len(data) != len(indices):
+        refuse(f"data is not {len(indices)} real numbers, one per column index")
+    if len(indptr) != rows + 1 or indptr[0] != 0 or indptr[-1] != len(indices) or np.any(np.diff(indptr) < 0):
+        refuse(f"indptr is not {rows + 1} non-decreasing offsets from 0 to {len(indices)}")
+    if len(indices) and (indices.min() < 0 or indices.max() >= cols):
+        refuse(f"column index {int(indices.max() if indices.max() >= cols else indices.min())} outside 0..{cols - 1}")
+    if not np.all(np.isfinite(data)):
+        refuse("a value is not finite")
+    return sp.csr_matrix((data.astype(np.float32), indices, indptr), shape=shape)
+
+
 def load_shard_values(path: Path, manifest: Manifest, shard: Shard) -> sp.csr_matrix:
     """One shard's rows of V, (its keys x labels)."""
-    try:
-        values = sp.load_npz(path / shard.values).tocsr().astype(np.float32)
-    except (OSError, ValueError) as exc:
-        raise BundleError(f"{path / shard.values}: cannot load value matrix ({exc})") from None
-    expected = (shard.keys, manifest.counts.labels)
-    if values.shape != expected:
-        raise BundleError(f"{path / shard.values}: value matrix shape {values.shape}, expected {expected}")
-    return values
+    return load_csr(path / shard.values, (shard.keys, manifest.counts.labels), "value matrix")
 
 
 def check_rae_counts(path: Path, manifest: Manifest) -> None:
@@ -220,28 +338,36 @@ def load_fusion(path: Path, manifest: Manifest, verify: bool = True) -> ScoreFus
     return fusion
 
 
+def lexicon_width(path: Path, manifest: Manifest) -> int:
+    """The number of terms of a lexical fusion's term space: the length of the idf in its file
+    (read alone, without the tokenizer a :class:`~service.engine.lexical.Lexicon` loads)."""
+    file = path / manifest.fusion.file
+    try:
+        with np.load(file, allow_pickle=False) as npz:
+            return len(npz["idf"])
+    except (KeyError, OSError, ValueError) as exc:
+        raise BundleError(f"{file}: a lexical fusion's file without a readable idf ({exc})") from None
+
+
 def load_shard_key_terms(path: Path, manifest: Manifest, number: int) -> KeyTerms | None:
-    """Shard ``number``'s key term vectors, for a lexical fusion (None without one)."""
+    """Shard ``number``'s key term vectors, for a lexical fusion (None without one), as wide as
+    the fusion's term space."""
     if manifest.fusion is None or manifest.fusion.lexical is None:
         return None
     shard, name = shard_list(manifest)[number], manifest.fusion.lexical[number]
+    rows = load_csr(path / name, (shard.keys, lexicon_width(path, manifest)), "key term matrix")
     try:
-        return load_key_terms(path / name, shard.keys, shard.first_key)
-    except (OSError, ValueError) as exc:
-        raise BundleError(f"{path / name}: cannot load key terms ({exc})") from None
+        return key_terms_of(rows, shard.first_key)
+    except ValueError as exc:
+        raise BundleError(f"{path / name}: key term matrix refused: {exc}") from None
 
 
-def load_key_terms_of(path: Path, manifest: Manifest, fusion: ScoreFusion | None) -> KeyTerms | None:
-    """Every key's term vectors (the shards' stacked in key order), for a lexical fusion, over
-    the fusion's term space."""
+def load_key_terms_of(path: Path, manifest: Manifest) -> KeyTerms | None:
+    """Every key's term vectors (the shards' stacked in key order), for a lexical fusion."""
     parts = [load_shard_key_terms(path, manifest, i) for i in range(len(shard_list(manifest)))]
     if parts[0] is None:
         return None
-    rows = parts[0].rows if len(parts) == 1 else sp.vstack([part.rows for part in parts], format="csr")
-    terms = len(fusion.lexicon.idf)
-    if rows.shape[1] != terms:
-        raise BundleError(f"{path}: key terms over {rows.shape[1]} terms, the fusion's lexicon has {terms}")
-    return KeyTerms(rows)
+    return KeyTerms(parts[0].rows if len(parts) == 1 else sp.vstack([part.rows for part in parts], format="csr"))
 
 
 def check_encoder(path: Path, encoder: OnnxEncoder, manifest: Manifest) -> None:
@@ -349,7 +475,7 @@ def _load_bundle(path: Path, options: EncoderOptions | None, verify: bool) -> Bu
     index = load_index(path, manifest)
     values = load_values(path, manifest)
     fusion = load_fusion(path, manifest, verify=False)  # its checksum is among those verified above
-    key_terms = load_key_terms_of(path, manifest, fusion)
+    key_terms = load_key_terms_of(path, manifest)
     encoder = open_encoder(path, manifest, options)
     check_encoder(path, encoder, manifest)
     log.info(

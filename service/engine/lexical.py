@@ -152,8 +152,16 @@ def load_key_terms(path: Path, keys: int, first_key: int = 0) -> KeyTerms:
     rows = sp.load_npz(path).tocsr().astype(np.float32)
     if rows.shape[0] != keys:
         raise ValueError(f"{path.name}: term vectors of {rows.shape[0]} keys, the shard has {keys}")
+    try:
+        return key_terms_of(rows, first_key)
+    except ValueError as exc:
+        raise ValueError(f"{path.name}: {exc}") from None
+
+
+def key_terms_of(rows: sp.csr_matrix, first_key: int = 0) -> KeyTerms:
+    """``rows`` (float32 CSR, its structure sound) as the keys' term vectors, checked to be unit rows."""
     rows.sort_indices()
     norms = np.asarray(rows.multiply(rows).sum(axis=1)).ravel()
     if not np.all(np.isfinite(rows.data)) or not np.all((np.abs(norms - 1) < 1e-3) | (norms == 0)):
-        raise ValueError(f"{path.name}: key term rows must be finite unit vectors")
+        raise ValueError("key term rows must be finite unit vectors")
     return KeyTerms(rows, first_key)

@@ -1,7 +1,8 @@
 """The one search path: texts -> vectors -> HNSW -> (RAE aggregation) -> top-k label ids.
 
 The HTTP service and the offline ``evaluate`` command both call :class:`Predictor`, so the
-numbers ``evaluate`` prints are the numbers the service gives.
+numbers ``evaluate`` prints are the numbers the service gives; the Ray Serve ingress fetches
+the nearest keys from its shards instead and ranks them with the same :class:`RankedSearch`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from service.engine.memory import (
     base_view,
 )
 from service.engine.rae import ValueRows, aggregate_kept, keep_keys, top_k_of_row
+from service.engine.shards import ShardAnswer, merge_answers
 
 # Texts per encoder call when encoding an append: a request queued behind one waits for at most
 # this many texts' encoding.
@@ -48,6 +50,10 @@ class StageTimes:
 
     def as_dict(self) -> dict[str, float]:
         return {"tokenize": self.tokenize, "encode": self.encode, "search": self.search, "aggregate": self.aggregate}
+
+    def add_encoding(self, times: EncodeTimes) -> None:
+        """Fill in the encode stage's times (a search measures only its own stages)."""
+        self.tokenize, self.encode = times.tokenize_s, times.encode_s
 
 
 @dataclass
@@ -124,8 +130,7 @@ class Predictor:
     ) -> Prediction:
         vectors, enc_times = self.encode(texts)
         prediction = self.search(vectors, k, ef, exclude, view, texts)
-        prediction.times.tokenize = enc_times.tokenize_s
-        prediction.times.encode = enc_times.encode_s
+        prediction.times.add_encoding(enc_times)
         return prediction
 
     def search(
@@ -146,13 +151,12 @@ class Predictor:
         exclude = exclude if exclude is not None else [()] * len(vectors)
         if len(exclude) != len(vectors) or len(ks) != len(vectors):
             raise ValueError("k and exclude must have one entry per query")
+        search = RankedSearch(self.bundle.manifest, ks, exclude, self.bundle.fusion)
         t0 = time.perf_counter()
-        keys, sims, ef = self.knn(vectors, neighbours_needed(self.bundle.manifest, ks, exclude), ef, view)
+        keys, sims, ef = self.knn(vectors, search.neighbours, ef, view)
         t1 = time.perf_counter()
-        key_labels = view.labels_of_keys(keys)
         lexical = self.lexical_similarities(keys, view, texts)
-        fusion = self.bundle.fusion
-        rankings = rank(self.bundle.manifest, keys, sims, key_labels, view.values, ks, exclude, fusion, lexical)
+        rankings = search.rank(Neighbours(keys, sims, view.labels_of_keys(keys), view.values, lexical, ef))
         times = StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1)
         return Prediction(rankings, times, ef, view)
 
@@ -185,39 +189,84 @@ def neighbours_needed(manifest: Manifest, ks: Sequence[int], exclude: Sequence[C
     return max(k + len(e) for k, e in zip(ks, exclude, strict=True))
 
 
-def rank(
-    manifest: Manifest,
-    keys: np.ndarray,
-    sims: np.ndarray,
-    key_labels: np.ndarray,
-    values: ValueRows | None,
-    ks: Sequence[int],
-    exclude: Sequence[Collection[int]],
-    fusion: ScoreFusion | None = None,
-    lexical: np.ndarray | None = None,
-) -> list[Ranking]:
-    """Each query's top-k labels from its nearest keys (``nq x n``, best first, −1: none).
+@dataclass
+class Neighbours:
+    """The nearest keys of a batch of queries as ranking reads them, each array ``nq x n``, best
+    first: ``rows``, each key's row of ``values`` (−1: no key); ``sims``, its inner-product
+    similarity; ``labels``, its label id (−1: an instance key, or no key). ``values``: the value
+    rows of an RAE memory (None: a label index); ``lexical``: the keys' lexical similarities to
+    the queries (a lexical fusion only); ``ef``: the HNSW breadth the search ran at."""
 
-    ``key_labels``: the label id of each key (−1: an instance key). A label index ranks those
-    labels; an RAE memory weighs the rows of ``values`` that ``keys`` index (a distributed front
-    end passes the positions of the rows its shards sent, see
-    :func:`~service.engine.shards.merge_answers`); with the bundle's ``fusion``, by fused score
-    (:mod:`service.engine.fusion`), whose lexical features read the keys' ``lexical``
-    similarities (``nq x n``)."""
-    if manifest.index_kind != "rae_memory":
-        rankings = []
-        for i, (k, excluded) in enumerate(zip(ks, exclude, strict=True)):
-            keep = key_labels[i] >= 0
-            if excluded:
-                keep &= ~np.isin(key_labels[i], np.fromiter(excluded, dtype=np.int64))
-            rankings.append(Ranking(ids=key_labels[i][keep][:k], scores=sims[i][keep][:k]))
-        return rankings
-    rae = manifest.rae
-    kept = keep_keys(keys, sims, key_labels, exclude, rae.top_b, lexical)
-    scores = aggregate_kept(kept, values, rae.tau, exclude, rae.mode)
-    if fusion is not None:
-        scores = fusion.rescore(scores, kept, values, rae.tau)
-    return [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
+    rows: np.ndarray
+    sims: np.ndarray
+    labels: np.ndarray
+    values: ValueRows | None
+    lexical: np.ndarray | None
+    ef: int
+
+
+def merged_neighbours(answers: Sequence[ShardAnswer], n: int, view: MemoryView) -> Neighbours:
+    """The shards' answers merged into the ``n`` nearest keys per query
+    (:func:`~service.engine.shards.merge_answers`), as :meth:`RankedSearch.rank` reads them: the
+    value rows are the ones the shards sent, each key's row its position among them."""
+    merged = merge_answers(list(answers), n)
+    values = ValueRows(merged.rows) if merged.rows is not None else None
+    labels = view.labels_of_keys(merged.keys)
+    return Neighbours(merged.positions, merged.sims, labels, values, merged.lexical, max(a.ef for a in answers))
+
+
+class RankedSearch:
+    """The one search path from query vectors to ranked labels, apart from how the nearest keys
+    are fetched: each query needs :attr:`neighbours` nearest keys, and :meth:`rank` turns the
+    fetched :class:`Neighbours` into its top ``k`` labels. The single server fetches from its
+    memory (:meth:`Predictor.search`, on a search thread), the Ray ingress from its shards
+    (:func:`merged_neighbours`, awaiting replicas on an event loop), so both rank alike; the
+    fetch stays the caller's because one blocks and the other awaits.
+
+    ``ks``, ``exclude``: each query's k and excluded label ids (:func:`excluded_label_ids`)."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        ks: Sequence[int],
+        exclude: Sequence[Collection[int]],
+        fusion: ScoreFusion | None = None,
+    ):
+        if len(exclude) != len(ks):
+            raise ValueError("k and exclude must have one entry per query")
+        self.manifest, self.ks, self.exclude, self.fusion = manifest, ks, exclude, fusion
+        self.neighbours = neighbours_needed(manifest, ks, exclude)
+
+    def rank(self, found: Neighbours) -> list[Ranking]:
+        """Each query's top-k labels. A label index ranks the labels of the keys; an RAE memory
+        weighs the value rows of the keys; with the bundle's fusion, by fused score
+        (:mod:`service.engine.fusion`), whose lexical features read ``found.lexical``."""
+        manifest, ks, exclude = self.manifest, self.ks, self.exclude
+        if manifest.index_kind != "rae_memory":
+            rankings = []
+            for i, (k, excluded) in enumerate(zip(ks, exclude, strict=True)):
+                keep = found.labels[i] >= 0
+                if excluded:
+                    keep &= ~np.isin(found.labels[i], np.fromiter(excluded, dtype=np.int64))
+                rankings.append(Ranking(ids=found.labels[i][keep][:k], scores=found.sims[i][keep][:k]))
+            return rankings
+        rae = manifest.rae
+        kept = keep_keys(found.rows, found.sims, found.labels, exclude, rae.top_b, found.lexical)
+        scores = aggregate_kept(kept, found.values, rae.tau, exclude, rae.mode)
+        if self.fusion is not None:
+            scores = self.fusion.rescore(scores, kept, found.values, rae.tau)
+        return [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
+
+
+def excluded_label_ids(
+    view: MemoryView, exclude: Collection[str] | Sequence[Collection[str]], texts: int
+) -> list[set[int]]:
+    """Per text, the ids in ``view`` of the label uids it excludes (unknown uids are dropped:
+    they cannot be returned anyway). ``exclude`` as the API takes it: one collection of uids
+    for all ``texts`` (mapped once, its set shared by every text), or one collection per text."""
+    if not exclude or isinstance(next(iter(exclude)), str):
+        return [view.label_ids(exclude)] * texts
+    return [view.label_ids(uids) for uids in exclude]
 
 
 def load_predictor(

@@ -188,8 +188,9 @@ class ShardSearcher:
 class MergedAnswer:
     """The ``n`` nearest keys over all shards, per query, as one index would give them: keys,
     inner-product similarities, the shards' value rows stacked (``rows``) with ``positions``
-    saying which of them belongs to each merged key (what :func:`~service.engine.search.rank`
-    weighs for an RAE memory), and the keys' lexical similarities for a lexical fusion."""
+    saying which of them belongs to each merged key (the rows an RAE memory weighs,
+    :func:`~service.engine.search.merged_neighbours`), and the keys' lexical similarities for a
+    lexical fusion."""
 
     keys: np.ndarray
     sims: np.ndarray

@@ -9,41 +9,17 @@ reason and the old one keeps serving. Bundle paths must resolve inside ``XMCSERV
 Loads, promotes and appends are serialised (one at a time); none of them stops /predict.
 """
 
-from __future__ import annotations
-
-import asyncio
+# No `from __future__ import annotations` here: FastAPI must resolve the locally built append
+# model from the endpoint annotation at runtime.
 import hmac
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import anyio
 from fastapi import Depends, FastAPI, HTTPException, Request
 
-from service import engine
-from service.engine import AppendIdReused, AppendLogError, AppendRefused, BundleError, Predictor
-from service.http.metrics import Metrics
-from service.http.schemas import ConfigUpdate, ReloadRequest, build_append_request
-from service.http.settings import Settings
-from service.rollout.shadow import ShadowMirror
-from service.rollout.variants import Variants
-
-# A vetting child may map this much beyond the bundle's files (interpreter, ONNX Runtime, arenas).
-VET_BASE_BYTES = 1 << 30
-
-
-async def load_predictor(path: Path, settings: Settings, vet: bool = True) -> Predictor:
-    """Load, verify and warm a bundle off the event loop (the loop keeps serving meanwhile).
-    With ``vet``, a child process under a memory limit (1 GiB + 4x the bundle's files) loads it
-    first, so a bundle that would crash or exhaust the loader is refused before it enters here."""
-    options = settings.encoder_options()
-    appends_dir = settings.admin.appends_dir(Path(path).resolve())
-    if vet:
-        files = sum(f.stat().st_size for f in Path(path).glob("*") if f.is_file())
-        limit = VET_BASE_BYTES + 4 * files
-        await anyio.to_thread.run_sync(lambda: engine.vet_in_child(path, options, settings.verify_checksums, limit))
-    return await anyio.to_thread.run_sync(
-        lambda: engine.load_predictor(path, options, settings.verify_checksums, appends_dir)
-    )
+from service.api.schemas import ConfigUpdate, ReloadRequest, build_append_request
+from service.engine import AppendIdReused, AppendLogError, AppendRefused, BundleError
+from service.http.state import ServingState, load_for_serving
 
 
 def confined_bundle_path(root: Path, requested: str) -> Path:
@@ -53,43 +29,6 @@ def confined_bundle_path(root: Path, requested: str) -> Path:
     if not path.is_relative_to(root):
         raise ValueError(f"bundle path {requested!r} is outside the bundle root")
     return path
-
-
-@dataclass
-class ServingState:
-    settings: Settings
-    metrics: Metrics
-    variants: Variants
-    shadow: ShadowMirror | None = None
-    reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    def install(self, name: str, predictor: Predictor, source: str) -> Predictor | None:
-        previous = self.variants.install(name, predictor, source)
-        self.publish_bundle_info()
-        return previous
-
-    def publish_bundle_info(self) -> None:
-        for name, slot in self.variants.slots.items():
-            bundle = slot.predictor.bundle if slot.predictor else None
-            self.metrics.bundle_info.labels(variant=name).info(
-                {
-                    "bundle_id": bundle.bundle_id if bundle else "",
-                    "index_kind": bundle.manifest.index_kind if bundle else "",
-                    "provider": bundle.encoder.provider if bundle else "",
-                    "dim": str(bundle.manifest.dim) if bundle else "",
-                }
-            )
-
-    def describe(self) -> dict:
-        shadow = self.shadow
-        return {
-            **self.variants.describe(),
-            "shadow": {
-                "target": shadow.target if shadow else None,
-                "fraction": shadow.config.fraction if shadow else 0.0,
-                "queue_depth": shadow.depth if shadow else 0,
-            },
-        }
 
 
 def require_admin(request: Request) -> None:
@@ -130,7 +69,7 @@ def add_admin_routes(app: FastAPI) -> None:
             raise HTTPException(400, str(exc)) from None
         async with state.reload_lock:
             try:
-                predictor = await load_predictor(path, state.settings)
+                predictor = await load_for_serving(path, state.settings)
             except BundleError as exc:
                 state.metrics.reloads.labels(variant=body.variant, outcome="refused").inc()
                 raise HTTPException(422, f"bundle refused, variant {body.variant} unchanged: {exc}") from None
@@ -157,7 +96,8 @@ def add_admin_routes(app: FastAPI) -> None:
             **state.describe(),
         }
 
-    async def append(body, request: Request) -> dict:
+    @app.post("/admin/append", dependencies=guarded)
+    async def append(body: AppendRequest, request: Request) -> dict:  # type: ignore[valid-type]
         """Encode and add the labels and instances to the variant's memory, logged before applied;
         the next /predict sees all of them (never a part)."""
         state = serving_state(request)
@@ -198,11 +138,6 @@ def add_admin_routes(app: FastAPI) -> None:
             "instances": outcome.instances,
             "memory": predictor.view.describe(),
         }
-
-    # the body model is built per app (its limits are the settings'): given as an object, since
-    # string annotations resolve in module scope
-    append.__annotations__["body"] = AppendRequest
-    app.post("/admin/append", dependencies=guarded)(append)
 
     @app.post("/admin/config", dependencies=guarded)
     async def configure(body: ConfigUpdate, request: Request) -> dict:

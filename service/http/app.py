@@ -22,13 +22,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from service.api.guards import BodyLimitMiddleware, validation_error
+from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response_off_loop
 from service.engine.batcher import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
 from service.engine.bundle import BundleError
-from service.http.admin import ServingState, add_admin_routes, load_predictor, require_admin
-from service.http.guards import BodyLimitMiddleware, ShedBeforeParsingMiddleware, method_label, validation_error
+from service.http.admin import add_admin_routes, require_admin
+from service.http.guards import ShedBeforeParsingMiddleware, method_label
 from service.http.metrics import Metrics
-from service.http.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response
+from service.http.rollout_page import add_rollout_routes
 from service.http.settings import Settings
+from service.http.state import ServingState, load_for_serving
 from service.rollout.shadow import ShadowMirror, ShadowRequest, ranked
 from service.rollout.shadow_worker import ShadowWorker
 from service.rollout.variants import CANDIDATE, PRIMARY, Variants
@@ -72,9 +75,9 @@ class RequestMetricsMiddleware:
             ).observe(time.perf_counter() - start)
 
 
-def to_response(answer: BatchAnswer, variant: str, k: int) -> Response:
+async def to_response(answer: BatchAnswer, variant: str, k: int) -> Response:
     bundle = answer.predictor.bundle
-    return predict_response(bundle.manifest, variant, k, answer.ef, answer.rankings, answer.view)
+    return await predict_response_off_loop(bundle.manifest, variant, k, answer.ef, answer.rankings, answer.view)
 
 
 async def until_disconnected(request: Request) -> None:
@@ -132,11 +135,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             metrics.predicted_texts.labels(variant=name)
         state = ServingState(settings, metrics, variants)
         # nothing serves yet: a primary that fails stops start-up, no need to vet it apart
-        predictor = await load_predictor(settings.bundle_dir, settings, vet=False)
+        predictor = await load_for_serving(settings.bundle_dir, settings, vet=False)
         state.install(PRIMARY, predictor, str(settings.bundle_dir))
         if candidate_dir := settings.rollout.candidate_bundle_dir:
             try:
-                state.install(CANDIDATE, await load_predictor(candidate_dir, settings), str(candidate_dir))
+                state.install(CANDIDATE, await load_for_serving(candidate_dir, settings), str(candidate_dir))
             except BundleError as exc:
                 log.error("candidate bundle refused, serving A only: %s", exc)
         variants.start()
@@ -185,11 +188,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except LookupError as exc:
             return JSONResponse({"detail": str(exc)}, status_code=409)
         request.state.variant = slot.name
-        texts, exclude = body.all_texts(), body.exclusions()
+        texts = body.all_texts()
         started = time.perf_counter()
         timeout_s = (body.timeout_ms or settings.limits.request_timeout_ms) / 1000
         try:
-            answer = await answer_unless_gone(request, slot.batcher.submit(texts, body.k, body.ef, exclude, timeout_s))
+            answer = await answer_unless_gone(
+                request, slot.batcher.submit(texts, body.k, body.ef, body.exclude, timeout_s)
+            )
         except (QueueFullError, DeadlineExceededError) as exc:
             if isinstance(exc, QueueFullError):
                 metrics.rejected.labels(variant=slot.name).inc()
@@ -209,13 +214,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     texts,
                     body.k,
                     body.ef,
-                    exclude,
+                    body.exclusions(),
                     ranked(answer.rankings, answer.view.label_uids),
                     time.perf_counter() - started,
                     slot.name,
                 )
             )
-        return to_response(answer, slot.name, body.k)
+        return await to_response(answer, slot.name, body.k)
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -251,4 +256,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     add_admin_routes(app)
+    add_rollout_routes(app)
     return app

@@ -127,6 +127,12 @@ class Metrics:
             ["reason", "variant"],
             registry=self.registry,
         )
+        self.shadow_worker_exits = Counter(
+            "xmcserve_shadow_worker_exits",
+            "Shadow worker processes that exited unasked (each restart waits longer while they keep exiting)",
+            ["variant"],
+            registry=self.registry,
+        )
 
     def drop_observer(self, variant: str):
         def observe(reason: str) -> None:

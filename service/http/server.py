@@ -5,7 +5,14 @@ Uvicorn bounds connections (``limit_concurrency``: a 503 beyond it) and header s
 a client that opens connections and sends nothing, or a header a byte a minute, would hold
 descriptors until the cap refuses everyone else. :class:`HeaderTimeoutProtocol` closes a
 connection whose next request's headers have not arrived within ``XMCSERVE_HEADER_TIMEOUT_S``
-(the body has its own deadline, :mod:`service.http.guards`).
+(the body has its own deadline, :mod:`service.api.guards`).
+
+Nor does uvicorn bound a response's sending: a client that asks for a large answer and never
+reads it keeps the answer in the transport's buffer for as long as it keeps the connection open
+(closing a transport waits until its buffer is sent), so such clients, up to the connection cap,
+hold that much memory each. The protocol also aborts a connection whose send buffer stays full
+(the transport paused writing, the client reading nothing) for ``XMCSERVE_WRITE_TIMEOUT_S``,
+like nginx's ``send_timeout``: the buffer is dropped and the application's next send returns.
 """
 
 from __future__ import annotations
@@ -19,14 +26,35 @@ from service.http.settings import ServerSettings
 
 
 class HeaderTimeoutProtocol(H11Protocol):
-    """h11 with a deadline for each request's headers, from connection or last response on."""
+    """h11 with a deadline for each request's headers, from connection or last response on, and
+    one for the client to make room in a full send buffer."""
 
     header_timeout_s = 10.0
+    write_timeout_s = 15.0
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._header_deadline = None
+        self._write_deadline = None
         self._await_headers()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_deadline is None:
+            self._write_deadline = self.loop.call_later(self.write_timeout_s, self._write_late)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_write_deadline()
+
+    def _stop_write_deadline(self) -> None:
+        if getattr(self, "_write_deadline", None) is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
+
+    def _write_late(self) -> None:
+        self._write_deadline = None
+        self.transport.abort()  # not close(): close() would wait to send what the client does not read
 
     def _await_headers(self) -> None:
         self._stop_waiting()
@@ -55,11 +83,12 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._stop_waiting()
+        self._stop_write_deadline()
         super().connection_lost(exc)
 
 
 def protocol_for(settings: ServerSettings) -> type[HeaderTimeoutProtocol]:
-    timeout = {"header_timeout_s": settings.header_timeout_s}
+    timeout = {"header_timeout_s": settings.header_timeout_s, "write_timeout_s": settings.write_timeout_s}
     return type("ConfiguredHeaderTimeoutProtocol", (HeaderTimeoutProtocol,), timeout)
 
 

@@ -12,41 +12,15 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import AliasChoices, Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings
 
+from service.api.limits import LimitSettings, settings_group
 from service.engine.batcher import BatcherConfig
 from service.engine.encoder import EncoderOptions, thread_layout
 from service.engine.memory import appends_dir_beside
 from service.rollout.shadow import ShadowConfig
 
-ENV_PREFIX = "XMCSERVE_"
-
-
-def _group(prefix: str = "") -> SettingsConfigDict:
-    return SettingsConfigDict(env_prefix=ENV_PREFIX + prefix, extra="ignore", populate_by_name=True)
-
-
-class LimitSettings(BaseSettings):
-    """What one /predict may ask for; anything beyond is a 422 before any work."""
-
-    model_config = _group()
-
-    max_texts_per_request: int = Field(64, ge=1, description="most texts one /predict may carry")
-    max_text_bytes: int = Field(2048, ge=1, description="most UTF-8 bytes per text")
-    max_k: int = Field(1000, ge=1, description="largest k a request may ask for")
-    max_ef: int = Field(4096, ge=1, description="largest HNSW ef a request may ask for")
-    default_k: int = Field(10, ge=1, description="k of a request that gives none")
-    max_exclude_per_text: int = Field(1000, ge=0, description="most excluded uids per text")
-    max_exclude_total: int = Field(10_000, ge=0, description="most excluded uids in one request")
-    max_uid_bytes: int = Field(256, ge=1, description="most UTF-8 bytes of one excluded uid")
-    max_body_bytes: int = Field(
-        4 * 1024 * 1024, ge=1024, description="most bytes of any request body, admin included (413 beyond)"
-    )
-    body_timeout_s: float = Field(10.0, gt=0, description="a request body must arrive within this (408 beyond)")
-    request_timeout_ms: int = Field(
-        1000, ge=1, description="how long a request may wait in the queue to start (503 + Retry-After beyond)"
-    )
-    max_append_items: int = Field(1000, ge=1, description="most labels + instances one /admin/append may add")
+_group = settings_group
 
 
 class BatchingSettings(BaseSettings):
@@ -146,6 +120,12 @@ class ServerSettings(BaseSettings):
         10.0, gt=0, description="a connection whose next request headers do not arrive within this is closed"
     )
     keep_alive_s: int = Field(5, ge=1, description="an idle keep-alive connection is closed after this")
+    write_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        description="a response the client stops reading for this long (its send buffer full) is abandoned "
+        "and the connection closed, freeing what was buffered",
+    )
     max_header_bytes: int = Field(16384, ge=1024, description="most bytes of request headers (h11)")
     graceful_shutdown_s: int = Field(
         20, ge=1, description="on SIGTERM, how long requests in progress may finish before the server stops"

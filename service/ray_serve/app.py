@@ -13,12 +13,15 @@ Failure and load, as the ingress answers them (never a 500, never a hang):
   shard could silently lack the best labels.
 * a call silent past ``attempt_timeout_ms`` (a replica on a lost node, not yet declared dead)
   → hedged: another send while the first runs (and one more after another such wait), the
-  first answer wins; a replica found lost →
-  sent again, for as long as the deadline allows (:mod:`service.ray_serve.calls`).
+  first answer wins, hedges at most ``hedge_fraction`` of a part's calls; a replica found lost
+  → sent again, for as long as the deadline allows (:mod:`service.ray_serve.calls`).
+* every send carries the time left to the request's deadline; a replica drops what expired
+  while it queued instead of computing an answer nobody waits for.
 * a full queue: the ingress's own (``max_queued_requests``, answered by Serve's proxy) or a
   part's → ``503`` with ``Retry-After``.
 * a part whose replica serves another bundle than the ingress's (every answer carries the
-  bundle id) → ``503``.
+  bundle id; during a rolling update some replicas are on each) → sent again, so that a replica
+  on the ingress's bundle answers; ``503`` when none does before the deadline.
 """
 
 # No `from __future__ import annotations`: FastAPI must see the locally built request model.
@@ -36,17 +39,16 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.util import metrics as ray_metrics
 
+from service.api.guards import BodyLimitMiddleware, validation_error
+from service.api.limits import LimitSettings
+from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response_off_loop
 from service.engine.bundle import BundleError, load_encoder, load_fusion, load_labels, load_shard, read_manifest
 from service.engine.encoder import EncoderOptions
 from service.engine.manifest import shard_list
 from service.engine.memory import base_view, fetch_and_ef
-from service.engine.rae import ValueRows
-from service.engine.search import Ranking, neighbours_needed, rank
-from service.engine.shards import ShardAnswer, ShardQuery, merge_answers
-from service.http.guards import BodyLimitMiddleware, validation_error
-from service.http.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response
-from service.http.settings import LimitSettings
-from service.ray_serve.calls import PartCaller, PartUnavailable
+from service.engine.search import RankedSearch, Ranking, excluded_label_ids, merged_neighbours
+from service.engine.shards import ShardAnswer, ShardQuery
+from service.ray_serve.calls import PartCaller, PartUnavailable, split_expired, time_left
 
 log = logging.getLogger("xmcserve.ray")
 
@@ -99,11 +101,33 @@ class AppArgs(BaseModel):
         description="a call to the encoder or a shard unanswered this long is hedged: sent once more while the "
         "first runs, the first answer wins (a replica on a lost node is silent until the node is declared dead)",
     )
+    hedge_fraction: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="hedges the ingress may send to a part, as a share of its calls to it (with up to 10 saved "
+        "for a burst): under overload hedging does not multiply the load",
+    )
     verify: bool = Field(True, description="check the sha256 of every bundle file a replica reads")
 
 
 def threads_for(cpus: float) -> int:
     return max(1, int(cpus))
+
+
+class ExpiredWork:
+    """Requests a replica dropped because their deadline passed while they queued."""
+
+    def __init__(self, part: str):
+        self.counter = ray_metrics.Counter(
+            "xmcserve_expired_work_total",
+            description="requests a replica dropped unstarted, their deadline passed",
+            tag_keys=("part",),
+        )
+        self.part = part
+
+    def inc(self, count: int) -> None:
+        self.counter.inc(count, tags={"part": self.part})
 
 
 @serve.deployment(name="encoder", max_ongoing_requests=128, max_queued_requests=512, **LIFECYCLE)
@@ -115,14 +139,27 @@ class Encoder:
         options = EncoderOptions(intra_op_threads=threads_for(cpus), allow_spinning=False)
         manifest, self.encoder = load_encoder(bundle_dir, options, verify)
         self.bundle_id = manifest.bundle_id
-        self.encode.set_max_batch_size(max_batch_texts)
-        self.encode.set_batch_wait_timeout_s(batch_wait_s)
+        self.encode_batch.set_max_batch_size(max_batch_texts)
+        self.encode_batch.set_batch_wait_timeout_s(batch_wait_s)
+        self.expired = ExpiredWork("encoder")
 
-    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0, batch_size_fn=lambda texts: sum(map(len, texts)))
-    async def encode(self, requests: list[list[str]]) -> list[tuple[str, np.ndarray]]:
-        """Each request's vectors, stamped with the bundle id."""
-        vectors, _ = await asyncio.to_thread(self.encoder.encode, [text for texts in requests for text in texts])
-        return [(self.bundle_id, part) for part in np.split(vectors, np.cumsum([len(t) for t in requests])[:-1])]
+    async def encode(self, texts: list[str], timeout_s: float) -> tuple[str, np.ndarray | None]:
+        """The texts' vectors, stamped with the bundle id; None when ``timeout_s`` (the caller's
+        time left) passed before their batch ran."""
+        return await self.encode_batch((texts, time.monotonic() + timeout_s))
+
+    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0, batch_size_fn=lambda r: sum(len(t) for t, _ in r))
+    async def encode_batch(self, requests: list[tuple[list[str], float]]) -> list[tuple[str, np.ndarray | None]]:
+        """Each live request's vectors, stamped with the bundle id; expired ones get None."""
+        positions, live = split_expired(requests, time.monotonic())
+        out: list[tuple[str, np.ndarray | None]] = [(self.bundle_id, None)] * len(requests)
+        if len(live) < len(requests):
+            self.expired.inc(len(requests) - len(live))
+        if live:
+            vectors, _ = await asyncio.to_thread(self.encoder.encode, [text for texts in live for text in texts])
+            for i, part in zip(positions, np.split(vectors, np.cumsum([len(t) for t in live])[:-1]), strict=True):
+                out[i] = (self.bundle_id, part)
+        return out
 
     def check_health(self) -> None:
         """A real encode: finite unit vectors, or the replica is replaced."""
@@ -140,14 +177,28 @@ class Shard:
         self.bundle_id = manifest.bundle_id
         first = self.searcher.shard.first_key
         self.probe = np.asarray(self.searcher.index.get_items([first]), dtype=np.float32)
-        self.search.set_max_batch_size(max_batch)
-        self.search.set_batch_wait_timeout_s(batch_wait_s)
+        self.search_batch.set_max_batch_size(max_batch)
+        self.search_batch.set_batch_wait_timeout_s(batch_wait_s)
+        self.expired = ExpiredWork(f"shard-{number}")
 
-    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0, batch_size_fn=lambda q: sum(len(x.vectors) for x in q))
-    async def search(self, queries: list[ShardQuery]) -> list[tuple[str, ShardAnswer]]:
-        """Each request's nearest keys (as if searched alone), stamped with the bundle id."""
-        answers = await asyncio.to_thread(self.searcher.search_many, queries)
-        return [(self.bundle_id, answer) for answer in answers]
+    async def search(self, query: ShardQuery, timeout_s: float) -> tuple[str, ShardAnswer | None]:
+        """The query's nearest keys, stamped with the bundle id; None when ``timeout_s`` (the
+        caller's time left) passed before its batch ran."""
+        return await self.search_batch((query, time.monotonic() + timeout_s))
+
+    @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0, batch_size_fn=lambda r: sum(len(q.vectors) for q, _ in r))
+    async def search_batch(self, requests: list[tuple[ShardQuery, float]]) -> list[tuple[str, ShardAnswer | None]]:
+        """Each live request's nearest keys (as if searched alone), stamped with the bundle id;
+        expired ones get None."""
+        positions, live = split_expired(requests, time.monotonic())
+        out: list[tuple[str, ShardAnswer | None]] = [(self.bundle_id, None)] * len(requests)
+        if len(live) < len(requests):
+            self.expired.inc(len(requests) - len(live))
+        if live:
+            answers = await asyncio.to_thread(self.searcher.search_many, live)
+            for i, answer in zip(positions, answers, strict=True):
+                out[i] = (self.bundle_id, answer)
+        return out
 
     def check_health(self) -> None:
         """A real query (this shard's first key's own vector) answered with keys of this shard."""
@@ -192,6 +243,7 @@ class Ingress:
         verify: bool,
         attempt_timeout_s: float,
         max_batch_texts: int,
+        hedge_fraction: float = 0.1,
     ):
         self.manifest, uids, texts = load_labels(bundle_dir, verify)
         self.fusion = load_fusion(Path(bundle_dir), self.manifest, verify)
@@ -201,7 +253,7 @@ class Ingress:
         self.max_batch_texts = max_batch_texts
         self.limits = LimitSettings()
         self.metrics = IngressMetrics()
-        self.caller = PartCaller(attempt_timeout_s, self.count_failure)
+        self.caller = PartCaller(attempt_timeout_s, self.count_failure, hedge_fraction)
 
     def count_failure(self, part: str, reason: str) -> None:
         self.metrics.part_failures.inc(tags={"part": part, "reason": reason})
@@ -227,31 +279,29 @@ class Ingress:
     async def predict_piece(
         self, texts: list[str], k: int, ef: int | None, exclude: list[set[int]], deadline: float
     ) -> tuple[list[Ranking], int]:
-        """Encode, fan out to every shard, merge, rank."""
+        """Encode, fan out to every shard, merge, rank (:class:`~service.engine.search.RankedSearch`)."""
         started = time.perf_counter()
-        vectors = await self.ask("encoder", lambda: self.encoder.encode.remote(texts), deadline)
+        vectors = await self.ask("encoder", lambda: self.encoder.encode.remote(texts, time_left(deadline)), deadline)
         encoded = time.perf_counter()
-        ks = [k] * len(texts)
-        n = neighbours_needed(self.manifest, ks, exclude)
-        fetch, ef = fetch_and_ef(n, ef or self.manifest.hnsw.ef_search, self.manifest.counts.memory_rows)
+        manifest = self.manifest
+        search = RankedSearch(manifest, [k] * len(texts), exclude, self.fusion)
+        fetch, ef = fetch_and_ef(search.neighbours, ef or manifest.hnsw.ef_search, manifest.counts.memory_rows)
         lexicon = self.fusion.lexicon if self.fusion is not None else None
         terms = lexicon.query_terms(texts) if lexicon is not None else None  # each shard scores its keys
         answers = await self.fan_out(ShardQuery(vectors, fetch, ef, terms), deadline)
         searched = time.perf_counter()
-        merged = merge_answers(answers, n)
-        values = ValueRows(merged.rows) if merged.rows is not None else None
-        key_labels = self.view.labels_of_keys(merged.keys)
-        rankings = rank(
-            self.manifest, merged.positions, merged.sims, key_labels, values, ks, exclude, self.fusion, merged.lexical
-        )
+        found = merged_neighbours(answers, search.neighbours, self.view)
+        rankings = search.rank(found)
         for stage, seconds in (("encode", encoded - started), ("fanout", searched - encoded)):
             self.metrics.stage_seconds.observe(seconds, tags={"stage": stage})
         self.metrics.stage_seconds.observe(time.perf_counter() - searched, tags={"stage": "rank"})
-        return rankings, max(answer.ef for answer in answers)
+        return rankings, found.ef
 
     async def fan_out(self, query: ShardQuery, deadline: float) -> list[ShardAnswer]:
         calls = [
-            asyncio.ensure_future(self.ask(f"shard-{i}", lambda shard=shard: shard.search.remote(query), deadline))
+            asyncio.ensure_future(
+                self.ask(f"shard-{i}", lambda shard=shard: shard.search.remote(query, time_left(deadline)), deadline)
+            )
             for i, shard in enumerate(self.shards)
         ]
         try:
@@ -261,13 +311,16 @@ class Ingress:
                 call.cancel()
 
     async def ask(self, part: str, send, deadline: float):
-        """A part's answer (:class:`~service.ray_serve.calls.PartCaller`), checked to come from
-        this ingress's bundle: replicas load the bundle from a path, and a replica restarted
-        after the files there changed would serve another."""
-        bundle_id, answer = await self.caller.call(part, send, deadline)
-        if bundle_id != self.manifest.bundle_id:
-            self.count_failure(part, "other_bundle")
-            raise PartUnavailable(f"{part} serves bundle {bundle_id}, not {self.manifest.bundle_id}")
+        """A part's answer (:class:`~service.ray_serve.calls.PartCaller`) from a replica on this
+        ingress's bundle: replicas load the bundle from a path, and one restarted after the files
+        there changed (a rolling update) serves another; its answer is sent again, to another
+        replica."""
+        bundle_id = self.manifest.bundle_id
+        accept = lambda answer: answer[0] == bundle_id  # noqa: E731
+        _, answer = await self.caller.call(part, send, deadline, accept, f"another bundle than {bundle_id}")
+        if answer is None:  # the replica found the deadline passed before it started: so has ours
+            self.count_failure(part, "timeout")
+            raise PartUnavailable(f"no answer from {part} within the request's deadline")
         return answer
 
     def describe(self) -> dict:
@@ -301,15 +354,16 @@ def ingress_app(ingress: Ingress) -> FastAPI:
     async def predict(body: PredictRequest) -> Response:  # type: ignore[valid-type]
         if body.variant == "B":
             return JSONResponse({"detail": "this deployment serves one bundle (A); no candidate B"}, status_code=409)
-        exclude = [ingress.view.label_ids(uids) for uids in body.exclusions()]
+        texts = body.all_texts()
+        exclude = excluded_label_ids(ingress.view, body.exclude, len(texts))
         timeout_s = (body.timeout_ms or limits.request_timeout_ms) / 1000
         try:
-            rankings, ef = await ingress.predict(body.all_texts(), body.k, body.ef, exclude, timeout_s)
+            rankings, ef = await ingress.predict(texts, body.k, body.ef, exclude, timeout_s)
         except PartUnavailable as exc:
             ingress.metrics.predictions.inc(tags={"outcome": "unavailable"})
             return unavailable(exc)
         ingress.metrics.predictions.inc(tags={"outcome": "ok"})
-        return predict_response(ingress.manifest, "A", body.k, ef, rankings, ingress.view)
+        return await predict_response_off_loop(ingress.manifest, "A", body.k, ef, rankings, ingress.view)
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -359,4 +413,12 @@ def build_app(args: dict) -> serve.Application:
         ray_actor_options={"num_cpus": params.ingress_cpus},
         max_ongoing_requests=params.ingress_max_ongoing_requests,
         max_queued_requests=params.ingress_max_queued_requests,
-    ).bind(encoder, shards, bundle, params.verify, params.attempt_timeout_ms / 1000, params.max_batch_texts)
+    ).bind(
+        encoder,
+        shards,
+        bundle,
+        params.verify,
+        params.attempt_timeout_ms / 1000,
+        params.max_batch_texts,
+        params.hedge_fraction,
+    )

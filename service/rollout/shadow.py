@@ -12,7 +12,8 @@ and writing the comparison log run in the worker's child process
 Per mirrored text: overlap@k = |top-k A ∩ top-k B| / k, Kendall's τ of the shared labels' ranks,
 the mean |score A − score B| over shared labels, and the latency delta (the shadow call that
 carried the text − the primary request), into Prometheus histograms and a size-bounded rotating
-JSONL log (see ``service.rollout.shadow_report``).
+JSONL log (see ``service.rollout.shadow_report``), and into a bounded in-memory ring of recent
+comparisons for the rollout page (:mod:`service.rollout.agreement`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from service.rollout import PRIMARY
+from service.rollout.agreement import AgreementHistory
 
 if TYPE_CHECKING:  # the worker's child process imports this module without the engine
     from service.engine.search import Ranking
@@ -137,18 +139,30 @@ class ShadowMirror:
     """Samples primary requests and hands copies to a shadow worker (``service.rollout.shadow_worker``);
     the worker's results arrive through :meth:`record`."""
 
-    def __init__(self, config: ShadowConfig, metrics, target: str, worker, variant: str = PRIMARY):
+    def __init__(
+        self,
+        config: ShadowConfig,
+        metrics,
+        target: str,
+        worker,
+        variant: str = PRIMARY,
+        history: AgreementHistory | None = None,
+    ):
         """``worker``: has ``start()``, ``submit(copy)``, ``outstanding`` and ``close()``.
         ``target``: the shadow's URL, as /info and the log name it. ``variant``: the variant
-        whose answers are offered (labels every shadow metric)."""
+        whose answers are offered (labels every shadow metric). ``history``: where the recent
+        comparisons are kept for the rollout page."""
         self.config = config
         self.target = target
         self.variant = variant
+        self.history = history or AgreementHistory()
         self._metrics = metrics
         metrics.shadow_compared.labels(variant=variant)  # exported at 0 until the first comparison
         self._worker = worker
         self._rng = random.Random()
         worker.on_result = self.record
+        metrics.shadow_worker_exits.labels(variant=variant)
+        worker.on_exit = lambda: metrics.shadow_worker_exits.labels(variant=variant).inc()
 
     def start(self) -> None:
         if self.config.fraction > 0:
@@ -172,19 +186,23 @@ class ShadowMirror:
             return False
         if self._worker.outstanding >= self.config.queue_size:
             self._metrics.shadow_dropped.labels(reason="queue_full", variant=self.variant).inc()
+            self.history.add_dropped("queue_full", 1)
             return False
         self._worker.submit(Copy(request, time.monotonic() + self.config.timeout_s))
         return True
 
     def record(self, result: tuple) -> None:
-        """One worker result: ``("compared", copies, overlaps, taus, score_deltas, latency_deltas)``
-        or ``("dropped", reason, copies)``."""
+        """One worker result: ``("compared", copies, overlaps, taus, score_deltas, latency_deltas,
+        samples)`` (``samples``: one (text, k, overlap, τ, score delta, latency delta) per text) or
+        ``("dropped", reason, copies)``."""
         metrics, variant = self._metrics, self.variant
         if result[0] == "dropped":
             _, reason, copies = result
             metrics.shadow_dropped.labels(reason=reason, variant=variant).inc(copies)
+            self.history.add_dropped(reason, copies)
             return
-        _, _, overlaps, taus, score_deltas, latency_deltas = result
+        _, _, overlaps, taus, score_deltas, latency_deltas, samples = result
+        self.history.add_compared(samples)
         metrics.shadow_compared.labels(variant=variant).inc(len(overlaps))
         for histogram, values in (
             (metrics.shadow_overlap, overlaps),

@@ -40,6 +40,18 @@ log = logging.getLogger(__name__)
 
 PIPE_SIZE_SETTING = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux's fcntl code for a pipe's capacity
 
+# A child that exits unasked is started again on the next copy: at once the first time, then after
+# 1, 2, 4 … 60 s while it keeps exiting before it reports a result (a bad URL, an import error:
+# it dies at start), like Kubernetes' CrashLoopBackOff; a result from a child resets the count.
+# Copies offered while the worker waits are dropped (``worker_down``), never held.
+RESTART_BACKOFF_FIRST_S = 1.0
+RESTART_BACKOFF_MAX_S = 60.0
+
+
+def restart_delay_s(failures: int) -> float:
+    """The wait before the next start after ``failures`` consecutive exits without a result."""
+    return 0.0 if failures <= 1 else min(RESTART_BACKOFF_FIRST_S * 2 ** (failures - 2), RESTART_BACKOFF_MAX_S)
+
 
 # ---------------------------------------------------------------- parent side
 
@@ -57,13 +69,20 @@ class ShadowWorker:
     child's result or, when the child dies, as lost with everything else outstanding.
     """
 
-    def __init__(self, config: ShadowConfig, url: str, flush_s: float = 0.02):
+    def __init__(
+        self, config: ShadowConfig, url: str, flush_s: float = 0.02, clock: Callable[[], float] = time.monotonic
+    ):
         """``config``: the mirror's (the child gets a copy at start); ``url``: the shadow's base
-        URL (``<url>/predict`` answers the copies)."""
+        URL (``<url>/predict`` answers the copies); ``clock``: times the restart back-off."""
         self.config = config
         self.url = url
         self.flush_s = flush_s
         self.on_result: Callable[[tuple], None] = lambda result: None
+        self.on_exit: Callable[[], None] = lambda: None  # a child exited unasked
+        self.exits = 0
+        self._clock = clock
+        self._failures = 0  # consecutive exits without a result
+        self._not_before = float("-inf")
         self._submitted = 0
         self._settled = 0
         self._buffer: list[Copy] = []  # copies waiting for the next flush
@@ -85,10 +104,18 @@ class ShadowWorker:
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
 
-    def start(self) -> None:
-        """Start the child (on the running event loop) unless it runs."""
-        if self._closed or self._process is not None:
-            return
+    @property
+    def restart_delay_s(self) -> float:
+        """How long after the last exit the next start waits."""
+        return restart_delay_s(self._failures)
+
+    def start(self) -> bool:
+        """Start the child (on the running event loop) unless it runs or its restart back-off
+        has not passed; whether a child runs now."""
+        if self._process is not None:
+            return True
+        if self._closed or self._clock() < self._not_before:
+            return False
         self._loop = asyncio.get_running_loop()
         context = multiprocessing.get_context("spawn")  # no forked copy of the server's threads
         copies_read, self._copies_fd = os.pipe()
@@ -107,10 +134,13 @@ class ShadowWorker:
         copies.close()  # the child holds its own copies of these ends: EOF and EPIPE then mean it is gone
         results_out.close()
         self._loop.add_reader(self._results.fileno(), self._on_results)
+        return True
 
     def submit(self, copy: Copy) -> None:
-        self.start()
         self._submitted += 1
+        if not self.start():  # closed, or waiting to restart a child that keeps exiting
+            self._settle(("dropped", "worker_down", 1))
+            return
         self._enqueue(copy)
 
     def close(self) -> None:
@@ -150,7 +180,9 @@ class ShadowWorker:
     def _on_results(self) -> None:
         try:
             while self._results is not None and self._results.poll(0):
-                self._settle(self._results.recv())
+                result = self._results.recv()
+                self._failures = 0  # the child works
+                self._settle(result)
         except (EOFError, OSError):
             self._child_gone()
 
@@ -163,7 +195,14 @@ class ShadowWorker:
 
     def _child_gone(self) -> None:
         if not self._closed:
-            log.warning("shadow worker process exited; it restarts on the next copy")
+            self.exits += 1
+            self._failures += 1
+            self._not_before = self._clock() + self.restart_delay_s
+            log.warning("shadow worker process exited; it restarts on a copy %.0f s from now", self.restart_delay_s)
+            try:
+                self.on_exit()
+            except Exception:
+                log.exception("recording a shadow worker exit failed")
         self._stop_child()
         if self.outstanding > 0:  # sent, buffered or unsent: none of them will be answered
             self._settle(("dropped", "error", self.outstanding))
@@ -337,12 +376,23 @@ class WorkerLoop:
             self._slots.release()
 
     def _compare(self, batch: list[Copy], answers: list[Ranked], shadow_seconds: float) -> tuple:
-        overlaps, taus, score_deltas, latency_deltas = [], [], [], []
+        overlaps, taus, score_deltas, latency_deltas, samples = [], [], [], [], []
         for copy, shadow in zip(batch, answers, strict=True):
             request = copy.request
-            latency_deltas.append(shadow_seconds - request.primary_seconds)
+            latency_delta = shadow_seconds - request.primary_seconds
+            latency_deltas.append(latency_delta)
             for text, primary, mirrored in zip(request.texts, request.primary, shadow, strict=False):
                 agreement = compare(primary, mirrored, request.k)
+                samples.append(
+                    (
+                        text,
+                        request.k,
+                        agreement["overlap"],
+                        agreement["kendall_tau"],
+                        agreement["score_delta"],
+                        latency_delta,
+                    )
+                )
                 overlaps.append(agreement["overlap"])
                 if agreement["kendall_tau"] is not None:
                     taus.append(agreement["kendall_tau"])
@@ -363,7 +413,7 @@ class WorkerLoop:
                             "shadow_top": [uid for uid, _ in mirrored[:10]],
                         }
                     )
-        return ("compared", len(batch), overlaps, taus, score_deltas, latency_deltas)
+        return ("compared", len(batch), overlaps, taus, score_deltas, latency_deltas, samples)
 
     def _report(self, result: tuple) -> None:
         with self._send_lock, contextlib.suppress(OSError, ValueError):  # the parent is gone

@@ -15,9 +15,8 @@ from service.engine.bundle import BundleError, load_bundle, load_labels, load_sh
 from service.engine.fusion import FEATURE_SETS, FEATURES
 from service.engine.manifest import FUSION_FILE, LEXICAL_FILE, MANIFEST_FILE
 from service.engine.memory import AppendBatch, base_view, fetch_and_ef
-from service.engine.rae import ValueRows
-from service.engine.search import load_predictor, neighbours_needed, rank
-from service.engine.shards import ShardQuery, merge_answers
+from service.engine.search import RankedSearch, load_predictor, merged_neighbours
+from service.engine.shards import ShardQuery
 from training.data import load_jsonl_split
 from training.params import HOLDOUT_FILE
 
@@ -130,22 +129,12 @@ def test_a_sharded_bundle_is_fused_with_a_key_term_file_per_shard_and_ranks_alik
     _, uids, label_texts = load_labels(sharded_fused)
     searchers = [load_shard(sharded_fused, i)[1] for i in range(3)]
     assert [s.key_terms.first_key for s in searchers] == [shard.first_key for shard in manifest.shards]
-    n = neighbours_needed(manifest, [10] * len(texts), [()] * len(texts))
-    fetch, ef = fetch_and_ef(n, manifest.hnsw.ef_search, manifest.counts.memory_rows)
+    search = RankedSearch(manifest, [10] * len(texts), [()] * len(texts), predictor.bundle.fusion)
+    fetch, ef = fetch_and_ef(search.neighbours, manifest.hnsw.ef_search, manifest.counts.memory_rows)
     terms = predictor.bundle.fusion.lexicon.query_terms(texts)  # the ingress's (a fusion it loads)
-    merged = merge_answers([s.search_many([ShardQuery(vectors, fetch, ef, terms)])[0] for s in searchers], n)
+    answers = [s.search_many([ShardQuery(vectors, fetch, ef, terms)])[0] for s in searchers]
     view = base_view(uids, label_texts, manifest.counts.memory_rows, None)
-    got = rank(
-        manifest,
-        merged.positions,
-        merged.sims,
-        view.labels_of_keys(merged.keys),
-        ValueRows(merged.rows),
-        [10] * len(texts),
-        [()] * len(texts),
-        predictor.bundle.fusion,
-        merged.lexical,
-    )
+    got = search.rank(merged_neighbours(answers, search.neighbours, view))
     for a, b in zip(expected, got, strict=True):
         assert a.ids.tolist() == b.ids.tolist()
         np.testing.assert_allclose(a.scores, b.scores, rtol=1e-6)

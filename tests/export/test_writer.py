@@ -124,3 +124,94 @@ def test_force_replaces_a_bundle_and_a_failed_replacement_keeps_the_old_one(tmp_
 def test_the_bundle_dir_is_readable_by_other_users(tmp_path):
     write_bundle(tmp_path / "b", writing(FILES))
     assert (tmp_path / "b").stat().st_mode & 0o755 == 0o755
+
+
+# A writer process that SIGKILLs itself right after its ``kill_at``-th file system step (a rename,
+# an exchange, an fsync) while replacing the bundle at argv[1]; ``kill_at`` 0: it runs to the end
+# and prints how many steps it took. ``two-renames``: as on a file system that cannot exchange.
+CRASHING_WRITER = """
+import os, signal, sys
+from pathlib import Path
+import export.writer as writer
+from tests.export.test_writer import FILES, writing
+
+out, kill_at, mode = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+steps = 0
+
+def step(function):
+    def wrapped(*args, **kwargs):
+        global steps
+        result = function(*args, **kwargs)
+        steps += 1
+        if steps == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+    return wrapped
+
+os.rename, os.fsync = step(os.rename), step(os.fsync)
+writer.exchange = step(writer.exchange if mode == "exchange" else lambda a, b: False)
+writer.write_bundle(out, writing(FILES | {"encoder.onnx": b"new"}), force=True)
+print(steps)
+"""
+
+
+def run_crashing_writer(out: Path, kill_at: int, mode: str):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    command = [sys.executable, "-c", CRASHING_WRITER, str(out), str(kill_at), mode]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+
+
+def served_encoder(out: Path) -> bytes:
+    """The bundle at ``out``, checked complete (every file its manifest lists, checksum matching)."""
+    from service.engine.manifest import sha256_file
+
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    assert {name: sha256_file(out / name) for name in manifest["files"]} == manifest["files"]
+    return (out / "encoder.onnx").read_bytes()
+
+
+@pytest.mark.parametrize("mode", ["exchange", "two-renames"])
+def test_a_writer_killed_at_any_step_of_force_leaves_the_old_or_the_new_bundle(tmp_path, mode):
+    """SIGKILL after each rename, exchange and fsync of a --force replacement: the target holds
+    the old bundle or the new one, complete (with the exchange, at once; without one, once the
+    next write has put the old one back), and the next write removes what the dead writer left."""
+    from export.writer import remove_stale
+
+    out = tmp_path / "b"
+    finished = run_crashing_writer(out, 0, mode)  # no bundle there yet: a plain write, counting its steps
+    assert finished.returncode == 0, finished.stderr
+    steps = int(finished.stdout)
+    write_bundle(out, writing(FILES), force=True)
+    assert served_encoder(out) == b"graph"
+    seen = set()
+    for kill_at in range(1, steps + 3):
+        killed = run_crashing_writer(out, kill_at, mode)
+        assert killed.returncode in (-9, 0), killed.stderr
+        if mode == "exchange":
+            seen.add(served_encoder(out))
+        remove_stale(out)
+        seen.add(served_encoder(out))
+        assert [p.name for p in tmp_path.iterdir()] == ["b"]  # no staging or replaced dir left
+        write_bundle(out, writing(FILES), force=True)  # the old bundle again for the next round
+    assert seen == {b"graph", b"new"}
+
+
+def test_staging_dirs_of_a_dead_writer_are_removed_and_a_live_ones_kept(tmp_path):
+    import os
+
+    from export.writer import remove_stale
+
+    host = __import__("socket").gethostname().replace("-", "_")
+    dead = tmp_path / f".b.staging-{host}-{2**22 + 7}-x"  # above pid_max's default: no such process
+    alive = tmp_path / f".b.staging-{host}-{os.getpid()}-y"
+    other_bundle = tmp_path / f".c.staging-{host}-{2**22 + 7}-z"
+    for directory in (dead, alive, other_bundle):
+        directory.mkdir()
+    write_bundle(tmp_path / "b", writing(FILES))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["b", alive.name, other_bundle.name])
+    remove_stale(tmp_path / "b")
+    assert alive.exists()

@@ -1,4 +1,5 @@
-"""The layers of service/: engine ← rollout ← http, no import cycles, no HTTP in the engine."""
+"""The layers of service/: engine ← api, rollout ← http; engine ← api ← ray_serve; no import cycles, no
+HTTP in the engine."""
 
 import ast
 import subprocess
@@ -11,15 +12,11 @@ HTTP_PACKAGES = ("fastapi", "starlette", "uvicorn", "httpx")
 ALLOWED = {
     "service.engine": ("service.engine",),
     "service.rollout": ("service.engine", "service.rollout"),
-    "service.http": ("service.engine", "service.rollout", "service.http"),
-    # the Ray Serve front end speaks the single server's API: its schemas, guards and limits
-    "service.ray_serve": (
-        "service.engine",
-        "service.http.schemas",
-        "service.http.guards",
-        "service.http.settings",
-        "service.ray_serve",
-    ),
+    # the API both front ends serve (schemas, limits, guards), owned by neither
+    "service.api": ("service.engine", "service.api"),
+    "service.http": ("service.engine", "service.api", "service.rollout", "service.http"),
+    # the Ray Serve front end imports nothing of the single server's
+    "service.ray_serve": ("service.engine", "service.api", "service.ray_serve"),
 }
 
 

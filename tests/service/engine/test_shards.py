@@ -14,9 +14,8 @@ import scipy.sparse as sp
 from service.engine.fusion import FEATURE_SETS, ScoreFusion
 from service.engine.lexical import KeyTerms, Lexicon
 from service.engine.memory import Memory, base_view, fetch_and_ef
-from service.engine.rae import ValueRows
-from service.engine.search import neighbours_needed, rank
-from service.engine.shards import ShardAnswer, ShardedIndex, ShardQuery, ShardSearcher, merge_answers
+from service.engine.search import Neighbours, RankedSearch, merged_neighbours
+from service.engine.shards import ShardAnswer, ShardedIndex, ShardQuery, ShardSearcher
 from tests.service.engine.test_fusion import random_tree
 from training.checkpoint import default_encoder_dir
 
@@ -54,15 +53,16 @@ def single_process(indexes, manifest, view, queries, ks, ef, exclude, fusion=Non
     """``lexical``: (the keys' term vectors, the queries' terms) for a lexical fusion."""
     index = indexes[0] if len(indexes) == 1 else ShardedIndex(indexes)
     memory = Memory(index, view, None, None)
-    keys, sims, ran_at = memory.knn(queries, neighbours_needed(manifest, ks, exclude), ef, view)
+    search = RankedSearch(manifest, ks, exclude, fusion)
+    keys, sims, ran_at = memory.knn(queries, search.neighbours, ef, view)
     similarities = lexical[0].similarities(lexical[1], keys) if lexical else None
-    key_labels = view.labels_of_keys(keys)
-    return rank(manifest, keys, sims, key_labels, view.values, ks, exclude, fusion, similarities), ran_at
+    found = Neighbours(keys, sims, view.labels_of_keys(keys), view.values, similarities, ran_at)
+    return search.rank(found), ran_at
 
 
 def distributed(indexes, shards, values, manifest, view, queries, ks, ef, exclude, fusion=None, lexical=None):
-    n = neighbours_needed(manifest, ks, exclude)
-    fetch, ef = fetch_and_ef(n, ef, manifest.counts.memory_rows)
+    search = RankedSearch(manifest, ks, exclude, fusion)
+    fetch, ef = fetch_and_ef(search.neighbours, ef, manifest.counts.memory_rows)
     answers = []
     for index, shard in zip(indexes, shards, strict=True):
         rows = values[shard.first_key : shard.first_key + shard.keys] if values is not None else None
@@ -71,11 +71,8 @@ def distributed(indexes, shards, values, manifest, view, queries, ks, ef, exclud
             terms = KeyTerms(lexical[0].rows[shard.first_key : shard.first_key + shard.keys], shard.first_key)
         searcher = ShardSearcher(index, rows, shard, key_terms=terms)
         answers.append(searcher.search(queries, fetch, ef, lexical[1] if lexical else None))
-    merged = merge_answers(answers, n)
-    carried = ValueRows(merged.rows) if merged.rows is not None else None
-    key_labels = view.labels_of_keys(merged.keys)
-    rankings = rank(manifest, merged.positions, merged.sims, key_labels, carried, ks, exclude, fusion, merged.lexical)
-    return rankings, max(a.ef for a in answers)
+    found = merged_neighbours(answers, search.neighbours, view)
+    return search.rank(found), found.ef
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ import pytest
 from httpx import Client
 
 from bench.recall import exact_top_k, recall_at_k
+from service.api.schemas import PredictResponse
 from service.engine.bundle import load_bundle
-from service.http.schemas import PredictResponse
 from training.data import load_jsonl_split
 
 pytestmark = pytest.mark.slow

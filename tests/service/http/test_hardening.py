@@ -88,12 +88,26 @@ def test_a_stalled_upload_gets_408_and_leaves_nothing_in_flight(server):
         ({"texts": [TEXT, TEXT], "exclude": [["u"] * 45, ["v"] * 45]}, "90 uids in all; the limit is 80"),
         ({"text": TEXT, "exclude": ["x" * 33]}, "over 32 bytes"),
         ({"text": TEXT, "timeout_ms": 10**9}, "less than or equal"),
+        (
+            {"texts": [TEXT] * 64, "k": 1000},
+            "64 texts x k 1000 = 64000 labels; the limit per response is 10000 (XMCSERVE_MAX_LABELS_PER_RESPONSE)",
+        ),
     ],
 )
 def test_exclude_and_timeout_limits_are_422s_that_say_which(server, body, fragment):
     r = httpx.post(f"{server.url}/predict", json=body, timeout=30)
     assert r.status_code == 422 and fragment in r.text, r.text
     assert '"input"' not in r.text  # what was wrong and where, never the input itself
+
+
+def test_an_answer_at_the_label_cap_is_served(server):
+    """10 texts x k 1000: the cap itself, serialised off the event loop."""
+    r = httpx.post(f"{server.url}/predict", json={"texts": [TEXT] * 10, "k": 1000}, timeout=60)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    from service.api.schemas import INLINE_LABELS
+
+    assert len(results) == 10 and sum(len(result["labels"]) for result in results) > INLINE_LABELS
 
 
 @pytest.mark.parametrize(

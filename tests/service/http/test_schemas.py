@@ -1,8 +1,8 @@
 import pytest
 from pydantic import ValidationError
 
-from service.http.schemas import build_predict_request
-from service.http.settings import LimitSettings
+from service.api.limits import LimitSettings
+from service.api.schemas import build_predict_request
 
 PredictRequest = build_predict_request(LimitSettings(max_texts_per_request=3, max_text_bytes=20, max_k=50))
 

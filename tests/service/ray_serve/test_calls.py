@@ -9,7 +9,7 @@ import pytest
 from ray.exceptions import ActorDiedError, ObjectLostError
 from ray.serve.exceptions import BackPressureError
 
-from service.ray_serve.calls import MAX_IN_FLIGHT, PartCaller, PartUnavailable
+from service.ray_serve.calls import MAX_IN_FLIGHT, HedgeBudget, PartCaller, PartUnavailable, split_expired
 
 
 class FakeResponse:
@@ -126,3 +126,66 @@ def test_a_client_that_leaves_cancels_the_sends():
         return sent
 
     assert asyncio.run(scenario())[0].cancelled
+
+
+def test_hedges_stay_within_a_fraction_of_the_parts_calls():
+    """With every call slow (overload, or one replica that every hedge reaches again), hedges are
+    the saved burst and then a tenth of the calls, not two per call."""
+
+    async def scenario():
+        failures = []
+        caller = PartCaller(0.001, lambda part, reason: failures.append(reason), hedge_fraction=0.1, hedge_burst=2)
+        sends = 0
+        for _ in range(40):
+            release = asyncio.Event()
+
+            def send(release=release):
+                nonlocal sends
+                sends += 1
+                return FakeResponse("slow", release=release)
+
+            running = asyncio.ensure_future(call(caller, send))
+            await asyncio.sleep(0.02)  # past several attempt timeouts: every hedge it may send is out
+            release.set()
+            assert await running == "slow"
+        return sends, failures
+
+    sends, failures = asyncio.run(scenario())
+    hedges = failures.count("hedged")
+    assert hedges == sends - 40 and 2 + 3 <= hedges <= 2 + 4  # the burst, then 0.1 x 40 calls earned
+    assert failures.count("hedge_over_budget") >= 40 - hedges
+
+
+def test_the_hedge_budget_is_per_part():
+    caller = PartCaller(1.0, hedge_fraction=0.5, hedge_burst=1)
+    assert caller.budget("shard-0").spend() and not caller.budget("shard-0").spend()
+    assert caller.budget("shard-1").spend()
+    budget = HedgeBudget(fraction=0.5, burst=1)
+    budget.spend()
+    budget.earn()
+    assert not budget.spend()
+    budget.earn()
+    assert budget.spend()
+
+
+def test_an_answer_from_another_bundle_is_sent_again_until_a_matching_replica_answers():
+    """A rolling update: the first replicas reached already serve the next bundle."""
+    failures = []
+    send, sent = sender([FakeResponse(("next", 1)), FakeResponse(("next", 2)), FakeResponse(("current", 3))])
+    caller = PartCaller(attempt_timeout_s=1.0, on_failure=lambda part, reason: failures.append(reason))
+    answer = asyncio.run(caller.call("shard-0", send, time.monotonic() + 5, lambda a: a[0] == "current"))
+    assert answer == ("current", 3) and len(sent) == 3
+    assert failures == ["other_bundle", "other_bundle"]
+
+
+def test_only_other_bundles_answering_is_unavailable_at_the_deadline_and_says_so():
+    send, sent = sender([FakeResponse(("next", i)) for i in range(100)])
+    caller = PartCaller(attempt_timeout_s=1.0)
+    with pytest.raises(PartUnavailable, match="only replicas serving the next bundle answered"):
+        asyncio.run(caller.call("shard-0", send, time.monotonic() + 0.3, lambda a: False, "the next bundle"))
+    assert 2 <= len(sent) < 100  # sent again, with a growing pause, until the deadline
+
+
+def test_a_replica_drops_the_requests_whose_deadline_passed_while_queued():
+    positions, live = split_expired([("a", 10.0), ("b", 4.0), ("c", 5.0001), ("d", 5.0)], now=5.0)
+    assert positions == [0, 2] and live == ["a", "c"]

@@ -75,7 +75,8 @@ def test_results_become_metrics():
     shadow, worker, metrics = mirror(ShadowConfig(fraction=1.0))
     for _ in range(3):
         shadow.offer(request())
-    worker.settle(("compared", 2, [1.0, 0.5], [0.8], [0.01, 0.03], [0.004, -0.002]), 2)
+    samples = [("t1", 5, 1.0, 0.8, 0.01, 0.004), ("t2", 5, 0.5, None, 0.03, -0.002)]
+    worker.settle(("compared", 2, [1.0, 0.5], [0.8], [0.01, 0.03], [0.004, -0.002], samples), 2)
     worker.settle(("dropped", "timeout", 1), 1)
     assert metric(metrics, "xmcserve_shadow_compared_texts_total") == 2
     assert metric(metrics, "xmcserve_shadow_overlap_count") == 2
@@ -87,6 +88,9 @@ def test_results_become_metrics():
     assert metric(metrics, "xmcserve_shadow_latency_delta_seconds_bucket", le="0.0") == 1  # B was faster once
     assert metric(metrics, "xmcserve_shadow_dropped_total", reason="timeout") == 1
     assert shadow.depth == 0
+    compared, dropped = shadow.history.since(60)  # and the rollout page's ring has them too
+    assert [(c.text, c.overlap, c.kendall_tau) for c in compared] == [("t1", 1.0, 0.8), ("t2", 0.5, None)]
+    assert [(reason, copies) for _, reason, copies in dropped] == [("timeout", 1)]
 
 
 def test_outstanding_copies_are_bounded_and_the_rest_dropped_at_once():
@@ -94,6 +98,7 @@ def test_outstanding_copies_are_bounded_and_the_rest_dropped_at_once():
     accepted = [shadow.offer(request()) for _ in range(6)]
     assert accepted == [True, True, False, False, False, False]
     assert metric(metrics, "xmcserve_shadow_dropped_total", reason="queue_full") == 4
+    assert sum(copies for _, reason, copies in shadow.history.since(60)[1] if reason == "queue_full") == 4
     worker.settle(("dropped", "error", 1), 1)  # one settled: room for one more
     assert shadow.offer(request()) and not shadow.offer(request())
 

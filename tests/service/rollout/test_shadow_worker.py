@@ -195,3 +195,51 @@ def test_a_killed_worker_settles_what_it_held_as_errors_and_restarts(echo_server
     assert run(scenario()) == 3
     assert metric(metrics, "xmcserve_shadow_dropped_total", reason="error") == 3
     assert metric(metrics, "xmcserve_shadow_compared_texts_total") == 1
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_child_that_dies_at_start_is_restarted_with_growing_back_off_not_per_copy():
+    """A URL the child cannot use kills it at start; the copies offered meanwhile are dropped
+    (``worker_down``) instead of each spawning a process, and each restart waits longer."""
+    clock = FakeClock()
+    config = ShadowConfig(fraction=1.0, timeout_s=60, batch_wait_s=0.0)
+    metrics = Metrics()
+    worker = ShadowWorker(config, "http://[::1", clock=clock)  # httpx refuses it: the child dies at start
+    shadow = ShadowMirror(config, metrics, "bad", worker)
+
+    async def dies(exits: int) -> None:
+        deadline = time.monotonic() + 60
+        while worker.exits < exits:
+            assert time.monotonic() < deadline, "the child did not die"
+            await asyncio.sleep(0.02)
+
+    async def scenario():
+        started, delays = [], []
+        try:
+            for advance in (0.0, 0.0, 1.0, 2.0):  # the waits the back-off asks for: 0, then 1, then 2
+                clock.now += advance
+                assert shadow.offer(request(["a"]))
+                started.append(worker.pid)
+                await dies(len([pid for pid in started if pid]))
+                delays.append(worker.restart_delay_s)
+                clock.now += worker.restart_delay_s / 2  # half the wait: the next copy starts nothing
+                if worker.restart_delay_s:
+                    assert shadow.offer(request(["b"])) and worker.pid is None
+                clock.now -= worker.restart_delay_s / 2
+            return started, delays
+        finally:
+            worker.close()
+
+    started, delays = run(scenario())
+    assert all(started) and len(set(started)) == 4  # four children in all, each started after its wait
+    assert delays == [0.0, 1.0, 2.0, 4.0] and worker.exits == 4
+    assert metric(metrics, "xmcserve_shadow_worker_exits_total") == 4
+    assert metric(metrics, "xmcserve_shadow_dropped_total", reason="worker_down") == 3
+    assert worker.outstanding == 0

@@ -1,0 +1,174 @@
+"""The rollout page (``GET /rollout``) and the admin endpoints only it needs.
+
+The page is a static HTML shell with a small script (``static/rollout.{html,js,css}``): it holds
+no serving state, so it reveals nothing by itself. The operator enters the admin token on it; the
+script keeps it in the tab's memory and sends it as ``X-Admin-Token`` to the admin API:
+
+- ``POST /admin/compare``: the same texts answered by A and by B, side by side, with each side's
+  latency and bundle id and the agreement the shadow measures (the same :func:`compare`);
+- ``GET /admin/agreement``: the shadow's recent comparisons and drops (the mirror's bounded ring,
+  :mod:`service.rollout.agreement`) and the texts where A and B disagreed most;
+- ``GET /admin/bundles``: the bundles under the bundle root, for a reload of B;
+- and the existing ``/admin/state``, ``/admin/config``, ``/admin/reload``, ``/admin/promote``.
+
+With no admin token configured the page is not served (404), as the admin API is off. The page
+costs /predict nothing: it only calls admin endpoints, and only while it is open.
+"""
+
+# No `from __future__ import annotations`: FastAPI must resolve the per-app request model from the
+# endpoint's annotation at runtime.
+import json
+import time
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.responses import FileResponse
+from pydantic import Field
+
+from service.api.schemas import build_predict_request
+from service.engine.batcher import BatcherStoppedError, DeadlineExceededError, QueueFullError
+from service.engine.manifest import MANIFEST_FILE
+from service.http.admin import require_admin, serving_state
+from service.rollout.shadow import compare, ranked
+from service.rollout.variants import CANDIDATE, PRIMARY
+
+STATIC = Path(__file__).resolve().parent / "static"
+# The page's own files; nothing else may be fetched or run (no CDN, no inline script).
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+MAX_WORST = 50
+
+
+def admin_enabled(request: Request) -> bool:
+    token = request.app.state.settings.admin.token
+    return token is not None and bool(token.get_secret_value())
+
+
+def page_file(name: str, media_type: str):
+    async def serve(request: Request) -> Response:
+        if not admin_enabled(request):
+            raise HTTPException(404, "the rollout page is off: the admin API is disabled (set XMCSERVE_ADMIN_TOKEN)")
+        return FileResponse(STATIC / name, media_type=media_type, headers=SECURITY_HEADERS)
+
+    return serve
+
+
+async def answer_side(slot, texts: list[str], k: int, ef: int | None, exclude, timeout_s: float) -> dict:
+    """One variant's answers to the texts, or why there are none."""
+    if not slot.ready:
+        return {"variant": slot.name, "bundle_id": None, "error": f"variant {slot.name} has no bundle loaded"}
+    started = time.perf_counter()
+    try:
+        answer = await slot.batcher.submit(texts, k, ef, exclude, timeout_s)
+    except (QueueFullError, DeadlineExceededError, BatcherStoppedError) as exc:
+        return {"variant": slot.name, "bundle_id": slot.bundle_id, "error": str(exc)}
+    seconds = time.perf_counter() - started
+    view = answer.view
+    return {
+        "variant": slot.name,
+        "bundle_id": answer.predictor.bundle.bundle_id,
+        "latency_ms": round(seconds * 1000, 3),
+        "ranked": ranked(answer.rankings, view.label_uids),
+        "label_text": {view.label_uids[i]: view.label_texts[i] for r in answer.rankings for i in r.ids.tolist()},
+    }
+
+
+def side_by_side(a: dict, b: dict, k: int, n_texts: int) -> dict:
+    """Both sides' labels per text (text, score, shared with the other side) and their agreement."""
+    sides, agreement = {}, []
+    for side, other in ((a, b), (b, a)):
+        out = {key: side.get(key) for key in ("variant", "bundle_id", "latency_ms", "error")}
+        if "ranked" in side:
+            out["results"] = []
+            for i, labels in enumerate(side["ranked"]):
+                theirs = {uid for uid, _ in other["ranked"][i]} if "ranked" in other else set()
+                out["results"].append(
+                    [
+                        {"uid": uid, "text": side["label_text"][uid], "score": score, "shared": uid in theirs}
+                        for uid, score in labels
+                    ]
+                )
+        sides[side["variant"]] = out
+    if "ranked" in a and "ranked" in b:
+        agreement = [compare(a["ranked"][i], b["ranked"][i], k) for i in range(n_texts)]
+    return {"k": k, "sides": sides, "agreement": agreement}
+
+
+def bundles_under(root: Path) -> list[dict]:
+    """The bundle dirs directly under ``root`` (a manifest is all that is read; a reload verifies)."""
+    if not root.is_dir():
+        return []
+    out = []
+    for path in sorted(p for p in root.iterdir() if (p / MANIFEST_FILE).is_file()):
+        try:
+            bundle_id = json.loads((path / MANIFEST_FILE).read_text())["bundle_id"]
+        except (OSError, ValueError, KeyError, TypeError):
+            bundle_id = None
+        out.append({"name": path.name, "bundle_id": bundle_id})
+    return out
+
+
+def add_rollout_routes(app: FastAPI) -> None:
+    guarded = [Depends(require_admin)]
+    settings = app.state.settings
+    PredictRequest = build_predict_request(settings.limits)
+
+    class CompareRequest(PredictRequest):  # type: ignore[valid-type, misc]
+        """The texts, k, ef and exclusions of a /predict request, answered by A and by B."""
+
+        variant: None = Field(None, description="not used: both variants answer")
+
+    for path, name, media_type in (
+        ("/rollout", "rollout.html", "text/html; charset=utf-8"),
+        ("/rollout/rollout.js", "rollout.js", "text/javascript; charset=utf-8"),
+        ("/rollout/rollout.css", "rollout.css", "text/css; charset=utf-8"),
+    ):
+        app.get(path, include_in_schema=False)(page_file(name, media_type))
+
+    @app.post("/admin/compare", dependencies=guarded)
+    async def compare_variants(body: CompareRequest, request: Request) -> dict:
+        """A's and B's answers to the same texts, their latencies and their agreement (overlap@k,
+        Kendall's τ of the shared labels, mean score delta), computed as the shadow computes it.
+        Neither side's answer is counted as traffic nor mirrored."""
+        state = serving_state(request)
+        texts, exclude = body.all_texts(), body.exclude
+        timeout_s = (body.timeout_ms or settings.limits.request_timeout_ms) / 1000
+        a = await answer_side(state.variants[PRIMARY], texts, body.k, body.ef, exclude, timeout_s)
+        b = await answer_side(state.variants[CANDIDATE], texts, body.k, body.ef, exclude, timeout_s)
+        return {"texts": texts, **side_by_side(a, b, body.k, len(texts))}
+
+    @app.get("/admin/agreement", dependencies=guarded)
+    async def agreement(
+        request: Request,
+        window_s: float = Query(900.0, gt=0, le=86400, description="how far back, in seconds"),
+        worst: int = Query(10, ge=0, le=MAX_WORST, description="how many of the most disagreeing texts"),
+    ) -> dict:
+        """The shadow's comparisons and drops of the last ``window_s`` seconds, from the mirror's
+        in-memory ring of the last comparisons, and the texts where A and B disagreed most."""
+        state = serving_state(request)
+        shadow = state.shadow
+        if shadow is None:
+            raise HTTPException(503, "service not started")
+        compared, dropped = shadow.history.since(window_s)
+        return {
+            "now": time.time(),
+            "window_s": window_s,
+            "capacity": shadow.history.capacity,
+            "shadow": {"target": shadow.target or None, "fraction": shadow.config.fraction},
+            "compared": [[c.ts, c.overlap, c.kendall_tau, c.score_delta, c.latency_delta_s * 1000] for c in compared],
+            "dropped": dropped,
+            "worst": [
+                {"ts": c.ts, "text": c.text, "k": c.k, "overlap": c.overlap, "kendall_tau": c.kendall_tau}
+                for c in shadow.history.worst(compared, worst)
+            ],
+        }
+
+    @app.get("/admin/bundles", dependencies=guarded)
+    async def bundles(request: Request) -> dict:
+        """The bundles under ``XMCSERVE_BUNDLE_ROOT`` a reload may name, with their bundle ids."""
+        state = serving_state(request)
+        return {"bundles": bundles_under(state.settings.admin.bundle_root)}

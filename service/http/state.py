@@ -1,0 +1,78 @@
+"""What the single server serves: its variants (A, B) with their predictors and batchers, the
+shadow mirror, the metrics that describe them, and how a bundle is loaded into a variant.
+
+The app's lifespan builds one :class:`ServingState`; the /predict route reads it and the admin
+routes (:mod:`service.http.admin`) change it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+
+from service import engine
+from service.engine import Predictor
+from service.http.metrics import Metrics
+from service.http.settings import Settings
+from service.rollout.shadow import ShadowMirror
+from service.rollout.variants import Variants
+
+# A vetting child may map this much beyond the bundle's files (interpreter, ONNX Runtime, arenas).
+VET_BASE_BYTES = 1 << 30
+
+
+async def load_for_serving(path: Path, settings: Settings, vet: bool = True) -> Predictor:
+    """Load, verify and warm a bundle off the event loop (the loop keeps serving meanwhile).
+    With ``vet``, a child process under a memory limit (1 GiB + 4x the bundle's files) loads it
+    first, so a bundle that would crash or exhaust the loader is refused before it enters here."""
+    options = settings.encoder_options()
+    appends_dir = settings.admin.appends_dir(Path(path).resolve())
+    if vet:
+        files = sum(f.stat().st_size for f in Path(path).glob("*") if f.is_file())
+        limit = VET_BASE_BYTES + 4 * files
+        await anyio.to_thread.run_sync(lambda: engine.vet_in_child(path, options, settings.verify_checksums, limit))
+    return await anyio.to_thread.run_sync(
+        lambda: engine.load_predictor(path, options, settings.verify_checksums, appends_dir)
+    )
+
+
+@dataclass
+class ServingState:
+    """The variants, the shadow mirror and the lock that serialises loads, promotes and appends."""
+
+    settings: Settings
+    metrics: Metrics
+    variants: Variants
+    shadow: ShadowMirror | None = None
+    reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def install(self, name: str, predictor: Predictor, source: str) -> Predictor | None:
+        previous = self.variants.install(name, predictor, source)
+        self.publish_bundle_info()
+        return previous
+
+    def publish_bundle_info(self) -> None:
+        for name, slot in self.variants.slots.items():
+            bundle = slot.predictor.bundle if slot.predictor else None
+            self.metrics.bundle_info.labels(variant=name).info(
+                {
+                    "bundle_id": bundle.bundle_id if bundle else "",
+                    "index_kind": bundle.manifest.index_kind if bundle else "",
+                    "provider": bundle.encoder.provider if bundle else "",
+                    "dim": str(bundle.manifest.dim) if bundle else "",
+                }
+            )
+
+    def describe(self) -> dict:
+        shadow = self.shadow
+        return {
+            **self.variants.describe(),
+            "shadow": {
+                "target": shadow.target if shadow else None,
+                "fraction": shadow.config.fraction if shadow else 0.0,
+                "queue_depth": shadow.depth if shadow else 0,
+            },
+        }

@@ -1,0 +1,89 @@
+"""The uvicorn protocol of ``python -m service.http`` against real sockets on 127.0.0.1: a
+client that never reads its answer is cut off after the write timeout, freeing what the server
+had buffered for it, while a client that reads gets the whole answer."""
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from service.http.server import uvicorn_options
+from service.http.settings import ServerSettings
+
+ANSWER_BYTES = 32 << 20  # far more than the kernel's socket buffers and the transport's high-water mark
+WRITE_TIMEOUT_S = 0.5
+
+
+async def large_answer(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    await receive()
+    headers = [(b"content-type", b"application/octet-stream"), (b"content-length", str(ANSWER_BYTES).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b"x" * ANSWER_BYTES})
+
+
+@pytest.fixture
+def server():
+    settings = ServerSettings(write_timeout_s=WRITE_TIMEOUT_S, header_timeout_s=30)
+    options = uvicorn_options(settings) | {"factory": False, "log_level": "warning"}
+    config = uvicorn.Config(large_answer, host="127.0.0.1", port=0, **options)
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=asyncio.run, args=(srv.serve(),), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.01)
+    yield srv, srv.servers[0].sockets[0].getsockname()[1]
+    srv.should_exit = True
+    thread.join(30)
+
+
+def ask(port: int, receive_buffer: int | None = None) -> socket.socket:
+    sock = socket.socket()
+    if receive_buffer:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"GET / HTTP/1.1\r\nhost: test\r\n\r\n")
+    return sock
+
+
+def wait_until(condition, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def test_clients_that_never_read_are_cut_off_and_release_their_answers(server):
+    srv, port = server
+    idle = [ask(port, receive_buffer=4096) for _ in range(4)]
+    try:
+        assert wait_until(lambda: len(srv.server_state.connections) == 4, within_s=10)
+        # held while the client reads nothing, and no longer than the write timeout (with slack
+        # for a loaded machine): the buffered 32 MB answers go with the connections
+        assert wait_until(lambda: not srv.server_state.connections, within_s=WRITE_TIMEOUT_S + 10)
+        received = 0  # the client then gets what the kernel held, and the end: not the answer
+        while chunk := idle[0].recv(1 << 20):
+            received += len(chunk)
+        assert 0 < received < ANSWER_BYTES // 4
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_a_client_that_reads_gets_the_whole_answer(server):
+    _, port = server
+    with ask(port) as sock:
+        received = 0
+        while received < ANSWER_BYTES:
+            chunk = sock.recv(1 << 20)
+            assert chunk, f"connection closed after {received} bytes"
+            received += len(chunk)
+    assert received > ANSWER_BYTES  # the headers and the whole body
