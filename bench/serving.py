@@ -15,6 +15,12 @@
    call at a time on all cores (the latency-first layout).
 
 Writes the JSON result and a PNG of latency against throughput.
+
+``--observability-cost`` measures instead what the logs and traces cost at peak: three servers of
+the bundle side by side (access lines off; JSON access lines on; JSON access lines and tracing
+to an OTLP/HTTP receiver on 127.0.0.1), loaded in turn, closed loop at the peak concurrency, the
+order rotated each round; the result is each configuration's throughput against the first's in
+the same round.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ import asyncio
 import json
 import os
 import platform
+import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -33,7 +42,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from bench.loadgen import closed_loop, open_loop
-from bench.localserver import start_server, stop_server
+from bench.localserver import free_port, start_server, stop_server
 from bench.recall import ann_recall
 from service.engine.bundle import load_bundle
 from service.engine.encoder import EncoderOptions
@@ -154,6 +163,86 @@ def run_levels(url: str, bodies: list[bytes], seconds: float, levels=CONCURRENCY
     return rows
 
 
+OBSERVABILITY = {
+    "access_log_off": {"XMCSERVE_LOG_FORMAT": "json", "XMCSERVE_LOG_ACCESS": "false"},
+    "json_logs": {"XMCSERVE_LOG_FORMAT": "json"},
+    "json_logs_and_tracing": {"XMCSERVE_LOG_FORMAT": "json", "OTEL_EXPORTER_OTLP_ENDPOINT": None},  # the receiver
+}
+
+
+def server_cpu_s(url: str) -> float:
+    """The server process's CPU seconds so far (its ``process_cpu_seconds_total``)."""
+    import httpx
+
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("process_cpu_seconds_total "):
+            return float(line.split()[1])
+    raise RuntimeError("no process_cpu_seconds_total in /metrics")
+
+
+def observability_cost(
+    bundle: Path, bodies: list[bytes], concurrency: int, seconds: float, rounds: int, extra_env: dict
+) -> dict:
+    """Throughput and server CPU per answered request of each configuration in
+    :data:`OBSERVABILITY`, loaded in turn (order rotated each round), and their ratios to
+    ``access_log_off`` in the same round. On a machine shared with other work the throughput
+    swings with their load; the CPU per request (what bounds the peak of a CPU-bound server)
+    much less."""
+    logs = Path("/tmp/xmcserve-bench")
+    logs.mkdir(exist_ok=True)
+    port = free_port()
+    receiver = subprocess.Popen(
+        [sys.executable, "-m", "bench.otlp_receiver", "--port", str(port)], stdout=subprocess.PIPE, text=True
+    )
+    servers = {}
+    try:
+        for name, env in OBSERVABILITY.items():
+            env = {**extra_env, **{k: v or f"http://127.0.0.1:{port}" for k, v in env.items()}}
+            servers[name] = start_server(bundle, logs / f"{name}.log", extra_env=env, timeout_s=180)
+        names = list(servers)
+        for server in servers.values():
+            asyncio.run(closed_loop(server.url, bodies, concurrency, 3.0))  # warm-up
+        qps: dict[str, list[float]] = {name: [] for name in names}
+        cpu_ms: dict[str, list[float]] = {name: [] for name in names}
+        for round_ in range(rounds):
+            order = names[round_ % len(names) :] + names[: round_ % len(names)]
+            for name in order:
+                cpu0 = server_cpu_s(servers[name].url)
+                row = asyncio.run(closed_loop(servers[name].url, bodies, concurrency, seconds)).summary()
+                per_request = (server_cpu_s(servers[name].url) - cpu0) * 1000 / max(row["ok"], 1)
+                qps[name].append(row["qps"])
+                cpu_ms[name].append(round(per_request, 4))
+                print(
+                    json.dumps({"round": round_, "config": name, "cpu_ms_per_request": per_request, **row}), flush=True
+                )
+    finally:
+        for server in servers.values():
+            stop_server(server)
+        receiver.terminate()
+        exported = receiver.communicate(timeout=10)[0].strip()
+    baseline = qps["access_log_off"]
+    ratios = {name: [q / b for q, b in zip(values, baseline, strict=True)] for name, values in qps.items()}
+    cpu_base = cpu_ms["access_log_off"]
+    cpu_ratios = {name: [c / b for c, b in zip(values, cpu_base, strict=True)] for name, values in cpu_ms.items()}
+    return {
+        "concurrency": concurrency,
+        "seconds_per_load": seconds,
+        "rounds": rounds,
+        "configurations": {name: {k: v for k, v in env.items() if v} for name, env in OBSERVABILITY.items()},
+        "qps": qps,
+        "median_qps": {name: round(statistics.median(values), 1) for name, values in qps.items()},
+        "ratio_to_access_log_off_per_round": {name: [round(r, 4) for r in values] for name, values in ratios.items()},
+        "median_throughput_loss": {name: round(1 - statistics.median(values), 4) for name, values in ratios.items()},
+        "server_cpu_ms_per_request": cpu_ms,
+        "cpu_per_request_ratio_per_round": {name: [round(r, 4) for r in values] for name, values in cpu_ratios.items()},
+        # a CPU-bound server's peak is cores / CPU per request: the loss that CPU ratio implies
+        "median_peak_loss_from_cpu": {
+            name: round(1 - 1 / statistics.median(values), 4) for name, values in cpu_ratios.items()
+        },
+        "otlp_receiver": exported,
+    }
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -201,12 +290,35 @@ def main() -> None:
     parser.add_argument("--skip-naive", action="store_true", help="do not run the naive server (and write no plot)")
     parser.add_argument("--levels", default=",".join(map(str, CONCURRENCY)), help="closed-loop concurrencies")
     parser.add_argument("--env", action="append", default=[], help="extra XMCSERVE_* settings, NAME=VALUE")
+    parser.add_argument(
+        "--observability-cost",
+        action="store_true",
+        help="measure only the throughput cost of access logs and tracing (see above); --out defaults to "
+        "bench/results/observability-cost.json",
+    )
+    parser.add_argument("--rounds", type=int, default=4, help="--observability-cost: rounds over the configurations")
+    parser.add_argument(
+        "--concurrency", type=int, default=64, help="--observability-cost: closed-loop concurrency (the peak's)"
+    )
     args = parser.parse_args()
     extra_env = dict(item.split("=", 1) for item in args.env)
     levels = [int(x) for x in args.levels.split(",")]
 
     texts = load_jsonl_split(args.data, "dev").texts
     bodies = [json.dumps({"text": t, "k": 10}).encode() for t in texts]
+    if args.observability_cost:
+        out = args.out if args.out != parser.get_default("out") else Path("bench/results/observability-cost.json")
+        result = {
+            "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+            "bundle": str(args.bundle),
+            "settings": extra_env,
+            **observability_cost(args.bundle, bodies, args.concurrency, args.seconds, args.rounds, extra_env),
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        summary = ("median_qps", "median_throughput_loss", "median_peak_loss_from_cpu")
+        print(json.dumps({k: result[k] for k in summary}, indent=2))
+        return
     bundle = load_bundle(args.bundle)
     mean_tokens = float(np.mean([len(ids) for ids in bundle.encoder.tokenize(texts)]))
     config = json.loads((default_encoder_dir() / "config.json").read_text())

@@ -85,6 +85,7 @@ class BatchAnswer:
     rankings: list[Ranking]
     times: StageTimes
     queue_wait_s: float
+    started: float  # when the batch started (``time.perf_counter()``)
     batch_texts: int
     predictor: Predictor
     ef: int
@@ -99,6 +100,7 @@ class _Job:
     exclude: Collection[str] | list[Collection[str]]
     future: asyncio.Future
     enqueued: float
+    tag: Any = None
 
 
 @dataclass(eq=False)
@@ -145,12 +147,12 @@ class MicroBatcher:
         self,
         predictor_source: Callable[[], Predictor],
         config: BatcherConfig | None = None,
-        on_batch_done: Callable[[int, StageTimes], None] | None = None,
+        on_batch_done: Callable[[int, StageTimes, float, list[Any]], None] | None = None,
         on_drop: Callable[[str], None] | None = None,
     ):
         self.config = config or BatcherConfig()
         self._predictor_source = predictor_source
-        self._on_batch_done = on_batch_done or (lambda texts, times: None)
+        self._on_batch_done = on_batch_done or (lambda texts, times, started, tags: None)
         self._on_drop = on_drop or (lambda reason: None)
         self._lock = threading.Condition()  # guards everything below that both stages touch
         self._jobs: deque[_Job] = deque()
@@ -202,18 +204,20 @@ class MicroBatcher:
         ef: int | None,
         exclude: Collection[str] | list[Collection[str]],
         timeout_s: float | None = None,
+        tag: Any = None,
     ) -> BatchAnswer:
         """Queue one request; ``exclude`` holds label *uids*, one collection for all texts or one
         per text (:func:`~service.engine.search.excluded_label_ids`), mapped to ids by the bundle
         that runs the batch (a reload may swap bundles between submit and run). ``timeout_s``:
-        how long it may wait to start (None: as long as it takes)."""
+        how long it may wait to start (None: as long as it takes). ``tag``: the caller's, handed back
+        with the batch's times to ``on_batch_done`` (the front end's trace context)."""
         if len(self._jobs) >= self.config.max_queue:
             raise QueueFullError(len(self._jobs), retry_after_s=1)
         if timeout_s is not None and self.expected_wait_s() > timeout_s:
             # refused now, in microseconds, rather than after waiting out the deadline
             self._on_drop("deadline")
             raise DeadlineExceededError(0.0)
-        job = _Job(texts, k, ef, exclude, asyncio.get_running_loop().create_future(), time.perf_counter())
+        job = _Job(texts, k, ef, exclude, asyncio.get_running_loop().create_future(), time.perf_counter(), tag)
         with self._lock:
             if self._stopping:
                 raise BatcherStoppedError("service shutting down")
@@ -376,7 +380,8 @@ class MicroBatcher:
                 if not job.future.done():
                     job.future.set_exception(answers)
             return
-        self._on_batch_done(answers[0].batch_texts, answers[0].times)
+        first = answers[0]
+        self._on_batch_done(first.batch_texts, first.times, first.started, [job.tag for job in batch])
         for job, answer in zip(batch, answers, strict=True):
             if not job.future.done():  # its caller may have stopped waiting
                 job.future.set_result(answer)
@@ -414,6 +419,7 @@ def _search_batch(encoded: _Encoded) -> list[BatchAnswer]:
                 rankings=rankings,
                 times=times,
                 queue_wait_s=encoded.started - job.enqueued,
+                started=encoded.started,
                 batch_texts=len(encoded.vectors),
                 predictor=predictor,
                 ef=prediction.ef,

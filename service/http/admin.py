@@ -12,6 +12,7 @@ Loads, promotes and appends are serialised (one at a time); none of them stops /
 # No `from __future__ import annotations` here: FastAPI must resolve the locally built append
 # model from the endpoint annotation at runtime.
 import hmac
+import logging
 from pathlib import Path
 
 import anyio
@@ -20,6 +21,8 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from service.api.schemas import ConfigUpdate, ReloadRequest, build_append_request
 from service.engine import AppendIdReused, AppendLogError, AppendRefused, BundleError
 from service.http.state import ServingState, load_for_serving
+
+log = logging.getLogger("xmcserve.admin")
 
 
 def confined_bundle_path(root: Path, requested: str) -> Path:
@@ -72,9 +75,29 @@ def add_admin_routes(app: FastAPI) -> None:
                 predictor = await load_for_serving(path, state.settings)
             except BundleError as exc:
                 state.metrics.reloads.labels(variant=body.variant, outcome="refused").inc()
+                log.warning(
+                    "reload of %s refused, variant %s unchanged: %s",
+                    path,
+                    body.variant,
+                    exc,
+                    extra={"event": "bundle_refused", "variant": body.variant, "path": str(path), "reason": str(exc)},
+                )
                 raise HTTPException(422, f"bundle refused, variant {body.variant} unchanged: {exc}") from None
             previous = state.install(body.variant, predictor, str(path))
         state.metrics.reloads.labels(variant=body.variant, outcome="loaded").inc()
+        previous_id = previous.bundle.bundle_id if previous else None
+        log.info(
+            "variant %s reloaded: %s (was %s)",
+            body.variant,
+            predictor.bundle.bundle_id,
+            previous_id,
+            extra={
+                "event": "reload",
+                "variant": body.variant,
+                "bundle_id": predictor.bundle.bundle_id,
+                "previous_bundle_id": previous_id,
+            },
+        )
         return {
             "variant": body.variant,
             "bundle_id": predictor.bundle.bundle_id,
@@ -90,6 +113,13 @@ def add_admin_routes(app: FastAPI) -> None:
             except LookupError as exc:
                 raise HTTPException(409, str(exc)) from None
             state.publish_bundle_info()
+        promoted = state.variants["A"].bundle_id
+        log.info(
+            "promoted %s to A (was %s)",
+            promoted,
+            previous.bundle.bundle_id,
+            extra={"event": "promote", "bundle_id": promoted, "previous_bundle_id": previous.bundle.bundle_id},
+        )
         return {
             "promoted_bundle_id": state.variants["A"].bundle_id,
             "previous_bundle_id": previous.bundle.bundle_id,
@@ -120,12 +150,41 @@ def add_admin_routes(app: FastAPI) -> None:
                 outcome = await anyio.to_thread.run_sync(predictor.memory.commit, batch, vectors)
         except AppendRefused as exc:
             state.metrics.appends.labels(variant=body.variant, outcome="refused").inc()
+            log.warning(
+                "append to %s refused: %s",
+                body.variant,
+                exc,
+                extra={"event": "append_refused", "variant": body.variant, "reason": str(exc)},
+            )
             status = 409 if isinstance(exc, AppendIdReused) else 422
             raise HTTPException(status, f"nothing appended: {exc}") from None
         except AppendLogError as exc:
             state.metrics.appends.labels(variant=body.variant, outcome="failed").inc()
+            log.error(
+                "append to %s failed, nothing appended: %s",
+                body.variant,
+                exc,
+                extra={"event": "append_failed", "variant": body.variant, "reason": str(exc)},
+            )
             raise HTTPException(503, f"nothing appended: {exc}", headers={"Retry-After": "5"}) from None
         state.metrics.appends.labels(variant=body.variant, outcome="repeated" if outcome.repeated else "applied").inc()
+        log.info(
+            "append to %s %s: version %s, %d labels, %d instances",
+            body.variant,
+            "repeated (already applied)" if outcome.repeated else "applied",
+            outcome.version,
+            len(outcome.label_ids),
+            outcome.instances,
+            extra={
+                "event": "append_applied",
+                "variant": body.variant,
+                "bundle_id": predictor.bundle.bundle_id,
+                "version": outcome.version,
+                "repeated": outcome.repeated,
+                "labels": len(outcome.label_ids),
+                "instances": outcome.instances,
+            },
+        )
         if not outcome.repeated:
             state.metrics.appended_keys.labels(variant=body.variant, kind="label").inc(len(outcome.label_ids))
             state.metrics.appended_keys.labels(variant=body.variant, kind="instance").inc(outcome.instances)
@@ -148,4 +207,10 @@ def add_admin_routes(app: FastAPI) -> None:
             if body.shadow_fraction > 0 and not state.shadow.target:
                 raise HTTPException(409, "no shadow configured: set XMCSERVE_SHADOW_URL")
             state.shadow.set_fraction(body.shadow_fraction)
+        changed = body.model_dump(exclude_none=True)
+        log.info(
+            "config changed: %s",
+            ", ".join(f"{k}={v}" for k, v in changed.items()),
+            extra={"event": "config_change", **changed},
+        )
         return state.describe()

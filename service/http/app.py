@@ -32,6 +32,9 @@ from service.http.metrics import Metrics
 from service.http.rollout_page import add_rollout_routes
 from service.http.settings import Settings
 from service.http.state import ServingState, load_for_serving
+from service.observability.logs import resolved_format
+from service.observability.requests import RequestContextMiddleware
+from service.observability.tracing import Tracing
 from service.rollout.shadow import ShadowMirror, ShadowRequest, ranked
 from service.rollout.shadow_worker import ShadowWorker
 from service.rollout.variants import CANDIDATE, PRIMARY, Variants
@@ -116,14 +119,33 @@ def least_wait(app: FastAPI) -> float | None:
     return min(waits) if waits else None
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def batch_observers(metrics: Metrics, tracing: Tracing):
+    """Each variant's ``on_batch_done``: the metrics, and the batch spans when tracing is on."""
+    if not tracing.enabled:
+        return metrics.batch_observer
+
+    def observers(variant: str):
+        record, trace_batch = metrics.batch_observer(variant), tracing.batch_observer(variant)
+
+        def observe(texts, times, started, tags) -> None:
+            record(texts, times, started, tags)
+            trace_batch(texts, times, started, tags)
+
+        return observe
+
+    return observers
+
+
+def create_app(settings: Settings | None = None, tracing: Tracing | None = None) -> FastAPI:
+    """``tracing``: None reads the ``OTEL_*`` environment (off unless an exporter is configured)."""
     settings = settings or Settings()
+    tracing = tracing if tracing is not None else Tracing.from_environment("xmcserve")
     metrics = Metrics()
     PredictRequest = build_predict_request(settings.limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        variants = Variants.create(settings.batcher_config(), metrics.batch_observer, metrics.drop_observer)
+        variants = Variants.create(settings.batcher_config(), batch_observers(metrics, tracing), metrics.drop_observer)
         variants.split_b = settings.rollout.split_b
         for name, slot in variants.slots.items():
             metrics.queue_depth.labels(variant=name).set_function(lambda slot=slot: slot.batcher.depth)
@@ -133,24 +155,68 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             # counters exported at 0 from the start, so a rate() has a series before the first event
             metrics.rejected.labels(variant=name)
             metrics.predicted_texts.labels(variant=name)
+            metrics.start_at_zero(name)
         state = ServingState(settings, metrics, variants)
         # nothing serves yet: a primary that fails stops start-up, no need to vet it apart
-        predictor = await load_for_serving(settings.bundle_dir, settings, vet=False)
+        try:
+            predictor = await load_for_serving(settings.bundle_dir, settings, vet=False)
+        except BundleError as exc:
+            log.error(
+                "bundle %s refused, not starting: %s",
+                settings.bundle_dir,
+                exc,
+                extra={
+                    "event": "bundle_refused",
+                    "variant": PRIMARY,
+                    "path": str(settings.bundle_dir),
+                    "reason": str(exc),
+                },
+            )
+            raise
         state.install(PRIMARY, predictor, str(settings.bundle_dir))
         if candidate_dir := settings.rollout.candidate_bundle_dir:
             try:
                 state.install(CANDIDATE, await load_for_serving(candidate_dir, settings), str(candidate_dir))
             except BundleError as exc:
-                log.error("candidate bundle refused, serving A only: %s", exc)
+                log.error(
+                    "candidate bundle refused, serving A only: %s",
+                    exc,
+                    extra={
+                        "event": "bundle_refused",
+                        "variant": CANDIDATE,
+                        "path": str(candidate_dir),
+                        "reason": str(exc),
+                    },
+                )
         variants.start()
         state.shadow = build_shadow(settings, metrics)
         state.shadow.start()
         app.state.serving = state
-        log.info("serving bundle %s on %s", predictor.bundle.bundle_id, predictor.bundle.encoder.provider)
+        log.info(
+            "serving bundle %s on %s",
+            predictor.bundle.bundle_id,
+            predictor.bundle.encoder.provider,
+            extra={"event": "serving", "bundle_id": predictor.bundle.bundle_id, "tracing": tracing.enabled},
+        )
+        if state.shadow.target:
+            log.info(
+                "mirroring %.0f%% of A's requests to shadow %s",
+                100 * state.shadow.config.fraction,
+                state.shadow.target,
+                extra={
+                    "event": "shadow_configured",
+                    "target": state.shadow.target,
+                    "fraction": state.shadow.config.fraction,
+                },
+            )
         yield
+        queued = sum(slot.batcher.depth for slot in variants.slots.values())
+        log.info("shutting down: draining %d queued requests", queued, extra={"event": "shutdown", "queued": queued})
         await state.shadow.stop()
         await variants.stop()
         app.state.serving = None
+        tracing.shutdown()
+        log.info("stopped", extra={"event": "stopped"})
 
     app = FastAPI(
         title="xmcserve",
@@ -171,7 +237,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, read_timeout_s=limits.body_timeout_s)
     paths = functools.cache(lambda: frozenset(route.path for route in app.routes))
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics, endpoints=paths)  # outermost: counts refusals too
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics, endpoints=paths)  # counts refusals too
+    # outermost: every answer carries the request id, every refusal gets its access line
+    app.add_middleware(
+        RequestContextMiddleware,
+        access_log=settings.log.access,
+        readable=resolved_format(settings.log.format) == "text",
+        tracing=tracing,
+    )
+    tracing.instrument(app)  # the instrumentation's span wraps everything, the middlewares above included
 
     @app.post("/predict", response_model=PredictResponse)
     async def predict(body: PredictRequest, request: Request) -> Response:  # type: ignore[valid-type]
@@ -187,14 +261,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             slot = state.variants.choose(request.headers.get("x-request-key"), body.variant)
         except LookupError as exc:
             return JSONResponse({"detail": str(exc)}, status_code=409)
-        request.state.variant = slot.name
         texts = body.all_texts()
+        request.state.variant = slot.name
+        request.state.bundle_id = slot.bundle_id
+        request.state.texts, request.state.k = len(texts), body.k
+        if settings.log.texts:
+            request.state.request_texts = texts
         started = time.perf_counter()
         timeout_s = (body.timeout_ms or settings.limits.request_timeout_ms) / 1000
+        submitted = slot.batcher.submit(texts, body.k, body.ef, body.exclude, timeout_s, tracing.current())
         try:
-            answer = await answer_unless_gone(
-                request, slot.batcher.submit(texts, body.k, body.ef, body.exclude, timeout_s)
-            )
+            answer = await answer_unless_gone(request, submitted)
         except (QueueFullError, DeadlineExceededError) as exc:
             if isinstance(exc, QueueFullError):
                 metrics.rejected.labels(variant=slot.name).inc()
@@ -205,6 +282,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if answer is None:  # nobody is listening; 499 is what nginx logs for it
             return Response(status_code=499)
         metrics.stage_seconds.labels(stage="queue", variant=slot.name).observe(answer.queue_wait_s)
+        request.state.queue_ms = round(answer.queue_wait_s * 1000, 3)
+        request.state.bundle_id = answer.predictor.bundle.bundle_id  # the bundle that answered
+        tracing.queue_wait(answer.started - answer.queue_wait_s, answer.started)
         metrics.predicted_texts.labels(variant=slot.name).inc(len(texts))
         # The shadow copy (its uid lists built per label) only when mirroring is on at all.
         mirroring = state.shadow.config.fraction > 0
@@ -218,6 +298,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     ranked(answer.rankings, answer.view.label_uids),
                     time.perf_counter() - started,
                     slot.name,
+                    request.state.request_id,
+                    tracing.headers().get("traceparent"),
                 )
             )
         return await to_response(answer, slot.name, body.k)

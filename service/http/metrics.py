@@ -134,6 +134,19 @@ class Metrics:
             registry=self.registry,
         )
 
+    def start_at_zero(self, variant: str) -> None:
+        """Every outcome of the variant's event counters exported at 0 before its first event, so
+        that a rate() or a dashboard panel has a series from the start (not only after a failure)."""
+        for reason in ("client_gone", "deadline"):
+            self.dropped_requests.labels(variant=variant, reason=reason)
+        self.dropped_requests.labels(variant="-", reason="deadline")  # shed before routing
+        for outcome in ("loaded", "refused"):
+            self.reloads.labels(variant=variant, outcome=outcome)
+        for outcome in ("applied", "repeated", "refused", "failed"):
+            self.appends.labels(variant=variant, outcome=outcome)
+        for kind in ("label", "instance"):
+            self.appended_keys.labels(variant=variant, kind=kind)
+
     def drop_observer(self, variant: str):
         def observe(reason: str) -> None:
             self.dropped_requests.labels(variant=variant, reason=reason).inc()
@@ -141,7 +154,7 @@ class Metrics:
         return observe
 
     def batch_observer(self, variant: str):
-        def observe(texts: int, times) -> None:
+        def observe(texts: int, times, started: float, tags: list) -> None:
             self.batch_texts.labels(variant=variant).observe(texts)
             for stage, seconds in times.as_dict().items():
                 self.stage_seconds.labels(stage=stage, variant=variant).observe(seconds)

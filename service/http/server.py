@@ -22,7 +22,8 @@ import argparse
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from service.http.settings import ServerSettings
+from service.http.settings import LogSettings, ServerSettings
+from service.observability.logs import configure_logging
 
 
 class HeaderTimeoutProtocol(H11Protocol):
@@ -101,7 +102,8 @@ def uvicorn_options(settings: ServerSettings) -> dict:
         "timeout_keep_alive": settings.keep_alive_s,
         "h11_max_incomplete_event_size": settings.max_header_bytes,
         "timeout_graceful_shutdown": settings.graceful_shutdown_s,
-        "access_log": False,
+        "access_log": False,  # the app writes its own access line (request id, variant, timings)
+        "log_config": None,  # uvicorn's loggers go through the app's logging configuration
     }
 
 
@@ -111,4 +113,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default=settings.host, help="address to listen on (XMCSERVE_HOST)")
     parser.add_argument("--port", type=int, default=settings.port, help="port to listen on (XMCSERVE_PORT)")
     args = parser.parse_args(argv)
+    logs = LogSettings()
+    configure_logging(logs.format, logs.level)
     uvicorn.run("service.http.app:create_app", host=args.host, port=args.port, **uvicorn_options(settings))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings
 
 from service.api.limits import LimitSettings, settings_group
@@ -80,6 +80,26 @@ class ShadowSettings(BaseSettings):
             log_max_bytes=self.log_max_bytes,
             log_backups=self.log_backups,
         )
+
+
+class LogSettings(BaseSettings):
+    """Logs (:mod:`service.observability.logs`); tracing is configured by the standard ``OTEL_*`` variables."""
+
+    model_config = _group("LOG_")
+
+    format: Literal["auto", "json", "text"] = Field(
+        "auto", description="json (one object a line), text (readable), auto: text on a terminal, else json"
+    )
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="lowest level logged")
+    access: bool = Field(True, description="one access line per request (route, status, variant, timings)")
+    texts: bool = Field(
+        False, description="debugging only: put each /predict request's texts in its access line (never otherwise)"
+    )
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def upper_case_level(cls, value):
+        return value.upper() if isinstance(value, str) else value
 
 
 class AdminSettings(BaseSettings):
@@ -151,6 +171,7 @@ class Settings(BaseSettings):
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     shadow: ShadowSettings = Field(default_factory=ShadowSettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
+    log: LogSettings = Field(default_factory=LogSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
 
     def thread_layout(self) -> tuple[int, int]:
@@ -177,6 +198,7 @@ GROUPS: dict[str, type[BaseSettings]] = {
     "rollout": RolloutSettings,
     "shadow": ShadowSettings,
     "admin": AdminSettings,
+    "log": LogSettings,
     "server": ServerSettings,
 }
 

@@ -8,6 +8,7 @@ routes (:mod:`service.http.admin`) change it.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from service.http.metrics import Metrics
 from service.http.settings import Settings
 from service.rollout.shadow import ShadowMirror
 from service.rollout.variants import Variants
+
+log = logging.getLogger("xmcserve.admin")
 
 # A vetting child may map this much beyond the bundle's files (interpreter, ONNX Runtime, arenas).
 VET_BASE_BYTES = 1 << 30
@@ -34,9 +37,25 @@ async def load_for_serving(path: Path, settings: Settings, vet: bool = True) -> 
         files = sum(f.stat().st_size for f in Path(path).glob("*") if f.is_file())
         limit = VET_BASE_BYTES + 4 * files
         await anyio.to_thread.run_sync(lambda: engine.vet_in_child(path, options, settings.verify_checksums, limit))
-    return await anyio.to_thread.run_sync(
+    predictor = await anyio.to_thread.run_sync(
         lambda: engine.load_predictor(path, options, settings.verify_checksums, appends_dir)
     )
+    bundle = predictor.bundle
+    log.info(
+        "bundle %s loaded from %s (%s, checksums %s)",
+        bundle.bundle_id,
+        path,
+        bundle.encoder.provider,
+        "verified" if settings.verify_checksums else "not checked",
+        extra={
+            "event": "bundle_loaded",
+            "bundle_id": bundle.bundle_id,
+            "path": str(path),
+            "provider": bundle.encoder.provider,
+            "verified": settings.verify_checksums,
+        },
+    )
+    return predictor
 
 
 @dataclass

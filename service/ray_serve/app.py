@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -48,7 +48,10 @@ from service.engine.manifest import shard_list
 from service.engine.memory import base_view, fetch_and_ef
 from service.engine.search import RankedSearch, Ranking, excluded_label_ids, merged_neighbours
 from service.engine.shards import ShardAnswer, ShardQuery
-from service.ray_serve.calls import PartCaller, PartUnavailable, split_expired, time_left
+from service.observability.logs import REQUEST_ID
+from service.observability.requests import RequestContextMiddleware
+from service.observability.tracing import Tracing
+from service.ray_serve.calls import CallContext, PartCaller, PartUnavailable, split_expired, time_left
 
 log = logging.getLogger("xmcserve.ray")
 
@@ -111,6 +114,10 @@ class AppArgs(BaseModel):
     verify: bool = Field(True, description="check the sha256 of every bundle file a replica reads")
 
 
+def request_ids(contexts: list[CallContext | None]) -> list[str]:
+    return [c.request_id for c in contexts if c is not None]
+
+
 def threads_for(cpus: float) -> int:
     return max(1, int(cpus))
 
@@ -139,24 +146,31 @@ class Encoder:
         options = EncoderOptions(intra_op_threads=threads_for(cpus), allow_spinning=False)
         manifest, self.encoder = load_encoder(bundle_dir, options, verify)
         self.bundle_id = manifest.bundle_id
+        self.tracing = Tracing.from_environment("xmcserve-encoder")
         self.encode_batch.set_max_batch_size(max_batch_texts)
         self.encode_batch.set_batch_wait_timeout_s(batch_wait_s)
         self.expired = ExpiredWork("encoder")
 
-    async def encode(self, texts: list[str], timeout_s: float) -> tuple[str, np.ndarray | None]:
+    async def encode(
+        self, texts: list[str], timeout_s: float, context: CallContext | None = None
+    ) -> tuple[str, np.ndarray | None]:
         """The texts' vectors, stamped with the bundle id; None when ``timeout_s`` (the caller's
-        time left) passed before their batch ran."""
-        return await self.encode_batch((texts, time.monotonic() + timeout_s))
+        time left) passed before their batch ran. ``context``: the request's id and trace."""
+        return await self.encode_batch((texts, time.monotonic() + timeout_s), context)
 
     @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0, batch_size_fn=lambda r: sum(len(t) for t, _ in r))
-    async def encode_batch(self, requests: list[tuple[list[str], float]]) -> list[tuple[str, np.ndarray | None]]:
+    async def encode_batch(
+        self, requests: list[tuple[list[str], float]], contexts: list[CallContext | None]
+    ) -> list[tuple[str, np.ndarray | None]]:
         """Each live request's vectors, stamped with the bundle id; expired ones get None."""
         positions, live = split_expired(requests, time.monotonic())
         out: list[tuple[str, np.ndarray | None]] = [(self.bundle_id, None)] * len(requests)
         if len(live) < len(requests):
             self.expired.inc(len(requests) - len(live))
+        log.debug("encode: %d requests %s, %d expired", len(requests), request_ids(contexts), len(requests) - len(live))
         if live:
-            vectors, _ = await asyncio.to_thread(self.encoder.encode, [text for texts in live for text in texts])
+            with self.tracing.part_span("encode", [c.trace_headers for c in contexts if c is not None]):
+                vectors, _ = await asyncio.to_thread(self.encoder.encode, [text for texts in live for text in texts])
             for i, part in zip(positions, np.split(vectors, np.cumsum([len(t) for t in live])[:-1]), strict=True):
                 out[i] = (self.bundle_id, part)
         return out
@@ -175,27 +189,36 @@ class Shard:
     def __init__(self, bundle_dir: str, number: int, cpus: float, max_batch: int, batch_wait_s: float, verify: bool):
         manifest, self.searcher = load_shard(bundle_dir, number, verify, search_threads=threads_for(cpus))
         self.bundle_id = manifest.bundle_id
+        self.number = number
+        self.tracing = Tracing.from_environment("xmcserve-shard")
         first = self.searcher.shard.first_key
         self.probe = np.asarray(self.searcher.index.get_items([first]), dtype=np.float32)
         self.search_batch.set_max_batch_size(max_batch)
         self.search_batch.set_batch_wait_timeout_s(batch_wait_s)
         self.expired = ExpiredWork(f"shard-{number}")
 
-    async def search(self, query: ShardQuery, timeout_s: float) -> tuple[str, ShardAnswer | None]:
+    async def search(
+        self, query: ShardQuery, timeout_s: float, context: CallContext | None = None
+    ) -> tuple[str, ShardAnswer | None]:
         """The query's nearest keys, stamped with the bundle id; None when ``timeout_s`` (the
-        caller's time left) passed before its batch ran."""
-        return await self.search_batch((query, time.monotonic() + timeout_s))
+        caller's time left) passed before its batch ran. ``context``: the request's id and trace."""
+        return await self.search_batch((query, time.monotonic() + timeout_s), context)
 
     @serve.batch(max_batch_size=64, batch_wait_timeout_s=0.0, batch_size_fn=lambda r: sum(len(q.vectors) for q, _ in r))
-    async def search_batch(self, requests: list[tuple[ShardQuery, float]]) -> list[tuple[str, ShardAnswer | None]]:
+    async def search_batch(
+        self, requests: list[tuple[ShardQuery, float]], contexts: list[CallContext | None]
+    ) -> list[tuple[str, ShardAnswer | None]]:
         """Each live request's nearest keys (as if searched alone), stamped with the bundle id;
         expired ones get None."""
         positions, live = split_expired(requests, time.monotonic())
         out: list[tuple[str, ShardAnswer | None]] = [(self.bundle_id, None)] * len(requests)
         if len(live) < len(requests):
             self.expired.inc(len(requests) - len(live))
+        log.debug("shard %d: %d requests %s", self.number, len(requests), request_ids(contexts))
         if live:
-            answers = await asyncio.to_thread(self.searcher.search_many, live)
+            traces = [c.trace_headers for c in contexts if c is not None]
+            with self.tracing.part_span("search", traces, {"xmcserve.shard": self.number}):
+                answers = await asyncio.to_thread(self.searcher.search_many, live)
             for i, answer in zip(positions, answers, strict=True):
                 out[i] = (self.bundle_id, answer)
         return out
@@ -254,6 +277,7 @@ class Ingress:
         self.limits = LimitSettings()
         self.metrics = IngressMetrics()
         self.caller = PartCaller(attempt_timeout_s, self.count_failure, hedge_fraction)
+        self.tracing = Tracing.from_environment("xmcserve-ray-ingress")
 
     def count_failure(self, part: str, reason: str) -> None:
         self.metrics.part_failures.inc(tags={"part": part, "reason": reason})
@@ -262,33 +286,48 @@ class Ingress:
         return ingress_app(self)
 
     async def predict(
-        self, texts: list[str], k: int, ef: int | None, exclude: list[set[int]], timeout_s: float
+        self,
+        texts: list[str],
+        k: int,
+        ef: int | None,
+        exclude: list[set[int]],
+        timeout_s: float,
+        context: CallContext | None = None,
     ) -> tuple[list[Ranking], int]:
         """Rankings and the ef they ran at; :class:`PartUnavailable` past the deadline. A request
-        larger than a batch goes in batch-sized pieces, side by side."""
+        larger than a batch goes in batch-sized pieces, side by side. ``context`` goes with every
+        part call (request id, trace headers)."""
         deadline = time.monotonic() + timeout_s
         size = self.max_batch_texts
         pieces = await asyncio.gather(
             *(
-                self.predict_piece(texts[i : i + size], k, ef, exclude[i : i + size], deadline)
+                self.predict_piece(texts[i : i + size], k, ef, exclude[i : i + size], deadline, context)
                 for i in range(0, len(texts), size)
             )
         )
         return [ranking for rankings, _ in pieces for ranking in rankings], max(ef for _, ef in pieces)
 
     async def predict_piece(
-        self, texts: list[str], k: int, ef: int | None, exclude: list[set[int]], deadline: float
+        self,
+        texts: list[str],
+        k: int,
+        ef: int | None,
+        exclude: list[set[int]],
+        deadline: float,
+        context: CallContext | None = None,
     ) -> tuple[list[Ranking], int]:
         """Encode, fan out to every shard, merge, rank (:class:`~service.engine.search.RankedSearch`)."""
         started = time.perf_counter()
-        vectors = await self.ask("encoder", lambda: self.encoder.encode.remote(texts, time_left(deadline)), deadline)
+        vectors = await self.ask(
+            "encoder", lambda: self.encoder.encode.remote(texts, time_left(deadline), context), deadline
+        )
         encoded = time.perf_counter()
         manifest = self.manifest
         search = RankedSearch(manifest, [k] * len(texts), exclude, self.fusion)
         fetch, ef = fetch_and_ef(search.neighbours, ef or manifest.hnsw.ef_search, manifest.counts.memory_rows)
         lexicon = self.fusion.lexicon if self.fusion is not None else None
         terms = lexicon.query_terms(texts) if lexicon is not None else None  # each shard scores its keys
-        answers = await self.fan_out(ShardQuery(vectors, fetch, ef, terms), deadline)
+        answers = await self.fan_out(ShardQuery(vectors, fetch, ef, terms), deadline, context)
         searched = time.perf_counter()
         found = merged_neighbours(answers, search.neighbours, self.view)
         rankings = search.rank(found)
@@ -297,10 +336,14 @@ class Ingress:
         self.metrics.stage_seconds.observe(time.perf_counter() - searched, tags={"stage": "rank"})
         return rankings, found.ef
 
-    async def fan_out(self, query: ShardQuery, deadline: float) -> list[ShardAnswer]:
+    async def fan_out(
+        self, query: ShardQuery, deadline: float, context: CallContext | None = None
+    ) -> list[ShardAnswer]:
         calls = [
             asyncio.ensure_future(
-                self.ask(f"shard-{i}", lambda shard=shard: shard.search.remote(query, time_left(deadline)), deadline)
+                self.ask(
+                    f"shard-{i}", lambda shard=shard: shard.search.remote(query, time_left(deadline), context), deadline
+                )
             )
             for i, shard in enumerate(self.shards)
         ]
@@ -349,16 +392,22 @@ def ingress_app(ingress: Ingress) -> FastAPI:
         exception_handlers={RequestValidationError: validation_error},
     )
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, read_timeout_s=limits.body_timeout_s)
+    # Ray's workers log through Ray's own handlers: the access line takes their format
+    app.add_middleware(RequestContextMiddleware, tracing=ingress.tracing)
+    ingress.tracing.instrument(app)
 
     @app.post("/predict", response_model=PredictResponse)
-    async def predict(body: PredictRequest) -> Response:  # type: ignore[valid-type]
+    async def predict(body: PredictRequest, request: Request) -> Response:  # type: ignore[valid-type]
+        texts = body.all_texts()
+        request.state.variant, request.state.bundle_id = "A", ingress.manifest.bundle_id
+        request.state.texts, request.state.k = len(texts), body.k
         if body.variant == "B":
             return JSONResponse({"detail": "this deployment serves one bundle (A); no candidate B"}, status_code=409)
-        texts = body.all_texts()
         exclude = excluded_label_ids(ingress.view, body.exclude, len(texts))
         timeout_s = (body.timeout_ms or limits.request_timeout_ms) / 1000
+        context = CallContext(REQUEST_ID.get(), ingress.tracing.headers())
         try:
-            rankings, ef = await ingress.predict(texts, body.k, body.ef, exclude, timeout_s)
+            rankings, ef = await ingress.predict(texts, body.k, body.ef, exclude, timeout_s, context)
         except PartUnavailable as exc:
             ingress.metrics.predictions.inc(tags={"outcome": "unavailable"})
             return unavailable(exc)

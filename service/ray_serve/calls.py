@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from ray.exceptions import (
@@ -87,6 +88,16 @@ def split_expired(requests: list[tuple[Any, float]], now: float) -> tuple[list[i
     """The positions and items of the ``(item, deadline)`` requests still wanted at ``now``."""
     live = [(i, item) for i, (item, deadline) in enumerate(requests) if deadline > now]
     return [i for i, _ in live], [item for _, item in live]
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What a part call carries besides its work, so one request id and one trace follow a
+    request into the encoder and shard replicas: the ingress request's ``X-Request-Id`` and its
+    W3C trace headers (``traceparent``, ``tracestate``; empty when tracing is off)."""
+
+    request_id: str = "-"
+    trace_headers: dict[str, str] = field(default_factory=dict)
 
 
 class PartUnavailable(RuntimeError):

@@ -37,6 +37,8 @@ if TYPE_CHECKING:  # the worker's child process imports this module without the 
 
 log = logging.getLogger(__name__)
 
+# Dropped copies are logged at most once per reason this often (with the count since the last line).
+DROP_LOG_INTERVAL_S = 10.0
 # (uid, score) best first, one list per text
 Ranked = list[list[tuple[str, float]]]
 
@@ -52,6 +54,8 @@ class ShadowRequest:
     primary: Ranked
     primary_seconds: float
     primary_variant: str
+    request_id: str = ""  # the primary request's X-Request-Id, sent with the shadow call
+    traceparent: str | None = None  # the primary request span's W3C traceparent (tracing on)
 
 
 @dataclass
@@ -147,6 +151,7 @@ class ShadowMirror:
         worker,
         variant: str = PRIMARY,
         history: AgreementHistory | None = None,
+        clock=time.monotonic,
     ):
         """``worker``: has ``start()``, ``submit(copy)``, ``outstanding`` and ``close()``.
         ``target``: the shadow's URL, as /info and the log name it. ``variant``: the variant
@@ -158,8 +163,13 @@ class ShadowMirror:
         self.history = history or AgreementHistory()
         self._metrics = metrics
         metrics.shadow_compared.labels(variant=variant)  # exported at 0 until the first comparison
+        for reason in ("queue_full", "timeout", "error", "worker_down"):
+            metrics.shadow_dropped.labels(reason=reason, variant=variant)
         self._worker = worker
         self._rng = random.Random()
+        self._clock = clock
+        self._unlogged_drops: dict[str, int] = {}
+        self._last_drop_line: dict[str, float] = {}
         worker.on_result = self.record
         metrics.shadow_worker_exits.labels(variant=variant)
         worker.on_exit = lambda: metrics.shadow_worker_exits.labels(variant=variant).inc()
@@ -187,9 +197,36 @@ class ShadowMirror:
         if self._worker.outstanding >= self.config.queue_size:
             self._metrics.shadow_dropped.labels(reason="queue_full", variant=self.variant).inc()
             self.history.add_dropped("queue_full", 1)
+            self._log_drop("queue_full", 1)
             return False
         self._worker.submit(Copy(request, time.monotonic() + self.config.timeout_s))
         return True
+
+    def _log_drop(self, reason: str, copies: int, detail: str | None = None) -> None:
+        """A warning for dropped copies, at most one per reason every :data:`DROP_LOG_INTERVAL_S`
+        (counting the drops since the last one): a failing shadow must not flood the log."""
+        pending = self._unlogged_drops.get(reason, 0) + copies
+        now = self._clock()
+        if now - self._last_drop_line.get(reason, -DROP_LOG_INTERVAL_S) < DROP_LOG_INTERVAL_S:
+            self._unlogged_drops[reason] = pending
+            return
+        self._unlogged_drops[reason] = 0
+        self._last_drop_line[reason] = now
+        what = "shadow failing" if reason == "error" else "shadow copies dropped"
+        log.warning(
+            "%s: %d copies (%s)%s",
+            what,
+            pending,
+            reason,
+            f": {detail}" if detail else "",
+            extra={
+                "event": "shadow_dropped",
+                "reason": reason,
+                "copies": pending,
+                "target": self.target,
+                "detail": detail,
+            },
+        )
 
     def record(self, result: tuple) -> None:
         """One worker result: ``("compared", copies, overlaps, taus, score_deltas, latency_deltas,
@@ -197,9 +234,10 @@ class ShadowMirror:
         ``("dropped", reason, copies)``."""
         metrics, variant = self._metrics, self.variant
         if result[0] == "dropped":
-            _, reason, copies = result
+            reason, copies = result[1], result[2]
             metrics.shadow_dropped.labels(reason=reason, variant=variant).inc(copies)
             self.history.add_dropped(reason, copies)
+            self._log_drop(reason, copies, result[3] if len(result) > 3 else None)
             return
         _, _, overlaps, taus, score_deltas, latency_deltas, samples = result
         self.history.add_compared(samples)

@@ -205,7 +205,7 @@ class ShadowWorker:
                 log.exception("recording a shadow worker exit failed")
         self._stop_child()
         if self.outstanding > 0:  # sent, buffered or unsent: none of them will be answered
-            self._settle(("dropped", "error", self.outstanding))
+            self._settle(("dropped", "error", self.outstanding, "the shadow worker process exited"))
 
     def _stop_child(self) -> None:
         if self._flush_handle is not None:
@@ -263,6 +263,18 @@ def split_answers(answers: Ranked, batch: list[Copy]) -> list[Ranked]:
     return out
 
 
+def call_headers(batch: list[Copy]) -> dict[str, str]:
+    """``X-Shadow`` lists the request ids of every copy the call carries (the shadow's access line
+    shows them); the call itself goes under the first copy's ``X-Request-Id`` and ``traceparent``."""
+    first = batch[0].request
+    headers = {"X-Shadow": ",".join(c.request.request_id for c in batch) or "1"}
+    if first.request_id:
+        headers["X-Request-Id"] = first.request_id
+    if first.traceparent:
+        headers["traceparent"] = first.traceparent
+    return headers
+
+
 class RemoteTarget:
     """The shadow: the call's texts POSTed to ``<url>/predict``."""
 
@@ -286,7 +298,7 @@ class RemoteTarget:
         if remaining <= 0:
             return None
         try:
-            response = self._client.post("/predict", json=body, headers={"X-Shadow": "1"}, timeout=remaining)
+            response = self._client.post("/predict", json=body, headers=call_headers(batch), timeout=remaining)
         except httpx.TimeoutException:
             return None
         response.raise_for_status()
@@ -365,8 +377,7 @@ class WorkerLoop:
             try:
                 answers = self._target.answer(batch)
             except Exception as exc:  # a dead or failing shadow is counted, never raised
-                log.debug("shadow call failed: %s", exc)
-                self._report(("dropped", "error", len(batch)))
+                self._report(("dropped", "error", len(batch), f"{type(exc).__name__}: {str(exc)[:200]}"))
                 return
             if answers is None:
                 self._report(("dropped", "timeout", len(batch)))
@@ -404,6 +415,7 @@ class WorkerLoop:
                             "ts": round(time.time(), 3),
                             "target": self._target_name,
                             "primary_variant": request.primary_variant,
+                            "request_id": request.request_id,
                             "text": text,
                             "k": request.k,
                             **agreement,

@@ -14,9 +14,11 @@ ALLOWED = {
     "service.rollout": ("service.engine", "service.rollout"),
     # the API both front ends serve (schemas, limits, guards), owned by neither
     "service.api": ("service.engine", "service.api"),
-    "service.http": ("service.engine", "service.api", "service.rollout", "service.http"),
+    # logs, request ids and tracing: shared by both front ends, importing nothing of service/
+    "service.observability": ("service.observability",),
+    "service.http": ("service.engine", "service.api", "service.rollout", "service.http", "service.observability"),
     # the Ray Serve front end imports nothing of the single server's
-    "service.ray_serve": ("service.engine", "service.api", "service.ray_serve"),
+    "service.ray_serve": ("service.engine", "service.api", "service.observability", "service.ray_serve"),
 }
 
 

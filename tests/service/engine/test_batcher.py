@@ -99,7 +99,7 @@ async def search_started(predictor: EchoPredictor) -> None:
 
 async def run_with(predictor, config, coro_factory, on_drop=None):
     done_batches = []
-    batcher = MicroBatcher(lambda: predictor, config, lambda n, t: done_batches.append(n), on_drop)
+    batcher = MicroBatcher(lambda: predictor, config, lambda n, t, s, tags: done_batches.append(n), on_drop)
     batcher.start()
     try:
         return await asyncio.wait_for(coro_factory(batcher), 60), done_batches

@@ -1,0 +1,113 @@
+"""One request followed across processes: a primary mirroring every request to a shadow, both
+logging JSON and exporting traces over OTLP/HTTP to a receiver on 127.0.0.1."""
+
+import json
+
+import httpx
+import pytest
+
+from bench.localserver import start_server, stop_server
+from bench.otlp_receiver import OtlpReceiver
+
+TEXT = {"text": "libc6: GNU C Library: Shared libraries", "k": 5}
+
+
+def json_lines(log: str) -> list[dict]:
+    lines = []
+    for line in log.splitlines():
+        if line.startswith("{"):
+            lines.append(json.loads(line))
+    return lines
+
+
+def access_lines(log: str) -> list[dict]:
+    return [line for line in json_lines(log) if line.get("logger") == "xmcserve.access"]
+
+
+@pytest.fixture(scope="module")
+def traced_pair(tiny_rae_bundle, tmp_path_factory):
+    """(primary, shadow, receiver): the primary mirrors all of A's requests to the shadow."""
+    logs = tmp_path_factory.mktemp("observability")
+    with OtlpReceiver() as receiver:
+        otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+        shadow = start_server(tiny_rae_bundle, logs / "shadow.log", {**otel, "OTEL_SERVICE_NAME": "shadow"})
+        env = {
+            **otel,
+            "XMCSERVE_SHADOW_URL": shadow.url,
+            "XMCSERVE_SHADOW_FRACTION": "1",
+            "XMCSERVE_LOG_FORMAT": "json",
+        }
+        try:
+            primary = start_server(tiny_rae_bundle, logs / "primary.log", env)
+        except Exception:
+            stop_server(shadow)
+            raise
+        yield primary, shadow, receiver
+        stop_server(primary)
+        stop_server(shadow)
+
+
+def test_one_request_id_from_the_primary_access_line_to_the_shadow_access_line(traced_pair):
+    primary, shadow, _ = traced_pair
+    answer = httpx.post(f"{primary.url}/predict", json=TEXT, headers={"X-Request-Id": "follow-me-1"}, timeout=30)
+    assert answer.status_code == 200 and answer.headers["x-request-id"] == "follow-me-1"
+    mine = [line for line in access_lines(primary.log()) if line["request_id"] == "follow-me-1"]
+    assert len(mine) == 1
+    line = mine[0]
+    assert line["route"] == "/predict" and line["status"] == 200 and line["variant"] == "A"
+    assert line["bundle_id"] == answer.json()["bundle_id"] and line["texts"] == 1 and line["k"] == 5
+    assert line["queue_ms"] >= 0 and line["total_ms"] >= line["queue_ms"] and line["level"] == "INFO"
+    assert "request_texts" not in line and TEXT["text"] not in primary.log()  # texts only with XMCSERVE_LOG_TEXTS
+
+    def shadow_saw_it() -> list[dict]:
+        return [line for line in access_lines(shadow.log()) if "follow-me-1" in line.get("shadow_of", "")]
+
+    for _ in range(100):  # the copy goes out within the worker's batching wait (100 ms)
+        if shadow_saw_it():
+            break
+        import time
+
+        time.sleep(0.1)
+    (copy,) = shadow_saw_it()
+    assert copy["request_id"] == "follow-me-1" and copy["status"] == 200
+
+
+def test_refusals_carry_the_request_id_and_their_reason(traced_pair):
+    primary, _, _ = traced_pair
+    bad = httpx.post(
+        f"{primary.url}/predict", json={"text": "x", "k": 0}, headers={"X-Request-Id": "bad-1"}, timeout=30
+    )
+    assert bad.status_code == 422 and bad.headers["x-request-id"] == "bad-1"
+    unknown = httpx.get(f"{primary.url}/nowhere", headers={"X-Request-Id": "bad id with spaces"}, timeout=30)
+    assert unknown.status_code == 404 and len(unknown.headers["x-request-id"]) == 32  # generated instead
+    (line,) = [line for line in access_lines(primary.log()) if line["request_id"] == "bad-1"]
+    assert line["status"] == 422 and "k" in line["reason"]
+
+
+def test_lifecycle_lines_and_uvicorn_lines_are_json_with_the_same_fields(traced_pair):
+    primary, _, _ = traced_pair
+    lines = json_lines(primary.log())
+    events = {line.get("event") for line in lines}
+    assert {"bundle_loaded", "serving", "shadow_configured"} <= events
+    assert any(line["logger"].startswith("uvicorn") for line in lines)  # uvicorn's start lines, same format
+    assert all({"time", "level", "logger", "request_id", "message"} <= line.keys() for line in lines)
+
+
+def test_the_trace_follows_the_request_into_the_shadow_and_the_batch(traced_pair):
+    primary, _, receiver = traced_pair
+    answer = httpx.post(f"{primary.url}/predict", json=TEXT, headers={"X-Request-Id": "traced-1"}, timeout=30)
+    assert answer.status_code == 200
+    (line,) = [line for line in access_lines(primary.log()) if line["request_id"] == "traced-1"]
+    trace_id = line["trace_id"]
+
+    def complete(spans):
+        names = {(s["service"], s["name"]) for s in spans if s["trace_id"] == trace_id}
+        batches = [s for s in spans if s["name"] == "batch" and trace_id in s["links"]]
+        return ("xmcserve", "queue wait") in names and any(svc == "shadow" for svc, _ in names) and batches
+
+    spans = receiver.wait_for(complete)
+    batch = next(s for s in spans if s["name"] == "batch" and trace_id in s["links"])
+    stages = {s["name"] for s in spans if s["parent_span_id"] == batch["span_id"]}
+    assert stages == {"tokenize", "encode", "search", "aggregate"}
+    server_spans = [s for s in spans if s["trace_id"] == trace_id and s["service"] == "shadow"]
+    assert any(s["name"].startswith("POST /predict") for s in server_spans)
