@@ -1,4 +1,5 @@
-# xmcserve: every set-up step goes through here, so a fresh machine needs only python3.
+# xmcserve: every set-up step goes through here. A fresh machine needs Python 3.10+ with venv, a
+# C++ compiler and the Python headers (README.md, Prerequisites): hnswlib compiles at install.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -6,21 +7,40 @@ PY := $(VENV)/bin/python
 # torch is pinned here: this exact version resolves to the local CPU wheel, while an unpinned
 # torch pulls several GB of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
-EXTRAS ?= cpu,train,dev
+# Serving and building the default bundle need cpu + train; the dev extra (pytest, Ray, locust,
+# schemathesis, kubernetes-validate) only the tests, lint and benchmarks. EXTRAS overrides both.
+SERVE_EXTRAS ?= cpu,train
+DEV_EXTRAS ?= cpu,train,dev
+EXTRAS ?= $(DEV_EXTRAS)
 comma := ,
-STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+stamp = $(VENV)/.installed-$(subst $(comma),-,$(1))
+STAMP := $(call stamp,$(EXTRAS))
+SERVE_STAMP := $(if $(filter command line,$(origin EXTRAS)),$(STAMP),$(call stamp,$(SERVE_EXTRAS)))
 
 DATA ?= data/debian-sample
 BUNDLE ?= bundles/default
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve serve-ray bundle test lint evaluate sample clean bench-serving bench-ann bench-ab loadtest \
+.PHONY: prereqs install images image-check compose-check serve serve-ray bundle test lint evaluate sample clean bench-serving bench-ann bench-ab loadtest \
 	train train-smoke bench-quality peers-venv bench-ab-own-cores bench-overload bench-ray-scale bench-million
 
-$(STAMP): pyproject.toml
+# What a fresh machine lacks, said before pip fails half-way through compiling hnswlib.
+PREREQS_HINT := see README.md, Prerequisites (Debian/Ubuntu: apt-get install python3-venv python3-dev g++)
+prereqs:
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+		|| { echo "xmcserve needs Python 3.10 or newer ($(PYTHON) is older): $(PREREQS_HINT)" >&2; exit 1; }
+	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null \
+		|| { echo "$(PYTHON) has no venv/ensurepip module: $(PREREQS_HINT)" >&2; exit 1; }
+	@$(PYTHON) -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+		|| { echo "no Python headers (Python.h) for $(PYTHON); hnswlib compiles against them: $(PREREQS_HINT)" >&2; exit 1; }
+	@command -v $${CXX:-c++} >/dev/null || command -v g++ >/dev/null || command -v clang++ >/dev/null \
+		|| { echo "no C++ compiler (c++, g++ or clang++); hnswlib compiles at install: $(PREREQS_HINT)" >&2; exit 1; }
+
+$(VENV)/.installed-%: pyproject.toml
+	@test -x $(PY) || $(MAKE) --no-print-directory prereqs
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_PIN)" -e ".[$(EXTRAS)]"
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_PIN)" -e ".[$(subst -,$(comma),$*)]"
 	touch $@
 
 install: $(STAMP)
@@ -29,12 +49,12 @@ install: $(STAMP)
 # weights (dev P@5 cost measured at 0.14 points on the full dev split, within the 0.5 allowed;
 # 1.3-1.5x the fp32 throughput here: bench/results/README.md). QUANTIZE=none for fp32.
 QUANTIZE ?= int8
-$(BUNDLE)/manifest.json: | $(STAMP)
+$(BUNDLE)/manifest.json: | $(SERVE_STAMP)
 	$(PY) -m export.build --data $(DATA) --out $(BUNDLE) --index-kind rae_memory --dim 64 --quantize $(QUANTIZE)
 
 bundle: $(BUNDLE)/manifest.json
 
-serve: $(STAMP) $(BUNDLE)/manifest.json
+serve: $(SERVE_STAMP) $(BUNDLE)/manifest.json
 	XMCSERVE_BUNDLE_DIR=$(BUNDLE) $(PY) -m service.http \
 		--host $(HOST) --port $(PORT)
 
@@ -49,7 +69,7 @@ $(RAY_BUNDLE)/manifest.json: | $(STAMP)
 serve-ray: $(STAMP) $(RAY_BUNDLE)/manifest.json
 	RAY_USAGE_STATS_ENABLED=0 $(VENV)/bin/serve run deploy/ray/serve-config.yaml
 
-evaluate: $(STAMP) $(BUNDLE)/manifest.json
+evaluate: $(SERVE_STAMP) $(BUNDLE)/manifest.json
 	$(PY) -m training.evaluate --bundle $(BUNDLE) --data $(DATA) --split dev --out $(BUNDLE)-eval-dev.json
 
 # Benchmarks write JSON (and PNG) under bench/results/; run one at a time (they share 2 cores).
@@ -80,7 +100,7 @@ bench-ann:
 # bench-ab-own-cores: the shadow server and the load generator on
 # core 1, the primary alone on core 0, as a shadow of all traffic is meant to run.
 AB_PLACEMENT ?= --primary-cpus 0 --shadow-cpus 1 --loadgen-cpus 1
-$(BUNDLE)-fp32/manifest.json: | $(STAMP)
+$(BUNDLE)-fp32/manifest.json: | $(SERVE_STAMP)
 	$(PY) -m export.build --data $(DATA) --out $(BUNDLE)-fp32 --quantize none
 
 bench-ab: $(STAMP) $(BUNDLE)/manifest.json $(BUNDLE)-fp32/manifest.json
@@ -98,6 +118,30 @@ bench-overload: $(STAMP) $(BUNDLE)/manifest.json
 LOADTEST_ARGS ?= --scenario steady --seconds 60 --users 8 --p99-ms 250 --max-failure-ratio 0.01 --min-rps 20
 loadtest: $(STAMP) $(BUNDLE)/manifest.json
 	$(PY) -m loadtest.run --bundle $(BUNDLE) $(LOADTEST_ARGS)
+
+# Container images, xmcserve-<flavour>:<pyproject version> (serve, loadtest, train, serve-gpu, ray),
+# built by docker, podman or buildah, whichever is there (deploy/checks/runtime.py); figures go to
+# DEPLOY_RESULTS. Build arguments come from the environment (TORCH_INDEX_URL=, PYTHON_IMAGE=...);
+# IMAGE_ARGS=--stand-ins builds the CUDA and Ray images on local stand-in bases. Machines without a
+# Docker engine: CONTAINER_TOOLS=<file defining ctr_build/ctr_run/ctr_podman> (deploy/README.md).
+IMAGES ?= serve,loadtest,train,serve-gpu,ray
+IMAGE_ARGS ?=
+DEPLOY_RESULTS ?= bench/results/deploy-images.json
+images:
+	$(PYTHON) deploy/checks/build_images.py --only $(IMAGES) $(IMAGE_ARGS) --out $(DEPLOY_RESULTS)
+
+# The serving image with a bundle mounted read-only: /readyz, /predict, /metrics, SIGTERM drain.
+# CHECK_BUNDLE=<dir> mounts that bundle; by default bundles/default, else one the train image builds.
+CHECK_BUNDLE ?=
+image-check:
+	$(PYTHON) deploy/checks/image_check.py $(if $(CHECK_BUNDLE),--bundle $(CHECK_BUNDLE)) --out $(DEPLOY_RESULTS)
+
+# The compose stack's services as containers (host network): bundle, shadow, api, Prometheus and
+# a locust SLO run from the load generator image. Reads docker-compose.yml with PyYAML.
+# CHECK_BUNDLE=<dir> seeds the bundles volume with that bundle instead of running the bundle service.
+compose-check:
+	$(if $(wildcard $(PY)),$(PY),$(PYTHON)) deploy/checks/compose_check.py $(if $(CHECK_BUNDLE),--bundle $(CHECK_BUNDLE)) \
+		--out $(DEPLOY_RESULTS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -130,10 +174,10 @@ peers-venv: $(PEERS_VENV)/.installed
 TRAIN_CONFIG ?= training/configs/debian-unidec.yaml
 NPROC ?= 1
 TRAIN_LAUNCH = $(if $(filter 1,$(NPROC)),$(PY),$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC))
-train: $(STAMP)
+train: $(SERVE_STAMP)
 	$(TRAIN_LAUNCH) -m training.train --config $(TRAIN_CONFIG)
 
-train-smoke: $(STAMP)
+train-smoke: $(SERVE_STAMP)
 	$(PY) -m training.train --config training/configs/smoke.yaml
 
 # Dev-split quality of the peers and of xmcserve's bundles -> bench/results/quality-debian-dev.*

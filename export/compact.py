@@ -60,7 +60,7 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
         memory_Y = instance_labels(view, instance_rows) if view.values is not None else None
         shards = write_index(stage, keys[order], memory_Y, params)
         if bundle.fusion is not None:
-            carried_fusion(bundle.fusion, view.num_labels).save(stage / src.fusion.file)
+            carried_fusion(bundle.fusion, view.num_labels).save(stage, src.fusion)
         if bundle.key_terms is not None:  # a lexical fusion: the keys' term vectors in the new key order
             terms = bundle.key_terms.rows
             if view.appended_key_terms is not None:
@@ -79,10 +79,10 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
 
 
 def carried_fusion(fusion: ScoreFusion, num_labels: int) -> ScoreFusion:
-    """The same tree (and lexicon) with frequency 0 for the labels appended since export: what
+    """The same model (and lexicon, features) with frequency 0 for the labels appended since export: what
     the live memory used for them, so the compacted bundle answers as the grown one did."""
     appended = np.zeros(num_labels - len(fusion.log_frequency), dtype=np.float32)
-    return ScoreFusion(fusion.tree, np.concatenate([fusion.log_frequency, appended]), fusion.lexicon)
+    return ScoreFusion(fusion.model, np.concatenate([fusion.log_frequency, appended]), fusion.lexicon, fusion.features)
 
 
 def canonical_order(view: MemoryView) -> tuple[np.ndarray, np.ndarray]:

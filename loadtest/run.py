@@ -19,7 +19,6 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from bench.localserver import start_server, stop_server
 from loadtest.slo import add_slo_arguments, check, format_table, read_stats, slo_from
 
 HERE = Path(__file__).resolve().parent
@@ -94,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     server = None
     host = args.host
     if host is None:
+        # imported here: the load generator's image (deploy/Dockerfile.loadtest) holds no server
+        from bench.localserver import start_server
+
         server = start_server(args.bundle, Path("/tmp/xmcserve-loadtest-server.log"))
         host = server.url
     elif urlsplit(host).hostname not in ("127.0.0.1", "localhost", "::1"):
@@ -105,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         if server:
+            from bench.localserver import stop_server
+
             stop_server(server)
     if not stats.exists():
         print(f"locust wrote no {stats}", file=sys.stderr)

@@ -16,7 +16,7 @@ The application (:func:`~service.ray_serve.app.build_app`) is three kinds of dep
   server does (:class:`~service.engine.search.RankedSearch`), so the answers equal its answers.
 
 Run it with ``serve run deploy/ray/serve-config.yaml`` (``make serve-ray``) or a KubeRay
-``RayService`` (deploy/k8s/rayservice.yaml); deploy/README.md says how.
+``RayService`` (deploy/k8s/ray/rayservice.yaml); deploy/README.md says how.
 """
 
 from service.ray_serve.app import AppArgs, build_app

