@@ -55,7 +55,7 @@ from export.fuse import (
 )
 from service.engine.fusion import FEATURE_GROUPS, OPTIONAL_GROUPS, ScoreFusion, features_of_groups
 from service.engine.lexical import KeyTerms
-from service.engine.search import load_predictor
+from service.engine.loading import load_predictor
 from training.data import label_frequencies, load_jsonl_split, rows_of_uids
 from training.evaluate import evaluate_bundle
 from training.metrics import HEADLINE, compute_all

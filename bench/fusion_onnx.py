@@ -28,7 +28,7 @@ import numpy as np
 from export.fuse import check_memory, fit_model, held_out_pairs, onnx_fusion_model, unfitted_fusion
 from service.engine.fusion import FEATURE_GROUPS, RegressionTree
 from service.engine.lexical import KeyTerms
-from service.engine.search import load_predictor
+from service.engine.loading import load_predictor
 from training.data import load_jsonl_split, rows_of_uids
 from training.params import HOLDOUT_FILE
 

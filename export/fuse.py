@@ -55,6 +55,7 @@ from service.engine.fusion import (
     memory_log_frequency,
 )
 from service.engine.lexical import KeyTerms, Lexicon
+from service.engine.loading import load_predictor
 from service.engine.manifest import (
     FUSION_MODEL_FILE,
     TOKENIZER_FILE,
@@ -65,7 +66,7 @@ from service.engine.manifest import (
     shard_list,
 )
 from service.engine.rae import aggregate_kept, keep_keys
-from service.engine.search import Predictor, load_predictor
+from service.engine.search import Predictor
 from training.data import XMCDataset, load_jsonl_split, rows_of_uids
 from training.params import HOLDOUT_FILE
 

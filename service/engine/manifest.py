@@ -201,6 +201,13 @@ def bundle_id_from(files: dict[str, str], prefix: str) -> str:
     return f"{prefix}-{hashlib.sha256(joined.encode()).hexdigest()[:12]}"
 
 
+def content_id(manifest: Manifest) -> str:
+    """The bundle id that ``manifest``'s files and RAE parameters give, e.g. ``labels-64d-<12 hex>``:
+    what the export writer names a bundle, and what a loader checks the claimed id against."""
+    rae = {"rae": manifest.rae.model_dump_json()} if manifest.rae else {}
+    return bundle_id_from(manifest.files | rae, prefix=f"{manifest.index_kind.replace('_', '-')}-{manifest.dim}d")
+
+
 def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 

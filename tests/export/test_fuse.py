@@ -25,9 +25,18 @@ from service.engine.fusion import (
     RegressionTree,
     groups_of,
 )
-from service.engine.manifest import FUSION_FILE, FUSION_MODEL_FILE, LEXICAL_FILE, MANIFEST_FILE, sha256_file
+from service.engine.loading import load_predictor
+from service.engine.manifest import (
+    FUSION_FILE,
+    FUSION_MODEL_FILE,
+    LEXICAL_FILE,
+    MANIFEST_FILE,
+    Manifest,
+    content_id,
+    sha256_file,
+)
 from service.engine.memory import AppendBatch, base_view, fetch_and_ef
-from service.engine.search import RankedSearch, load_predictor, merged_neighbours
+from service.engine.search import RankedSearch, merged_neighbours
 from service.engine.shards import ShardQuery
 from tests.service.engine.test_fusion import random_sklearn_tree, tree_from
 from training.data import load_jsonl_split
@@ -82,6 +91,7 @@ def old_fused(fused, tmp_path_factory):
     manifest["fusion"]["depth"] = tree.depth
     del manifest["files"][FUSION_MODEL_FILE]
     manifest["files"][FUSION_FILE] = sha256_file(old / FUSION_FILE)
+    manifest["bundle_id"] = content_id(Manifest.model_validate(manifest))  # as its export named it
     (old / MANIFEST_FILE).write_text(json.dumps(manifest))
     return old
 
