@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,16 @@ from bench.localserver import Server, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_DIR = ROOT / "data" / "debian-sample"
+
+
+def wait_for(condition, limit_s: float = 60, step_s: float = 0.1):
+    """Poll ``condition`` until it returns something truthy, and return that (bounded by ``limit_s``)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if result := condition():
+            return result
+        time.sleep(step_s)
+    raise AssertionError(f"condition not met within {limit_s}s")
 
 
 @pytest.fixture(scope="session")
