@@ -167,7 +167,10 @@ class Encoder:
         out: list[tuple[str, np.ndarray | None]] = [(self.bundle_id, None)] * len(requests)
         if len(live) < len(requests):
             self.expired.inc(len(requests) - len(live))
-        log.debug("encode: %d requests %s, %d expired", len(requests), request_ids(contexts), len(requests) - len(live))
+        if log.isEnabledFor(logging.DEBUG):  # the id list is built per batch: only when it is logged
+            log.debug(
+                "encode: %d requests %s, %d expired", len(requests), request_ids(contexts), len(requests) - len(live)
+            )
         if live:
             with self.tracing.part_span("encode", [c.trace_headers for c in contexts if c is not None]):
                 vectors, _ = await asyncio.to_thread(self.encoder.encode, [text for texts in live for text in texts])
@@ -214,7 +217,8 @@ class Shard:
         out: list[tuple[str, ShardAnswer | None]] = [(self.bundle_id, None)] * len(requests)
         if len(live) < len(requests):
             self.expired.inc(len(requests) - len(live))
-        log.debug("shard %d: %d requests %s", self.number, len(requests), request_ids(contexts))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("shard %d: %d requests %s", self.number, len(requests), request_ids(contexts))
         if live:
             traces = [c.trace_headers for c in contexts if c is not None]
             with self.tracing.part_span("search", traces, {"xmcserve.shard": self.number}):
