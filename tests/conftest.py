@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,6 +76,14 @@ def tiny_rae_bundle(distilbert_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bundles") / "tiny-rae"
     build_bundle(out, train.labels, train, distilbert_dir, ExportParams(dim=16, max_train=300, rae_top_b=50))
     return out
+
+
+@pytest.fixture
+def bundle_copy(tiny_rae_bundle, tmp_path) -> Path:
+    """A test's own copy of ``tiny_rae_bundle``, to corrupt or edit."""
+    target = tmp_path / "bundle"
+    shutil.copytree(tiny_rae_bundle, target)
+    return target
 
 
 @pytest.fixture(scope="session")
