@@ -192,6 +192,23 @@ def choose(pairs, fold, frequencies, num_train, params, min_gain, report) -> tup
     return chosen, results
 
 
+def held_out_instances(bundle: Path, run: Path, data: Path):
+    """(train, predictor, rows): the training split, the bundle's predictor (its memory checked
+    against that split) and the rows of the run's held-out instances."""
+    train = load_jsonl_split(data, "trn")
+    predictor = load_predictor(bundle)
+    check_memory(predictor, train)
+    return train, predictor, rows_of_uids(train, (run / HOLDOUT_FILE).read_text().split())
+
+
+def held_out_features(predictor, train, rows) -> tuple[ScoreFusion, KeyTerms, HeldOutPairs]:
+    """(unfitted, key_terms, pairs): the fusion with every feature group, not fitted yet, its key
+    terms, and the held-out instances' candidate pairs from both searches."""
+    unfitted, key_rows = unfitted_fusion(predictor, train, tuple(FEATURE_GROUPS))
+    key_terms = KeyTerms(key_rows)
+    return unfitted, key_terms, held_out_pairs(predictor, train, rows, unfitted, key_terms, "both")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", type=Path, required=True, help="an rae_memory bundle (fused or not)")
@@ -207,14 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dev", action="store_true", help="evaluate the chosen candidate on the dev split, once")
     parser.add_argument("--out", type=Path, default=Path("bench/results/fusion-models.json"), help="result JSON")
     args = parser.parse_args(argv)
-    train = load_jsonl_split(args.data, "trn")
-    predictor = load_predictor(args.bundle)
-    check_memory(predictor, train)
-    rows = rows_of_uids(train, (args.run / HOLDOUT_FILE).read_text().split())
+    train, predictor, rows = held_out_instances(args.bundle, args.run, args.data)
     started = time.perf_counter()
-    unfitted, key_rows = unfitted_fusion(predictor, train, tuple(FEATURE_GROUPS))
-    key_terms = KeyTerms(key_rows)
-    pairs = held_out_pairs(predictor, train, rows, unfitted, key_terms, "both")
+    unfitted, key_terms, pairs = held_out_features(predictor, train, rows)
     pair_seconds = time.perf_counter() - started
     frequencies, num_train = label_frequencies(train.Y), len(train)
     fold = fold_of_instances(len(rows), args.folds)

@@ -25,11 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from export.fuse import check_memory, fit_model, held_out_pairs, onnx_fusion_model, unfitted_fusion
-from service.engine.fusion import FEATURE_GROUPS, RegressionTree
-from service.engine.lexical import KeyTerms
-from service.engine.loading import load_predictor
-from training.data import load_jsonl_split, rows_of_uids
+from bench.fusion_models import held_out_features, held_out_instances
+from export.fuse import fit_model, onnx_fusion_model
+from service.engine.fusion import RegressionTree
 from training.params import HOLDOUT_FILE
 
 
@@ -49,12 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trees", type=int, default=100, help="boosting rounds of the GBDT and LambdaMART")
     parser.add_argument("--out", type=Path, default=Path("bench/results/fusion-onnx-parity.json"), help="result JSON")
     args = parser.parse_args(argv)
-    train = load_jsonl_split(args.data, "trn")
-    predictor = load_predictor(args.bundle)
-    check_memory(predictor, train)
-    rows = rows_of_uids(train, (args.run / HOLDOUT_FILE).read_text().split())
-    unfitted, key_rows = unfitted_fusion(predictor, train, tuple(FEATURE_GROUPS))
-    pairs = held_out_pairs(predictor, train, rows, unfitted, KeyTerms(key_rows), "both")
+    train, predictor, rows = held_out_instances(args.bundle, args.run, args.data)
+    unfitted, _, pairs = held_out_features(predictor, train, rows)
     features = unfitted.features
 
     fitted = {

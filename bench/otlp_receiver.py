@@ -10,24 +10,33 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 
+class ExportHandler(BaseHTTPRequestHandler):
+    """Answers every POST with an empty OTLP success after handing its body to :meth:`received`."""
+
+    def received(self, body: bytes) -> None:
+        raise NotImplementedError
+
+    def do_POST(self):
+        self.received(self.rfile.read(int(self.headers.get("content-length", 0))))
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
 class OtlpReceiver:
     def __init__(self):
         self.spans: list[dict] = []
         self._lock = threading.Lock()
         receiver = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+        class Handler(ExportHandler):
+            def received(self, body: bytes) -> None:
                 if self.path == "/v1/traces":
                     receiver.add(ExportTraceServiceRequest.FromString(body))
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
@@ -83,17 +92,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     received = {"exports": 0, "bytes": 0}
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            received["bytes"] += len(self.rfile.read(int(self.headers.get("content-length", 0))))
+    class Handler(ExportHandler):
+        def received(self, body: bytes) -> None:
+            received["bytes"] += len(body)
             received["exports"] += 1
-            self.send_response(200)
-            self.send_header("content-type", "application/x-protobuf")
-            self.send_header("content-length", "0")
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
 
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     try:

@@ -36,6 +36,7 @@ from typing import Any
 
 import scipy.sparse as sp
 
+from service.engine.append_log import sync_directory
 from service.engine.manifest import MANIFEST_FILE, VALUES_FILE, Manifest, Shard, content_id, sha256_file
 from service.engine.rae import build_values
 
@@ -131,17 +132,8 @@ def remove_stale(out: Path) -> None:
                     continue
                 if kind == REPLACED and not out.exists() and (leftover / out.name).is_dir():
                     (leftover / out.name).rename(out)
-                    fsync_directory(out.parent)
+                    sync_directory(out.parent)
                 shutil.rmtree(leftover, ignore_errors=True)
-
-
-def fsync_directory(directory: Path) -> None:
-    """Make the entries of ``directory`` (names created, renamed or removed) durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_tree(directory: Path) -> None:
@@ -153,7 +145,7 @@ def fsync_tree(directory: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        fsync_directory(Path(root))
+        sync_directory(Path(root))
 
 
 _AT_FDCWD = -100
@@ -193,10 +185,10 @@ def _staging_dir(out: Path) -> Iterator[Path]:
 def _move_into_place(stage: Path, out: Path) -> None:
     if not out.exists():
         stage.rename(out)
-        fsync_directory(out.parent)
+        sync_directory(out.parent)
         return
     if exchange(stage, out):  # the new bundle at ``out``, the old one at ``stage``: delete it
-        fsync_directory(out.parent)
+        sync_directory(out.parent)
         shutil.rmtree(stage, ignore_errors=True)
         return
     # No exchange: the old bundle moves aside first (a reader never sees it half-deleted); a
@@ -208,5 +200,5 @@ def _move_into_place(stage: Path, out: Path) -> None:
     except BaseException:
         (retired / out.name).rename(out)
         raise
-    fsync_directory(out.parent)
+    sync_directory(out.parent)
     shutil.rmtree(retired, ignore_errors=True)

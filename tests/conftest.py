@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +13,16 @@ from bench.localserver import Server, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_DIR = ROOT / "data" / "debian-sample"
+
+
+def wait_for(condition, limit_s: float = 60, step_s: float = 0.1):
+    """Poll ``condition`` until it returns something truthy, and return that (bounded by ``limit_s``)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        if result := condition():
+            return result
+        time.sleep(step_s)
+    raise AssertionError(f"condition not met within {limit_s}s")
 
 
 @pytest.fixture(scope="session")
@@ -64,6 +76,14 @@ def tiny_rae_bundle(distilbert_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bundles") / "tiny-rae"
     build_bundle(out, train.labels, train, distilbert_dir, ExportParams(dim=16, max_train=300, rae_top_b=50))
     return out
+
+
+@pytest.fixture
+def bundle_copy(tiny_rae_bundle, tmp_path) -> Path:
+    """A test's own copy of ``tiny_rae_bundle``, to corrupt or edit."""
+    target = tmp_path / "bundle"
+    shutil.copytree(tiny_rae_bundle, target)
+    return target
 
 
 @pytest.fixture(scope="session")

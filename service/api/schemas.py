@@ -45,10 +45,14 @@ class PredictRequestBase(BaseModel):
     def all_texts(self) -> list[str]:
         return [self.text] if self.text is not None else list(self.texts)
 
+    def text_count(self) -> int:
+        """``len(self.all_texts())`` without building the list (the checks below ask it often)."""
+        return 1 if self.text is not None else len(self.texts)
+
     def exclusions(self) -> list[list[str]]:
         """One list of excluded label uids per text; a flat list is one object shared by all
         texts (never copied per text: 64 copies of a large list were 64 times its memory)."""
-        n = len(self.all_texts())
+        n = self.text_count()
         if not self.exclude:
             return [[]] * n
         if isinstance(self.exclude[0], list):
@@ -165,16 +169,17 @@ def build_predict_request(limits: LimitSettings) -> type[PredictRequestBase]:
         def _one_input(self) -> PredictRequest:
             if (self.text is None) == (self.texts is None):
                 raise ValueError("give exactly one of 'text' or 'texts'")
-            labels = len(self.all_texts()) * self.k
+            count = self.text_count()
+            labels = count * self.k
             if labels > limits.max_labels_per_response:
                 raise ValueError(
-                    f"{len(self.all_texts())} texts x k {self.k} = {labels} labels; the limit per response is "
+                    f"{count} texts x k {self.k} = {labels} labels; the limit per response is "
                     f"{limits.max_labels_per_response} (XMCSERVE_MAX_LABELS_PER_RESPONSE): ask for fewer texts or a "
                     "smaller k"
                 )
-            if self.exclude and isinstance(self.exclude[0], list) and len(self.exclude) != len(self.all_texts()):
+            if self.exclude and isinstance(self.exclude[0], list) and len(self.exclude) != count:
                 raise ValueError(
-                    f"'exclude' has {len(self.exclude)} lists for {len(self.all_texts())} texts; "
+                    f"'exclude' has {len(self.exclude)} lists for {count} texts; "
                     "give one list per text or a single flat list"
                 )
             return self

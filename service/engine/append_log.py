@@ -237,7 +237,8 @@ def appends_dir_beside(bundle_path: Path) -> Path:
 
 
 def sync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    """Make the entries of directory ``path`` (names created, renamed or removed) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:

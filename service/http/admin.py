@@ -20,7 +20,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 
 from service.api.schemas import ConfigUpdate, ReloadRequest, build_append_request
 from service.engine import AppendIdReused, AppendLogError, AppendRefused, BundleError
-from service.http.state import ServingState, load_for_serving
+from service.http.state import ServingState, load_for_serving, refused_fields
 
 log = logging.getLogger("xmcserve.admin")
 
@@ -80,7 +80,7 @@ def add_admin_routes(app: FastAPI) -> None:
                     path,
                     body.variant,
                     exc,
-                    extra={"event": "bundle_refused", "variant": body.variant, "path": str(path), "reason": str(exc)},
+                    extra=refused_fields(body.variant, path, exc),
                 )
                 raise HTTPException(422, f"bundle refused, variant {body.variant} unchanged: {exc}") from None
             previous = state.install(body.variant, predictor, str(path))

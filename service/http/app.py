@@ -31,7 +31,7 @@ from service.http.guards import ShedBeforeParsingMiddleware, method_label
 from service.http.metrics import Metrics
 from service.http.rollout_page import add_rollout_routes
 from service.http.settings import Settings
-from service.http.state import ServingState, load_for_serving
+from service.http.state import ServingState, load_for_serving, refused_fields
 from service.observability.logs import resolved_format
 from service.observability.requests import RequestContextMiddleware
 from service.observability.tracing import Tracing
@@ -165,12 +165,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
                 "bundle %s refused, not starting: %s",
                 settings.bundle_dir,
                 exc,
-                extra={
-                    "event": "bundle_refused",
-                    "variant": PRIMARY,
-                    "path": str(settings.bundle_dir),
-                    "reason": str(exc),
-                },
+                extra=refused_fields(PRIMARY, settings.bundle_dir, exc),
             )
             raise
         state.install(PRIMARY, predictor, str(settings.bundle_dir))
@@ -181,12 +176,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
                 log.error(
                     "candidate bundle refused, serving A only: %s",
                     exc,
-                    extra={
-                        "event": "bundle_refused",
-                        "variant": CANDIDATE,
-                        "path": str(candidate_dir),
-                        "reason": str(exc),
-                    },
+                    extra=refused_fields(CANDIDATE, candidate_dir, exc),
                 )
         variants.start()
         state.shadow = build_shadow(settings, metrics)

@@ -20,13 +20,11 @@ from service.engine.batcher import BatcherConfig
 from service.engine.encoder import EncoderOptions, thread_layout
 from service.rollout.shadow import ShadowConfig
 
-_group = settings_group
-
 
 class BatchingSettings(BaseSettings):
     """The micro-batcher of each variant (defaults measured with bench/serving.py)."""
 
-    model_config = _group()
+    model_config = settings_group()
 
     max_batch_size: int = Field(32, ge=1, description="most texts per micro-batch")
     max_wait_ms: float = Field(
@@ -48,7 +46,7 @@ class BatchingSettings(BaseSettings):
 class RolloutSettings(BaseSettings):
     """The candidate (B) and the share of live traffic it answers."""
 
-    model_config = _group()
+    model_config = settings_group()
 
     candidate_bundle_dir: Path | None = Field(None, description="variant B loaded at start-up (optional)")
     split_b: float = Field(0.0, ge=0.0, le=1.0, description="share of requests routed to B (sticky per X-Request-Key)")
@@ -57,7 +55,7 @@ class RolloutSettings(BaseSettings):
 class ShadowSettings(BaseSettings):
     """Mirroring to a remote shadow (another xmcserve, or anything answering /predict)."""
 
-    model_config = _group("SHADOW_")
+    model_config = settings_group("SHADOW_")
 
     url: str | None = Field(None, description="base URL of the shadow; unset: no mirroring")
     fraction: float = Field(0.0, ge=0.0, le=1.0, description="share of A's requests mirrored")
@@ -85,7 +83,7 @@ class ShadowSettings(BaseSettings):
 class LogSettings(BaseSettings):
     """Logs (:mod:`service.observability.logs`); tracing is configured by the standard ``OTEL_*`` variables."""
 
-    model_config = _group("LOG_")
+    model_config = settings_group("LOG_")
 
     format: Literal["auto", "json", "text"] = Field(
         "auto", description="json (one object a line), text (readable), auto: text on a terminal, else json"
@@ -105,7 +103,7 @@ class LogSettings(BaseSettings):
 class AdminSettings(BaseSettings):
     """The token-protected /admin/* API."""
 
-    model_config = _group("ADMIN_")
+    model_config = settings_group("ADMIN_")
 
     token: SecretStr | None = Field(
         None, description="enables /admin/*; clients send it as X-Admin-Token or Authorization: Bearer"
@@ -136,7 +134,7 @@ class AdminSettings(BaseSettings):
 class ServerSettings(BaseSettings):
     """The HTTP server (``python -m service.http``): where it listens and the connection limits."""
 
-    model_config = _group()
+    model_config = settings_group()
 
     host: str = Field("127.0.0.1", description="address to listen on")
     port: int = Field(8000, ge=1, le=65535, description="port to listen on")
@@ -162,7 +160,7 @@ class ServerSettings(BaseSettings):
 class Settings(BaseSettings):
     """The whole server configuration: the bundle and its runtime, then one group per concern."""
 
-    model_config = _group()
+    model_config = settings_group()
 
     bundle_dir: Path = Field(Path("bundles/default"), description="bundle served at start-up")
     providers: Literal["auto", "cpu", "cuda"] = Field(

@@ -27,6 +27,11 @@ log = logging.getLogger("xmcserve.admin")
 VET_BASE_BYTES = 1 << 30
 
 
+def refused_fields(variant: str, path: Path | str, exc: Exception) -> dict:
+    """The structured fields of the log line saying a bundle was refused for ``variant``."""
+    return {"event": "bundle_refused", "variant": variant, "path": str(path), "reason": str(exc)}
+
+
 async def load_for_serving(path: Path, settings: Settings, vet: bool = True) -> Predictor:
     """Load, verify and warm a bundle off the event loop (the loop keeps serving meanwhile).
     With ``vet``, a child process under a memory limit (1 GiB + 4x the bundle's files) loads it

@@ -109,6 +109,9 @@ class RequestContextMiddleware:
             REQUEST_ID.reset(token)
 
     def log(self, scope, state: dict, headers: dict, status: int, error_body: bytes, seconds: float) -> None:
+        level = logging.WARNING if status >= 500 else logging.INFO
+        if not access_log.isEnabledFor(level):  # e.g. XMCSERVE_LOG_LEVEL=WARNING: build nothing per request
+            return
         route = getattr(scope.get("route"), "path", None) or scope["path"][:200]
         fields = {
             "request_id": state["request_id"],
@@ -133,4 +136,4 @@ class RequestContextMiddleware:
             message += " " + " ".join(
                 f"{k}={v}" for k, v in fields.items() if k not in ("request_id", "method", "route", "status")
             )
-        access_log.log(logging.WARNING if status >= 500 else logging.INFO, message, extra=fields)
+        access_log.log(level, message, extra=fields)

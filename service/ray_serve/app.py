@@ -51,7 +51,7 @@ from service.engine.shards import ShardAnswer, ShardQuery
 from service.observability.logs import REQUEST_ID
 from service.observability.requests import RequestContextMiddleware
 from service.observability.tracing import Tracing
-from service.ray_serve.calls import CallContext, PartCaller, PartUnavailable, split_expired, time_left
+from service.ray_serve.calls import HEDGE_FRACTION, CallContext, PartCaller, PartUnavailable, split_expired, time_left
 
 log = logging.getLogger("xmcserve.ray")
 
@@ -105,7 +105,7 @@ class AppArgs(BaseModel):
         "first runs, the first answer wins (a replica on a lost node is silent until the node is declared dead)",
     )
     hedge_fraction: float = Field(
-        0.1,
+        HEDGE_FRACTION,
         ge=0,
         le=1,
         description="hedges the ingress may send to a part, as a share of its calls to it (with up to 10 saved "
@@ -167,7 +167,10 @@ class Encoder:
         out: list[tuple[str, np.ndarray | None]] = [(self.bundle_id, None)] * len(requests)
         if len(live) < len(requests):
             self.expired.inc(len(requests) - len(live))
-        log.debug("encode: %d requests %s, %d expired", len(requests), request_ids(contexts), len(requests) - len(live))
+        if log.isEnabledFor(logging.DEBUG):  # the id list is built per batch: only when it is logged
+            log.debug(
+                "encode: %d requests %s, %d expired", len(requests), request_ids(contexts), len(requests) - len(live)
+            )
         if live:
             with self.tracing.part_span("encode", [c.trace_headers for c in contexts if c is not None]):
                 vectors, _ = await asyncio.to_thread(self.encoder.encode, [text for texts in live for text in texts])
@@ -214,7 +217,8 @@ class Shard:
         out: list[tuple[str, ShardAnswer | None]] = [(self.bundle_id, None)] * len(requests)
         if len(live) < len(requests):
             self.expired.inc(len(requests) - len(live))
-        log.debug("shard %d: %d requests %s", self.number, len(requests), request_ids(contexts))
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("shard %d: %d requests %s", self.number, len(requests), request_ids(contexts))
         if live:
             traces = [c.trace_headers for c in contexts if c is not None]
             with self.tracing.part_span("search", traces, {"xmcserve.shard": self.number}):
@@ -266,7 +270,7 @@ class Ingress:
         verify: bool,
         attempt_timeout_s: float,
         max_batch_texts: int,
-        hedge_fraction: float = 0.1,
+        hedge_fraction: float = HEDGE_FRACTION,
     ):
         self.manifest, uids, texts = load_labels(bundle_dir, verify)
         self.fusion = load_fusion(Path(bundle_dir), self.manifest, verify)

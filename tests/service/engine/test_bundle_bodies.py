@@ -3,7 +3,6 @@ range is refused with the file and the reason before hnswlib or scipy read it (i
 child too), rather than crashing a search or answering garbage on the rows a query touches."""
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -12,13 +11,6 @@ import scipy.sparse as sp
 from service.engine import vet_in_child
 from service.engine.bundle import HNSW_HEADER, BundleError, load_bundle, load_shard_key_terms
 from service.engine.manifest import INDEX_FILE, LEXICAL_FILE, MANIFEST_FILE, VALUES_FILE, FusionParams, sha256_file
-
-
-@pytest.fixture
-def bundle_copy(tiny_rae_bundle, tmp_path):
-    target = tmp_path / "bundle"
-    shutil.copytree(tiny_rae_bundle, target)
-    return target
 
 
 def resign(path, name):

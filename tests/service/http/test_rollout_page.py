@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from bench.localserver import start_server, stop_server
 from service.http.app import create_app
 from service.http.settings import Settings
+from tests.conftest import wait_for
 
 TOKEN = "rollout-token"
 ADMIN = {"X-Admin-Token": TOKEN}
@@ -25,17 +26,6 @@ TEXTS = [
     "python3-numpy: Fast array facility to the Python 3 language",
     "libssl-dev: Secure Sockets Layer toolkit - development files",
 ]
-
-
-def wait_for(condition, limit_s: float = 60, step_s: float = 0.2):
-    import time
-
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if result := condition():
-            return result
-        time.sleep(step_s)
-    raise AssertionError(f"condition not met within {limit_s}s")
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +59,8 @@ def mirrored_traffic(primary, count: int) -> int:
             text = f"python3-module-{i}: a Python module" if i % 2 else f"lib{i}-dev: development files"
             assert client.post("/predict", json={"text": text, "k": 5}).status_code == 200
         return wait_for(
-            lambda: len(c := client.get("/admin/agreement", headers=ADMIN).json()["compared"]) >= count and len(c)
+            lambda: len(c := client.get("/admin/agreement", headers=ADMIN).json()["compared"]) >= count and len(c),
+            step_s=0.2,
         )
 
 

@@ -3,13 +3,13 @@ are dead or slow never delaying the primary."""
 
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
 
 from bench.localserver import free_port, start_server, stop_server
+from tests.conftest import wait_for
 
 TOKEN = "s3cret-token"
 ADMIN = {"X-Admin-Token": TOKEN}
@@ -166,16 +166,6 @@ def dropped_counts(client: httpx.Client) -> dict[str, float]:
             reason = line.split('reason="')[1].split('"')[0]
             out[reason] = float(line.rsplit(" ", 1)[1])
     return out
-
-
-def wait_for(condition, limit_s: float = 60, step_s: float = 0.1):
-    """Poll ``condition`` until it returns something truthy (bounded by ``limit_s``)."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        if result := condition():
-            return result
-        time.sleep(step_s)
-    raise AssertionError(f"condition not met within {limit_s}s")
 
 
 @pytest.mark.parametrize("shadow_kind", ["dead", "hanging"])
