@@ -163,3 +163,13 @@ def test_a_machine_without_a_compiler_is_pointed_at_the_readme_prerequisites(tmp
     assert done.returncode != 0
     assert "README.md, Prerequisites" in done.stderr, done.stderr
     assert "no C++ compiler" in done.stderr or "no Python headers" in done.stderr, done.stderr
+
+
+def test_ray_image_and_its_stand_in_use_the_ray_extras_pin():
+    """Dockerfile.ray installs `.[cpu]` only, relying on the base's Ray: base tag, stand-in and the
+    `ray` extra must name one release."""
+    pin = re.search(r'"ray\[serve\]==([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    base = re.search(r"^ARG RAY_IMAGE=rayproject/ray:([^-\s]+)-py311", (DEPLOY / "Dockerfile.ray").read_text(), re.M)
+    standin = re.search(r"^ARG RAY_VERSION=(\S+)", (DEPLOY / "checks/standins/ray.Containerfile").read_text(), re.M)
+    assert base and standin
+    assert base.group(1) == pin == standin.group(1)
