@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -52,10 +53,12 @@ def start_server(
     app: str | None = None,
     nice: int = 0,
     cpus: set[int] | None = None,
+    file_size_limit: int | None = None,
 ) -> Server:
     """Start xmcserve (``python -m service.http``), or ``uvicorn <app> --factory`` for another
     app, on a free loopback port serving ``bundle_dir``; wait for /readyz. ``cpus`` pins the
-    server (and every thread and child it starts) to those cores."""
+    server (and every thread and child it starts) to those cores; ``file_size_limit``: the
+    largest file the server may write (RLIMIT_FSIZE: a full disk, for fault tests)."""
     port = free_port()
     env = {**os.environ, "XMCSERVE_BUNDLE_DIR": str(bundle_dir), **(extra_env or {})}
     with open(log_path, "w") as log_fh:  # the child keeps its own copy of the descriptor
@@ -68,7 +71,7 @@ def start_server(
             env=env,
             stdout=log_fh,
             stderr=subprocess.STDOUT,
-            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+            preexec_fn=(lambda: limit_process(cpus, file_size_limit)) if cpus or file_size_limit else None,
         )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
@@ -83,6 +86,14 @@ def start_server(
         time.sleep(0.25)
     process.kill()
     raise RuntimeError(f"server not ready after {timeout_s}s:\n{log_path.read_text()}")
+
+
+def limit_process(cpus: set[int] | None, file_size_limit: int | None) -> None:
+    """In the server's process before it starts: its cores and its largest file."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    if file_size_limit is not None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
 
 
 def stop_server(server: Server) -> None:

@@ -185,6 +185,18 @@ def main(argv: list[str] | None = None) -> int:
         "--rae-mode", default=ExportParams.rae_mode, choices=("joint", "split"), help="RAE mode of the trained memory"
     )
     parser.add_argument("--name", default="xmcserve-unidec", help="row name prefix of the trained checkpoint")
+    parser.add_argument(
+        "--fusion-model",
+        choices=("tree", "gbdt", "lambdarank"),
+        default="tree",
+        help="the fused rows' model (export.fuse --model; bench.fusion_models says which)",
+    )
+    parser.add_argument(
+        "--fusion-extra-features",
+        nargs="*",
+        default=[],
+        help="optional feature groups of the fused rows (export.fuse --extra-features)",
+    )
     parser.add_argument("--run-notes", default="", help="added to the trained rows' notes (e.g. where it trained)")
     parser.add_argument(
         "--add-run",
@@ -257,7 +269,7 @@ TRAINED_SUFFIXES = (
 )
 # The fused rows of a run with held-out instances: (row suffix, lexical features, what the note says).
 FUSIONS = (
-    ("-fused", True, "score fusion (NGAME App. C tree over the RAE and lexical features, export.fuse)"),
+    ("-fused", True, "score fusion (export.fuse, ONNX TreeEnsemble over the RAE and lexical features)"),
     ("-fused-rae-features", False, "score fusion over the RAE features alone (no lexical features)"),
 )
 
@@ -322,8 +334,11 @@ def trained_rows(args, checkpoint: Path, train, dev, halves: bool, int8: bool) -
         for suffix, lexical, what in FUSIONS:
             fused = best_bundle.with_name(f"{best_bundle.name}{suffix}")
             if not (fused / "manifest.json").is_file():
-                fuse_bundle(best_bundle, args.run, train, fused, force=True, lexical=lexical)
-            queries = load_bundle(fused).manifest.fusion.queries
+                groups = ("rae", *(("lexical",) if lexical else ()), *args.fusion_extra_features)
+                fuse_bundle(best_bundle, args.run, train, fused, args.fusion_model, force=True, groups=groups)
+            fusion = load_bundle(fused).manifest.fusion
+            queries = fusion.queries
+            what = f"{what}; model {fusion.kind} {fusion.model_params}, features {fusion.features}"
             systems[f"{args.name}-rae-64d{suffix}"] = bundle_row(
                 fused,
                 dev,

@@ -7,7 +7,13 @@ extended. Label ids do not change, so clients' stored ids stay valid. The encode
 head files are the source's (hard-linked); the manifest records the source id and the number of
 appends folded in (``params.compacted_from``, ``params.appends``).
 
-Serve the result with an empty append log (its bundle id is new, so the old log does not apply).
+The source may be serving meanwhile: its log is only read (no lock, no repair), up to the last
+complete record, and the manifest records how far (``params.source_logs``: each log's path
+relative to the compacted bundle's log directory, byte offset and sha256 of what was folded).
+Loading the compacted bundle replays those logs past that offset, then its own log, so the
+appends the source acknowledged while the compaction ran are kept. Serve it with the same log
+directory setting the compaction was given (``--appends-dir`` = ``XMCSERVE_APPEND_LOG_DIR``, or
+neither: each bundle's ``<bundle>.appends/``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -24,10 +31,11 @@ from export.build import write_index, write_labels
 from export.derive import fusion_files, link_or_copy, write_key_terms
 from export.params import ExportParams
 from export.writer import refuse_existing, write_bundle
+from service.engine.append_log import appends_dir_beside
 from service.engine.fusion import ScoreFusion
+from service.engine.loading import SOURCE_LOGS, load_for_reading
 from service.engine.manifest import INDEX_FILE, LABELS_FILE, MANIFEST_FILE, Counts, Manifest, Shard, shard_list, utc_now
-from service.engine.memory import MemoryView, appends_dir_beside
-from service.engine.search import load_predictor
+from service.engine.memory import MemoryView
 from training.data import LabelSpace
 
 
@@ -35,8 +43,14 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
     """The bundle ``source`` with the appends of its log (in ``appends_dir``, default beside it)
     folded in, written to ``out``."""
     refuse_existing(out, force)
-    source = Path(source).resolve()
-    predictor = load_predictor(source, appends_dir=appends_dir or appends_dir_beside(source))
+    source, out = Path(source).resolve(), Path(out).resolve()
+    predictor, reads = load_for_reading(source, Path(appends_dir or appends_dir_beside(source)).resolve())
+    # where the compacted bundle's own log will be: source logs are named relative to it
+    target_dir = Path(appends_dir).resolve() if appends_dir is not None else appends_dir_beside(out)
+    source_logs = [
+        {"bundle_id": r.bundle_id, "log": os.path.relpath(r.path, target_dir), "offset": r.size, "sha256": r.sha256}
+        for r in reads
+    ]
     bundle, view = predictor.bundle, predictor.view
     src = bundle.manifest
     keys = np.asarray(bundle.index.get_items(np.arange(view.num_keys)), dtype=np.float32)
@@ -60,7 +74,7 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
         memory_Y = instance_labels(view, instance_rows) if view.values is not None else None
         shards = write_index(stage, keys[order], memory_Y, params)
         if bundle.fusion is not None:
-            carried_fusion(bundle.fusion, view.num_labels).save(stage / src.fusion.file)
+            carried_fusion(bundle.fusion, view.num_labels).save(stage, src.fusion)
         if bundle.key_terms is not None:  # a lexical fusion: the keys' term vectors in the new key order
             terms = bundle.key_terms.rows
             if view.appended_key_terms is not None:
@@ -72,17 +86,22 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
             "created_at": utc_now(),
             "counts": counts,
             "shards": shards,
-            "params": {**src.params, "compacted_from": src.bundle_id, "appends": view.version},
+            "params": {
+                **src.params,
+                "compacted_from": src.bundle_id,
+                "appends": view.version,
+                SOURCE_LOGS: source_logs,
+            },
         }
 
     return write_bundle(out, populate, force)
 
 
 def carried_fusion(fusion: ScoreFusion, num_labels: int) -> ScoreFusion:
-    """The same tree (and lexicon) with frequency 0 for the labels appended since export: what
+    """The same model (and lexicon, features) with frequency 0 for the labels appended since export: what
     the live memory used for them, so the compacted bundle answers as the grown one did."""
     appended = np.zeros(num_labels - len(fusion.log_frequency), dtype=np.float32)
-    return ScoreFusion(fusion.tree, np.concatenate([fusion.log_frequency, appended]), fusion.lexicon)
+    return ScoreFusion(fusion.model, np.concatenate([fusion.log_frequency, appended]), fusion.lexicon, fusion.features)
 
 
 def canonical_order(view: MemoryView) -> tuple[np.ndarray, np.ndarray]:

@@ -87,7 +87,7 @@ def derive_fused_bundle(
         for name in src.files:
             if name not in replaced:
                 link_or_copy(source / name, stage / name)
-        fusion.save(stage / params.file)
+        fusion.save(stage, params)
         if key_terms is not None:
             write_key_terms(stage, key_terms, params.lexical, shard_list(src))
         return src.model_dump(exclude={"bundle_id", "files"}) | {
@@ -111,7 +111,8 @@ def fusion_files(manifest: Manifest) -> set[str]:
     """The files of ``manifest``'s score fusion (none without one)."""
     if manifest.fusion is None:
         return set()
-    return {manifest.fusion.file, *(manifest.fusion.lexical or [])}
+    fusion = manifest.fusion
+    return {fusion.file, *([fusion.model] if fusion.model else []), *(fusion.lexical or [])}
 
 
 def link_or_copy(src: Path, dst: Path) -> None:

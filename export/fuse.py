@@ -7,9 +7,17 @@ instances, and write it as a derived bundle.
 The held-out instances (``<run>/holdout.txt``, written by a run with ``TrainParams.holdout``)
 were never trained on, but they are keys of the bundle's memory: each is searched through the
 bundle's own encoder and index as a query with its own key removed (leave one out). Every
-candidate label the search gives it becomes one pair (target 1 when the label is relevant), and a
-regression tree (NGAME App. C: depth 7) is fitted to the pairs. The dev and test splits are never
-read.
+candidate label the search gives it becomes one pair (target 1 when the label is relevant), and the
+fusion's model T is fitted to the pairs (``--model``): one regression tree (NGAME App. C: depth 7,
+scikit-learn), gradient-boosted regression trees (LightGBM) or LambdaMART (LightGBM lambdarank,
+each search of a held-out instance a group, boosted from p̂ so that p̂ + T is what it ranks by).
+The dev and test splits are never read.
+
+T is converted by the maintained converter of its library (skl2onnx, onnxmltools) into an
+ai.onnx.ml TreeEnsemble ONNX model, ``fusion.onnx``, which the service runs with ONNX Runtime.
+φ is cast to float32, the precision the service scores at, before the fit, and the export checks
+ONNX Runtime's scores of every pair against the library's own (the max |difference| goes into the
+manifest; above :data:`PARITY_BOUND` the export is refused).
 
 Each held-out instance is searched twice, as the service is called two ways: with its filter-file
 labels excluded before aggregation (a caller's ``exclude``), and blind to them, its same-item
@@ -19,7 +27,9 @@ pairs ranks both kinds of call (``--fit-on``).
 
 By default the fusion is lexical (:mod:`service.engine.lexical`): the idf of the memory's texts
 (its training instances and labels) is fitted here, every key's term vector is written beside the
-fusion (one file per shard) and φ gains the lexical features.
+fusion (one file per shard) and φ gains the lexical features. ``--extra-features`` adds the
+cheap optional groups of :data:`service.engine.fusion.FEATURE_GROUPS`; ``bench.fusion_models``
+says, on a validation split of the held-out instances, which of them and which model to use.
 """
 
 from __future__ import annotations
@@ -28,21 +38,35 @@ import argparse
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
 import numpy as np
 import scipy.sparse as sp
-from sklearn.tree import DecisionTreeRegressor
 
 from export.derive import derive_fused_bundle
 from export.writer import refuse_existing
-from service.engine.fusion import RegressionTree, ScoreFusion, memory_log_frequency
+from service.engine.fusion import (
+    OPTIONAL_GROUPS,
+    OnnxTreeEnsemble,
+    ScoreFusion,
+    features_of_groups,
+    memory_log_frequency,
+)
 from service.engine.lexical import KeyTerms, Lexicon
-from service.engine.manifest import TOKENIZER_FILE, FusionParams, Manifest, lexical_file_names, shard_list
+from service.engine.loading import load_predictor
+from service.engine.manifest import (
+    FUSION_MODEL_FILE,
+    TOKENIZER_FILE,
+    FusionModelKind,
+    FusionParams,
+    Manifest,
+    lexical_file_names,
+    shard_list,
+)
 from service.engine.rae import aggregate_kept, keep_keys
-from service.engine.search import Predictor, load_predictor
+from service.engine.search import Predictor
 from training.data import XMCDataset, load_jsonl_split, rows_of_uids
 from training.params import HOLDOUT_FILE
 
@@ -50,20 +74,62 @@ log = logging.getLogger("xmcserve.fuse")
 
 # Queries searched and featurised at once (bounds the key and feature arrays).
 QUERY_BLOCK = 256
-# Which searches of the held-out instances the tree is fitted on (see the module docstring).
+# Which searches of the held-out instances the model is fitted on (see the module docstring).
 FitOn = Literal["both", "exclude"]
+# The most |ONNX Runtime − fitting library| an exported model may differ by on its pairs: float32
+# sums of leaf values, far below any difference between two candidates' fused scores that matters.
+PARITY_BOUND = 1e-4
+# ai.onnx.ml opset 3 / ONNX opset 15: what skl2onnx and onnxmltools both write TreeEnsembleRegressor in
+ONNX_OPSETS = {"": 15, "ai.onnx.ml": 3}
+DEFAULT_PARAMS: dict[str, dict] = {
+    "tree": {"depth": 7, "min_leaf": 50},
+    "gbdt": {"trees": 100, "depth": 6, "leaves": 31, "min_leaf": 20, "learning_rate": 0.1},
+    "lambdarank": {"trees": 100, "depth": 6, "leaves": 31, "min_leaf": 20, "learning_rate": 0.1},
+}
 
 
 @dataclass
-class FusionFit:
-    """The fitted fusion (with its keys' term vectors when lexical) and what it was fitted on."""
+class HeldOutPairs:
+    """Every (held-out search, candidate label) pair: φ (float32 values), the target, which
+    search (``query``, numbered from 0, pairs of a search contiguous) and which label it is, and
+    each search's relevant labels (its filter labels left out)."""
 
-    fusion: ScoreFusion
-    key_terms: sp.csr_matrix | None
-    queries: int
-    pairs: int
-    positives_found: float  # share of the queries' relevant labels among their candidates
-    seconds: float
+    X: np.ndarray
+    y: np.ndarray
+    query: np.ndarray
+    labels: np.ndarray
+    relevant: list[np.ndarray]
+    found: float  # share of the relevant labels among the candidates, over the searches
+
+    @classmethod
+    def joined(cls, parts: list[HeldOutPairs]) -> HeldOutPairs:
+        offsets = np.cumsum([0] + [len(part.relevant) for part in parts])
+        return cls(
+            X=np.concatenate([part.X for part in parts]),
+            y=np.concatenate([part.y for part in parts]),
+            query=np.concatenate([part.query + offset for part, offset in zip(parts, offsets, strict=False)]),
+            labels=np.concatenate([part.labels for part in parts]),
+            relevant=[r for part in parts for r in part.relevant],
+            found=float(np.mean([part.found for part in parts])),
+        )
+
+    def subset(self, searches: np.ndarray) -> HeldOutPairs:
+        """The pairs of ``searches`` (renumbered in that order)."""
+        searches = np.sort(searches)
+        at = np.isin(self.query, searches)
+        return HeldOutPairs(
+            X=self.X[at],
+            y=self.y[at],
+            query=np.searchsorted(searches, self.query[at]),
+            labels=self.labels[at],
+            relevant=[self.relevant[q] for q in searches],
+            found=self.found,
+        )
+
+    def group_sizes(self) -> np.ndarray:
+        """Pairs per search, in order, searches without a candidate left out (LightGBM's ``group``)."""
+        sizes = np.bincount(self.query, minlength=len(self.relevant))
+        return sizes[sizes > 0]
 
 
 def leave_one_out(keys: np.ndarray, sims: np.ndarray, own_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -84,13 +150,13 @@ def pairs_of(
     unfitted: ScoreFusion,
     key_terms: KeyTerms | None,
     excluding: bool,
-):
+) -> HeldOutPairs:
     """φ (``unfitted.features``) and targets of every (held-out instance, candidate label) pair,
     searched as the service searches (``rows``: the instances, which are also keys ``rows`` of
     the memory), with their filter labels excluded or (``excluding`` False) left out of the pairs."""
     manifest, view = predictor.bundle.manifest, predictor.view
     rae, filters = manifest.rae, train.filter_sets()
-    features, targets, found = [], [], 0.0
+    features, targets, queries, labels, relevant_of, found = [], [], [], [], [], 0.0
     for start in range(0, len(rows), QUERY_BLOCK):
         block = rows[start : start + QUERY_BLOCK]
         texts = [train.texts[r] for r in block]
@@ -114,49 +180,190 @@ def pairs_of(
             found += hits.sum() / max(len(relevant), 1)
             features.append(X[offset : offset + len(candidates)][scored])
             targets.append(hits.astype(np.float64))
+            queries.append(np.full(int(scored.sum()), start + i, dtype=np.int64))
+            labels.append(candidates[scored])
+            relevant_of.append(relevant)
             offset += len(candidates)
-    return np.concatenate(features), np.concatenate(targets), found / len(rows)
+    return HeldOutPairs(
+        # the precision the service scores φ at: the model is fitted on the values it will see
+        X=np.concatenate(features).astype(np.float32).astype(np.float64),
+        y=np.concatenate(targets),
+        query=np.concatenate(queries),
+        labels=np.concatenate(labels),
+        relevant=relevant_of,
+        found=found / len(rows),
+    )
+
+
+@dataclass
+class FittedModel:
+    """T as its library fitted it, and the library's own scores of φ."""
+
+    kind: FusionModelKind
+    params: dict
+    library_model: object
+    depth: int | None = None
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        return np.asarray(self.library_model.predict(X), dtype=np.float64).reshape(-1)
+
+
+def fit_model(kind: FusionModelKind, pairs: HeldOutPairs, features: tuple[str, ...], params: dict | None = None):
+    """T of ``kind`` (``params`` over :data:`DEFAULT_PARAMS`) fitted to ``pairs``."""
+    params = DEFAULT_PARAMS[kind] | (params or {})
+    unknown = set(params) - set(DEFAULT_PARAMS[kind])
+    if unknown:
+        raise ValueError(f"unknown {kind} parameters {sorted(unknown)}")
+    if kind == "tree":
+        from sklearn.tree import DecisionTreeRegressor
+
+        model = DecisionTreeRegressor(max_depth=params["depth"], min_samples_leaf=params["min_leaf"], random_state=0)
+        model.fit(pairs.X, pairs.y)
+        return FittedModel(kind, params, model, int(model.get_depth()))
+    import lightgbm
+
+    common = {
+        "n_estimators": params["trees"],
+        "max_depth": params["depth"],
+        "num_leaves": params["leaves"],
+        "min_child_samples": params["min_leaf"],
+        "learning_rate": params["learning_rate"],
+        "random_state": 0,
+        "deterministic": True,
+        "force_row_wise": True,
+        "verbose": -1,
+    }
+    if kind == "gbdt":  # NGAME's target, as the single tree: T(φ) ≈ P(relevant), added to p̂
+        model = lightgbm.LGBMRegressor(**common).fit(pairs.X, pairs.y)
+    else:  # boosted from p̂: the ranking it optimises is the served p̂ + T(φ)
+        rae_score = np.ascontiguousarray(pairs.X[:, features.index("rae_score")])
+        model = lightgbm.LGBMRanker(objective="lambdarank", **common)
+        model.fit(pairs.X, pairs.y.astype(np.int64), group=pairs.group_sizes(), init_score=rae_score)
+    return FittedModel(kind, params, model)
+
+
+def to_onnx(fitted: FittedModel, width: int) -> bytes:
+    """T as an ai.onnx.ml TreeEnsembleRegressor model over a float ``[batch, width]`` input,
+    written by its library's maintained converter."""
+    if fitted.kind == "tree":
+        from skl2onnx import convert_sklearn
+        from skl2onnx.common.data_types import FloatTensorType
+
+        model = convert_sklearn(
+            fitted.library_model, initial_types=[("features", FloatTensorType([None, width]))], target_opset=ONNX_OPSETS
+        )
+    else:
+        from onnxmltools import convert_lightgbm
+        from onnxmltools.convert.common.data_types import FloatTensorType
+
+        model = convert_lightgbm(
+            float32_thresholds(fitted.library_model.booster_),
+            initial_types=[("features", FloatTensorType([None, width]))],
+            target_opset=ONNX_OPSETS[""],
+            zipmap=False,
+        )
+    ops = [node.op_type for node in model.graph.node]
+    if "TreeEnsembleRegressor" not in ops:
+        raise SystemExit(f"export.fuse: the converter wrote {ops}, not an ai.onnx.ml TreeEnsembleRegressor")
+    return model.SerializeToString()
+
+
+def float32_thresholds(booster):
+    """``booster`` with every split threshold t replaced by the largest float32 ≤ t. LightGBM's
+    thresholds are doubles, which the converter rounds to the nearest float32 of an ai.onnx.ml
+    TreeEnsemble: a feature value equal to a rounded-up threshold then goes left where LightGBM
+    sends it right. φ is float32, and a float32 x is ≤ t exactly when it is ≤ that float, so the
+    replaced booster routes every row as the fitted one does and converts exactly."""
+    import lightgbm
+
+    lines = []
+    for line in booster.model_to_string().splitlines():
+        if line.startswith("threshold="):
+            exact = np.array(line.removeprefix("threshold=").split(), dtype=np.float64)
+            nearest = exact.astype(np.float32)
+            below = np.where(nearest > exact, np.nextafter(nearest, np.float32(-np.inf)), nearest)
+            line = "threshold=" + " ".join(repr(float(t)) for t in below)
+        elif line.startswith("tree_sizes="):  # byte offsets of the trees' text, which changed: parse in order
+            continue
+        lines.append(line)
+    return lightgbm.Booster(model_str="\n".join(lines) + "\n")
+
+
+def onnx_fusion_model(fitted: FittedModel, X: np.ndarray) -> tuple[OnnxTreeEnsemble, float]:
+    """``fitted`` converted to ONNX and loaded as the service loads it, and the max |ONNX Runtime
+    − library| over ``X``; refused above :data:`PARITY_BOUND`."""
+    model = OnnxTreeEnsemble.from_bytes(to_onnx(fitted, X.shape[1]), X.shape[1])
+    parity = float(np.max(np.abs(model.predict(X) - fitted.predict(X)), initial=0.0))
+    if not parity <= PARITY_BOUND:
+        raise SystemExit(
+            f"export.fuse: the ONNX {fitted.kind} scores the pairs up to {parity:.3g} away from "
+            f"{type(fitted.library_model).__name__}'s own (bound {PARITY_BOUND})"
+        )
+    return model, parity
+
+
+@dataclass
+class FusionFit:
+    """The fitted fusion (with its keys' term vectors when lexical) and what it was fitted on."""
+
+    fusion: ScoreFusion
+    fitted: FittedModel
+    parity: float  # max |ONNX Runtime − library| over the pairs
+    key_terms: sp.csr_matrix | None
+    queries: int
+    pairs: int
+    positives_found: float  # share of the queries' relevant labels among their candidates
+    seconds: float
+    extra: dict = field(default_factory=dict)
+
+
+def unfitted_fusion(
+    predictor: Predictor, train: XMCDataset, groups: tuple[str, ...]
+) -> tuple[ScoreFusion, sp.csr_matrix | None]:
+    """The fusion's features over ``predictor``'s memory, before a model (``groups``: its
+    feature groups; with ``lexical``, the lexicon of the memory's texts), and the keys' term
+    vectors of a lexical one."""
+    bundle = predictor.bundle
+    manifest = bundle.manifest
+    log_frequency = memory_log_frequency(bundle.values, manifest.counts.train_instances)
+    lexicon, key_rows = None, None
+    if "lexical" in groups:
+        texts = list(train.texts) + list(bundle.label_texts)  # the memory's keys, in key order
+        lexicon = Lexicon.fit(bundle.path / TOKENIZER_FILE, manifest.tokenizer.max_length, texts)
+        key_rows = lexicon.rows(texts)
+    return ScoreFusion(None, log_frequency, lexicon, features_of_groups(groups)), key_rows
+
+
+def held_out_pairs(
+    predictor: Predictor, train: XMCDataset, rows: np.ndarray, unfitted: ScoreFusion, key_terms, fit_on: FitOn
+) -> HeldOutPairs:
+    """The pairs of both kinds of search of ``rows`` (or the excluding one alone)."""
+    searches = (True, False) if fit_on == "both" else (True,)
+    return HeldOutPairs.joined([pairs_of(predictor, train, rows, unfitted, key_terms, e) for e in searches])
 
 
 def fit_fusion(
     predictor: Predictor,
     train: XMCDataset,
     rows: np.ndarray,
-    depth: int = 7,
-    min_leaf: int = 50,
-    seed: int = 0,
-    lexical: bool = True,
+    kind: FusionModelKind = "tree",
+    params: dict | None = None,
+    groups: tuple[str, ...] = ("rae", "lexical"),
     fit_on: FitOn = "both",
 ) -> FusionFit:
-    """Fit the fusion tree on the held-out instances ``rows`` of ``train`` (the bundle's memory
-    split); ``lexical``: with the lexicon of the memory's texts and the lexical features."""
+    """Fit the fusion's model on the held-out instances ``rows`` of ``train`` (the bundle's memory
+    split) over the feature ``groups``, convert it to ONNX and check it against its library."""
     started = time.perf_counter()
-    bundle = predictor.bundle
-    manifest = bundle.manifest
-    log_frequency = memory_log_frequency(bundle.values, manifest.counts.train_instances)
-    lexicon, key_rows = None, None
-    if lexical:
-        texts = list(train.texts) + list(bundle.label_texts)  # the memory's keys, in key order
-        lexicon = Lexicon.fit(bundle.path / TOKENIZER_FILE, manifest.tokenizer.max_length, texts)
-        key_rows = lexicon.rows(texts)
-    unfitted = ScoreFusion(RegressionTree.constant(0.0), log_frequency, lexicon)
+    unfitted, key_rows = unfitted_fusion(predictor, train, groups)
     key_terms = KeyTerms(key_rows) if key_rows is not None else None
-    parts = [
-        pairs_of(predictor, train, rows, unfitted, key_terms, excluding)
-        for excluding in ((True, False) if fit_on == "both" else (True,))
-    ]
-    X, y = np.concatenate([part[0] for part in parts]), np.concatenate([part[1] for part in parts])
-    model = DecisionTreeRegressor(max_depth=depth, min_samples_leaf=min_leaf, random_state=seed).fit(X, y)
-    t = model.tree_
-    tree = RegressionTree(
-        feature=t.feature.astype(np.int64),
-        threshold=t.threshold.astype(np.float64),
-        left=t.children_left.astype(np.int64),
-        right=t.children_right.astype(np.int64),
-        value=t.value[:, 0, 0].astype(np.float64),
+    pairs = held_out_pairs(predictor, train, rows, unfitted, key_terms, fit_on)
+    fitted = fit_model(kind, pairs, unfitted.features, params)
+    model, parity = onnx_fusion_model(fitted, pairs.X)
+    log.info("fusion %s fitted on %d pairs; ONNX parity %.3g", kind, len(pairs.y), parity)
+    fusion = ScoreFusion(model, unfitted.log_frequency, unfitted.lexicon, unfitted.features)
+    return FusionFit(
+        fusion, fitted, parity, key_rows, len(rows), len(pairs.y), pairs.found, time.perf_counter() - started
     )
-    fusion = ScoreFusion(tree, log_frequency, lexicon)
-    return FusionFit(fusion, key_rows, len(rows), len(y), float(parts[0][2]), time.perf_counter() - started)
 
 
 def check_memory(predictor: Predictor, train: XMCDataset) -> None:
@@ -180,8 +387,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", type=Path, required=True, help="dataset dir the bundle's memory was built from")
     parser.add_argument("--split", default="trn", help="the memory's split (default: trn)")
     parser.add_argument("--out", type=Path, required=True, help="the fused bundle dir to create")
-    parser.add_argument("--depth", type=int, default=7, help="regression tree depth (NGAME App. C: 7)")
-    parser.add_argument("--min-leaf", type=int, default=50, help="fewest pairs in a leaf of the tree")
+    parser.add_argument(
+        "--model",
+        choices=get_args(FusionModelKind),
+        default="tree",
+        help="the fusion's model: one regression tree (NGAME App. C), LightGBM regression GBDT, or LightGBM "
+        "lambdarank (LambdaMART, each held-out search a group)",
+    )
+    parser.add_argument("--depth", type=int, help="max depth of the tree(s) (default: tree 7, ensembles 6)")
+    parser.add_argument("--min-leaf", type=int, help="fewest pairs in a leaf (default: tree 50, ensembles 20)")
+    parser.add_argument("--trees", type=int, help="boosting rounds of gbdt / lambdarank (default 100)")
+    parser.add_argument("--leaves", type=int, help="max leaves per tree of gbdt / lambdarank (default 31)")
+    parser.add_argument("--learning-rate", type=float, help="shrinkage of gbdt / lambdarank (default 0.1)")
+    parser.add_argument(
+        "--extra-features",
+        nargs="*",
+        choices=[group for group in OPTIONAL_GROUPS if group != "lexical"],
+        default=[],
+        help="optional cheap feature groups to add to φ (service.engine.fusion.FEATURE_GROUPS)",
+    )
     parser.add_argument(
         "--no-lexical",
         action="store_true",
@@ -191,10 +415,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--fit-on",
         choices=get_args(FitOn),
         default="both",
-        help="the held-out searches the tree is fitted on: both (filter labels excluded, and not) or exclude only",
+        help="the held-out searches the model is fitted on: both (filter labels excluded, and not) or exclude only",
     )
     parser.add_argument("--force", action="store_true", help="replace an existing --out bundle")
     return parser
+
+
+def model_params(args: argparse.Namespace) -> dict:
+    """The model parameters given on the command line (the others default)."""
+    given = {name: getattr(args, name) for name in ("depth", "min_leaf", "trees", "leaves", "learning_rate")}
+    params = {name: value for name, value in given.items() if value is not None}
+    unknown = set(params) - set(DEFAULT_PARAMS[args.model])
+    if unknown:
+        raise SystemExit(f"export.fuse: --model {args.model} takes no {sorted(unknown)}")
+    return params
 
 
 def fuse_bundle(
@@ -202,10 +436,10 @@ def fuse_bundle(
     run: Path,
     train: XMCDataset,
     out: Path,
-    depth: int = 7,
-    min_leaf: int = 50,
+    kind: FusionModelKind = "tree",
+    params: dict | None = None,
     force: bool = False,
-    lexical: bool = True,
+    groups: tuple[str, ...] = ("rae", "lexical"),
     fit_on: FitOn = "both",
 ) -> tuple[Manifest, FusionFit]:
     """``bundle`` with a fusion fitted on ``run``'s held-out instances of ``train`` (the bundle's
@@ -217,42 +451,42 @@ def fuse_bundle(
     predictor = load_predictor(bundle)
     check_memory(predictor, train)
     rows = rows_of_uids(train, holdout.read_text().split())
-    fit = fit_fusion(predictor, train, rows, depth, min_leaf, lexical=lexical, fit_on=fit_on)
+    fit = fit_fusion(predictor, train, rows, kind, params, groups, fit_on)
     shards = shard_list(predictor.bundle.manifest)
-    params = FusionParams(
+    fusion_params = FusionParams(
+        model=FUSION_MODEL_FILE,
+        kind=kind,
+        model_params=fit.fitted.params,
+        parity_max_abs=fit.parity,
         features=list(fit.fusion.features),
-        depth=fit.fusion.tree.depth,
+        depth=fit.fitted.depth,
         fitted_on=f"{len(rows)} held-out training instances of {run} (leave one out; searched: {fit_on})",
         queries=fit.queries,
         pairs=fit.pairs,
-        lexical=lexical_file_names(len(shards)) if lexical else None,
+        lexical=lexical_file_names(len(shards)) if "lexical" in groups else None,
     )
-    return derive_fused_bundle(bundle, out, fit.fusion, params, fit.key_terms, force), fit
+    return derive_fused_bundle(bundle, out, fit.fusion, fusion_params, fit.key_terms, force), fit
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    params = model_params(args)
+    groups = ("rae", *(() if args.no_lexical else ("lexical",)), *args.extra_features)
     train = load_jsonl_split(args.data, args.split)
     manifest, fit = fuse_bundle(
-        args.bundle,
-        args.run,
-        train,
-        args.out,
-        args.depth,
-        args.min_leaf,
-        args.force,
-        lexical=not args.no_lexical,
-        fit_on=args.fit_on,
+        args.bundle, args.run, train, args.out, args.model, params, args.force, groups, args.fit_on
     )
     summary = {
         "bundle": str(args.out),
         "bundle_id": manifest.bundle_id,
+        "model": args.model,
+        "model_params": fit.fitted.params,
+        "onnx_parity_max_abs": fit.parity,
         "queries": fit.queries,
         "pairs": fit.pairs,
         "positives_among_candidates": round(fit.positives_found, 4),
         "features": list(fit.fusion.features),
-        "tree_nodes": len(fit.fusion.tree.value),
         "seconds": round(fit.seconds, 1),
     }
     print(json.dumps(summary))

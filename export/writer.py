@@ -36,7 +36,7 @@ from typing import Any
 
 import scipy.sparse as sp
 
-from service.engine.manifest import MANIFEST_FILE, VALUES_FILE, Manifest, Shard, bundle_id_from, sha256_file
+from service.engine.manifest import MANIFEST_FILE, VALUES_FILE, Manifest, Shard, content_id, sha256_file
 from service.engine.rae import build_values
 
 # Writes the payload files into the staging dir it is given; returns the manifest's fields
@@ -66,12 +66,6 @@ def refuse_existing(out: Path, force: bool) -> None:
 def file_checksums(directory: Path) -> dict[str, str]:
     """``{file name: sha256}`` of every file in ``directory`` (bundles are flat)."""
     return {path.name: sha256_file(path) for path in sorted(directory.iterdir())}
-
-
-def content_id(manifest: Manifest) -> str:
-    """The bundle id that ``manifest``'s files and RAE parameters give, e.g. ``labels-64d-<12 hex>``."""
-    rae = {"rae": manifest.rae.model_dump_json()} if manifest.rae else {}
-    return bundle_id_from(manifest.files | rae, prefix=f"{manifest.index_kind.replace('_', '-')}-{manifest.dim}d")
 
 
 def write_values(directory: Path, train_Y: sp.csr_matrix, lam: float, shards: list[Shard] | None = None) -> None:

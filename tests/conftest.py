@@ -103,3 +103,11 @@ def _no_xmcserve_environment(monkeypatch):
 
     for name in [n for n in os.environ if n.startswith("XMCSERVE_")]:
         monkeypatch.delenv(name)
+
+
+@pytest.fixture(autouse=True)
+def _own_append_log_dir(_no_xmcserve_environment, monkeypatch, tmp_path):
+    """Each test's servers and apps log appends to a directory of the test's own: a log has one
+    writer process, and the session's bundles are shared by tests whose servers may overlap. A
+    test of the default (``<bundle dir>.appends/``) removes the variable."""
+    monkeypatch.setenv("XMCSERVE_APPEND_LOG_DIR", str(tmp_path / "xmcserve-appends"))

@@ -13,7 +13,8 @@ The public surface:
   ``predictor.view.label_ids(uids)`` maps uids to ids, and ``prediction.view.label_uids[id]``
   ids back to uids.
 * ``Predictor.append(AppendBatch)`` — new labels and training instances into the live memory
-  (:mod:`service.engine.memory`): encoded, logged to the bundle's :class:`AppendLog` when
+  (:mod:`service.engine.memory`): encoded, logged to the bundle's :class:`AppendLog`
+  (:mod:`service.engine.append_log`) when
   ``load_predictor(..., appends_dir=...)`` gave one, and published atomically; a
   :class:`MemoryView` is one consistent state of it. :class:`AppendRefused`: bad input.
 * :class:`MicroBatcher` — an asyncio queue of requests (``submit(texts, k, ef, exclude_uids)``)
@@ -28,20 +29,13 @@ The public surface:
 Everything is thread-safe for concurrent ``predict`` calls on one predictor.
 """
 
+from service.engine.append_log import AppendLog, AppendLogError, appends_dir_beside
 from service.engine.batcher import BatchAnswer, BatcherConfig, BatcherStoppedError, MicroBatcher, QueueFullError
 from service.engine.bundle import Bundle, BundleError, load_bundle
 from service.engine.encoder import EncoderOptions, OnnxEncoder
-from service.engine.memory import (
-    AppendBatch,
-    AppendIdReused,
-    AppendLog,
-    AppendLogError,
-    AppendOutcome,
-    AppendRefused,
-    MemoryView,
-    appends_dir_beside,
-)
-from service.engine.search import Prediction, Predictor, Ranking, StageTimes, load_predictor, vet_in_child
+from service.engine.loading import load_predictor, vet_in_child
+from service.engine.memory import AppendBatch, AppendIdReused, AppendOutcome, AppendRefused, MemoryView
+from service.engine.search import Prediction, Predictor, Ranking, StageTimes
 
 __all__ = [
     "AppendBatch",

@@ -23,7 +23,7 @@ import scipy.sparse as sp
 from pydantic import ValidationError
 
 from service.engine.encoder import EncoderOptions, OnnxEncoder
-from service.engine.fusion import FEATURE_SETS, ScoreFusion
+from service.engine.fusion import FEATURE_GROUPS, ScoreFusion, groups_of
 from service.engine.lexical import KeyTerms, key_terms_of
 from service.engine.manifest import (
     ENCODER_FILE,
@@ -317,24 +317,26 @@ def load_values(path: Path, manifest: Manifest) -> sp.csr_matrix | None:
 
 
 def load_fusion(path: Path, manifest: Manifest, verify: bool = True) -> ScoreFusion | None:
-    """The bundle's score fusion (``manifest.fusion``), or None; its tree checked for shape."""
+    """The bundle's score fusion (``manifest.fusion``), or None: its ONNX model in an ONNX Runtime
+    session (an old bundle's single tree, as arrays), checked for shape."""
     if manifest.fusion is None:
         return None
-    features = tuple(manifest.fusion.features)
-    if features not in FEATURE_SETS:
-        raise BundleError(
-            f"{path}: fusion features {list(features)}, this service computes {[list(f) for f in FEATURE_SETS]}"
-        )
+    params = manifest.fusion
+    try:
+        groups_of(params.features)
+    except ValueError as exc:
+        raise BundleError(f"{path}: {exc}; this service computes {list(FEATURE_GROUPS)}") from None
     if verify:
-        verify_checksums(path, manifest, [manifest.fusion.file, TOKENIZER_FILE])
+        verify_checksums(path, manifest, [params.file, *([params.model] if params.model else []), TOKENIZER_FILE])
     try:
         fusion = ScoreFusion.load(
-            path / manifest.fusion.file, manifest.counts.labels, (path / TOKENIZER_FILE, manifest.tokenizer.max_length)
+            path, params, manifest.counts.labels, (path / TOKENIZER_FILE, manifest.tokenizer.max_length)
         )
-    except Exception as exc:  # numpy, zip and tokenizers errors alike: the file is refused
-        raise BundleError(f"{path / manifest.fusion.file}: cannot load score fusion ({exc})") from None
-    if fusion.features != features or (fusion.lexicon is not None) != (manifest.fusion.lexical is not None):
-        raise BundleError(f"{path}: the manifest lists fusion features {list(features)}, its file {fusion.features}")
+    except Exception as exc:  # numpy, zip, ONNX Runtime and tokenizers errors alike: the file is refused
+        names = " / ".join(name for name in (params.model, params.file) if name)
+        raise BundleError(f"{path}: cannot load score fusion {names} ({exc})") from None
+    if (fusion.lexicon is not None) != (params.lexical is not None):
+        raise BundleError(f"{path}: the manifest lists fusion features {params.features}, its file {fusion.features}")
     return fusion
 
 

@@ -1,4 +1,4 @@
-"""Score fusion (NGAME App. C, adapted to an RAE memory): a regression tree over what a query's
+"""Score fusion (NGAME App. C, adapted to an RAE memory): a tree model over what a query's
 retrieved keys say about each candidate label, added to its RAE score.
 
 NGAME fuses a label's embedding and classifier scores with a depth-7 regression tree T fitted
@@ -8,6 +8,11 @@ RAE score p̂_l of the bundle's mode, and the descriptor φ_l (:data:`FEATURES`)
 the keys, similarities and value rows the search already holds:
 
     fused_l = p̂_l + T(φ_l)
+
+T is an ai.onnx.ml TreeEnsemble model (one regression tree, a regression GBDT or a LambdaMART
+ranker, fitted and converted by ``export.fuse``) that ONNX Runtime scores in one call per batch
+(:class:`OnnxTreeEnsemble`). Bundles exported before it hold a single tree as arrays in
+``fusion.npz``; :class:`RegressionTree` reads and walks those, and only those.
 
 * ``instance_vote``: log(ε + Σ softmax(q·x_i/τ) over the retrieved instance keys i that carry l)
 * ``label_match``: log(ε + softmax(q·z_l/τ) over the retrieved label keys); ε when z_l was not retrieved
@@ -33,6 +38,18 @@ query's literal pieces, which is what lets the TF-IDF peers rank well on short t
 Debian-Related dev it took the fused P@1 / P@5 from 74.5 / 37.1 to 76.0 / 38.1
 (bench/results/README.md).
 
+Optional groups of cheap features (:data:`FEATURE_GROUPS`, each kept by ``export.fuse`` only when
+the validation split of ``bench.fusion_models`` says it helps) read the same arrays:
+
+* ``ranks``: log(1 + the candidate's rank in its query) by p̂, by instance vote and by label-key
+  similarity
+* ``thresholds``: log(1 + retrieved instance keys carrying l within m of the query's best instance
+  similarity), m in :data:`THRESHOLD_MARGINS`
+* ``query``: the query's best retrieved similarity and log(1 + its number of candidates)
+
+No feature reads a label's vector or term vector beyond the retrieved keys: the Ray ingress has
+only what the shards answer.
+
 Nothing else is read, so every front end that ranks (one process, the Ray ingress, whose shards
 answer their keys' lexical similarities) fuses alike. A label added to a live memory after export
 has frequency 0, as zero-shot labels had in the fit; a key added to it gets its term vector from
@@ -42,13 +59,16 @@ its text. ``export.fuse`` fits T on training instances the encoder never saw (``
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import scipy.sparse as sp
 
 from service.engine.lexical import Lexicon
+from service.engine.manifest import FusionParams
 from service.engine.rae import KeptKeys, ValueRows
 
 FEATURES = (
@@ -62,19 +82,96 @@ FEATURES = (
     "rae_score",
 )
 LEXICAL_FEATURES = ("instance_lexical_max", "instance_lexical_sum", "instance_lexical_vote", "label_lexical")
-# the feature lists a fusion may have: without and with the keys' lexical similarities
-FEATURE_SETS = (FEATURES, FEATURES + LEXICAL_FEATURES)
+RANK_FEATURES = ("rae_rank", "instance_vote_rank", "label_similarity_rank")
+# margins below the query's best instance similarity within which carrying instances are counted
+THRESHOLD_MARGINS = (0.02, 0.05, 0.1)
+THRESHOLD_FEATURES = tuple(f"instance_votes_within_{m:g}" for m in THRESHOLD_MARGINS)
+QUERY_FEATURES = ("query_best_similarity", "query_candidates")
+# φ's column groups, in the order a fusion's columns follow; "rae" is always first
+FEATURE_GROUPS: dict[str, tuple[str, ...]] = {
+    "rae": FEATURES,
+    "lexical": LEXICAL_FEATURES,
+    "ranks": RANK_FEATURES,
+    "thresholds": THRESHOLD_FEATURES,
+    "query": QUERY_FEATURES,
+}
+OPTIONAL_GROUPS = tuple(group for group in FEATURE_GROUPS if group != "rae")
 # softmax temperature of the lexical vote (lexical cosines spread over [0, 1] like the dense ones)
 LEXICAL_TAU = 0.05
 # ε of the log features: below any softmax weight that moves a ranking, above float32's zero
 LOG_FLOOR = 1e-4
 
 
+def features_of_groups(groups: Collection[str]) -> tuple[str, ...]:
+    """φ's columns for the feature groups ``groups`` (``rae`` is always among them)."""
+    unknown = set(groups) - set(FEATURE_GROUPS)
+    if unknown:
+        raise ValueError(f"unknown feature groups {sorted(unknown)}; known: {list(FEATURE_GROUPS)}")
+    return tuple(name for group, names in FEATURE_GROUPS.items() if group == "rae" or group in groups for name in names)
+
+
+def groups_of(features: Collection[str]) -> tuple[str, ...]:
+    """The feature groups whose columns ``features`` are, in :data:`FEATURE_GROUPS` order; a
+    ValueError for any other list (a fusion fitted on features this service does not compute)."""
+    features = tuple(features)
+    groups = tuple(group for group, names in FEATURE_GROUPS.items() if group == "rae" or names[0] in features)
+    if features_of_groups(groups) != features:
+        raise ValueError(
+            f"fusion features {list(features)} are not the groups {list(FEATURE_GROUPS)} in order "
+            f"(rae first, each group whole)"
+        )
+    return groups
+
+
+class FusionModel(Protocol):
+    """T: one score per row of φ."""
+
+    def predict(self, X: np.ndarray) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class OnnxTreeEnsemble:
+    """T as an ai.onnx.ml TreeEnsemble model (``fusion.onnx``) run by ONNX Runtime: one
+    ``InferenceSession.run`` per batch over φ as float32 (the precision ``export.fuse`` fitted it at).
+
+    The session has one intra-op and one inter-op thread: a batch's φ has a few thousand rows, which
+    one core scores in well under a millisecond, and the encoder's session keeps the cores."""
+
+    serialized: bytes
+    session: object = field(repr=False, compare=False)
+    input_name: str
+
+    @classmethod
+    def from_bytes(cls, serialized: bytes, width: int) -> OnnxTreeEnsemble:
+        """The model in ``serialized``, which must take one ``[batch, width]`` float input."""
+        import onnxruntime as ort  # the serving process's runtime (xmcserve[cpu] or [gpu])
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        session = ort.InferenceSession(serialized, options, providers=["CPUExecutionProvider"])
+        inputs, outputs = session.get_inputs(), session.get_outputs()
+        if len(inputs) != 1 or inputs[0].type != "tensor(float)" or inputs[0].shape[-1] != width:
+            described = [(i.name, i.type, i.shape) for i in inputs]
+            raise ValueError(f"the fusion model must take one float input [batch, {width}], it takes {described}")
+        if len(outputs) != 1:
+            raise ValueError(f"the fusion model must have one output, it has {len(outputs)}")
+        return cls(serialized, session, inputs[0].name)
+
+    def predict(self, X: np.ndarray) -> np.ndarray:
+        if not len(X):
+            return np.zeros(0)
+        (out,) = self.session.run(None, {self.input_name: np.ascontiguousarray(X, dtype=np.float32)})
+        return out.reshape(-1).astype(np.float64)
+
+
 @dataclass(frozen=True)
 class RegressionTree:
-    """A binary regression tree as arrays (scikit-learn's ``tree_`` layout): node j splits on
-    ``feature[j] <= threshold[j]`` to ``left[j]`` / ``right[j]``; a leaf has ``left == -1``
-    and predicts ``value[j]``."""
+    """The single tree of a fusion exported before :class:`OnnxTreeEnsemble`, as arrays in
+    ``fusion.npz`` (scikit-learn's ``tree_`` layout): node j splits on ``feature[j] <= threshold[j]``
+    to ``left[j]`` / ``right[j]``; a leaf has ``left == -1`` and predicts ``value[j]``. Only those
+    bundles are walked here; ``export.fuse`` writes ONNX models."""
 
     feature: np.ndarray
     threshold: np.ndarray
@@ -93,15 +190,12 @@ class RegressionTree:
             raise ValueError("tree children must come after their parent")
         if np.any(self.left[inner] >= nodes) or np.any(self.right[inner] >= nodes):
             raise ValueError("tree child out of range")
-        if np.any((self.feature[inner] < 0) | (self.feature[inner] >= len(FEATURE_SETS[-1]))):
+        if np.any((self.feature[inner] < 0) | (self.feature[inner] >= len(features_of_groups(FEATURE_GROUPS)))):
             raise ValueError("tree splits on an unknown feature")
         if not np.all(np.isfinite(self.value)) or not np.all(np.isfinite(self.threshold[inner])):
             raise ValueError("tree values and thresholds must be finite")
 
-    @classmethod
-    def constant(cls, value: float) -> RegressionTree:
-        """A single leaf: every label gets ``value`` (a fusion's features before its tree is fitted)."""
-        return cls(*(np.array([x]) for x in (0, 0.0, -1, -1)), value=np.array([float(value)]))
+    ARRAYS = ("feature", "threshold", "left", "right", "value")
 
     @functools.cached_property
     def depth(self) -> int:
@@ -122,67 +216,82 @@ class RegressionTree:
 
 @dataclass(frozen=True)
 class ScoreFusion:
-    """The fitted tree, the memory's label frequencies (log(1 + count), label id order) and, for
-    the lexical features, the lexicon the query terms come from."""
+    """T, the memory's label frequencies (log(1 + count), label id order), for the lexical
+    features the lexicon the query terms come from, and φ's columns (by default the RAE features,
+    and the lexical ones with a lexicon)."""
 
-    tree: RegressionTree
+    model: FusionModel | None  # None: φ alone (the features a fit reads)
     log_frequency: np.ndarray
     lexicon: Lexicon | None = None
+    features: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.features:
+            object.__setattr__(self, "features", features_of_groups(["lexical"] if self.lexicon is not None else []))
+        if ("lexical" in groups_of(self.features)) != (self.lexicon is not None):
+            raise ValueError("a fusion has the lexical features exactly when it has a lexicon")
 
     @property
-    def features(self) -> tuple[str, ...]:
-        return FEATURE_SETS[self.lexicon is not None]
+    def groups(self) -> tuple[str, ...]:
+        return groups_of(self.features)
 
-    def save(self, path: Path) -> None:
-        t = self.tree
-        lexical = {"idf": self.lexicon.idf} if self.lexicon is not None else {}
-        np.savez_compressed(
-            path,
-            feature=t.feature,
-            threshold=t.threshold,
-            left=t.left,
-            right=t.right,
-            value=t.value,
-            log_frequency=self.log_frequency,
-            **lexical,
-        )
+    def save(self, directory: Path, params: FusionParams) -> None:
+        """``params.file`` (label frequencies, the lexicon's idf, an old bundle's tree arrays) and
+        ``params.model`` (the ONNX model) into ``directory``."""
+        arrays = {"log_frequency": self.log_frequency}
+        if self.lexicon is not None:
+            arrays["idf"] = self.lexicon.idf
+        if isinstance(self.model, RegressionTree):
+            arrays |= {name: getattr(self.model, name) for name in RegressionTree.ARRAYS}
+        elif params.model is not None and isinstance(self.model, OnnxTreeEnsemble):
+            (directory / params.model).write_bytes(self.model.serialized)
+        else:
+            raise ValueError("a fusion is saved with its ONNX model (params.model) or an old bundle's tree")
+        np.savez_compressed(directory / params.file, **arrays)
 
     @classmethod
-    def load(cls, path: Path, num_labels: int, tokenizer: tuple[Path, int] | None = None) -> ScoreFusion:
-        """The fusion in ``path``, checked against the bundle's label count; ``tokenizer`` (the
-        bundle's tokenizer file and max length) for a fusion with lexical features."""
-        with np.load(path, allow_pickle=False) as z:
-            tree = RegressionTree(
-                feature=z["feature"].astype(np.int64),
-                threshold=z["threshold"].astype(np.float64),
-                left=z["left"].astype(np.int64),
-                right=z["right"].astype(np.int64),
-                value=z["value"].astype(np.float64),
-            )
+    def load(
+        cls, directory: Path, params: FusionParams, num_labels: int, tokenizer: tuple[Path, int] | None = None
+    ) -> ScoreFusion:
+        """The fusion ``params`` describes in ``directory``, checked against the bundle's label
+        count; ``tokenizer`` (the bundle's tokenizer file and max length) for a lexical fusion."""
+        features = tuple(params.features)
+        groups_of(features)
+        with np.load(directory / params.file, allow_pickle=False) as z:
             log_frequency = z["log_frequency"].astype(np.float32)
             idf = z.get("idf")
+            tree = None
+            if params.model is None:  # an old bundle: the tree's arrays
+                tree = RegressionTree(
+                    feature=z["feature"].astype(np.int64),
+                    threshold=z["threshold"].astype(np.float64),
+                    left=z["left"].astype(np.int64),
+                    right=z["right"].astype(np.int64),
+                    value=z["value"].astype(np.float64),
+                )
         if log_frequency.shape != (num_labels,) or not np.all(np.isfinite(log_frequency)):
             raise ValueError(f"log_frequency must be {num_labels} finite values")
         if idf is not None and tokenizer is None:
             raise ValueError("a lexical fusion needs the bundle's tokenizer")
-        fusion = cls(tree, log_frequency, Lexicon(*tokenizer, idf) if idf is not None else None)
-        if np.any(tree.feature[tree.left >= 0] >= len(fusion.features)):
+        if tree is not None and np.any(tree.feature[tree.left >= 0] >= len(features)):
             raise ValueError("the tree splits on a feature this fusion does not compute")
-        return fusion
+        model = tree or OnnxTreeEnsemble.from_bytes((directory / params.model).read_bytes(), len(features))
+        lexicon = Lexicon(*tokenizer, idf) if idf is not None else None
+        return cls(model, log_frequency, lexicon, features)
 
     def rescore(self, scores: sp.csr_matrix, kept: list[KeptKeys], values: ValueRows, tau: float) -> sp.csr_matrix:
         """``scores`` (:func:`~service.engine.rae.aggregate_kept` of ``kept``) with every stored
         score replaced by its fused score."""
         fused = scores.copy()
-        # one walk of the tree for the whole batch (the rows of φ follow scores' storage)
-        fused.data = fused.data + self.tree.predict(self.features_of(scores, kept, values, tau))
+        # one call of the model for the whole batch (the rows of φ follow scores' storage)
+        fused.data = fused.data + self.model.predict(self.features_of(scores, kept, values, tau))
         return fused
 
     def features_of(self, scores: sp.csr_matrix, kept: list[KeptKeys], values: ValueRows, tau: float) -> np.ndarray:
         """φ (columns :attr:`features`) of every label stored in ``scores``, in its storage order."""
         if self.lexicon is not None and any(row.lexical is None for row in kept):
             raise ValueError("this fusion's lexical features need the retrieved keys' lexical similarities")
-        return batch_features(scores, kept, values, tau, self.log_frequency, self.lexicon is not None)
+        return batch_features(scores, kept, values, tau, self.log_frequency, self.groups)
 
 
 def batch_features(
@@ -191,11 +300,11 @@ def batch_features(
     values: ValueRows,
     tau: float,
     log_frequency: np.ndarray,
-    lexical: bool = False,
+    groups: Collection[str] = ("rae",),
 ) -> np.ndarray:
-    """φ (columns :data:`FEATURES`, then :data:`LEXICAL_FEATURES` with ``lexical``) of every
-    label stored in ``scores``, in its storage order, from the kept keys
-    (:func:`~service.engine.rae.keep_keys`) that gave ``scores``. One pass over the whole batch:
+    """φ (the columns of :func:`features_of_groups` ``groups``) of every label stored in
+    ``scores``, in its storage order, from the kept keys (:func:`~service.engine.rae.keep_keys`)
+    that gave ``scores``. One pass over the whole batch:
     every query's keys are laid end to end and each feature is one grouped numpy operation, so a
     batch costs about what one query does."""
     batch = _BatchKeys.of(kept)
@@ -242,7 +351,7 @@ def batch_features(
         best_instance,
         scores.data.astype(np.float64),
     ]
-    if lexical:
+    if "lexical" in groups:
         lex = batch.lexical
         best_lexical = np.zeros(n)
         np.maximum.at(best_lexical, at, carried_by(lex[instance]))
@@ -255,7 +364,27 @@ def batch_features(
             np.log(LOG_FLOOR + np.bincount(at, weights=carried_by(lexical_weights), minlength=n)),
             own_lexical,
         ]
+    if "ranks" in groups:
+        columns += [np.log1p(ranks_within_rows(slots.rows, x)) for x in (scores.data, vote, similarity)]
+    if "thresholds" in groups:
+        best_of_query = np.full(nq, -np.inf)
+        np.maximum.at(best_of_query, batch.query[instance], batch.sims[instance])
+        gap = carried_by(best_of_query[batch.query[instance]] - batch.sims[instance])
+        columns += [np.log1p(np.bincount(at, weights=gap <= margin, minlength=n)) for margin in THRESHOLD_MARGINS]
+    if "query" in groups:
+        top = np.full(nq, -np.inf)
+        np.maximum.at(top, batch.query, batch.sims)
+        columns += [np.where(np.isinf(top), 0.0, top)[slots.rows], np.log1p(np.diff(scores.indptr))[slots.rows]]
     return np.stack(columns, axis=1)
+
+
+def ranks_within_rows(rows: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Each entry's rank (0: the highest) by ``x`` among the entries of its row (``rows[j]``: the
+    row of ``x[j]``, ``rows`` sorted); ties in storage order."""
+    order = np.lexsort((-x, rows))
+    ranks = np.empty(len(x), dtype=np.float64)
+    ranks[order] = np.arange(len(x)) - np.searchsorted(rows[order], rows[order], side="left")
+    return ranks
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,12 @@ immutable directory::
     index-<i>.hnsw   a sharded bundle (``shards`` in the manifest) instead of the two above: one
     values-<i>.npz   index per contiguous range of key ids (the global ids are the HNSW labels)
                      and, for RAE, the value rows of those keys
-    fusion.npz       optional (``fusion`` in the manifest): the score-fusion tree and label
-                     frequencies of an RAE memory (service.engine.fusion), and for a lexical
-                     fusion the idf of its term space (service.engine.lexical)
+    fusion.onnx      optional (``fusion`` in the manifest): the score-fusion model of an RAE
+                     memory (service.engine.fusion), an ai.onnx.ml TreeEnsemble over φ
+                     (float [batch, features] -> [batch, 1]) run by ONNX Runtime
+    fusion.npz       with it: the label frequencies and, for a lexical fusion, the idf of its term
+                     space (service.engine.lexical); a bundle exported before fusion.onnx holds
+                     its single regression tree here as arrays
     lexical.npz      a lexical fusion's unit term vectors of the keys, key id order (CSR, keys x
     lexical-<i>.npz  terms); a sharded bundle has one file per shard, its keys' rows
     head.npz/.json   the linear head inside encoder.onnx (training.checkpoint format); not read
@@ -39,10 +42,14 @@ LABELS_FILE = "labels.jsonl"
 INDEX_FILE = "index.hnsw"
 VALUES_FILE = "values.npz"
 FUSION_FILE = "fusion.npz"
+FUSION_MODEL_FILE = "fusion.onnx"
 LEXICAL_FILE = "lexical.npz"
 
 IndexKind = Literal["labels", "rae_memory"]
 RaeMode = Literal["joint", "split"]
+# the score fusion's model: one regression tree (NGAME App. C), gradient-boosted regression trees,
+# or LambdaMART (gradient-boosted trees with a ranking objective, each query a group)
+FusionModelKind = Literal["tree", "gbdt", "lambdarank"]
 
 
 class _Strict(BaseModel):
@@ -88,9 +95,19 @@ class RaeParams(_Strict):
 class FusionParams(_Strict):
     """Score fusion of an RAE memory (service.engine.fusion): fused = p̂ + T(φ)."""
 
-    file: str = Field(FUSION_FILE, description="the tree and the label frequencies")
-    features: list[str] = Field(description="φ's columns, in the order the tree reads them")
-    depth: int = Field(ge=0, description="the tree's depth (0: a single leaf)")
+    file: str = Field(FUSION_FILE, description="the label frequencies (and lexicon idf; an old bundle's tree)")
+    model: str | None = Field(
+        None,
+        description="T as an ai.onnx.ml TreeEnsemble ONNX model, its checksum in files; None: a bundle exported "
+        "before it, whose single tree is in file",
+    )
+    kind: FusionModelKind = Field("tree", description="what T is: tree | gbdt | lambdarank")
+    model_params: dict = Field(default_factory=dict, description="T's fitting parameters, as given")
+    parity_max_abs: float | None = Field(
+        None, ge=0.0, description="max |ONNX Runtime − fitting library| of T over the fit's pairs, checked at export"
+    )
+    features: list[str] = Field(description="φ's columns, in the order T reads them")
+    depth: int | None = Field(None, ge=0, description="the single tree's depth (0: a single leaf); None: an ensemble")
     fitted_on: str = Field(description="the queries the tree was fitted on (never the dev or test split)")
     queries: int = Field(gt=0)
     pairs: int = Field(gt=0, description="(query, candidate label) pairs in the fit")
@@ -184,6 +201,13 @@ def bundle_id_from(files: dict[str, str], prefix: str) -> str:
     return f"{prefix}-{hashlib.sha256(joined.encode()).hexdigest()[:12]}"
 
 
+def content_id(manifest: Manifest) -> str:
+    """The bundle id that ``manifest``'s files and RAE parameters give, e.g. ``labels-64d-<12 hex>``:
+    what the export writer names a bundle, and what a loader checks the claimed id against."""
+    rae = {"rae": manifest.rae.model_dump_json()} if manifest.rae else {}
+    return bundle_id_from(manifest.files | rae, prefix=f"{manifest.index_kind.replace('_', '-')}-{manifest.dim}d")
+
+
 def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -201,7 +225,8 @@ def required_files(manifest: Manifest) -> list[str]:
     for shard in shard_list(manifest):
         files += [shard.index] + ([shard.values] if shard.values else [])
     if manifest.fusion is not None:
-        files += [manifest.fusion.file, *(manifest.fusion.lexical or [])]
+        fusion = manifest.fusion
+        files += [fusion.file, *([fusion.model] if fusion.model else []), *(fusion.lexical or [])]
     return files
 
 

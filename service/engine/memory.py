@@ -14,7 +14,8 @@ chunks of :data:`APPEND_CHUNK`, each marked deleted (invisible to searches) unde
 searches run between chunks; then, under the lock, it unmarks them and publishes the new view.
 A search sees all of an append or none of it, and waits at most one chunk's insertion.
 
-Durability. An append is written to its :class:`AppendLog` (one checksummed line, fsync'ed)
+Durability. An append is written to its log (:class:`~service.engine.append_log.AppendLog`, one
+checksummed line, fsync'ed)
 before it is applied and acknowledged; loading a bundle replays its log. A crash while writing
 leaves a torn last line, which replay drops (none of the append); a crash after writing replays
 it (all of it). ``python -m export.compact`` folds a log into a fresh bundle.
@@ -22,15 +23,13 @@ it (all of it). ``python -m export.compact`` folds a log into a fresh bundle.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import scipy.sparse as sp
@@ -57,10 +56,6 @@ class AppendRefused(ValueError):
 
 class AppendIdReused(AppendRefused):
     """The append's ``append_id`` was applied already, with other content."""
-
-
-class AppendLogError(RuntimeError):
-    """The append log cannot be written or read; the memory is left as it was."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +98,8 @@ class MemoryView:
     version: int = 0
     appended_instances: int = 0
     append_ids: dict[str, tuple[int, str]] = field(default_factory=dict)  # id → (version, fingerprint)
+    # logged appends that no longer applied at load and were skipped (an operator's choice): where, why
+    replay_skipped: tuple[dict, ...] = ()
 
     @property
     def appended_labels(self) -> int:
@@ -134,7 +131,7 @@ class MemoryView:
             "labels": self.num_labels,
             "appended_labels": self.appended_labels,
             "appended_instances": self.appended_instances,
-        }
+        } | ({"replay_skipped": list(self.replay_skipped)} if self.replay_skipped else {})
 
 
 def base_view(label_uids: list[str], label_texts: list[str], num_keys: int, values: sp.csr_matrix | None) -> MemoryView:
@@ -156,6 +153,8 @@ def base_view(label_uids: list[str], label_texts: list[str], num_keys: int, valu
 def check_batch(view: MemoryView, batch: AppendBatch, has_instance_memory: bool) -> None:
     """Raise :class:`AppendRefused` with every reason the batch cannot be applied to ``view``."""
     problems = []
+    if batch.append_id is not None and not is_unicode(batch.append_id):
+        problems.append("append_id is not valid Unicode (it contains a lone surrogate)")
     if not batch.labels and not batch.instances:
         problems.append("nothing to append: give labels and/or instances")
     if batch.instances and not has_instance_memory:
@@ -185,6 +184,15 @@ def check_batch(view: MemoryView, batch: AppendBatch, has_instance_memory: bool)
             problems.append(f"instances[{i}]: a label uid given twice")
     if problems:
         raise AppendRefused("; ".join(problems[:20]))
+
+
+def is_unicode(text: str) -> bool:
+    """Whether ``text`` has a UTF-8 form (a lone surrogate, from a ``\\ud800`` JSON escape, has none)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def extend_view(
@@ -240,145 +248,14 @@ def value_rows(view: MemoryView, batch: AppendBatch, new_label_ids: np.ndarray, 
     return rows
 
 
-class AppendLog:
-    """The durable record of a memory's appends: one line per append, ``<sha256> <json>``,
-    written and fsync'ed before the append is applied. Named by the bundle id, so a log is never
-    replayed onto another bundle."""
+class AppendWriter(Protocol):
+    """Where a memory writes its appends before applying them (an
+    :class:`~service.engine.append_log.AppendLog`)."""
 
-    def __init__(self, path: Path, bundle_id: str):
-        self.path = path
-        self.bundle_id = bundle_id
-        self.size = 0  # bytes this log holds as far as its owner knows (set by read and write)
+    def append(self, batch: AppendBatch, vectors: np.ndarray, version: int) -> int:
+        """Write the append durably; returns the size to :meth:`cut_back` to if applying fails."""
 
-    @classmethod
-    def in_directory(cls, directory: Path, bundle_id: str) -> AppendLog:
-        """The log of bundle ``bundle_id`` in ``directory``: ``<bundle id>.appends.log``."""
-        return cls(directory / f"{bundle_id}.appends.log", bundle_id)
-
-    def read(self, repair: bool = True) -> list[dict]:
-        """Every complete record, oldest first. A torn last line (a crash while writing) is cut
-        off the file (with ``repair``; not when reading another owner's log, which may be in the
-        middle of a write); a damaged line before it means the log was altered, and is refused."""
-        if not self.path.is_file():
-            return []
-        records, good_bytes = [], 0
-        with self.path.open("rb") as fh:
-            lines = fh.read().split(b"\n")
-        complete, tail = lines[:-1], lines[-1]
-        for number, line in enumerate(complete, start=1):
-            record = self._decode(line)
-            if record is None:
-                if number == len(complete) and not tail:
-                    log.warning("%s: dropping a damaged last record (an append cut off while written)", self.path)
-                    break
-                raise AppendLogError(f"{self.path}:{number}: damaged record before the end of the log")
-            records.append(record)
-            good_bytes += len(line) + 1
-        if repair and good_bytes != self.path.stat().st_size:
-            cut = self.path.stat().st_size - good_bytes
-            log.warning("%s: cutting %d bytes of an unfinished record", self.path, cut)
-            self._truncate(good_bytes)
-        self.size = good_bytes
-        return records
-
-    def _decode(self, line: bytes) -> dict | None:
-        digest, _, payload = line.partition(b" ")
-        if hashlib.sha256(payload).hexdigest().encode() != digest:
-            return None
-        record = json.loads(payload)
-        if not isinstance(record, dict) or record.get("bundle_id") != self.bundle_id:
-            raise AppendLogError(f"{self.path}: a record of bundle {record.get('bundle_id')}, not {self.bundle_id}")
-        return record
-
-    def write(self, record: dict) -> int:
-        """Append one record durably (unbuffered, fsync'ed) and return the size before it; on any
-        failure the file is cut back to that size. Refused when the file is not the size its owner
-        left it at: another process or predictor appended to it, and this memory has not seen
-        those appends (reload the bundle to replay them)."""
-        payload = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
-        line = hashlib.sha256(payload).hexdigest().encode() + b" " + payload + b"\n"
-        try:
-            for directory in (self.path.parent.parent, self.path.parent):
-                if not directory.exists():
-                    directory.mkdir(parents=True, exist_ok=True)
-                    sync_directory(directory.parent)  # the new entry must be durable too
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise AppendLogError(f"cannot write the append log {self.path}: {exc}") from exc
-        try:
-            start = os.fstat(fd).st_size
-            if start != self.size:
-                raise AppendLogError(
-                    f"{self.path} was appended to by another writer ({start} bytes, this memory knows {self.size}): "
-                    "reload the bundle to replay those appends"
-                )
-            try:
-                written = 0
-                while written < len(line):
-                    written += os.write(fd, line[written:])
-                os.fsync(fd)
-            except OSError as exc:
-                os.ftruncate(fd, start)
-                os.fsync(fd)
-                raise AppendLogError(f"cannot write the append log {self.path}: {exc}") from exc
-            sync_directory(self.path.parent)
-            self.size = start + len(line)
-            return start
-        finally:
-            os.close(fd)
-
-    def cut_back(self, size: int) -> None:
-        """Take back the records past ``size`` (an append that failed to apply after it was logged)."""
-        self._truncate(size)
-        self.size = size
-
-    def _truncate(self, size: int) -> None:
-        fd = os.open(self.path, os.O_WRONLY)
-        try:
-            os.ftruncate(fd, size)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def appends_dir_beside(bundle_path: Path) -> Path:
-    """Where a bundle's append logs go by default: ``<bundle dir>.appends/``, beside the bundle
-    (which stays immutable)."""
-    return Path(bundle_path).with_name(Path(bundle_path).name + ".appends")
-
-
-def sync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def record_of(batch: AppendBatch, vectors: np.ndarray, bundle_id: str, version: int) -> dict:
-    return {
-        "bundle_id": bundle_id,
-        "version": version,
-        "append_id": batch.append_id,
-        "labels": [list(label) for label in batch.labels],
-        "instances": [[text, list(uids)] for text, uids in batch.instances],
-        "vectors": base64.b64encode(np.ascontiguousarray(vectors, dtype=np.float32).tobytes()).decode(),
-    }
-
-
-def batch_of(record: dict, dim: int) -> tuple[AppendBatch, np.ndarray]:
-    try:
-        batch = AppendBatch(
-            labels=[(str(uid), str(text)) for uid, text in record["labels"]],
-            instances=[(str(text), [str(u) for u in uids]) for text, uids in record["instances"]],
-            append_id=record.get("append_id"),
-        )
-        vectors = np.frombuffer(base64.b64decode(record["vectors"]), dtype=np.float32).reshape(-1, dim)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise AppendLogError(f"append record {record.get('version')}: malformed ({exc})") from None
-    if len(vectors) != len(batch.labels) + len(batch.instances):
-        raise AppendLogError(f"append record {record.get('version')}: {len(vectors)} vectors for its keys")
-    return batch, vectors
+    def cut_back(self, size: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -406,7 +283,7 @@ class Memory:
         index,
         view: MemoryView,
         lam: float | None,
-        log: AppendLog | None,
+        log: AppendWriter | None,
         key_terms_of: Callable[[list[str]], sp.csr_matrix] | None = None,
     ):
         self.index = index
@@ -459,7 +336,7 @@ class Memory:
             check_batch(view, batch, self.has_instance_memory)
             if vectors is None or len(vectors) != len(batch.texts):
                 raise AppendRefused("the batch was not prepared against this memory")
-            size = self.log.write(record_of(batch, vectors, self.log.bundle_id, view.version + 1)) if self.log else 0
+            size = self.log.append(batch, vectors, view.version + 1) if self.log else 0
             try:
                 return self._apply(view, batch, vectors)
             except BaseException:
@@ -467,23 +344,23 @@ class Memory:
                     self.log.cut_back(size)
                 raise
 
-    def replay(self, records: list[dict] | None = None) -> int:
-        """Apply the log's records (or ``records``) at load, before serving; returns how many were
-        applied. A record whose ``append_id`` is already applied (the same append logged twice)
-        is skipped, as a live retry would be."""
-        records = self.log.read() if records is None and self.log is not None else records or []
-        applied = 0
+    def replay(self, batch: AppendBatch, vectors: np.ndarray) -> bool:
+        """Apply one logged append at load, before serving; False when its ``append_id`` is
+        already applied (the same append logged twice: skipped, as a live retry would be).
+        Raises :class:`AppendRefused` when it no longer applies."""
         with self._append_lock:
-            for record in records:
-                batch, vectors = batch_of(record, self.index.dim)
-                if self._repeated(self._view, batch) is not None:
-                    continue
-                check_batch(self._view, batch, self.has_instance_memory)
-                self._apply(self._view, batch, vectors)
-                applied += 1
-        if applied:
-            log.info("replayed %d appends (memory version %d)", applied, self._view.version)
-        return applied
+            if self._repeated(self._view, batch) is not None:
+                return False
+            check_batch(self._view, batch, self.has_instance_memory)
+            if len(vectors) != len(batch.texts):
+                raise AppendRefused(f"{len(vectors)} vectors for {len(batch.texts)} keys")
+            self._apply(self._view, batch, vectors)
+            return True
+
+    def report_skipped(self, skipped: list[dict]) -> None:
+        """Record the logged appends that replay left out (see :attr:`MemoryView.replay_skipped`)."""
+        with self._append_lock, self.lock:
+            self._view = replace(self._view, replay_skipped=self._view.replay_skipped + tuple(skipped))
 
     def _repeated(self, view: MemoryView, batch: AppendBatch) -> AppendOutcome | None:
         if batch.append_id is None or batch.append_id not in view.append_ids:

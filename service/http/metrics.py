@@ -89,6 +89,13 @@ class Metrics:
             ["variant", "kind"],
             registry=self.registry,
         )
+        self.replay_skipped = Counter(
+            "xmcserve_replay_skipped",
+            "Logged appends left out when a bundle was loaded, as they no longer applied "
+            "(only with XMCSERVE_REPLAY_SKIP_REFUSED; see /info memory.replay_skipped)",
+            ["variant"],
+            registry=self.registry,
+        )
         # The shadow's comparisons, labelled with the variant whose answers are mirrored (A).
         self.shadow_overlap = Histogram(
             "xmcserve_shadow_overlap",

@@ -15,9 +15,9 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings
 
 from service.api.limits import LimitSettings, settings_group
+from service.engine.append_log import appends_dir_beside
 from service.engine.batcher import BatcherConfig
 from service.engine.encoder import EncoderOptions, thread_layout
-from service.engine.memory import appends_dir_beside
 from service.rollout.shadow import ShadowConfig
 
 _group = settings_group
@@ -120,6 +120,13 @@ class AdminSettings(BaseSettings):
         validation_alias=AliasChoices("XMCSERVE_APPEND_LOG_DIR", "append_log_dir"),
         description="where appended memory is logged (a log per bundle id, replayed at load); "
         "unset: <bundle dir>.appends/ beside each bundle",
+    )
+
+    replay_skip_refused: bool = Field(
+        False,
+        validation_alias=AliasChoices("XMCSERVE_REPLAY_SKIP_REFUSED", "replay_skip_refused"),
+        description="at load, skip a logged append that no longer applies (reported in /info "
+        "memory.replay_skipped and xmcserve_replay_skipped_total) instead of refusing the bundle",
     )
 
     def appends_dir(self, bundle_path: Path) -> Path:

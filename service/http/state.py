@@ -38,7 +38,9 @@ async def load_for_serving(path: Path, settings: Settings, vet: bool = True) -> 
         limit = VET_BASE_BYTES + 4 * files
         await anyio.to_thread.run_sync(lambda: engine.vet_in_child(path, options, settings.verify_checksums, limit))
     predictor = await anyio.to_thread.run_sync(
-        lambda: engine.load_predictor(path, options, settings.verify_checksums, appends_dir)
+        lambda: engine.load_predictor(
+            path, options, settings.verify_checksums, appends_dir, settings.admin.replay_skip_refused
+        )
     )
     bundle = predictor.bundle
     log.info(
@@ -70,6 +72,7 @@ class ServingState:
 
     def install(self, name: str, predictor: Predictor, source: str) -> Predictor | None:
         previous = self.variants.install(name, predictor, source)
+        self.metrics.replay_skipped.labels(variant=name).inc(len(predictor.view.replay_skipped))
         self.publish_bundle_info()
         return previous
 

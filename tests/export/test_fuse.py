@@ -1,22 +1,44 @@
-"""export.fuse: a fusion fitted on held-out training instances (leave one out), written as a derived
-bundle whose answers are the source's RAE scores plus the tree, lexical by default (the keys' term
-vectors beside it, one file per shard); appends and compaction keep it; wrong inputs are refused."""
+"""export.fuse: a fusion fitted on held-out training instances (leave one out), converted to an
+ai.onnx.ml TreeEnsemble checked against its library, written as a derived bundle whose answers are
+the source's RAE scores plus the model, lexical by default (the keys' term vectors beside it, one
+file per shard); a tree, a regression GBDT or LambdaMART; an old bundle's tree as arrays still
+serves; appends and compaction keep it; wrong inputs are refused."""
 
 import json
+import shutil
 
 import numpy as np
+import onnx
 import pytest
+from onnx import helper
 
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
-from export.fuse import leave_one_out, main
-from service.engine.bundle import BundleError, load_bundle, load_labels, load_shard
-from service.engine.fusion import FEATURE_SETS, FEATURES
-from service.engine.manifest import FUSION_FILE, LEXICAL_FILE, MANIFEST_FILE
+from export.fuse import PARITY_BOUND, FittedModel, HeldOutPairs, fit_model, leave_one_out, main, onnx_fusion_model
+from service.engine.bundle import BundleError, load_bundle, load_fusion, load_labels, load_shard
+from service.engine.fusion import (
+    FEATURE_GROUPS,
+    FEATURES,
+    LEXICAL_FEATURES,
+    OnnxTreeEnsemble,
+    RegressionTree,
+    groups_of,
+)
+from service.engine.loading import load_predictor
+from service.engine.manifest import (
+    FUSION_FILE,
+    FUSION_MODEL_FILE,
+    LEXICAL_FILE,
+    MANIFEST_FILE,
+    Manifest,
+    content_id,
+    sha256_file,
+)
 from service.engine.memory import AppendBatch, base_view, fetch_and_ef
-from service.engine.search import RankedSearch, load_predictor, merged_neighbours
+from service.engine.search import RankedSearch, merged_neighbours
 from service.engine.shards import ShardQuery
+from tests.service.engine.test_fusion import random_sklearn_tree, tree_from
 from training.data import load_jsonl_split
 from training.params import HOLDOUT_FILE
 
@@ -51,17 +73,50 @@ def plain_fused(sample_bundle, sample_dir, run_dir, tmp_path_factory):
     return fuse(sample_bundle, sample_dir, run_dir, tmp_path_factory.mktemp("fused") / "plain", "--no-lexical")
 
 
-@pytest.fixture(params=["fused", "plain_fused"])
+@pytest.fixture(scope="module")
+def old_fused(fused, tmp_path_factory):
+    """The fused bundle as an export before the ONNX fusion wrote it: its single tree as arrays in
+    fusion.npz, no fusion.onnx, the manifest without the model's fields."""
+    old = tmp_path_factory.mktemp("old") / "old-fused"
+    shutil.copytree(fused, old)
+    manifest = json.loads((old / MANIFEST_FILE).read_text())
+    features = tuple(manifest["fusion"]["features"])
+    tree = tree_from(random_sklearn_tree(depth=5, features=features))
+    with np.load(old / FUSION_FILE) as z:
+        arrays = dict(z)
+    np.savez_compressed(old / FUSION_FILE, **arrays, **{name: getattr(tree, name) for name in RegressionTree.ARRAYS})
+    (old / FUSION_MODEL_FILE).unlink()
+    for name in ("model", "kind", "model_params", "parity_max_abs"):
+        del manifest["fusion"][name]
+    manifest["fusion"]["depth"] = tree.depth
+    del manifest["files"][FUSION_MODEL_FILE]
+    manifest["files"][FUSION_FILE] = sha256_file(old / FUSION_FILE)
+    manifest["bundle_id"] = content_id(Manifest.model_validate(manifest))  # as its export named it
+    (old / MANIFEST_FILE).write_text(json.dumps(manifest))
+    return old
+
+
+@pytest.fixture(params=["fused", "plain_fused", "old_fused"])
 def any_fused(request):
     return request.getfixturevalue(request.param)
 
 
 @pytest.fixture(scope="module")
-def sharded_fused(distilbert_dir, train, sample_dir, run_dir, tmp_path_factory):
-    """A 3-shard RAE memory of the whole sample (tiny DistilBERT), fused."""
+def tiny_memory(distilbert_dir, train, tmp_path_factory):
+    """A 3-shard RAE memory of the whole sample (tiny DistilBERT)."""
     source = tmp_path_factory.mktemp("bundles") / "tiny-3shards"
     build_bundle(source, train.labels, train, distilbert_dir, ExportParams(dim=16, rae_top_b=50, shards=3))
-    return fuse(source, sample_dir, run_dir, tmp_path_factory.mktemp("fused") / "tiny-3shards-fused")
+    return source
+
+
+@pytest.fixture(scope="module")
+def sharded_fused(tiny_memory, sample_dir, run_dir, tmp_path_factory):
+    """The 3-shard memory with a LambdaMART fusion over every feature group."""
+    out = tmp_path_factory.mktemp("fused") / "tiny-3shards-fused"
+    extra = [group for group in FEATURE_GROUPS if group not in ("rae", "lexical")]
+    return fuse(
+        tiny_memory, sample_dir, run_dir, out, "--model", "lambdarank", "--trees", "30", "--extra-features", *extra
+    )
 
 
 def test_leave_one_out_drops_only_each_rows_own_key():
@@ -72,33 +127,84 @@ def test_leave_one_out_drops_only_each_rows_own_key():
     np.testing.assert_allclose(kept_sims, [[0.9, 0.7, 0.6], [0.5, 0.4, 0.3]])
 
 
-def test_the_fused_bundle_ranks_by_rae_score_plus_the_tree(fused, sample_bundle, sample_dir):
-    bundle = load_bundle(fused)  # checksums verified, fusion.npz and lexical.npz among them
+def tree_ensemble(path) -> dict:
+    """The attributes of the bundle's ai.onnx.ml TreeEnsembleRegressor node."""
+    model = onnx.load(path / FUSION_MODEL_FILE)
+    (node,) = [node for node in model.graph.node if node.op_type == "TreeEnsembleRegressor"]
+    assert node.domain == "ai.onnx.ml"
+    return {attribute.name: helper.get_attribute_value(attribute) for attribute in node.attribute}
+
+
+def test_the_fused_bundle_ranks_by_rae_score_plus_the_onnx_tree(fused, sample_bundle, sample_dir):
+    bundle = load_bundle(fused)  # checksums verified, fusion.onnx, fusion.npz and lexical.npz among them
     source = load_bundle(sample_bundle)
-    assert bundle.manifest.fusion.features == list(FEATURE_SETS[1]) and bundle.manifest.fusion.queries == 150
-    assert {FUSION_FILE, LEXICAL_FILE} <= set(bundle.manifest.files) and bundle.bundle_id != source.bundle_id
+    params = bundle.manifest.fusion
+    assert params.features == list(FEATURES + LEXICAL_FEATURES) and params.queries == 150
+    assert (params.model, params.kind, params.model_params) == (FUSION_MODEL_FILE, "tree", {"depth": 7, "min_leaf": 50})
+    assert 0 <= params.parity_max_abs <= PARITY_BOUND and params.depth <= 7
+    assert {FUSION_FILE, FUSION_MODEL_FILE, LEXICAL_FILE} <= set(bundle.manifest.files)
+    assert bundle.bundle_id != source.bundle_id and isinstance(bundle.fusion.model, OnnxTreeEnsemble)
     assert (
-        bundle.manifest.fusion.lexical == [LEXICAL_FILE]
+        params.lexical == [LEXICAL_FILE]
         and bundle.key_terms.rows.shape[0] == len(source.label_uids) + bundle.manifest.counts.train_instances
     )
-    assert "held-out training instances" in bundle.manifest.fusion.fitted_on
-    lexical_splits = np.isin(bundle.fusion.tree.feature[bundle.fusion.tree.left >= 0], np.arange(len(FEATURES), 12))
-    assert lexical_splits.any()  # the tree uses the lexical features
-    check_rae_score_plus_a_leaf(fused, sample_bundle, load_jsonl_split(sample_dir, "dev").texts[:20])
+    assert "held-out training instances" in params.fitted_on
+    trees = tree_ensemble(fused)
+    split_on = np.array(trees["nodes_featureids"])[np.array([mode != b"LEAF" for mode in trees["nodes_modes"]])]
+    assert np.isin(split_on, np.arange(len(FEATURES), 12)).any()  # the tree uses the lexical features
+    leaves = np.array(trees["target_weights"])  # one tree: its leaves' values
+    check_rae_score_plus_a_leaf(fused, sample_bundle, load_jsonl_split(sample_dir, "dev").texts[:20], leaves)
+
+
+def test_an_old_bundle_s_tree_as_arrays_still_serves(old_fused, sample_bundle, sample_dir):
+    bundle = load_bundle(old_fused)
+    assert bundle.manifest.fusion.model is None and isinstance(bundle.fusion.model, RegressionTree)
+    tree = bundle.fusion.model
+    texts = load_jsonl_split(sample_dir, "dev").texts[:20]
+    check_rae_score_plus_a_leaf(old_fused, sample_bundle, texts, tree.value[tree.left < 0])
+
+
+@pytest.mark.parametrize("kind", ["gbdt", "lambdarank"])
+def test_a_boosted_fusion_is_an_onnx_ensemble_of_its_trees(kind, tiny_memory, sample_dir, run_dir, tmp_path):
+    out = fuse(tiny_memory, sample_dir, run_dir, tmp_path / kind, "--model", kind, "--trees", "12", "--leaves", "7")
+    params = load_bundle(out).manifest.fusion
+    assert (params.kind, params.model_params["trees"], params.model_params["leaves"]) == (kind, 12, 7)
+    assert 0 <= params.parity_max_abs <= PARITY_BOUND and params.depth is None
+    trees = tree_ensemble(out)
+    assert len(set(trees["nodes_treeids"])) == 12  # every boosting round, in one TreeEnsembleRegressor
+    texts = load_jsonl_split(sample_dir, "dev").texts[:20]
+    fused, source = load_predictor(out).predict(texts, k=10), load_predictor(tiny_memory).predict(texts, k=10)
+    assert all(np.all(np.diff(r.scores) <= 1e-6) for r in fused.rankings)
+    assert any(a.ids.tolist() != b.ids.tolist() for a, b in zip(fused.rankings, source.rankings, strict=True))
+
+
+def test_an_export_whose_onnx_model_differs_from_its_library_is_refused(monkeypatch):
+    X = np.random.default_rng(4).normal(size=(500, len(FEATURES))).astype(np.float32).astype(np.float64)
+    fitted = FittedModel("tree", {}, random_sklearn_tree(depth=4))
+    model, parity = onnx_fusion_model(fitted, X)
+    assert parity <= PARITY_BOUND and isinstance(model, OnnxTreeEnsemble)
+    monkeypatch.setattr(FittedModel, "predict", lambda self, X: self.library_model.predict(X) + 1e-3)
+    with pytest.raises(SystemExit, match="bound"):
+        onnx_fusion_model(fitted, X)
+
+
+def test_model_options_are_checked_against_the_model(tiny_memory, sample_dir, run_dir, tmp_path):
+    with pytest.raises(SystemExit, match="takes no"):
+        fuse(tiny_memory, sample_dir, run_dir, tmp_path / "x", "--model", "tree", "--trees", "10")
+    assert not (tmp_path / "x").exists()
 
 
 def test_the_lexical_features_can_be_left_out(plain_fused, sample_bundle, sample_dir):
     bundle = load_bundle(plain_fused)
     assert bundle.manifest.fusion.features == list(FEATURES) and bundle.manifest.fusion.lexical is None
     assert bundle.fusion.lexicon is None and bundle.key_terms is None and LEXICAL_FILE not in bundle.manifest.files
-    check_rae_score_plus_a_leaf(plain_fused, sample_bundle, load_jsonl_split(sample_dir, "dev").texts[:20])
+    leaves = np.array(tree_ensemble(plain_fused)["target_weights"])
+    check_rae_score_plus_a_leaf(plain_fused, sample_bundle, load_jsonl_split(sample_dir, "dev").texts[:20], leaves)
 
 
-def check_rae_score_plus_a_leaf(fused, source, texts):
+def check_rae_score_plus_a_leaf(fused, source, texts, leaves):
     """Each fused answer is a candidate of the source's RAE ranking whose score is its RAE score
-    plus one of the tree's leaves, and some rankings change."""
-    tree = load_bundle(fused).fusion.tree
-    leaves = tree.value[tree.left < 0]
+    plus one of the tree's ``leaves``, and some rankings change."""
     assert len(leaves) > 2  # it learnt something from the pairs
     fused_answers = load_predictor(fused).predict(texts, k=10).rankings
     everything = load_predictor(source).predict(texts, k=100_000).rankings  # every candidate's RAE score
@@ -118,9 +224,11 @@ def test_a_sharded_bundle_is_fused_with_a_key_term_file_per_shard_and_ranks_alik
     sharded_fused, sample_dir
 ):
     """What the Ray front end does (each shard scores its own keys' lexical similarity, the
-    ingress merges and ranks) gives the single process's answers."""
+    ingress merges and ranks with the fusion it loads in its own ONNX Runtime session) gives the
+    single process's answers, for a LambdaMART fusion over every feature group."""
     manifest = load_bundle(sharded_fused).manifest
     assert manifest.fusion.lexical == ["lexical-0.npz", "lexical-1.npz", "lexical-2.npz"]
+    assert manifest.fusion.kind == "lambdarank" and groups_of(manifest.fusion.features) == tuple(FEATURE_GROUPS)
     predictor = load_predictor(sharded_fused)
     texts = load_jsonl_split(sample_dir, "dev").texts[:16]
     vectors, _ = predictor.encode(texts)
@@ -129,9 +237,10 @@ def test_a_sharded_bundle_is_fused_with_a_key_term_file_per_shard_and_ranks_alik
     _, uids, label_texts = load_labels(sharded_fused)
     searchers = [load_shard(sharded_fused, i)[1] for i in range(3)]
     assert [s.key_terms.first_key for s in searchers] == [shard.first_key for shard in manifest.shards]
-    search = RankedSearch(manifest, [10] * len(texts), [()] * len(texts), predictor.bundle.fusion)
+    ingress_fusion = load_fusion(sharded_fused, manifest)
+    search = RankedSearch(manifest, [10] * len(texts), [()] * len(texts), ingress_fusion)
     fetch, ef = fetch_and_ef(search.neighbours, manifest.hnsw.ef_search, manifest.counts.memory_rows)
-    terms = predictor.bundle.fusion.lexicon.query_terms(texts)  # the ingress's (a fusion it loads)
+    terms = ingress_fusion.lexicon.query_terms(texts)
     answers = [s.search_many([ShardQuery(vectors, fetch, ef, terms)])[0] for s in searchers]
     view = base_view(uids, label_texts, manifest.counts.memory_rows, None)
     got = search.rank(merged_neighbours(answers, search.neighbours, view))
@@ -200,13 +309,13 @@ def test_a_lexical_fusion_without_its_key_terms_is_refused(fused, tmp_path):
     (copy / MANIFEST_FILE).write_text(json.dumps(manifest))
     rows = sp.load_npz(copy / LEXICAL_FILE)
     sp.save_npz(copy / LEXICAL_FILE, rows[:-1])  # a key short
-    with pytest.raises(BundleError, match="cannot load key terms"):
+    with pytest.raises(BundleError, match="key term matrix refused"):
         load_bundle(copy, verify=False)
 
 
 def test_changing_the_rae_parameters_drops_the_fusion(fused, train, tmp_path):
     derived = derive_rae_bundle(fused, tmp_path / "d", train.Y, lam=0.2)
-    assert derived.fusion is None and not {FUSION_FILE, LEXICAL_FILE} & set(derived.files)
+    assert derived.fusion is None and not {FUSION_FILE, FUSION_MODEL_FILE, LEXICAL_FILE} & set(derived.files)
     assert load_bundle(tmp_path / "d").fusion is None
 
 
@@ -238,3 +347,24 @@ def test_a_run_without_holdout_or_a_partial_memory_is_refused(tiny_rae_bundle, s
             ]
         )
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("kind", ["gbdt", "lambdarank"])
+def test_lightgbm_s_double_thresholds_convert_exactly_on_float32_features(kind, monkeypatch):
+    """A feature whose values are adjacent float32s: LightGBM splits between them at a double the
+    converter alone rounds to the nearest float32, the upper value half the time, sending that
+    value the wrong way; floored thresholds route every row as LightGBM does."""
+    rng = np.random.default_rng(5)
+    low = rng.uniform(0.1, 0.9, size=8).astype(np.float32)
+    upper = rng.integers(0, 2, size=(4000, 8)).astype(bool)
+    X = np.where(upper, np.nextafter(low, np.float32(1)), low).astype(np.float64)
+    y = (upper @ rng.normal(size=8) + rng.normal(scale=0.3, size=4000) > 0).astype(np.float64)
+    pairs = HeldOutPairs(X, y, np.repeat(np.arange(100), 40), np.zeros(4000, dtype=np.int64), [], 1.0)
+    pairs.relevant = [np.zeros(0, dtype=np.int64)] * 100
+    features = tuple(f"f{i}" for i in range(7)) + ("rae_score",)  # fit_model boosts lambdarank from rae_score
+    fitted = fit_model(kind, pairs, features, {"trees": 30})
+    _, parity = onnx_fusion_model(fitted, X)
+    assert parity <= PARITY_BOUND
+    monkeypatch.setattr("export.fuse.float32_thresholds", lambda booster: booster)  # the converter alone
+    with pytest.raises(SystemExit, match="bound"):
+        onnx_fusion_model(fitted, X)

@@ -1,5 +1,6 @@
-"""service.engine.fusion: the tree as arrays predicts as scikit-learn does, each feature is what
-its definition says on a hand-made query, and rescoring adds the tree to the RAE score."""
+"""service.engine.fusion: the ONNX model predicts as its library does in one ONNX Runtime session of
+one thread, an old bundle's tree as arrays predicts as scikit-learn does, each feature is what its
+definition says on a hand-made query, and rescoring adds the model to the RAE score."""
 
 import math
 
@@ -8,18 +9,24 @@ import pytest
 import scipy.sparse as sp
 from sklearn.tree import DecisionTreeRegressor
 
+from export.fuse import FittedModel, to_onnx
 from service.engine.fusion import (
-    FEATURE_SETS,
     FEATURES,
     LEXICAL_FEATURES,
     LEXICAL_TAU,
     LOG_FLOOR,
+    QUERY_FEATURES,
+    RANK_FEATURES,
+    OnnxTreeEnsemble,
     RegressionTree,
     ScoreFusion,
     batch_features,
+    features_of_groups,
+    groups_of,
     memory_log_frequency,
 )
 from service.engine.lexical import Lexicon
+from service.engine.manifest import FUSION_FILE, FUSION_MODEL_FILE, FusionParams
 from service.engine.rae import KeptKeys, ValueRows, aggregate, aggregate_kept, keep_keys, softmax
 from training.checkpoint import default_encoder_dir
 
@@ -29,12 +36,37 @@ def tree_from(model: DecisionTreeRegressor) -> RegressionTree:
     return RegressionTree(t.feature, t.threshold, t.children_left, t.children_right, t.value[:, 0, 0])
 
 
-def random_tree(seed: int = 0, depth: int = 6, features: tuple[str, ...] = FEATURES) -> RegressionTree:
+ALL_FEATURES = features_of_groups(["lexical", "ranks", "thresholds", "query"])
+
+
+def random_sklearn_tree(seed: int = 0, depth: int = 6, features: tuple[str, ...] = FEATURES):
     """A tree that splits on every one of ``features`` (the target depends on all of them)."""
     rng = np.random.default_rng(seed)
-    X = rng.normal(size=(2000, len(features)))
+    X = rng.normal(size=(2000, len(features))).astype(np.float32).astype(np.float64)
     y = np.sin(X @ rng.normal(size=len(features))) + 0.1 * rng.normal(size=len(X))
-    return tree_from(DecisionTreeRegressor(max_depth=depth, random_state=0).fit(X, y))
+    return DecisionTreeRegressor(max_depth=depth, random_state=0).fit(X, y)
+
+
+def random_tree(seed: int = 0, depth: int = 6, features: tuple[str, ...] = FEATURES) -> RegressionTree:
+    """An old bundle's tree, as arrays."""
+    return tree_from(random_sklearn_tree(seed, depth, features))
+
+
+def random_onnx_tree(seed: int = 0, depth: int = 6, features: tuple[str, ...] = FEATURES) -> OnnxTreeEnsemble:
+    """The same tree as ``export.fuse`` writes it: skl2onnx's ai.onnx.ml TreeEnsemble, in ONNX Runtime."""
+    fitted = FittedModel("tree", {}, random_sklearn_tree(seed, depth, features))
+    return OnnxTreeEnsemble.from_bytes(to_onnx(fitted, len(features)), len(features))
+
+
+def fusion_params(features: tuple[str, ...], onnx: bool = True) -> FusionParams:
+    return FusionParams(
+        file=FUSION_FILE,
+        model=FUSION_MODEL_FILE if onnx else None,
+        features=list(features),
+        fitted_on="a test",
+        queries=1,
+        pairs=1,
+    )
 
 
 def leaf(value: float) -> RegressionTree:
@@ -43,12 +75,25 @@ def leaf(value: float) -> RegressionTree:
 
 def split_on(feature: str, threshold: float, below: float, above: float) -> RegressionTree:
     return RegressionTree(
-        feature=np.array([FEATURE_SETS[-1].index(feature), -2, -2]),
+        feature=np.array([(FEATURES + LEXICAL_FEATURES).index(feature), -2, -2]),
         threshold=np.array([threshold, -2.0, -2.0]),
         left=np.array([1, -1, -1]),
         right=np.array([2, -1, -1]),
         value=np.array([0.0, below, above]),
     )
+
+
+def test_the_onnx_model_scores_as_its_library_in_one_single_threaded_session():
+    rng = np.random.default_rng(1)
+    X = rng.normal(size=(3000, len(FEATURES))).astype(np.float32).astype(np.float64)
+    sklearn_tree = random_sklearn_tree(depth=7)
+    onnx_tree = random_onnx_tree(depth=7)
+    np.testing.assert_allclose(onnx_tree.predict(X), sklearn_tree.predict(X), rtol=0, atol=1e-6)
+    options = onnx_tree.session.get_session_options()
+    assert (options.intra_op_num_threads, options.inter_op_num_threads) == (1, 1)  # the encoder keeps the cores
+    assert onnx_tree.predict(np.zeros((0, len(FEATURES)))).shape == (0,)
+    with pytest.raises(ValueError, match=r"one float input \[batch, 12\]"):
+        OnnxTreeEnsemble.from_bytes(onnx_tree.serialized, 12)
 
 
 def test_the_tree_as_arrays_predicts_what_scikit_learn_predicts():
@@ -68,7 +113,7 @@ def test_the_tree_as_arrays_predicts_what_scikit_learn_predicts():
     [
         ("left", 0, 0, "after their parent"),  # a cycle
         ("right", 0, 99, "out of range"),
-        ("feature", 0, len(FEATURE_SETS[-1]), "unknown feature"),
+        ("feature", 0, len(ALL_FEATURES), "unknown feature"),
         ("value", 1, np.nan, "finite"),
     ],
 )
@@ -146,15 +191,25 @@ def test_rescoring_adds_the_tree_to_the_rae_score_and_keeps_exclusions():
     assert set(np.flatnonzero(fused[0] > 10)) == {1, 3} and set(np.flatnonzero(fused[1] > 10)) == {0}
 
 
-def test_fusion_files_round_trip_and_a_wrong_frequency_table_is_refused(tmp_path):
-    fusion = ScoreFusion(random_tree(), np.log1p(np.arange(5, dtype=np.float32)))
-    fusion.save(tmp_path / "fusion.npz")
-    loaded = ScoreFusion.load(tmp_path / "fusion.npz", 5)
+@pytest.mark.parametrize("onnx", [True, False], ids=["onnx", "old-tree"])
+def test_fusion_files_round_trip_and_a_wrong_frequency_table_is_refused(tmp_path, onnx):
+    model = random_onnx_tree() if onnx else random_tree()
+    fusion = ScoreFusion(model, np.log1p(np.arange(5, dtype=np.float32)))
+    params = fusion_params(FEATURES, onnx)
+    fusion.save(tmp_path, params)
+    assert (tmp_path / FUSION_MODEL_FILE).is_file() == onnx
+    loaded = ScoreFusion.load(tmp_path, params, 5)
+    assert type(loaded.model) is type(model)
     X = np.random.default_rng(2).normal(size=(100, len(FEATURES)))
-    np.testing.assert_array_equal(loaded.tree.predict(X), fusion.tree.predict(X))
+    np.testing.assert_array_equal(loaded.model.predict(X), fusion.model.predict(X))
     np.testing.assert_array_equal(loaded.log_frequency, fusion.log_frequency)
     with pytest.raises(ValueError, match="6 finite values"):
-        ScoreFusion.load(tmp_path / "fusion.npz", 6)
+        ScoreFusion.load(tmp_path, params, 6)
+
+
+def test_an_onnx_fusion_is_not_saved_as_an_old_bundle(tmp_path):
+    with pytest.raises(ValueError, match="ONNX model"):
+        ScoreFusion(random_onnx_tree(), np.zeros(5)).save(tmp_path, fusion_params(FEATURES, onnx=False))
 
 
 def test_label_frequencies_come_from_the_instance_rows_only():
@@ -171,7 +226,7 @@ def test_each_lexical_feature_is_its_definition_on_a_hand_made_query():
     scores = aggregate(keys[None], sims[None], key_labels[None], values, 0.1, 4, [()], "split")
     candidates = scores.indices
     kept = [KeptKeys(keys, sims, key_labels, lexical)]
-    F = batch_features(scores, kept, values, 0.1, np.zeros(4), lexical=True)[:, len(FEATURES) :]
+    F = batch_features(scores, kept, values, 0.1, np.zeros(4), ("rae", "lexical"))[:, len(FEATURES) :]
     column = {name: dict(zip(candidates.tolist(), F[:, j], strict=True)) for j, name in enumerate(LEXICAL_FEATURES)}
     w = softmax(np.array([0.6, 0.2]), LEXICAL_TAU)  # instance 0, instance 1
     assert column["instance_lexical_max"] == pytest.approx({0: 0.6, 1: 0.6, 2: 0.2, 3: 0.0})
@@ -214,18 +269,62 @@ def test_exclusion_drops_a_key_s_lexical_similarity_with_it():
 
 
 def test_lexical_fusion_files_round_trip_and_are_checked(tmp_path):
-    fusion = ScoreFusion(split_on("label_lexical", 0.5, 0.0, 1.0), np.zeros(5), lexicon())
-    fusion.save(tmp_path / "fusion.npz")
+    features = FEATURES + LEXICAL_FEATURES
+    fusion = ScoreFusion(random_onnx_tree(features=features), np.zeros(5), lexicon())
+    params = fusion_params(features)
+    fusion.save(tmp_path, params)
     tokenizer = (default_encoder_dir() / "tokenizer.json", 128)
-    loaded = ScoreFusion.load(tmp_path / "fusion.npz", 5, tokenizer)
+    loaded = ScoreFusion.load(tmp_path, params, 5, tokenizer)
     np.testing.assert_array_equal(loaded.lexicon.idf, fusion.lexicon.idf)
-    assert loaded.features == FEATURE_SETS[1]
+    assert loaded.features == features
     with pytest.raises(ValueError, match="needs the bundle's tokenizer"):
-        ScoreFusion.load(tmp_path / "fusion.npz", 5)
-    # a tree on a lexical feature without the lexicon to compute it
-    ScoreFusion(fusion.tree, np.zeros(5)).save(tmp_path / "no-lexicon.npz")
+        ScoreFusion.load(tmp_path, params, 5)
+    # an old tree on a lexical feature without the lexicon to compute it
+    old = fusion_params(FEATURES, onnx=False)
+    ScoreFusion(split_on("label_lexical", 0.5, 0.0, 1.0), np.zeros(5)).save(tmp_path, old)
     with pytest.raises(ValueError, match="does not compute"):
-        ScoreFusion.load(tmp_path / "no-lexicon.npz", 5)
+        ScoreFusion.load(tmp_path, old, 5)
+    # a model over other features than the manifest lists
+    with pytest.raises(ValueError, match=r"one float input \[batch, 8\]"):
+        ScoreFusion.load(tmp_path, fusion_params(FEATURES), 5)
+
+
+def test_feature_lists_are_whole_groups_in_order():
+    assert groups_of(ALL_FEATURES) == ("rae", "lexical", "ranks", "thresholds", "query")
+    assert features_of_groups(["query", "ranks"]) == FEATURES + RANK_FEATURES + QUERY_FEATURES
+    for wrong in (RANK_FEATURES + FEATURES, FEATURES + RANK_FEATURES[:2], tuple(reversed(FEATURES)), FEATURES[1:]):
+        with pytest.raises(ValueError, match="not the groups"):
+            groups_of(wrong)
+    with pytest.raises(ValueError, match="unknown feature groups"):
+        features_of_groups(["lexical", "label_vectors"])
+    with pytest.raises(ValueError, match="exactly when it has a lexicon"):
+        ScoreFusion(None, np.zeros(4), None, FEATURES + LEXICAL_FEATURES)
+
+
+def test_each_cheap_feature_is_its_definition_on_a_hand_made_query():
+    values, _ = memory()
+    keys = np.array([0, 3, 1, 5])  # instance 0 (labels 0, 1), label 1, instance 1 (labels 1, 2), label 3
+    key_labels = np.array([-1, 1, -1, 3])
+    sims = np.array([0.9, 0.8, 0.86, 0.2], dtype=np.float32)
+    scores = aggregate(keys[None], sims[None], key_labels[None], values, 0.1, 4, [()], "split")
+    candidates = scores.indices.tolist()
+    groups = ("rae", "ranks", "thresholds", "query")
+    F = batch_features(scores, [KeptKeys(keys, sims, key_labels)], values, 0.1, np.zeros(4), groups)
+    names = features_of_groups(groups)
+    column = {name: dict(zip(candidates, F[:, j], strict=True)) for j, name in enumerate(names)}
+    rae = column["rae_score"]
+    by_rae = sorted(rae, key=lambda label: -rae[label])
+    assert column["rae_rank"] == pytest.approx({label: math.log1p(by_rae.index(label)) for label in rae})
+    # instance votes: label 1 carried by both instances, 0 by the best, 2 by the second, 3 by none
+    assert column["instance_vote_rank"] == pytest.approx({1: 0.0, 0: math.log1p(1), 2: math.log1p(2), 3: math.log1p(3)})
+    # label similarity: label 1 (0.8), label 3 (0.2), the unretrieved at the lowest (0.2), ties in storage order
+    assert column["label_similarity_rank"][1] == 0.0
+    within = {margin: column[f"instance_votes_within_{margin:g}"] for margin in (0.02, 0.05, 0.1)}
+    assert within[0.02] == pytest.approx({0: math.log1p(1), 1: math.log1p(1), 2: 0.0, 3: 0.0})  # 0.86 is 0.04 off
+    assert within[0.05] == pytest.approx({0: math.log1p(1), 1: math.log1p(2), 2: math.log1p(1), 3: 0.0})
+    assert within[0.1] == within[0.05]
+    assert column["query_best_similarity"] == pytest.approx(dict.fromkeys(candidates, 0.9))
+    assert column["query_candidates"] == pytest.approx(dict.fromkeys(candidates, math.log1p(4)))
 
 
 def test_a_batch_s_features_are_each_query_s_features_alone():
@@ -241,12 +340,13 @@ def test_a_batch_s_features_are_each_query_s_features_alone():
     kept = keep_keys(keys, sims, key_labels, excluded, 4, lexical)
     log_frequency = np.log1p(np.array([1.0, 2.0, 1.0, 0.0]))
     scores = aggregate_kept(kept, values, 0.1, excluded, "split")
-    batch = batch_features(scores, kept, values, 0.1, log_frequency, lexical=True)
-    assert batch.shape == (scores.nnz, len(FEATURE_SETS[-1]))
+    groups = groups_of(ALL_FEATURES)
+    batch = batch_features(scores, kept, values, 0.1, log_frequency, groups)
+    assert batch.shape == (scores.nnz, len(ALL_FEATURES))
     for i, row in enumerate(kept):
         alone = aggregate_kept([row], values, 0.1, [excluded[i]], "split")
         start, end = scores.indptr[i], scores.indptr[i + 1]
         assert alone.indices.tolist() == scores.indices[start:end].tolist()
         np.testing.assert_allclose(
-            batch[start:end], batch_features(alone, [row], values, 0.1, log_frequency, lexical=True), rtol=1e-12
+            batch[start:end], batch_features(alone, [row], values, 0.1, log_frequency, groups), rtol=1e-12
         )

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from service.engine.fusion import FEATURE_SETS, ScoreFusion
+from service.engine.fusion import FEATURES, LEXICAL_FEATURES, ScoreFusion
 from service.engine.lexical import KeyTerms, Lexicon
 from service.engine.memory import Memory, base_view, fetch_and_ef
 from service.engine.search import Neighbours, RankedSearch, merged_neighbours
 from service.engine.shards import ShardAnswer, ShardedIndex, ShardQuery, ShardSearcher
-from tests.service.engine.test_fusion import random_tree
+from tests.service.engine.test_fusion import random_onnx_tree
 from training.checkpoint import default_encoder_dir
 
 DIM, RAE_LABELS = 8, 30
@@ -94,7 +94,7 @@ def test_a_fused_ranking_is_the_same_on_shards(sizes):
     """Fusion features read value rows by key position: the shards' carried rows must give the
     single process's features, so the same fused answers."""
     log_frequency = np.log1p(np.arange(RAE_LABELS, dtype=np.float32) % 4)
-    check_distributed_equals_single_process("rae_memory", sizes, ScoreFusion(random_tree(depth=5), log_frequency))
+    check_distributed_equals_single_process("rae_memory", sizes, ScoreFusion(random_onnx_tree(depth=5), log_frequency))
 
 
 WORDS = ["libc6", "python3", "numpy", "tryton", "sale", "stock", "module", "gnu", "library", "shared", "data", "tools"]
@@ -102,7 +102,7 @@ WORDS = ["libc6", "python3", "numpy", "tryton", "sale", "stock", "module", "gnu"
 
 @pytest.mark.parametrize("sizes", [[60], [4, 50, 6]])
 def test_a_lexically_fused_ranking_is_the_same_on_shards(sizes):
-    tree = random_tree(depth=5, features=FEATURE_SETS[1])
+    tree = random_onnx_tree(depth=5, features=FEATURES + LEXICAL_FEATURES)
     check_distributed_equals_single_process("rae_memory", sizes, tree, lexical=True)
 
 

@@ -2,6 +2,7 @@
 append, /info and the metrics count it, traffic during appends and reloads gets only 200s, and a
 restarted server serves the same memory from its log."""
 
+import shutil
 import threading
 import time
 
@@ -82,7 +83,8 @@ def test_an_append_is_served_counted_and_survives_a_restart(server, bundle_root,
         assert 'xmcserve_appends_total{outcome="applied",variant="A"} 1.0' in metrics
         assert 'xmcserve_appended_keys_total{kind="instance",variant="A"} 1.0' in metrics
         expected = top_uids(client, NEW["instances"][0]["text"], k=10)
-    restarted = start(bundle_root, appends_dir, tmp_path / "restarted.log")
+    # the module's server still holds its log (one writer per log): the restart reads a copy of it
+    restarted = start(bundle_root, shutil.copytree(appends_dir, tmp_path / "appends"), tmp_path / "restarted.log")
     try:
         with httpx.Client(base_url=restarted.url, timeout=60) as client:
             assert top_uids(client, NEW["instances"][0]["text"], k=10) == expected
@@ -129,3 +131,10 @@ def test_predict_during_appends_and_reloads_answers_every_request(bundle_root, t
             thread.join(60)
         stop_server(srv)
     assert len(answers) >= 30 and set(answers) == {200}, [a for a in answers if a != 200][:3]
+
+
+def test_an_append_id_with_a_lone_surrogate_is_a_422_not_a_500(server):
+    raw = b'{"labels": [{"uid": "zz-surrogate", "text": "zz-surrogate: text"}], "append_id": "id-\\ud800"}'
+    headers = {**ADMIN, "content-type": "application/json"}
+    r = httpx.post(f"{server.url}/admin/append", content=raw, headers=headers, timeout=60)
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "append_id"], r.text

@@ -42,7 +42,9 @@ def wait_for(condition, limit_s: float = 60, step_s: float = 0.2):
 def servers(bundle_root, tmp_path_factory):
     """(primary, shadow): A serves tiny-rae and mirrors every request to a shadow serving tiny-labels."""
     logs = tmp_path_factory.mktemp("rollout-logs")
-    shadow = start_server(bundle_root / "tiny-labels", logs / "shadow.log")
+    # a log directory of its own: the primary loads tiny-labels into B too (one writer per log)
+    own_logs = {"XMCSERVE_APPEND_LOG_DIR": str(logs / "shadow-appends")}
+    shadow = start_server(bundle_root / "tiny-labels", logs / "shadow.log", extra_env=own_logs)
     env = {
         "XMCSERVE_BUNDLE_ROOT": str(bundle_root),
         "XMCSERVE_ADMIN_TOKEN": TOKEN,

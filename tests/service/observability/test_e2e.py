@@ -30,7 +30,9 @@ def traced_pair(tiny_rae_bundle, tmp_path_factory):
     logs = tmp_path_factory.mktemp("observability")
     with OtlpReceiver() as receiver:
         otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
-        shadow = start_server(tiny_rae_bundle, logs / "shadow.log", {**otel, "OTEL_SERVICE_NAME": "shadow"})
+        # a log directory of its own: the primary serves the same bundle (one writer per log)
+        own_logs = {"XMCSERVE_APPEND_LOG_DIR": str(logs / "shadow-appends")}
+        shadow = start_server(tiny_rae_bundle, logs / "shadow.log", {**otel, "OTEL_SERVICE_NAME": "shadow", **own_logs})
         env = {
             **otel,
             "XMCSERVE_SHADOW_URL": shadow.url,

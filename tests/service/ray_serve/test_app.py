@@ -27,6 +27,7 @@ from ray.cluster_utils import Cluster
 from export.build import ExportParams, build_bundle
 from export.fuse import fuse_bundle
 from service.engine import load_predictor
+from service.engine.fusion import FEATURE_GROUPS
 from service.ray_serve import build_app
 from training.data import load_jsonl_split
 from training.params import HOLDOUT_FILE
@@ -50,15 +51,16 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def sharded_bundle(sample_dir, distilbert_dir, tmp_path_factory):
-    """An RAE memory of the sample in two shards with a lexical score fusion: the ingress ranks
-    what the shards answer, their keys' lexical similarities included."""
+    """An RAE memory of the sample in two shards with a lexical LambdaMART score fusion over every
+    feature group (ONNX Runtime at the ingress as in the single server): the ingress ranks what the
+    shards answer, their keys' lexical similarities included."""
     train = load_jsonl_split(sample_dir, "trn")
     source = tmp_path_factory.mktemp("ray") / "rae-2-shards"
     build_bundle(source, train.labels, train, distilbert_dir, ExportParams(dim=16, rae_top_b=50, shards=SHARDS))
     run = tmp_path_factory.mktemp("run")
     (run / HOLDOUT_FILE).write_text("\n".join(train.uids[::20]))
     out = source.with_name("rae-2-shards-fused")
-    fuse_bundle(source, run, train, out)
+    fuse_bundle(source, run, train, out, "lambdarank", {"trees": 20}, groups=tuple(FEATURE_GROUPS))
     return out
 
 

@@ -60,6 +60,8 @@ def test_reload_and_promote_under_concurrent_traffic_answer_every_request(bundle
     """Clients keep posting while B is loaded, split, promoted and A reloaded twice: every answer
     is a 200 from one whole bundle."""
     env = {"XMCSERVE_BUNDLE_ROOT": str(bundle_root), "XMCSERVE_ADMIN_TOKEN": TOKEN}
+    # a log directory of its own: the module's server holds the one beside tiny-rae (one writer per log)
+    env["XMCSERVE_APPEND_LOG_DIR"] = str(tmp_path / "appends")
     srv = start_server(bundle_root / "tiny-rae", tmp_path / "swap.log", extra_env=env)
     done = threading.Event()
     answers: list[tuple[int, str | None]] = []
@@ -216,12 +218,15 @@ def test_a_bad_shadow_never_delays_the_primary(tiny_rae_bundle, tmp_path, shadow
 
 def test_a_remote_xmcserve_shadow_compares_and_logs(bundle_root, tmp_path):
     log_path = tmp_path / "shadow.jsonl"
-    shadow = start_server(bundle_root / "tiny-labels", tmp_path / "shadow-server.log")
+    # its own log directory: the module's server may hold tiny-labels' default one (loaded into B)
+    own_logs = {"XMCSERVE_APPEND_LOG_DIR": str(tmp_path / "shadow-appends")}
+    shadow = start_server(bundle_root / "tiny-labels", tmp_path / "shadow-server.log", extra_env=own_logs)
     env = {
         "XMCSERVE_SHADOW_URL": shadow.url,
         "XMCSERVE_SHADOW_FRACTION": "1.0",
         "XMCSERVE_SHADOW_LOG": str(log_path),
         "XMCSERVE_SHADOW_TIMEOUT_MS": "20000",
+        "XMCSERVE_APPEND_LOG_DIR": str(tmp_path / "appends"),  # the module's server holds the default one
     }
     srv = start_server(bundle_root / "tiny-rae", tmp_path / "primary.log", extra_env=env)
     try:

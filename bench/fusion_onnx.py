@@ -1,0 +1,114 @@
+"""The ONNX fusion model against what it replaces: parity with the fitting library, and the cost of
+scoring one batch's φ in ONNX Runtime against the numpy walk of old bundles' single tree, on the
+same features, in alternating rounds in one run.
+
+    python -m bench.fusion_onnx --bundle bundles/… --run runs/… --data data/debian-sample \\
+        [--batch 64] [--rounds 5] [--out bench/results/fusion-onnx-parity.json]
+
+φ is ``export.fuse``'s: every feature group of both kinds of search of the run's held-out
+instances; a batch is the pairs of ``--batch`` consecutive searches (what one served batch of that
+many queries scores). The models: ``export.fuse``'s single tree (scikit-learn) as ONNX and as the
+old bundles' arrays walked in numpy, and the boosted candidates (LightGBM GBDT and LambdaMART)
+as ONNX. Each is timed over every batch once per round, the variants in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+from export.fuse import check_memory, fit_model, held_out_pairs, onnx_fusion_model, unfitted_fusion
+from service.engine.fusion import FEATURE_GROUPS, RegressionTree
+from service.engine.lexical import KeyTerms
+from service.engine.loading import load_predictor
+from training.data import load_jsonl_split, rows_of_uids
+from training.params import HOLDOUT_FILE
+
+
+def tree_arrays(model) -> RegressionTree:
+    """A fitted scikit-learn tree as an old bundle stores it."""
+    t = model.tree_
+    return RegressionTree(t.feature, t.threshold, t.children_left, t.children_right, t.value[:, 0, 0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bundle", type=Path, required=True, help="an rae_memory bundle (fused or not)")
+    parser.add_argument("--run", type=Path, required=True, help=f"the training run whose {HOLDOUT_FILE} to fit on")
+    parser.add_argument("--data", type=Path, required=True, help="dataset dir the bundle's memory was built from")
+    parser.add_argument("--batch", type=int, default=64, help="searches whose pairs make one scored batch")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds over the variants")
+    parser.add_argument("--trees", type=int, default=100, help="boosting rounds of the GBDT and LambdaMART")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/fusion-onnx-parity.json"), help="result JSON")
+    args = parser.parse_args(argv)
+    train = load_jsonl_split(args.data, "trn")
+    predictor = load_predictor(args.bundle)
+    check_memory(predictor, train)
+    rows = rows_of_uids(train, (args.run / HOLDOUT_FILE).read_text().split())
+    unfitted, key_rows = unfitted_fusion(predictor, train, tuple(FEATURE_GROUPS))
+    pairs = held_out_pairs(predictor, train, rows, unfitted, KeyTerms(key_rows), "both")
+    features = unfitted.features
+
+    fitted = {
+        "tree": fit_model("tree", pairs, features),
+        "gbdt": fit_model("gbdt", pairs, features, {"trees": args.trees}),
+        "lambdarank": fit_model("lambdarank", pairs, features, {"trees": args.trees}),
+    }
+    parity, variants = {}, {}
+    for kind, model in fitted.items():
+        onnx_model, parity[f"onnx-{kind}"] = onnx_fusion_model(model, pairs.X)
+        variants[f"onnx-{kind}"] = onnx_model.predict
+    walker = tree_arrays(fitted["tree"].library_model)
+    parity["numpy-tree"] = float(np.max(np.abs(walker.predict(pairs.X) - fitted["tree"].predict(pairs.X))))
+    variants["numpy-tree"] = walker.predict
+
+    searches = len(pairs.relevant)
+    bounds = np.searchsorted(pairs.query, np.arange(0, searches + args.batch, args.batch))
+    batches = [pairs.X[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+    timings: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, predict in variants.items():
+            for X in batches:
+                started = time.perf_counter()
+                predict(X)
+                timings[name].append(time.perf_counter() - started)
+    per_batch = {name: round(1e6 * statistics.median(t), 1) for name, t in timings.items()}
+    result = {
+        "what": "ONNX Runtime fusion model vs the fitting library (parity) and vs the numpy walk of an old "
+        "bundle's single tree (per-batch cost on the same features, variants in alternating rounds)",
+        "date": date.today().isoformat(),
+        "bundle": str(args.bundle),
+        "held_out_instances": len(rows),
+        "pairs": int(len(pairs.y)),
+        "features": list(features),
+        "batch_searches": args.batch,
+        "batches": len(batches),
+        "median_pairs_per_batch": int(np.median([len(X) for X in batches])),
+        "rounds": args.rounds,
+        "boosted_trees": args.trees,
+        "parity_max_abs_vs_library": parity,
+        "median_us_per_batch": per_batch,
+        "onnx_tree_over_numpy_tree": round(per_batch["onnx-tree"] / per_batch["numpy-tree"], 3),
+        "ort_session": "CPUExecutionProvider, intra_op_num_threads 1, inter_op_num_threads 1, sequential",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "processor": platform.processor() or platform.machine(),
+            "note": "shared 2-core VM, several other jobs running: ratios within this run, not absolute times",
+        },
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("parity_max_abs_vs_library", "median_us_per_batch")}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

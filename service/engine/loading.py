@@ -1,0 +1,218 @@
+"""Loading a bundle to serve: verified, its append logs replayed, warmed; and vetting one in a
+child process first, so that a bundle that would crash or exhaust the loader costs the child."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import resource
+from pathlib import Path
+
+from service.engine.append_log import (
+    LOG_SUFFIX,
+    AppendLog,
+    AppendLogError,
+    AppendLogHeld,
+    LogRead,
+    batch_of,
+    check_bundle_id,
+)
+from service.engine.bundle import Bundle, BundleError, load_bundle
+from service.engine.encoder import EncoderOptions
+from service.engine.manifest import content_id
+from service.engine.memory import AppendRefused
+from service.engine.search import Predictor
+
+log = logging.getLogger(__name__)
+
+# The manifest parameter in which a compacted bundle lists the logs it replays past an offset.
+SOURCE_LOGS = "source_logs"
+
+
+def load_predictor(
+    path: Path | str,
+    options: EncoderOptions | None = None,
+    verify: bool = True,
+    appends_dir: Path | None = None,
+    skip_refused: bool = False,
+) -> Predictor:
+    """A bundle loaded, verified and warmed by one prediction (the first search and aggregation
+    allocate); a bundle that cannot answer is refused like a corrupt one (:class:`BundleError`).
+
+    ``appends_dir``: where the bundle's append log lives (e.g. :func:`appends_dir_beside`); this
+    process becomes its one writer (another process holding it: refused), its appends are
+    replayed, and new ones are written there before they are applied. None: no log (appends live
+    in memory only). A compacted bundle first replays the logs it lists (``params.source_logs``)
+    past the offsets its compaction read them to.
+
+    ``skip_refused``: a logged append that no longer applies (its label uid exists already, say)
+    is skipped and reported in the memory's ``replay_skipped`` instead of refusing the bundle."""
+    return _load(Path(path), options, verify, appends_dir, True, skip_refused)[0]
+
+
+def load_for_reading(
+    path: Path | str, appends_dir: Path | None, options: EncoderOptions | None = None
+) -> tuple[Predictor, list[LogRead]]:
+    """The bundle with its logs replayed as they are now, without writing to them or locking them
+    (a compaction, an inspection): the predictor, which has no log, and what was read of each
+    log (a consistent prefix: a record being written meanwhile is left out)."""
+    return _load(Path(path), options, True, appends_dir, False, False)
+
+
+def _load(
+    path: Path, options: EncoderOptions | None, verify: bool, appends_dir: Path | None, write: bool, skip: bool
+) -> tuple[Predictor, list[LogRead]]:
+    bundle = load_bundle(path, options, verify=verify)
+    check_identity(bundle)
+    own = AppendLog.in_directory(appends_dir, bundle.bundle_id) if appends_dir is not None else None
+    if own is not None and write:
+        try:
+            own.open_for_writing()
+        except AppendLogHeld as exc:
+            raise BundleError(f"{path}: {exc}") from None
+        except AppendLogError as exc:  # an unwritable directory: serve; appends get 503 until it is fixed
+            log.warning("%s: %s", path, exc)
+    predictor = Predictor(bundle, own if write else None)
+    reads, skipped = [], []
+    try:
+        for source in source_logs(bundle, appends_dir):
+            read = source.read()
+            reads.append(read)
+            skipped += replay(predictor, read, source.offset, source.min_version, skip)
+        if own is not None:
+            read = own.read(repair=own.writing)
+            reads.append(read)
+            skipped += replay(predictor, read, 0, 0, skip)
+    except (AppendLogError, ValueError, KeyError, TypeError) as exc:
+        raise BundleError(f"{path}: cannot replay its append log ({exc})") from None
+    if skipped:
+        predictor.memory.report_skipped(skipped)
+    try:
+        predictor.predict(["warm-up query"], k=10)
+    except Exception as exc:
+        raise BundleError(f"{path}: warm-up prediction failed ({type(exc).__name__}: {exc})") from None
+    return predictor, reads
+
+
+def check_identity(bundle: Bundle) -> None:
+    """Refuse a bundle whose id is not a bundle id, or not the one its content gives: its append
+    log is named from that id, so a free-form id could write outside the log directory, and two
+    bundles claiming one id would share a log."""
+    manifest = bundle.manifest
+    try:
+        check_bundle_id(manifest.bundle_id)
+    except AppendLogError as exc:
+        raise BundleError(f"{bundle.path}: {exc}") from None
+    if manifest.bundle_id != (expected := content_id(manifest)):
+        raise BundleError(f"{bundle.path}: bundle id {manifest.bundle_id} is not its content's ({expected})")
+
+
+class SourceLog:
+    """A log that a compacted bundle replays past ``offset``: the log its source was served with,
+    read by the compaction up to that offset (whose sha256 it recorded, checked here)."""
+
+    def __init__(self, log: AppendLog, offset: int, sha256: str | None, min_version: int = 0):
+        self.log, self.offset, self.sha256, self.min_version = log, offset, sha256, min_version
+
+    def read(self) -> LogRead:
+        read = self.log.read(prefix=self.offset)
+        if self.offset and not self.log.path.exists():
+            raise AppendLogError(
+                f"{self.log.path} is missing: the compaction folded its first {self.offset} bytes, and the appends "
+                "acknowledged after that are in it (serve this bundle with the log directory it was compacted for)"
+            )
+        if self.sha256 is not None and read.prefix_sha256 != self.sha256:
+            raise AppendLogError(f"{self.log.path}: its first {self.offset} bytes are not those the compaction folded")
+        return read
+
+
+def source_logs(bundle: Bundle, appends_dir: Path | None) -> list[SourceLog]:
+    """The logs a compacted bundle replays before its own (none without a log directory).
+    ``params.source_logs`` names each by its path relative to the log directory the bundle is
+    served with (the source's log in a shared XMCSERVE_APPEND_LOG_DIR; the one beside the source
+    bundle by default); a bundle compacted before that field replays its source's log in
+    ``appends_dir`` past the appends it folded (``params.appends``)."""
+    params = bundle.manifest.params
+    if appends_dir is None:
+        return []
+    if SOURCE_LOGS not in params:
+        if source := params.get("compacted_from"):
+            return [SourceLog(AppendLog.in_directory(appends_dir, source), 0, None, int(params.get("appends", 0)))]
+        return []
+    sources = []
+    for entry in params[SOURCE_LOGS]:
+        relative = Path(entry["log"])
+        if relative.is_absolute() or relative.name != f"{check_bundle_id(entry['bundle_id'])}{LOG_SUFFIX}":
+            raise AppendLogError(f"source log {entry['log']!r}: not the relative path of a bundle's log")
+        log_of = AppendLog(Path(appends_dir) / relative, entry["bundle_id"])
+        sources.append(SourceLog(log_of, int(entry["offset"]), str(entry["sha256"])))
+    return sources
+
+
+def replay(predictor: Predictor, read: LogRead, offset: int, min_version: int, skip: bool) -> list[dict]:
+    """Apply the records of ``read`` from byte ``offset`` on (and past memory version
+    ``min_version``) to the predictor's memory, oldest first; a record whose ``append_id`` is
+    already applied is passed over. A record that no longer applies refuses the load, or with
+    ``skip`` is left out: returns those left out (where, and why)."""
+    applied, skipped = 0, []
+    for number, (start, record) in enumerate(zip(read.offsets, read.records, strict=True), start=1):
+        if start < offset or record.get("version", 0) <= min_version:
+            continue
+        try:
+            applied += predictor.memory.replay(*batch_of(record, predictor.bundle.index.dim))
+        except (AppendRefused, AppendLogError) as exc:
+            where = {"log": str(read.path), "line": number, "byte": start, "append_id": record.get("append_id")}
+            if not skip:
+                raise AppendLogError(
+                    f"{read.path}:{number} (byte {start}, append_id {record.get('append_id')!r}) no longer "
+                    f"applies: {exc}; nothing served (skip such records: skip_refused / XMCSERVE_REPLAY_SKIP_REFUSED)"
+                ) from None
+            log.error("%s:%d: skipping a logged append that no longer applies: %s", read.path, number, exc)
+            skipped.append({**where, "reason": str(exc)})
+    if applied:
+        log.info("replayed %d appends of %s (memory version %d)", applied, read.path, predictor.view.version)
+    return skipped
+
+
+def vet_in_child(
+    path: Path | str, options: EncoderOptions | None = None, verify: bool = True, memory_limit_bytes: int = 0
+) -> None:
+    """:func:`load_predictor` in a child process under an address-space limit (0: none): a bundle
+    that would crash the loader or make it allocate without bound costs the child, not the server
+    that keeps serving. Raises :class:`BundleError` with the child's reason."""
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(
+        target=_vet, args=(str(path), options, verify, memory_limit_bytes, sender), name="xmcserve-vet", daemon=True
+    )
+    child.start()
+    sender.close()
+    try:
+        reason = receiver.recv() if receiver.poll(VET_TIMEOUT_S) else f"not loaded within {VET_TIMEOUT_S} s"
+    except EOFError:  # the child died without a word: killed, out of memory, a crash in native code
+        child.join(5)
+        reason = f"the loader process died (exit code {child.exitcode})"
+    finally:
+        receiver.close()
+        if child.is_alive():
+            child.kill()
+        child.join(5)
+    if reason is not None:
+        raise BundleError(f"{path}: {reason}")
+
+
+VET_TIMEOUT_S = 300
+
+
+def _vet(path: str, options, verify: bool, memory_limit_bytes: int, sender) -> None:
+    if memory_limit_bytes:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
+    try:
+        load_predictor(path, options, verify)
+        sender.send(None)
+    except MemoryError:
+        sender.send(f"loading needs more than the {memory_limit_bytes >> 20} MiB allowed")
+    except BundleError as exc:
+        sender.send(str(exc).removeprefix(f"{path}: "))
+    except Exception as exc:
+        sender.send(f"cannot be loaded ({type(exc).__name__}: {exc})")

@@ -1,0 +1,49 @@
+"""bench.fusion_models: every model is validated cross-fitted on the held-out instances under both
+protocols, optional feature groups are tried on the best, and dev is measured only for the choice."""
+
+import json
+
+import numpy as np
+
+from bench.fusion_models import MODELS, fold_of_instances, main, ranked_by
+from export.fuse import HeldOutPairs
+from service.engine.fusion import OPTIONAL_GROUPS
+
+
+def test_folds_split_the_instances_evenly():
+    fold = fold_of_instances(11, 3)
+    assert sorted(np.bincount(fold).tolist()) == [3, 4, 4]
+
+
+def test_each_search_ranks_its_own_candidates_best_first():
+    pairs = HeldOutPairs(
+        X=np.zeros((5, 1)),
+        y=np.zeros(5),
+        query=np.array([0, 0, 0, 2, 2]),
+        labels=np.array([7, 8, 9, 1, 2]),
+        relevant=[np.array([8]), np.array([], dtype=np.int64), np.array([2])],
+        found=1.0,
+    )
+    ranked = ranked_by(pairs, np.array([0.1, 0.9, 0.5, 0.2, 0.3]), k=2)
+    assert ranked.tolist() == [[8, 9], [-1, -1], [2, 1]]
+
+
+def test_the_choice_is_made_on_validation_and_dev_is_measured_for_it_alone(memory_and_run, sample_dir, tmp_path):
+    bundle, run = memory_and_run
+    out = tmp_path / "fusion-models.json"
+    args = ["--bundle", str(bundle), "--run", str(run), "--data", str(sample_dir), "--out", str(out)]
+    assert main([*args, "--folds", "3", "--trees", "10", "--dev", "--curve"]) == 0
+    result = json.loads(out.read_text())
+    candidates = result["candidates"]
+    assert {c["model"] for c in candidates.values()} == set(MODELS)
+    assert len(candidates) == len(MODELS) + len(OPTIONAL_GROUPS) - 1  # each extra group tried once
+    for figures in candidates.values():
+        for protocol in ("filter_after", "exclude_before"):
+            assert set(figures["validation"][protocol]) == {"P@1", "P@5", "PSP@5", "R@100"}
+            assert 0 <= figures["validation"][protocol]["P@1"] <= 100
+    assert result["chosen"] in candidates and result["held_out_instances"] == 150
+    assert result["dev"]["candidate"] == result["chosen"] and result["dev"]["onnx_parity_max_abs"] <= 1e-4
+    assert set(result["dev"]["filter_after"]) == {"P@1", "P@3", "P@5", "PSP@5", "R@100"}
+    assert list(result["curve"]) == ["0.25", "0.5", "1"]
+    assert result["curve"]["1"] == candidates[result["chosen"]]["validation"]  # the same cross-fit
+    assert all(figures["onnx_us_per_pair"] > 0 for figures in candidates.values())
