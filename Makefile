@@ -122,8 +122,10 @@ loadtest: $(STAMP) $(BUNDLE)/manifest.json
 # Container images, xmcserve-<flavour>:<pyproject version> (serve, loadtest, train, serve-gpu, ray),
 # built by docker, podman or buildah, whichever is there (deploy/checks/runtime.py); figures go to
 # DEPLOY_RESULTS. Build arguments come from the environment (TORCH_INDEX_URL=, PYTHON_IMAGE=...);
-# IMAGE_ARGS=--stand-ins builds the CUDA and Ray images on local stand-in bases. Machines without a
-# Docker engine: CONTAINER_TOOLS=<file defining ctr_build/ctr_run/ctr_podman> (deploy/README.md).
+# IMAGE_ARGS=--stand-ins builds the CUDA and Ray images on local stand-in bases; --no-layer-cache
+# keeps no intermediate layers (podman/buildah on vfs storage copy the filesystem per layer).
+# torch from pip's own indexes (a local wheel dir) where PyTorch's is out of reach: TORCH_INDEX_URL=.
+# Machines without a Docker engine: CONTAINER_TOOLS=<file defining ctr_build/ctr_run/ctr_podman>.
 IMAGES ?= serve,loadtest,train,serve-gpu,ray
 IMAGE_ARGS ?=
 DEPLOY_RESULTS ?= bench/results/deploy-images.json

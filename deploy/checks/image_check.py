@@ -3,7 +3,7 @@ root filesystem, /readyz, a /predict, /metrics, the image's HEALTHCHECK command,
 compiler inside, and a SIGTERM that drains (requests in progress answered, exit status 0, well
 within the grace period). Prints one line per check; exits 1 on the first failure.
 
-    python3 deploy/checks/image_check.py [--bundle bundles/default]
+    python3 deploy/checks/image_check.py [--bundle bundles/default] [--image TAG] [--env KEY=VALUE ...]
 
 Without a built bundle it builds one with the train image first, as the compose `bundle` service
 does. Images come from ``make images``; the container tool from deploy/checks/runtime.py.
@@ -136,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         "--bundle", type=Path, default=None, help="bundle directory to mount (default: bundles/default, else built)"
     )
     parser.add_argument("--image", default=image_name("serve"), help="serving image to check")
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment for the server (repeatable), e.g. XMCSERVE_PROVIDERS=cpu for the CUDA image without a GPU",
+    )
     parser.add_argument("--ready-seconds", type=float, default=180, help="how long the server may take to become ready")
     parser.add_argument("--out", type=Path, default=None, help="merge the results into this JSON file")
     args = parser.parse_args(argv)
@@ -162,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         "/tmp",
         "-v",
         f"{bundle}:/bundles/default:ro",
+        *(flag for pair in args.env for flag in ("-e", pair)),
         command=["python", "-m", "service.http", "--host", "127.0.0.1", "--port", str(port)],
     )
     try:
@@ -201,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         runtime.remove(name)
     if args.out:
         record = json.loads(args.out.read_text()) if args.out.exists() else {}
-        record["image_check"] = {"image": args.image, "runtime": runtime.name, "checks": check.results}
+        key = "image_check" if args.image == image_name("serve") else f"image_check {args.image}"
+        record[key] = {"image": args.image, "env": args.env, "runtime": runtime.name, "checks": check.results}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=2) + "\n")
     return 0

@@ -71,12 +71,21 @@ class Runtime:
         )
 
     def build(
-        self, dockerfile: str, tag: str, build_args: dict[str, str] | None = None, log: Path | None = None
+        self,
+        dockerfile: str,
+        tag: str,
+        build_args: dict[str, str] | None = None,
+        log: Path | None = None,
+        keep_layers: bool = True,
     ) -> dict[str, float]:
         """Build ``tag`` from ``dockerfile`` with the repository as context. Returns the seconds
         until the image was created (its timestamp) and until the tool exited: podman and
-        buildah then remove their intermediate containers, which on vfs storage takes minutes."""
+        buildah then remove their intermediate containers, which on vfs storage takes minutes.
+        ``keep_layers=False`` (podman, buildah): no intermediate layer images, since vfs storage
+        keeps a full copy of the root filesystem for each; docker's layers share files anyway."""
         args = [f"--build-arg={k}={v}" for k, v in (build_args or {}).items()]
+        if not keep_layers and self.name != "docker":
+            args.append("--layers=false")  # after the prefix's --layers: the later flag wins
         command = [*self.build_prefix, "-f", dockerfile, "-t", tag, *args, str(ROOT)]
         started_wall, started = time.time(), time.monotonic()
         with open(log or os.devnull, "w") as out:

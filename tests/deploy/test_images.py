@@ -157,3 +157,25 @@ def test_a_machine_without_a_compiler_is_pointed_at_the_readme_prerequisites(tmp
     assert done.returncode != 0
     assert "README.md, Prerequisites" in done.stderr, done.stderr
     assert "no C++ compiler" in done.stderr or "no Python headers" in done.stderr, done.stderr
+
+
+def test_ray_image_and_its_stand_in_use_the_ray_extras_pin():
+    """Dockerfile.ray installs `.[cpu]` only, relying on the base's Ray: base tag, stand-in and the
+    `ray` extra must name one release."""
+    pin = re.search(r'"ray\[serve\]==([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    base = re.search(r"^ARG RAY_IMAGE=rayproject/ray:([^-\s]+)-py311", (DEPLOY / "Dockerfile.ray").read_text(), re.M)
+    standin = re.search(r"^ARG RAY_VERSION=(\S+)", (DEPLOY / "checks/standins/ray.Containerfile").read_text(), re.M)
+    assert base and standin
+    assert base.group(1) == pin == standin.group(1)
+
+
+def test_train_image_runtime_stage_has_the_openmp_runtime_lightgbm_links():
+    """LightGBM's Linux wheel loads the system libgomp.so.1, which slim bases lack: without it the
+    train image built, but `import lightgbm` (export.fuse) failed inside it."""
+    import tomllib
+
+    train = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["train"]
+    if not any(re.match(r"lightgbm\b", r) for r in train):
+        pytest.skip("the train extra has no LightGBM")
+    runtime_stage = stages("Dockerfile.train")[-1]
+    assert re.search(r"^RUN .*apt-get install [^\n]*\blibgomp1\b", runtime_stage, re.M), runtime_stage

@@ -147,7 +147,8 @@ def test_serving_images_install_no_torch_and_run_unprivileged(dockerfile, extra)
 
 def test_the_cuda_image_runs_on_a_cuda_runtime_and_insists_on_cuda():
     text = (DEPLOY / "Dockerfile.gpu").read_text()
-    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:12\.[0-9.]+-cudnn-runtime-", text, re.M)
+    # CUDA 13: what PyPI's onnxruntime-gpu (1.31.1) links against; a CUDA 12 base cannot create its provider
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:13\.[0-9.]+-cudnn-runtime-", text, re.M)
     assert re.findall(r"^FROM (\S+)", text, re.M) == ["${CUDA_IMAGE}", "${CUDA_IMAGE}"]
     assert "XMCSERVE_PROVIDERS=cuda" in text
 
