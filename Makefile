@@ -23,7 +23,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 
 .PHONY: prereqs install images image-check compose-check serve serve-ray bundle test lint evaluate sample clean bench-serving bench-ann bench-ab loadtest \
-	train train-smoke bench-quality peers-venv bench-ab-own-cores bench-overload bench-ray-scale bench-million
+	train train-smoke trained-bundle bench-quality peers-venv bench-ab-own-cores bench-overload bench-ray-scale bench-million
 
 # What a fresh machine lacks, said before pip fails half-way through compiling hnswlib.
 PREREQS_HINT := see README.md, Prerequisites (Debian/Ubuntu: apt-get install python3-venv python3-dev g++)
@@ -181,6 +181,26 @@ train: $(SERVE_STAMP)
 
 train-smoke: $(SERVE_STAMP)
 	$(PY) -m training.train --config training/configs/smoke.yaml
+
+# The trained bundle: `make train`'s checkpoint as an RAE memory (the best of training.sweep and of
+# bench.quality's λ sweep on dev) with its score fusion fitted on the run's held-out instances
+# (export.fuse's defaults: the choice of bench.fusion_models, docs/score-fusion.md). Serve it with
+# `make serve BUNDLE=bundles/debian-unidec`.
+TRAINED_RUN ?= runs/debian-unidec
+TRAINED_DATA ?= ../shared/data/debian-related
+TRAINED_BUNDLE ?= bundles/debian-unidec
+TRAINED_MEMORY_ARGS ?= --rae-mode split --rae-tau 0.04 --rae-top-b 200 --rae-lambda 0.3
+FUSE_ARGS ?=
+$(TRAINED_BUNDLE)-memory/manifest.json: | $(SERVE_STAMP)
+	test -f $(TRAINED_RUN)/best/head.json || { echo "no $(TRAINED_RUN)/best: run make train first" >&2; exit 1; }
+	$(PY) -m export.build --data $(TRAINED_DATA) --checkpoint $(TRAINED_RUN)/best --out $(TRAINED_BUNDLE)-memory \
+		--index-kind rae_memory $(TRAINED_MEMORY_ARGS)
+
+$(TRAINED_BUNDLE)/manifest.json: $(TRAINED_BUNDLE)-memory/manifest.json
+	$(PY) -m export.fuse --bundle $(TRAINED_BUNDLE)-memory --run $(TRAINED_RUN) --data $(TRAINED_DATA) \
+		--out $(TRAINED_BUNDLE) $(FUSE_ARGS)
+
+trained-bundle: $(TRAINED_BUNDLE)/manifest.json
 
 # Dev-split quality of the peers and of xmcserve's bundles -> bench/results/quality-debian-dev.*
 # The RAE settings of the trained memory are the best of `python -m training.sweep` on dev.

@@ -16,9 +16,12 @@ computed over all of them at once.
 The choice, in two steps, by :func:`selection_score` (the mean of P@1 and P@5, filter after):
 
 1. the single regression tree, the regression GBDT and LambdaMART on the default features
-   (the RAE and lexical groups);
+   (the RAE and lexical groups), each at every ``--rerank-depths`` (0: every candidate; M: T
+   fitted on and rescoring each search's top M by p̂, as ``export.fuse --rerank-depth`` serves it)
+   and the ensembles at every ``--ensembles`` size; with ``--max-model-ms``, a candidate whose
+   model costs more a query in ONNX Runtime is reported but not chosen;
 2. for the best of them, each optional group added alone; a group is kept when it raises the
-   validation score by more than ``--min-gain``, and the kept groups are then fitted together.
+   validation score by more than ``--min-gain``.
 
 Each candidate's row also says what serving it costs: its last fold's model in ONNX Runtime as the
 service runs it (one thread), µs per pair and ms per query on this machine. The bill (batched dev
@@ -74,11 +77,23 @@ class Candidate:
     model: str
     groups: tuple[str, ...]
     params: dict
+    rerank_depth: int | None = None  # None: T rescores every candidate
 
     @property
     def name(self) -> str:
         extra = "+".join(group for group in self.groups if group not in DEFAULT_GROUPS)
-        return f"{self.model}[{'+'.join(g for g in self.groups if g in DEFAULT_GROUPS)}{'+' + extra if extra else ''}]"
+        size = f"-{self.params['trees']}x{self.params['leaves']}" if "trees" in self.params else ""
+        depth = f"@{self.rerank_depth}" if self.rerank_depth else "@all"
+        groups = "+".join(g for g in self.groups if g in DEFAULT_GROUPS) + ("+" + extra if extra else "")
+        return f"{self.model}{size}{depth}[{groups}]"
+
+
+def ensemble_size(value: str) -> dict:
+    """``TREESxLEAVES`` (e.g. ``30x15``) as fit parameters."""
+    trees, sep, leaves = value.partition("x")
+    if not sep or not trees.isdigit() or not leaves.isdigit() or int(trees) < 1 or int(leaves) < 2:
+        raise argparse.ArgumentTypeError(f"expected TREESxLEAVES such as 30x15, got {value!r}")
+    return {"trees": int(trees), "leaves": int(leaves)}
 
 
 def selection_score(validation: dict) -> float:
@@ -169,21 +184,43 @@ def validate(
     }
 
 
-def choose(pairs, fold, frequencies, num_train, params, min_gain, report) -> tuple[Candidate, dict]:
+def first_candidates(depths: list[int | None], sizes: list[dict]) -> list[Candidate]:
+    """Step 1's candidates: the tree, and each ensemble at each size, at each rerank depth."""
+    candidates = []
+    for depth in depths:
+        candidates.append(Candidate("tree", DEFAULT_GROUPS, DEFAULT_PARAMS["tree"], depth))
+        for model in ("gbdt", "lambdarank"):
+            for size in sizes:
+                candidates.append(Candidate(model, DEFAULT_GROUPS, DEFAULT_PARAMS[model] | size, depth))
+    return candidates
+
+
+def choose(
+    pairs_at: dict, fold, frequencies, num_train, candidates, min_gain, max_model_ms, report
+) -> tuple[Candidate, dict]:
     """The two-step choice of the module docstring (groups added greedily, each kept only when it
-    raises the current choice's validation score by more than ``min_gain``); every candidate's
-    figures in the result."""
+    raises the current choice's validation score by more than ``min_gain``; a candidate whose
+    model costs more than ``max_model_ms`` a query is never chosen); every candidate's figures in
+    the result. ``pairs_at``: the held-out pairs at each rerank depth."""
     results: dict[str, dict] = {}
 
     def run(candidate: Candidate) -> float:
-        result = validate(candidate, pairs, fold, frequencies, num_train)
-        result |= {"model": candidate.model, "features": list(candidate.groups), "params": candidate.params}
+        result = validate(candidate, pairs_at[candidate.rerank_depth], fold, frequencies, num_train)
+        over = max_model_ms is not None and result["onnx_ms_per_query"] > max_model_ms
+        result |= {
+            "model": candidate.model,
+            "features": list(candidate.groups),
+            "params": candidate.params,
+            "rerank_depth": candidate.rerank_depth,
+            "eligible": not over,
+        }
         results[candidate.name] = result
         report(candidate.name, result)
-        return selection_score(result["validation"])
+        return -np.inf if over else selection_score(result["validation"])
 
-    models = [Candidate(m, DEFAULT_GROUPS, DEFAULT_PARAMS[m] | params.get(m, {})) for m in MODELS]
-    best, chosen = max(((run(candidate), candidate) for candidate in models), key=lambda scored: scored[0])
+    best, chosen = max(((run(candidate), candidate) for candidate in candidates), key=lambda scored: scored[0])
+    if best == -np.inf:
+        raise SystemExit(f"bench.fusion_models: no candidate's model costs at most {max_model_ms} ms a query")
     for group in (g for g in OPTIONAL_GROUPS if g not in DEFAULT_GROUPS):
         trial = dataclasses.replace(chosen, groups=tuple(g for g in FEATURE_GROUPS if g in chosen.groups + (group,)))
         score = run(trial)
@@ -201,10 +238,13 @@ def held_out_instances(bundle: Path, run: Path, data: Path):
     return train, predictor, rows_of_uids(train, (run / HOLDOUT_FILE).read_text().split())
 
 
-def held_out_features(predictor, train, rows) -> tuple[ScoreFusion, KeyTerms, HeldOutPairs]:
+def held_out_features(
+    predictor, train, rows, rerank_depth: int | None = None
+) -> tuple[ScoreFusion, KeyTerms, HeldOutPairs]:
     """(unfitted, key_terms, pairs): the fusion with every feature group, not fitted yet, its key
-    terms, and the held-out instances' candidate pairs from both searches."""
-    unfitted, key_rows = unfitted_fusion(predictor, train, tuple(FEATURE_GROUPS))
+    terms, and the held-out instances' candidate pairs from both searches (each search's top
+    ``rerank_depth`` by p̂; None: all)."""
+    unfitted, key_rows = unfitted_fusion(predictor, train, tuple(FEATURE_GROUPS), rerank_depth)
     key_terms = KeyTerms(key_rows)
     return unfitted, key_terms, held_out_pairs(predictor, train, rows, unfitted, key_terms, "both")
 
@@ -215,8 +255,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", type=Path, required=True, help=f"the training run whose {HOLDOUT_FILE} to fit on")
     parser.add_argument("--data", type=Path, default=Path("../shared/data/debian-related"), help="dataset dir")
     parser.add_argument("--folds", type=int, default=5, help="cross-fitting folds of the held-out instances")
-    parser.add_argument("--trees", type=int, help="boosting rounds of gbdt / lambdarank (default: export.fuse's)")
-    parser.add_argument("--leaves", type=int, help="max leaves per tree of gbdt / lambdarank (default: export.fuse's)")
+    parser.add_argument(
+        "--ensembles",
+        type=ensemble_size,
+        nargs="+",
+        default=[{"trees": DEFAULT_PARAMS["gbdt"]["trees"], "leaves": DEFAULT_PARAMS["gbdt"]["leaves"]}],
+        help="sizes TREESxLEAVES of the gbdt / lambdarank candidates (default: export.fuse's, 100x31)",
+    )
+    parser.add_argument(
+        "--rerank-depths",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="rerank depths to try (export.fuse --rerank-depth; 0: every candidate)",
+    )
+    parser.add_argument(
+        "--max-model-ms",
+        type=float,
+        help="never choose a candidate whose model costs more ONNX Runtime ms a query on this machine",
+    )
     parser.add_argument(
         "--min-gain", type=float, default=0.05, help="validation score points an optional feature group must add"
     )
@@ -225,18 +282,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results/fusion-models.json"), help="result JSON")
     args = parser.parse_args(argv)
     train, predictor, rows = held_out_instances(args.bundle, args.run, args.data)
-    started = time.perf_counter()
-    unfitted, key_terms, pairs = held_out_features(predictor, train, rows)
-    pair_seconds = time.perf_counter() - started
+    depths = [depth or None for depth in args.rerank_depths]
+    held_out, pair_seconds = {}, {}
+    for depth in depths:
+        started = time.perf_counter()
+        held_out[depth] = held_out_features(predictor, train, rows, depth)
+        pair_seconds[str(depth or "all")] = round(time.perf_counter() - started, 1)
+    pairs_at = {depth: pairs for depth, (_, _, pairs) in held_out.items()}
     frequencies, num_train = label_frequencies(train.Y), len(train)
     fold = fold_of_instances(len(rows), args.folds)
-    given = {name: value for name, value in (("trees", args.trees), ("leaves", args.leaves)) if value is not None}
-    params = {m: given for m in ("gbdt", "lambdarank")}
 
     def report(name: str, result: dict) -> None:
-        print(name, json.dumps(result["validation"]), f"{result['fit_seconds']} s", flush=True)
+        print(name, json.dumps(result["validation"]), f"{result['fit_seconds']} s",
+              f"{result['onnx_ms_per_query']} ms/query", flush=True)  # fmt: skip
 
-    chosen, results = choose(pairs, fold, frequencies, num_train, params, args.min_gain, report)
+    candidates = first_candidates(depths, args.ensembles)
+    chosen, results = choose(
+        pairs_at, fold, frequencies, num_train, candidates, args.min_gain, args.max_model_ms, report
+    )
+    unfitted, key_terms, pairs = held_out[chosen.rerank_depth]
     result = {
         "what": "score fusion model and features chosen on a cross-fitted validation split of the held-out "
         "training instances (filter_after: the peers' protocol); dev only for the choice",
@@ -245,12 +309,14 @@ def main(argv: list[str] | None = None) -> int:
         "run": str(args.run),
         "held_out_instances": len(rows),
         "folds": args.folds,
-        "pairs": int(len(pairs.y)),
-        "positives": int(pairs.y.sum()),
-        "positives_among_candidates": round(pairs.found, 4),
-        "pair_seconds": round(pair_seconds, 1),
-        "selection": "mean of validation P@1 and P@5, filter_after; an optional group kept above +min_gain",
+        "pairs": {str(d or "all"): int(len(p.y)) for d, p in pairs_at.items()},
+        "positives": {str(d or "all"): int(p.y.sum()) for d, p in pairs_at.items()},
+        "positives_among_candidates": {str(d or "all"): round(p.found, 4) for d, p in pairs_at.items()},
+        "pair_seconds": pair_seconds,
+        "selection": "mean of validation P@1 and P@5, filter_after, among candidates whose model costs at most "
+        "max_model_ms a query; an optional group kept above +min_gain",
         "min_gain": args.min_gain,
+        "max_model_ms": args.max_model_ms,
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
         "candidates": results,
         "chosen": chosen.name,
@@ -273,7 +339,7 @@ def evaluate_choice(chosen: Candidate, predictor, pairs, unfitted: ScoreFusion, 
     features = features_of_groups(chosen.groups)
     fitting = with_columns(pairs, columns_of(chosen.groups))
     model, parity = onnx_fusion_model(fit_model(chosen.model, fitting, features, chosen.params), fitting.X)
-    fusion = ScoreFusion(model, unfitted.log_frequency, unfitted.lexicon, features)
+    fusion = ScoreFusion(model, unfitted.log_frequency, unfitted.lexicon, features, chosen.rerank_depth)
     bundle = dataclasses.replace(predictor.bundle, fusion=fusion, key_terms=key_terms)
     evaluation = evaluate_bundle(bundle, load_jsonl_split(data, "dev"), train, k=100)
     return {

@@ -197,6 +197,23 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         help="optional feature groups of the fused rows (export.fuse --extra-features)",
     )
+    parser.add_argument(
+        "--fusion-trees", type=int, help="boosting rounds of the fused rows' ensemble (export.fuse --trees)"
+    )
+    parser.add_argument(
+        "--fusion-leaves", type=int, help="max leaves per tree of the fused rows' ensemble (export.fuse --leaves)"
+    )
+    parser.add_argument(
+        "--fusion-rerank-depth",
+        type=int,
+        help="the fused rows' rerank depth (export.fuse --rerank-depth)",
+    )
+    parser.add_argument(
+        "--fusion-models",
+        type=Path,
+        help="a bench.fusion_models result whose candidates' validation figures (and the choice's dev figures) "
+        "are tabled beside the rows",
+    )
     parser.add_argument("--run-notes", default="", help="added to the trained rows' notes (e.g. where it trained)")
     parser.add_argument(
         "--add-run",
@@ -227,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     ablations = training_ablations(args.ablation_base, args.ablation) if args.ablation_base else None
+    fusion_models = fusion_model_table(json.loads(args.fusion_models.read_text())) if args.fusion_models else None
     args.workdir.mkdir(parents=True, exist_ok=True)
     train = load_jsonl_split(args.data, "trn")
     dev = load_jsonl_split(args.data, "dev", labels=train.labels)
@@ -242,7 +260,13 @@ def main(argv: list[str] | None = None) -> int:
         systems = {name: row for name, row in earlier["systems"].items() if name not in rows_of_group(args)}
         sweeps = {**earlier["rae_lambda_sweep"], **sweeps}
         write_results(
-            args.out, args.data, dev, {**systems, **rows}, sweeps, ablations or earlier.get("training_ablations")
+            args.out,
+            args.data,
+            dev,
+            {**systems, **rows},
+            sweeps,
+            ablations or earlier.get("training_ablations"),
+            fusion_models or earlier.get("fusion_models"),
         )
         return 0
     systems: dict[str, dict] = {}
@@ -253,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = ensure_trained(args.run, args.config)
     trained, sweep = trained_rows(args, checkpoint, train, dev, halves=True, int8=True)
     systems.update(trained)
-    write_results(args.out, args.data, dev, systems, {"UniDEC (trained)": sweep, **pretrained_sweep}, ablations)
+    write_results(
+        args.out, args.data, dev, systems, {"UniDEC (trained)": sweep, **pretrained_sweep}, ablations, fusion_models
+    )
     return 0
 
 
@@ -264,14 +290,35 @@ TRAINED_SUFFIXES = (
     "-clf-32d",
     "-rae-64d",
     "-rae-64d-fused",
+    "-rae-64d-fused-tree",
     "-rae-64d-fused-rae-features",
     "-rae-64d-int8",
 )
-# The fused rows of a run with held-out instances: (row suffix, lexical features, what the note says).
+# The fused rows of a run with held-out instances: (row suffix, what the note says). "-fused" is
+# the given fusion (--fusion-*), "-fused-tree" NGAME's single tree over the RAE and lexical features
+# and every candidate (the default before the ensembles), "-fused-rae-features" the given fusion
+# without the lexical features.
 FUSIONS = (
-    ("-fused", True, "score fusion (export.fuse, ONNX TreeEnsemble over the RAE and lexical features)"),
-    ("-fused-rae-features", False, "score fusion over the RAE features alone (no lexical features)"),
+    ("-fused", "score fusion (export.fuse, ONNX TreeEnsemble)"),
+    ("-fused-tree", "NGAME's single regression tree over the RAE and lexical features, every candidate"),
+    ("-fused-rae-features", "the -fused fusion over the RAE features alone (no lexical features)"),
 )
+
+
+def fusion_of_row(suffix: str, args) -> tuple[str, dict, tuple[str, ...], int | None]:
+    """(model, params, feature groups, rerank depth) of a fused row."""
+    if suffix == "-fused-tree":
+        return "tree", {}, ("rae", "lexical"), None
+    given = {"trees": args.fusion_trees, "leaves": args.fusion_leaves}
+    params = {name: value for name, value in given.items() if value is not None and args.fusion_model != "tree"}
+    lexical = ("lexical",) if suffix == "-fused" else ()
+    return args.fusion_model, params, ("rae", *lexical, *args.fusion_extra_features), args.fusion_rerank_depth
+
+
+def fused_bundle_name(source: Path, suffix: str, model: str, params: dict, depth: int | None) -> Path:
+    """Where a fused row's bundle is built: its name says its fusion, so a changed one is rebuilt."""
+    size = "".join(f"-{name}{value}" for name, value in sorted(params.items()))
+    return source.with_name(f"{source.name}{suffix}-{model}{size}-depth{depth or 'all'}")
 
 
 def rows_of_group(args) -> set[str]:
@@ -331,14 +378,17 @@ def trained_rows(args, checkpoint: Path, train, dev, halves: bool, int8: bool) -
         f"b {args.rae_top_b}; {where}",
     )
     if (args.run / HOLDOUT_FILE).is_file():  # the run kept instances out: fuse the chosen memory
-        for suffix, lexical, what in FUSIONS:
-            fused = best_bundle.with_name(f"{best_bundle.name}{suffix}")
+        for suffix, what in FUSIONS:
+            model, params, groups, depth = fusion_of_row(suffix, args)
+            fused = fused_bundle_name(best_bundle, suffix, model, params, depth)
             if not (fused / "manifest.json").is_file():
-                groups = ("rae", *(("lexical",) if lexical else ()), *args.fusion_extra_features)
-                fuse_bundle(best_bundle, args.run, train, fused, args.fusion_model, force=True, groups=groups)
+                fuse_bundle(best_bundle, args.run, train, fused, model, params, True, groups, rerank_depth=depth)
             fusion = load_bundle(fused).manifest.fusion
             queries = fusion.queries
-            what = f"{what}; model {fusion.kind} {fusion.model_params}, features {fusion.features}"
+            what = (
+                f"{what}; model {fusion.kind} {fusion.model_params}, rerank depth {fusion.rerank_depth or 'all'}, "
+                f"features {fusion.features}"
+            )
             systems[f"{args.name}-rae-64d{suffix}"] = bundle_row(
                 fused,
                 dev,
@@ -388,7 +438,7 @@ def fusion_ablation(systems: dict) -> list[dict]:
     lexical features too (peers' protocol)."""
     rows = []
     for name in [n for n in systems if f"{n}-fused" in systems]:
-        fused = {f"with{suffix}": f"{name}{suffix}" for suffix, _, _ in FUSIONS if f"{name}{suffix}" in systems}
+        fused = {f"with{suffix}": f"{name}{suffix}" for suffix, _ in FUSIONS if f"{name}{suffix}" in systems}
         rows.append({"without": name, **fused})
     return rows
 
@@ -399,14 +449,15 @@ def ablation_markdown(systems: dict, ablations: dict | None) -> str:
     if pairs:
         lines += [
             "",
-            "Score fusion off / over the RAE features / with the lexical features too (served bundles, filter "
-            "after ranking):",
+            "Score fusion off / the chosen fusion over the RAE features alone / NGAME's single tree over every "
+            "candidate / the chosen fusion (served bundles, filter after ranking):",
             "",
             "| bundle | P@1 | P@5 | PSP@5 | R@100 |",
             "| --- | ---: | ---: | ---: | ---: |",
         ]
         for pair in pairs:
-            for name in (pair[key] for key in ("without", "with-fused-rae-features", "with-fused") if key in pair):
+            order = ("without", "with-fused-rae-features", "with-fused-tree", "with-fused")
+            for name in (pair[key] for key in order if key in pair):
                 lines.append(f"| {name} | " + " | ".join(f"{systems[name][m]:.2f}" for m in HEADLINE) + " |")
     if ablations:
         lines += [
@@ -422,7 +473,60 @@ def ablation_markdown(systems: dict, ablations: dict | None) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
-def write_results(out: Path, data: Path, dev, systems: dict, sweeps: dict, ablations: dict | None = None) -> None:
+def fusion_model_table(result: dict) -> dict:
+    """What the quality table keeps of a ``bench.fusion_models`` result: each candidate's
+    cross-fitted validation figures and model cost, the choice, and its dev figures."""
+    return {
+        "source": "bench.fusion_models (validation: cross-fitted on the run's held-out training instances)",
+        "held_out_instances": result["held_out_instances"],
+        "folds": result["folds"],
+        "candidates": {
+            name: {key: c[key] for key in ("validation", "onnx_ms_per_query", "rerank_depth", "eligible")}
+            for name, c in result["candidates"].items()
+        },
+        "max_model_ms": result.get("max_model_ms"),
+        "chosen": result["chosen"],
+        "dev_of_choice": result.get("dev"),
+    }
+
+
+PROTOCOLS = ("filter_after", "exclude_before")
+
+
+def fusion_model_markdown(table: dict | None) -> str:
+    if not table:
+        return ""
+    lines = [
+        "",
+        f"Score fusion candidates, validation on {table['held_out_instances']} held-out training instances "
+        f"({table['folds']}-fold cross-fit; P@1 / P@5 / PSP@5 / R@100, filter after | exclude before; model cost "
+        f"in ONNX Runtime, one thread; budget {table['max_model_ms'] or 'none'} ms):",
+        "",
+        "| candidate | validation, filter after | validation, exclude before | model ms/query | chosen |",
+        "| --- | --- | --- | ---: | --- |",
+    ]
+    for name, c in table["candidates"].items():
+        cells = [
+            " / ".join(f"{c['validation'][p][m]:.2f}" for m in HEADLINE) for p in ("filter_after", "exclude_before")
+        ]
+        mark = "**chosen**" if name == table["chosen"] else ("" if c["eligible"] else "over budget")
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {c['onnx_ms_per_query']:.3f} | {mark} |")
+    dev = table.get("dev_of_choice")
+    if dev:
+        figures = [" / ".join(f"{dev[p][m]:.2f}" for m in HEADLINE) for p in PROTOCOLS]
+        lines += ["", f"Dev, once, for the choice: {figures[0]} (filter after), {figures[1]} (exclude before)."]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(
+    out: Path,
+    data: Path,
+    dev,
+    systems: dict,
+    sweeps: dict,
+    ablations: dict | None = None,
+    fusion_models: dict | None = None,
+) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "data": str(data),
@@ -432,10 +536,11 @@ def write_results(out: Path, data: Path, dev, systems: dict, sweeps: dict, ablat
         "systems": systems,
         "rae_lambda_sweep": sweeps,
         "fusion_ablation": fusion_ablation(systems),
+        "fusion_models": fusion_models,
         "training_ablations": ablations,
     }
     out.write_text(json.dumps(result, indent=2) + "\n")
-    table = markdown_table(systems) + ablation_markdown(systems, ablations)
+    table = markdown_table(systems) + ablation_markdown(systems, ablations) + fusion_model_markdown(fusion_models)
     out.with_suffix(".md").write_text(table)
     plot_sweep(sweeps, out.with_name("quality-rae-lambda.png"))
     print(table)

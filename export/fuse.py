@@ -30,6 +30,10 @@ By default the fusion is lexical (:mod:`service.engine.lexical`): the idf of the
 fusion (one file per shard) and φ gains the lexical features. ``--extra-features`` adds the
 cheap optional groups of :data:`service.engine.fusion.FEATURE_GROUPS`; ``bench.fusion_models``
 says, on a validation split of the held-out instances, which of them and which model to use.
+
+``--rerank-depth M`` makes the fusion a two-stage ranking: T is fitted on, and at serving time
+rescores, each search's top M candidates by p̂ only (the rest are not returned), so an ensemble's
+cost is M rows a query, not every candidate.
 """
 
 from __future__ import annotations
@@ -169,7 +173,8 @@ def pairs_of(
         if unfitted.lexicon is not None:
             lexical = key_terms.similarities(unfitted.lexicon.query_terms(texts), keys)
         kept = keep_keys(keys, sims, view.labels_of_keys(keys), excluded, rae.top_b, lexical)
-        scores = aggregate_kept(kept, view.values, rae.tau, excluded, rae.mode)
+        # the candidates T will rescore when served: the top rerank depth by p̂, or all
+        scores = unfitted.candidates(aggregate_kept(kept, view.values, rae.tau, excluded, rae.mode))
         X = unfitted.features_of(scores, kept, view.values, rae.tau)
         offset = 0
         for i, row in enumerate(block):
@@ -318,11 +323,11 @@ class FusionFit:
 
 
 def unfitted_fusion(
-    predictor: Predictor, train: XMCDataset, groups: tuple[str, ...]
+    predictor: Predictor, train: XMCDataset, groups: tuple[str, ...], rerank_depth: int | None = None
 ) -> tuple[ScoreFusion, sp.csr_matrix | None]:
     """The fusion's features over ``predictor``'s memory, before a model (``groups``: its
-    feature groups; with ``lexical``, the lexicon of the memory's texts), and the keys' term
-    vectors of a lexical one."""
+    feature groups; with ``lexical``, the lexicon of the memory's texts; ``rerank_depth``: the
+    candidates it rescores), and the keys' term vectors of a lexical one."""
     bundle = predictor.bundle
     manifest = bundle.manifest
     log_frequency = memory_log_frequency(bundle.values, manifest.counts.train_instances)
@@ -331,7 +336,7 @@ def unfitted_fusion(
         texts = list(train.texts) + list(bundle.label_texts)  # the memory's keys, in key order
         lexicon = Lexicon.fit(bundle.path / TOKENIZER_FILE, manifest.tokenizer.max_length, texts)
         key_rows = lexicon.rows(texts)
-    return ScoreFusion(None, log_frequency, lexicon, features_of_groups(groups)), key_rows
+    return ScoreFusion(None, log_frequency, lexicon, features_of_groups(groups), rerank_depth), key_rows
 
 
 def held_out_pairs(
@@ -350,17 +355,19 @@ def fit_fusion(
     params: dict | None = None,
     groups: tuple[str, ...] = ("rae", "lexical"),
     fit_on: FitOn = "both",
+    rerank_depth: int | None = None,
 ) -> FusionFit:
     """Fit the fusion's model on the held-out instances ``rows`` of ``train`` (the bundle's memory
-    split) over the feature ``groups``, convert it to ONNX and check it against its library."""
+    split) over the feature ``groups`` and the top ``rerank_depth`` candidates of each search (None:
+    all), convert it to ONNX and check it against its library."""
     started = time.perf_counter()
-    unfitted, key_rows = unfitted_fusion(predictor, train, groups)
+    unfitted, key_rows = unfitted_fusion(predictor, train, groups, rerank_depth)
     key_terms = KeyTerms(key_rows) if key_rows is not None else None
     pairs = held_out_pairs(predictor, train, rows, unfitted, key_terms, fit_on)
     fitted = fit_model(kind, pairs, unfitted.features, params)
     model, parity = onnx_fusion_model(fitted, pairs.X)
     log.info("fusion %s fitted on %d pairs; ONNX parity %.3g", kind, len(pairs.y), parity)
-    fusion = ScoreFusion(model, unfitted.log_frequency, unfitted.lexicon, unfitted.features)
+    fusion = ScoreFusion(model, unfitted.log_frequency, unfitted.lexicon, unfitted.features, rerank_depth)
     return FusionFit(
         fusion, fitted, parity, key_rows, len(rows), len(pairs.y), pairs.found, time.perf_counter() - started
     )
@@ -399,6 +406,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trees", type=int, help="boosting rounds of gbdt / lambdarank (default 100)")
     parser.add_argument("--leaves", type=int, help="max leaves per tree of gbdt / lambdarank (default 31)")
     parser.add_argument("--learning-rate", type=float, help="shrinkage of gbdt / lambdarank (default 0.1)")
+    parser.add_argument(
+        "--rerank-depth",
+        type=int,
+        help="fit on, and serve T over, each search's top N candidates by p̂ only (default: every candidate)",
+    )
     parser.add_argument(
         "--extra-features",
         nargs="*",
@@ -441,6 +453,7 @@ def fuse_bundle(
     force: bool = False,
     groups: tuple[str, ...] = ("rae", "lexical"),
     fit_on: FitOn = "both",
+    rerank_depth: int | None = None,
 ) -> tuple[Manifest, FusionFit]:
     """``bundle`` with a fusion fitted on ``run``'s held-out instances of ``train`` (the bundle's
     memory split), written to ``out``."""
@@ -451,7 +464,7 @@ def fuse_bundle(
     predictor = load_predictor(bundle)
     check_memory(predictor, train)
     rows = rows_of_uids(train, holdout.read_text().split())
-    fit = fit_fusion(predictor, train, rows, kind, params, groups, fit_on)
+    fit = fit_fusion(predictor, train, rows, kind, params, groups, fit_on, rerank_depth)
     shards = shard_list(predictor.bundle.manifest)
     fusion_params = FusionParams(
         model=FUSION_MODEL_FILE,
@@ -460,6 +473,7 @@ def fuse_bundle(
         parity_max_abs=fit.parity,
         features=list(fit.fusion.features),
         depth=fit.fitted.depth,
+        rerank_depth=rerank_depth,
         fitted_on=f"{len(rows)} held-out training instances of {run} (leave one out; searched: {fit_on})",
         queries=fit.queries,
         pairs=fit.pairs,
@@ -475,13 +489,14 @@ def main(argv: list[str] | None = None) -> None:
     groups = ("rae", *(() if args.no_lexical else ("lexical",)), *args.extra_features)
     train = load_jsonl_split(args.data, args.split)
     manifest, fit = fuse_bundle(
-        args.bundle, args.run, train, args.out, args.model, params, args.force, groups, args.fit_on
+        args.bundle, args.run, train, args.out, args.model, params, args.force, groups, args.fit_on, args.rerank_depth
     )
     summary = {
         "bundle": str(args.out),
         "bundle_id": manifest.bundle_id,
         "model": args.model,
         "model_params": fit.fitted.params,
+        "rerank_depth": args.rerank_depth,
         "onnx_parity_max_abs": fit.parity,
         "queries": fit.queries,
         "pairs": fit.pairs,

@@ -50,6 +50,12 @@ the validation split of ``bench.fusion_models`` says it helps) read the same arr
 No feature reads a label's vector or term vector beyond the retrieved keys: the Ray ingress has
 only what the shards answer.
 
+A fusion with a rerank depth M (``FusionParams.rerank_depth``) is a two-stage ranking: T rescores
+only each query's top max(M, k) candidates by p̂ (:meth:`ScoreFusion.candidates`), and only those
+are returned. φ and T then cost M rows a query instead of every label the keys vote for (several
+hundred on Debian-Related), which is what lets a boosted ensemble fit the serving budget;
+``export.fuse`` fits T on the same top-M candidates.
+
 Nothing else is read, so every front end that ranks (one process, the Ray ingress, whose shards
 answer their keys' lexical similarities) fuses alike. A label added to a live memory after export
 has frequency 0, as zero-shot labels had in the fit; a key added to it gets its term vector from
@@ -59,7 +65,7 @@ its text. ``export.fuse`` fits T on training instances the encoder never saw (``
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -217,19 +223,22 @@ class RegressionTree:
 @dataclass(frozen=True)
 class ScoreFusion:
     """T, the memory's label frequencies (log(1 + count), label id order), for the lexical
-    features the lexicon the query terms come from, and φ's columns (by default the RAE features,
-    and the lexical ones with a lexicon)."""
+    features the lexicon the query terms come from, φ's columns (by default the RAE features,
+    and the lexical ones with a lexicon) and the rerank depth (None: T rescores every candidate)."""
 
     model: FusionModel | None  # None: φ alone (the features a fit reads)
     log_frequency: np.ndarray
     lexicon: Lexicon | None = None
     features: tuple[str, ...] = ()
+    rerank_depth: int | None = None
 
     def __post_init__(self) -> None:
         if not self.features:
             object.__setattr__(self, "features", features_of_groups(["lexical"] if self.lexicon is not None else []))
         if ("lexical" in groups_of(self.features)) != (self.lexicon is not None):
             raise ValueError("a fusion has the lexical features exactly when it has a lexicon")
+        if self.rerank_depth is not None and self.rerank_depth < 1:
+            raise ValueError(f"a rerank depth must be at least 1, not {self.rerank_depth}")
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -277,14 +286,32 @@ class ScoreFusion:
             raise ValueError("the tree splits on a feature this fusion does not compute")
         model = tree or OnnxTreeEnsemble.from_bytes((directory / params.model).read_bytes(), len(features))
         lexicon = Lexicon(*tokenizer, idf) if idf is not None else None
-        return cls(model, log_frequency, lexicon, features)
+        return cls(model, log_frequency, lexicon, features, params.rerank_depth)
 
-    def rescore(self, scores: sp.csr_matrix, kept: list[KeptKeys], values: ValueRows, tau: float) -> sp.csr_matrix:
-        """``scores`` (:func:`~service.engine.rae.aggregate_kept` of ``kept``) with every stored
-        score replaced by its fused score."""
-        fused = scores.copy()
+    def candidates(self, scores: sp.csr_matrix, ks: Sequence[int] | None = None) -> sp.csr_matrix:
+        """The candidates T rescores: with a rerank depth M, each query's top max(M, k) of
+        ``scores`` by p̂ (``ks``: each query's k; None: M), ties broken by label id as
+        :func:`~service.engine.rae.top_k_of_row` breaks them; without one, all of ``scores``."""
+        if self.rerank_depth is None:
+            return scores
+        widths = [self.rerank_depth] * scores.shape[0] if ks is None else [max(self.rerank_depth, k) for k in ks]
+        return top_of_rows(scores, widths)
+
+    def rescore(
+        self,
+        scores: sp.csr_matrix,
+        kept: list[KeptKeys],
+        values: ValueRows,
+        tau: float,
+        ks: Sequence[int] | None = None,
+    ) -> sp.csr_matrix:
+        """:meth:`candidates` of ``scores`` (:func:`~service.engine.rae.aggregate_kept` of
+        ``kept``), each stored score replaced by its fused score."""
+        fused = self.candidates(scores, ks)
+        if fused is scores:
+            fused = scores.copy()
         # one call of the model for the whole batch (the rows of φ follow scores' storage)
-        fused.data = fused.data + self.model.predict(self.features_of(scores, kept, values, tau))
+        fused.data = fused.data + self.model.predict(self.features_of(fused, kept, values, tau))
         return fused
 
     def features_of(self, scores: sp.csr_matrix, kept: list[KeptKeys], values: ValueRows, tau: float) -> np.ndarray:
@@ -376,6 +403,22 @@ def batch_features(
         np.maximum.at(top, batch.query, batch.sims)
         columns += [np.where(np.isinf(top), 0.0, top)[slots.rows], np.log1p(np.diff(scores.indptr))[slots.rows]]
     return np.stack(columns, axis=1)
+
+
+def top_of_rows(scores: sp.csr_matrix, widths: Sequence[int]) -> sp.csr_matrix:
+    """``scores`` with row i cut to its ``widths[i]`` highest entries (ties: the lower label id
+    first), storage order kept."""
+    keep = []
+    for i, width in enumerate(widths):
+        start, end = scores.indptr[i], scores.indptr[i + 1]
+        if end - start <= width:
+            keep.append(np.arange(start, end))
+        else:
+            best = np.lexsort((scores.indices[start:end], -scores.data[start:end]))[:width]
+            keep.append(start + np.sort(best))
+    at = np.concatenate(keep) if keep else np.zeros(0, dtype=np.int64)
+    indptr = np.concatenate([[0], np.cumsum([len(k) for k in keep])])
+    return sp.csr_matrix((scores.data[at], scores.indices[at], indptr), shape=scores.shape)
 
 
 def ranks_within_rows(rows: np.ndarray, x: np.ndarray) -> np.ndarray:

@@ -108,6 +108,12 @@ class FusionParams(_Strict):
     )
     features: list[str] = Field(description="φ's columns, in the order T reads them")
     depth: int | None = Field(None, ge=0, description="the single tree's depth (0: a single leaf); None: an ensemble")
+    rerank_depth: int | None = Field(
+        None,
+        ge=1,
+        description="T rescores each query's top max(rerank_depth, k) candidates by p̂ and only those are "
+        "returned (a two-stage ranking); None: every candidate the keys vote for",
+    )
     fitted_on: str = Field(description="the queries the tree was fitted on (never the dev or test split)")
     queries: int = Field(gt=0)
     pairs: int = Field(gt=0, description="(query, candidate label) pairs in the fit")

@@ -244,7 +244,7 @@ class RankedSearch:
         kept = keep_keys(found.rows, found.sims, found.labels, exclude, rae.top_b, found.lexical)
         scores = aggregate_kept(kept, found.values, rae.tau, exclude, rae.mode)
         if self.fusion is not None:
-            scores = self.fusion.rescore(scores, kept, found.values, rae.tau)
+            scores = self.fusion.rescore(scores, kept, found.values, rae.tau, ks)
         return [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
 
 

@@ -4,6 +4,7 @@ protocols, optional feature groups are tried on the best, and dev is measured on
 import json
 
 import numpy as np
+import pytest
 
 from bench.fusion_models import MODELS, fold_of_instances, main, ranked_by
 from export.fuse import HeldOutPairs
@@ -32,11 +33,12 @@ def test_the_choice_is_made_on_validation_and_dev_is_measured_for_it_alone(memor
     bundle, run = memory_and_run
     out = tmp_path / "fusion-models.json"
     args = ["--bundle", str(bundle), "--run", str(run), "--data", str(sample_dir), "--out", str(out)]
-    assert main([*args, "--folds", "3", "--trees", "10", "--dev", "--curve"]) == 0
+    assert main([*args, "--folds", "3", "--ensembles", "10x31", "--dev", "--curve"]) == 0
     result = json.loads(out.read_text())
     candidates = result["candidates"]
     assert {c["model"] for c in candidates.values()} == set(MODELS)
     assert len(candidates) == len(MODELS) + len(OPTIONAL_GROUPS) - 1  # each extra group tried once
+    assert all(c["rerank_depth"] is None and c["eligible"] for c in candidates.values())
     for figures in candidates.values():
         for protocol in ("filter_after", "exclude_before"):
             assert set(figures["validation"][protocol]) == {"P@1", "P@5", "PSP@5", "R@100"}
@@ -47,3 +49,29 @@ def test_the_choice_is_made_on_validation_and_dev_is_measured_for_it_alone(memor
     assert list(result["curve"]) == ["0.25", "0.5", "1"]
     assert result["curve"]["1"] == candidates[result["chosen"]]["validation"]  # the same cross-fit
     assert all(figures["onnx_us_per_pair"] > 0 for figures in candidates.values())
+
+
+def test_rerank_depths_and_sizes_are_compared_and_the_budget_rules_out_dear_models(
+    memory_and_run, sample_dir, tmp_path
+):
+    bundle, run = memory_and_run
+    out = tmp_path / "fusion-models.json"
+    args = ["--bundle", str(bundle), "--run", str(run), "--data", str(sample_dir), "--out", str(out), "--folds", "2"]
+    with pytest.raises(SystemExit, match="no candidate's model costs at most"):  # a budget none meets
+        main([*args, "--rerank-depths", "8", "--ensembles", "6x4", "--max-model-ms", "1e-9"])
+    result_args = [*args, "--rerank-depths", "0", "8", "--ensembles", "6x4", "12x8", "--min-gain", "1000"]
+    assert main(result_args) == 0
+    result = json.loads(out.read_text())
+    candidates = result["candidates"]
+    first = [c for c in candidates.values() if c["features"] == ["rae", "lexical"]]
+    assert len(first) == 2 * (1 + 2 * 2)  # per depth: the tree, and two sizes of each ensemble
+    assert {c["rerank_depth"] for c in candidates.values()} == {None, 8}
+    assert {(c["params"].get("trees"), c["params"].get("leaves")) for c in candidates.values()} >= {(6, 4), (12, 8)}
+    assert result["pairs"]["8"] < result["pairs"]["all"]
+    assert result["positives_among_candidates"]["8"] <= result["positives_among_candidates"]["all"]
+    # a depth-8 candidate ranks at most 8 labels a search: its R@100 is its R@8
+    deep = [c for c in candidates.values() if c["rerank_depth"] == 8]
+    shallow = [c for c in candidates.values() if c["rerank_depth"] is None]
+    assert max(c["validation"]["filter_after"]["R@100"] for c in deep) <= max(
+        c["validation"]["filter_after"]["R@100"] for c in shallow
+    )

@@ -115,7 +115,11 @@ def sharded_fused(tiny_memory, sample_dir, run_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("fused") / "tiny-3shards-fused"
     extra = [group for group in FEATURE_GROUPS if group not in ("rae", "lexical")]
     return fuse(
-        tiny_memory, sample_dir, run_dir, out, "--model", "lambdarank", "--trees", "30", "--extra-features", *extra
+        tiny_memory,
+        sample_dir,
+        run_dir,
+        out,
+        *("--model", "lambdarank", "--trees", "30", "--rerank-depth", "12", "--extra-features", *extra),
     )
 
 
@@ -178,6 +182,23 @@ def test_a_boosted_fusion_is_an_onnx_ensemble_of_its_trees(kind, tiny_memory, sa
     assert any(a.ids.tolist() != b.ids.tolist() for a, b in zip(fused.rankings, source.rankings, strict=True))
 
 
+def test_a_rerank_depth_is_fitted_on_and_serves_each_querys_top_candidates_by_rae_score(
+    tiny_memory, sample_dir, run_dir, tmp_path
+):
+    out = fuse(
+        tiny_memory, sample_dir, run_dir, tmp_path / "deep", "--model", "gbdt", "--trees", "8", "--rerank-depth", "6"
+    )
+    params = load_bundle(out).manifest.fusion
+    assert params.rerank_depth == 6 and params.pairs <= 6 * 2 * 150  # both searches of 150 held-out instances
+    texts = load_jsonl_split(sample_dir, "dev").texts[:20]
+    source = load_predictor(tiny_memory).predict(texts, k=100_000).rankings  # every candidate, by p̂
+    fused = load_predictor(out)
+    for k, width in ((3, 6), (10, 10)):
+        for got, base in zip(fused.predict(texts, k=k).rankings, source, strict=True):
+            assert len(got.ids) == min(k, len(base.ids))
+            assert set(got.ids.tolist()) <= set(base.ids[:width].tolist())  # only the top max(depth, k) by p̂
+
+
 def test_an_export_whose_onnx_model_differs_from_its_library_is_refused(monkeypatch):
     X = np.random.default_rng(4).normal(size=(500, len(FEATURES))).astype(np.float32).astype(np.float64)
     fitted = FittedModel("tree", {}, random_sklearn_tree(depth=4))
@@ -229,6 +250,7 @@ def test_a_sharded_bundle_is_fused_with_a_key_term_file_per_shard_and_ranks_alik
     manifest = load_bundle(sharded_fused).manifest
     assert manifest.fusion.lexical == ["lexical-0.npz", "lexical-1.npz", "lexical-2.npz"]
     assert manifest.fusion.kind == "lambdarank" and groups_of(manifest.fusion.features) == tuple(FEATURE_GROUPS)
+    assert manifest.fusion.rerank_depth == 12  # the ingress cuts to the same candidates
     predictor = load_predictor(sharded_fused)
     texts = load_jsonl_split(sample_dir, "dev").texts[:16]
     vectors, _ = predictor.encode(texts)

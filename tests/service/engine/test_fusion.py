@@ -24,6 +24,7 @@ from service.engine.fusion import (
     features_of_groups,
     groups_of,
     memory_log_frequency,
+    top_of_rows,
 )
 from service.engine.lexical import Lexicon
 from service.engine.manifest import FUSION_FILE, FUSION_MODEL_FILE, FusionParams
@@ -191,6 +192,41 @@ def test_rescoring_adds_the_tree_to_the_rae_score_and_keeps_exclusions():
     assert set(np.flatnonzero(fused[0] > 10)) == {1, 3} and set(np.flatnonzero(fused[1] > 10)) == {0}
 
 
+def test_top_of_rows_keeps_each_rows_best_entries_with_ties_to_the_lower_label():
+    scores = sp.csr_matrix(np.array([[0.1, 0.5, 0.5, 0.3, 0.0], [0.0, 0.2, 0.0, 0.0, 0.9], [0.0] * 5]))
+    top = top_of_rows(scores, [2, 5, 3])
+    assert top.toarray().tolist() == [[0.0, 0.5, 0.5, 0.0, 0.0], [0.0, 0.2, 0.0, 0.0, 0.9], [0.0] * 5]
+    assert top_of_rows(scores, [1, 1, 1])[0].indices.tolist() == [1]  # 0.5 twice: label 1 before label 2
+
+
+def test_a_rerank_depth_rescores_and_returns_only_each_querys_top_max_depth_k_candidates():
+    values, _ = memory()
+    keys = np.array([[0, 3, 1, 5], [2, 1, 4, 0]])
+    sims = np.array([[0.9, 0.8, 0.7, 0.2], [0.95, 0.6, 0.5, 0.4]], dtype=np.float32)
+    key_labels = np.array([[-1, 1, -1, 3], [0, -1, 2, -1]])
+    kept = keep_keys(keys, sims, key_labels, [(), ()], 4)
+    scores = aggregate_kept(kept, values, 0.1, [(), ()], "joint")
+    assert min(np.diff(scores.indptr)) >= 3
+    everything = ScoreFusion(leaf(0.5), np.zeros(4)).rescore(scores, kept, values, 0.1)
+    fusion = ScoreFusion(leaf(0.5), np.zeros(4), rerank_depth=2)
+    fused = fusion.rescore(scores, kept, values, 0.1, ks=[1, 3])
+    assert np.diff(fused.indptr).tolist() == [2, 3]  # max(2, 1) and max(2, 3)
+    for row, width in ((0, 2), (1, 3)):
+        best = np.argsort(-scores[row].toarray()[0], kind="stable")[:width]
+        assert sorted(fused[row].indices.tolist()) == sorted(best.tolist())
+        np.testing.assert_allclose(fused[row].toarray()[0, best], everything[row].toarray()[0, best])
+    # φ is computed for the kept candidates only, and equals their rows of the full φ
+    full = ScoreFusion(None, np.zeros(4)).features_of(scores, kept, values, 0.1)
+    cut = fusion.candidates(scores)
+    part = ScoreFusion(None, np.zeros(4)).features_of(cut, kept, values, 0.1)
+    position = {(r, c): j for j, (r, c) in enumerate(zip(*scores.nonzero(), strict=True))}
+    rows = [position[(r, c)] for r, c in zip(*cut.nonzero(), strict=True)]
+    np.testing.assert_allclose(part, full[rows])
+    assert full.shape[0] == scores.nnz
+    with pytest.raises(ValueError, match="at least 1"):
+        ScoreFusion(leaf(0.5), np.zeros(4), rerank_depth=0)
+
+
 @pytest.mark.parametrize("onnx", [True, False], ids=["onnx", "old-tree"])
 def test_fusion_files_round_trip_and_a_wrong_frequency_table_is_refused(tmp_path, onnx):
     model = random_onnx_tree() if onnx else random_tree()
@@ -199,7 +235,9 @@ def test_fusion_files_round_trip_and_a_wrong_frequency_table_is_refused(tmp_path
     fusion.save(tmp_path, params)
     assert (tmp_path / FUSION_MODEL_FILE).is_file() == onnx
     loaded = ScoreFusion.load(tmp_path, params, 5)
-    assert type(loaded.model) is type(model)
+    assert type(loaded.model) is type(model) and loaded.rerank_depth is None
+    deep = ScoreFusion.load(tmp_path, params.model_copy(update={"rerank_depth": 3}), 5)
+    assert deep.rerank_depth == 3
     X = np.random.default_rng(2).normal(size=(100, len(FEATURES)))
     np.testing.assert_array_equal(loaded.model.predict(X), fusion.model.predict(X))
     np.testing.assert_array_equal(loaded.log_frequency, fusion.log_frequency)

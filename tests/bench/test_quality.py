@@ -1,0 +1,56 @@
+"""bench.quality: each fused row's bundle is named by its fusion (a changed fusion is rebuilt, not
+reused), the single-tree comparison row keeps NGAME's tree, and the fusion candidates are tabled."""
+
+import argparse
+from pathlib import Path
+
+from bench.quality import fused_bundle_name, fusion_model_markdown, fusion_model_table, fusion_of_row
+
+
+def given(**overrides) -> argparse.Namespace:
+    fields = {
+        "fusion_model": "lambdarank",
+        "fusion_trees": 40,
+        "fusion_leaves": 15,
+        "fusion_rerank_depth": 150,
+        "fusion_extra_features": ["ranks"],
+    } | overrides
+    return argparse.Namespace(**fields)
+
+
+def test_each_fused_row_has_its_fusion_and_a_bundle_named_by_it():
+    args = given()
+    assert fusion_of_row("-fused", args) == (
+        "lambdarank",
+        {"trees": 40, "leaves": 15},
+        ("rae", "lexical", "ranks"),
+        150,
+    )
+    assert fusion_of_row("-fused-rae-features", args)[2] == ("rae", "ranks")
+    assert fusion_of_row("-fused-tree", args) == ("tree", {}, ("rae", "lexical"), None)
+    source = Path("bundles/quality/memory-lambda0.3")
+    names = {
+        fused_bundle_name(source, "-fused", *fusion_of_row("-fused", a)[:2], fusion_of_row("-fused", a)[3]).name
+        for a in (args, given(fusion_trees=100), given(fusion_rerank_depth=None), given(fusion_model="gbdt"))
+    }
+    assert len(names) == 4 and all(name.startswith("memory-lambda0.3-fused-") for name in names)
+    assert fusion_of_row("-fused", given(fusion_model="tree"))[1] == {}  # a tree takes no ensemble size
+
+
+def test_the_fusion_candidates_are_tabled_with_the_choice_and_its_dev_figures():
+    figures = {"P@1": 70.0, "P@5": 35.0, "PSP@5": 25.0, "R@100": 77.0}
+    candidate = {"validation": {"filter_after": figures, "exclude_before": figures}, "onnx_ms_per_query": 0.2}
+    result = {
+        "held_out_instances": 2000,
+        "folds": 5,
+        "max_model_ms": 0.3,
+        "candidates": {
+            "tree@all[rae+lexical]": candidate | {"rerank_depth": None, "eligible": True},
+            "gbdt-100x31@all[rae+lexical]": candidate | {"rerank_depth": None, "eligible": False},
+        },
+        "chosen": "tree@all[rae+lexical]",
+        "dev": {"filter_after": figures, "exclude_before": figures},
+    }
+    markdown = fusion_model_markdown(fusion_model_table(result))
+    assert "| tree@all[rae+lexical] | 70.00 / 35.00 / 25.00 / 77.00 |" in markdown
+    assert "**chosen**" in markdown and "over budget" in markdown and "Dev, once, for the choice" in markdown
