@@ -481,10 +481,11 @@ def fusion_model_table(result: dict) -> dict:
         "held_out_instances": result["held_out_instances"],
         "folds": result["folds"],
         "candidates": {
-            name: {key: c[key] for key in ("validation", "onnx_ms_per_query", "rerank_depth", "eligible")}
+            name: {key: c.get(key) for key in ("validation", "onnx_ms_per_query", "rerank_depth", "ineligible_because")}
             for name, c in result["candidates"].items()
         },
         "max_model_ms": result.get("max_model_ms"),
+        "guard_metrics": result.get("guard_metrics"),
         "chosen": result["chosen"],
         "dev_of_choice": result.get("dev"),
     }
@@ -502,14 +503,14 @@ def fusion_model_markdown(table: dict | None) -> str:
         f"({table['folds']}-fold cross-fit; P@1 / P@5 / PSP@5 / R@100, filter after | exclude before; model cost "
         f"in ONNX Runtime, one thread; budget {table['max_model_ms'] or 'none'} ms):",
         "",
-        "| candidate | validation, filter after | validation, exclude before | model ms/query | chosen |",
+        "| candidate | validation, filter after | validation, exclude before | model ms/query | chosen, or why not |",
         "| --- | --- | --- | ---: | --- |",
     ]
     for name, c in table["candidates"].items():
         cells = [
             " / ".join(f"{c['validation'][p][m]:.2f}" for m in HEADLINE) for p in ("filter_after", "exclude_before")
         ]
-        mark = "**chosen**" if name == table["chosen"] else ("" if c["eligible"] else "over budget")
+        mark = "**chosen**" if name == table["chosen"] else "; ".join(c["ineligible_because"] or [])
         lines.append(f"| {name} | {cells[0]} | {cells[1]} | {c['onnx_ms_per_query']:.3f} | {mark} |")
     dev = table.get("dev_of_choice")
     if dev:

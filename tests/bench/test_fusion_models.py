@@ -68,6 +68,11 @@ def test_rerank_depths_and_sizes_are_compared_and_the_budget_rules_out_dear_mode
     assert {c["rerank_depth"] for c in candidates.values()} == {None, 8}
     assert {(c["params"].get("trees"), c["params"].get("leaves")) for c in candidates.values()} >= {(6, 4), (12, 8)}
     assert result["pairs"]["8"] < result["pairs"]["all"]
+    reference = candidates["tree@all[rae+lexical]"]
+    for c in candidates.values():
+        below = c["validation"]["filter_after"]["R@100"] < reference["validation"]["filter_after"]["R@100"]
+        assert below == any("R@100" in why for why in c["ineligible_because"])
+    assert candidates[result["chosen"]]["eligible"]
     assert result["positives_among_candidates"]["8"] <= result["positives_among_candidates"]["all"]
     # a depth-8 candidate ranks at most 8 labels a search: its R@100 is its R@8
     deep = [c for c in candidates.values() if c["rerank_depth"] == 8]
