@@ -38,7 +38,7 @@ import yaml
 
 from export.build import ExportParams, build_bundle
 from export.derive import derive_rae_bundle
-from export.fuse import fuse_bundle
+from export.fuse import DEFAULT_MODEL, DEFAULT_RERANK_DEPTH, fuse_bundle
 from service.engine.bundle import load_bundle
 from training.checkpoint import ServingHead
 from training.data import load_jsonl_split
@@ -188,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fusion-model",
         choices=("tree", "gbdt", "lambdarank"),
-        default="tree",
-        help="the fused rows' model (export.fuse --model; bench.fusion_models says which)",
+        default=DEFAULT_MODEL,
+        help="the fused rows' model (export.fuse --model, whose default it is: bench.fusion_models' choice)",
     )
     parser.add_argument(
         "--fusion-extra-features",
@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fusion-rerank-depth",
         type=int,
-        help="the fused rows' rerank depth (export.fuse --rerank-depth)",
+        default=DEFAULT_RERANK_DEPTH,
+        help="the fused rows' rerank depth (export.fuse --rerank-depth, whose default it is; 0: every candidate)",
     )
     parser.add_argument(
         "--fusion-models",
@@ -312,7 +313,8 @@ def fusion_of_row(suffix: str, args) -> tuple[str, dict, tuple[str, ...], int | 
     given = {"trees": args.fusion_trees, "leaves": args.fusion_leaves}
     params = {name: value for name, value in given.items() if value is not None and args.fusion_model != "tree"}
     lexical = ("lexical",) if suffix == "-fused" else ()
-    return args.fusion_model, params, ("rae", *lexical, *args.fusion_extra_features), args.fusion_rerank_depth
+    groups = ("rae", *lexical, *args.fusion_extra_features)
+    return args.fusion_model, params, groups, args.fusion_rerank_depth or None
 
 
 def fused_bundle_name(source: Path, suffix: str, model: str, params: dict, depth: int | None) -> Path:
