@@ -38,7 +38,8 @@ def test_the_choice_is_made_on_validation_and_dev_is_measured_for_it_alone(memor
     candidates = result["candidates"]
     assert {c["model"] for c in candidates.values()} == set(MODELS)
     assert len(candidates) == len(MODELS) + len(OPTIONAL_GROUPS) - 1  # each extra group tried once
-    assert all(c["rerank_depth"] is None and c["eligible"] for c in candidates.values())
+    assert all(c["rerank_depth"] is None for c in candidates.values()) and candidates[result["chosen"]]["eligible"]
+    assert all(c["eligible"] == (not c["ineligible_because"]) for c in candidates.values())
     for figures in candidates.values():
         for protocol in ("filter_after", "exclude_before"):
             assert set(figures["validation"][protocol]) == {"P@1", "P@5", "PSP@5", "R@100"}
