@@ -181,6 +181,7 @@ def pairs_of(
         # the candidates T will rescore when served: the top rerank depth by p̂, or all
         scores = unfitted.candidates(aggregate_kept(kept, view.values, rae.tau, excluded, rae.mode))
         X = unfitted.features_of(scores, kept, view.values, rae.tau)
+        leave_self_out_of_frequency(X, scores, block, train, unfitted.features)
         offset = 0
         for i, row in enumerate(block):
             candidates = scores.indices[scores.indptr[i] : scores.indptr[i + 1]]
@@ -203,6 +204,29 @@ def pairs_of(
         relevant=relevant_of,
         found=found / len(rows),
     )
+
+
+def leave_self_out_of_frequency(
+    X: np.ndarray, scores: sp.csr_matrix, block: np.ndarray, train: XMCDataset, features: tuple[str, ...]
+) -> None:
+    """``log_frequency`` of each pair in ``X`` (rows in ``scores``' storage order, query i the
+    held-out instance ``block[i]``) counted without the held-out instance itself, in place.
+
+    The memory holds every training instance, the held-out ones too, so its label counts include
+    the query's own labels once: left in, a label seen once in training (the query itself) would
+    look like a label some other instance carries, and every relevant label of a held-out query
+    would have a count of at least 1, which no dev or live query's labels are guaranteed. Its key
+    is already left out of the search (:func:`leave_one_out`); this leaves it out of the counts."""
+    if "log_frequency" not in features:
+        return
+    column = features.index("log_frequency")
+    own = np.zeros(scores.nnz, dtype=bool)
+    for i, row in enumerate(block):
+        start, end = scores.indptr[i], scores.indptr[i + 1]
+        own[start:end] = np.isin(scores.indices[start:end], train.Y[row].indices)
+    # log(1 + count) as memory_log_frequency stores it (float32), so the count is exact
+    counts = np.rint(np.expm1(X[own, column].astype(np.float32).astype(np.float64)))
+    X[own, column] = np.log1p(np.maximum(counts - 1, 0)).astype(np.float32)
 
 
 @dataclass
