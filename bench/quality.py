@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fusion-rerank-depth",
         type=int,
-        default=DEFAULT_RERANK_DEPTH,
+        default=DEFAULT_RERANK_DEPTH or 0,
         help="the fused rows' rerank depth (export.fuse --rerank-depth, whose default it is; 0: every candidate)",
     )
     parser.add_argument(

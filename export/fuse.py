@@ -85,11 +85,12 @@ FitOn = Literal["both", "exclude"]
 PARITY_BOUND = 1e-4
 # ai.onnx.ml opset 3 / ONNX opset 15: what skl2onnx and onnxmltools both write TreeEnsembleRegressor in
 ONNX_OPSETS = {"": 15, "ai.onnx.ml": 3}
-# The default fusion: bench.fusion_models' choice on the CPU recipe's 2,000 held-out training
-# instances (bench/results/fusion-models.json: best validation P@1/P@5 among the candidates whose
-# model fits the serving budget and whose PSP@5 and R@100 are not below the single tree's).
-DEFAULT_MODEL: FusionModelKind = "lambdarank"
-DEFAULT_RERANK_DEPTH = 200
+# The default fusion: NGAME's single tree over every candidate. bench.fusion_models chose LambdaMART
+# (100 trees, 31 leaves) rescoring the top 200 on the held-out instances' validation split, but its
+# dev figures fell below the tree's on PSP@5 and R@100 (docs/score-fusion.md): the held-out
+# searches do not predict dev for the ensembles yet, so the default stays the tree.
+DEFAULT_MODEL: FusionModelKind = "tree"
+DEFAULT_RERANK_DEPTH: int | None = None
 DEFAULT_PARAMS: dict[str, dict] = {
     "tree": {"depth": 7, "min_leaf": 50},
     "gbdt": {"trees": 100, "depth": 6, "leaves": 31, "min_leaf": 20, "learning_rate": 0.1},
@@ -181,7 +182,6 @@ def pairs_of(
         # the candidates T will rescore when served: the top rerank depth by p̂, or all
         scores = unfitted.candidates(aggregate_kept(kept, view.values, rae.tau, excluded, rae.mode))
         X = unfitted.features_of(scores, kept, view.values, rae.tau)
-        leave_self_out_of_frequency(X, scores, block, train, unfitted.features)
         offset = 0
         for i, row in enumerate(block):
             candidates = scores.indices[scores.indptr[i] : scores.indptr[i + 1]]
@@ -204,29 +204,6 @@ def pairs_of(
         relevant=relevant_of,
         found=found / len(rows),
     )
-
-
-def leave_self_out_of_frequency(
-    X: np.ndarray, scores: sp.csr_matrix, block: np.ndarray, train: XMCDataset, features: tuple[str, ...]
-) -> None:
-    """``log_frequency`` of each pair in ``X`` (rows in ``scores``' storage order, query i the
-    held-out instance ``block[i]``) counted without the held-out instance itself, in place.
-
-    The memory holds every training instance, the held-out ones too, so its label counts include
-    the query's own labels once: left in, a label seen once in training (the query itself) would
-    look like a label some other instance carries, and every relevant label of a held-out query
-    would have a count of at least 1, which no dev or live query's labels are guaranteed. Its key
-    is already left out of the search (:func:`leave_one_out`); this leaves it out of the counts."""
-    if "log_frequency" not in features:
-        return
-    column = features.index("log_frequency")
-    own = np.zeros(scores.nnz, dtype=bool)
-    for i, row in enumerate(block):
-        start, end = scores.indptr[i], scores.indptr[i + 1]
-        own[start:end] = np.isin(scores.indices[start:end], train.Y[row].indices)
-    # log(1 + count) as memory_log_frequency stores it (float32), so the count is exact
-    counts = np.rint(np.expm1(X[own, column].astype(np.float32).astype(np.float64)))
-    X[own, column] = np.log1p(np.maximum(counts - 1, 0)).astype(np.float32)
 
 
 @dataclass
@@ -439,8 +416,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--rerank-depth",
         type=int,
         default=DEFAULT_RERANK_DEPTH,
-        help=f"fit on, and serve T over, each search's top N candidates by p̂ only; 0: every candidate "
-        f"(default {DEFAULT_RERANK_DEPTH})",
+        help="fit on, and serve T over, each search's top N candidates by p̂ only; 0: every candidate "
+        f"(default {DEFAULT_RERANK_DEPTH or 0})",
     )
     parser.add_argument(
         "--extra-features",

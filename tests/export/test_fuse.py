@@ -6,12 +6,10 @@ serves; appends and compaction keep it; wrong inputs are refused."""
 
 import json
 import shutil
-from types import SimpleNamespace
 
 import numpy as np
 import onnx
 import pytest
-import scipy.sparse as sp
 from onnx import helper
 
 from export.build import ExportParams, build_bundle
@@ -26,7 +24,6 @@ from export.fuse import (
     HeldOutPairs,
     fit_model,
     leave_one_out,
-    leave_self_out_of_frequency,
     main,
     onnx_fusion_model,
 )
@@ -213,20 +210,6 @@ def test_a_rerank_depth_is_fitted_on_and_serves_each_querys_top_candidates_by_ra
         for got, base in zip(fused.predict(texts, k=k).rankings, source, strict=True):
             assert len(got.ids) == min(k, len(base.ids))
             assert set(got.ids.tolist()) <= set(base.ids[:width].tolist())  # only the top max(depth, k) by p̂
-
-
-def test_a_held_out_querys_own_labels_are_counted_without_it():
-    """The memory's label counts include each held-out instance: its own labels' log frequency is
-    taken back by one (a label only it carries has frequency 0, as for an unseen query)."""
-    features = ("log_frequency", "rae_score")
-    log_frequency = np.log1p(np.array([3, 1, 5, 0], dtype=np.float64)).astype(np.float32)
-    scores = sp.csr_matrix(np.array([[0.5, 0.4, 0.3, 0.0], [0.1, 0.2, 0.3, 0.0]], dtype=np.float32))
-    X = np.stack([log_frequency[scores.indices].astype(np.float64), scores.data], axis=1)
-    train = SimpleNamespace(Y=sp.csr_matrix(np.array([[1, 1, 0, 0], [0, 0, 0, 0], [0, 0, 1, 0]])))
-    leave_self_out_of_frequency(X, scores, np.array([0, 2]), train, features)
-    expected = np.log1p([2, 0, 5, 3, 1, 4]).astype(np.float32)  # query 0 owns labels 0 and 1, query 1 label 2
-    np.testing.assert_array_equal(X[:, 0], expected)
-    np.testing.assert_array_equal(X[:, 1], scores.data)
 
 
 def test_the_default_fusion_is_bench_fusion_models_choice(tiny_memory, sample_dir, run_dir, tmp_path):
