@@ -160,10 +160,13 @@ def pairs_of(
     unfitted: ScoreFusion,
     key_terms: KeyTerms | None,
     excluding: bool,
+    in_memory: bool = True,
 ) -> HeldOutPairs:
     """φ (``unfitted.features``) and targets of every (held-out instance, candidate label) pair,
-    searched as the service searches (``rows``: the instances, which are also keys ``rows`` of
-    the memory), with their filter labels excluded or (``excluding`` False) left out of the pairs."""
+    searched as the service searches (``rows``: the instances of ``train``, which are also keys
+    ``rows`` of the memory, left out of their own search; ``in_memory`` False: instances of
+    another split, such as dev, which are not), with their filter labels excluded or
+    (``excluding`` False) left out of the pairs."""
     manifest, view = predictor.bundle.manifest, predictor.view
     rae, filters = manifest.rae, train.filter_sets()
     features, targets, queries, labels, relevant_of, found = [], [], [], [], [], 0.0
@@ -174,7 +177,7 @@ def pairs_of(
         vectors, _ = predictor.bundle.encoder.encode(texts)
         widest = max(len(e) for e in excluded)
         keys, sims, _ = predictor.knn(vectors, rae.top_b + widest + 1, None)
-        keys, sims = leave_one_out(keys, sims, block)
+        keys, sims = leave_one_out(keys, sims, block if in_memory else np.full(len(block), -1))
         lexical = None
         if unfitted.lexicon is not None:
             lexical = key_terms.similarities(unfitted.lexicon.query_terms(texts), keys)

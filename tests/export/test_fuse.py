@@ -212,12 +212,12 @@ def test_a_rerank_depth_is_fitted_on_and_serves_each_querys_top_candidates_by_ra
             assert set(got.ids.tolist()) <= set(base.ids[:width].tolist())  # only the top max(depth, k) by p̂
 
 
-def test_the_default_fusion_is_bench_fusion_models_choice(tiny_memory, sample_dir, run_dir, tmp_path):
+def test_the_default_fusion_is_ngame_s_tree_over_every_candidate(tiny_memory, sample_dir, run_dir, tmp_path):
     out = fuse(tiny_memory, sample_dir, run_dir, tmp_path / "default")
     params = load_bundle(out).manifest.fusion
-    assert (params.kind, params.rerank_depth) == (DEFAULT_MODEL, DEFAULT_RERANK_DEPTH) == ("lambdarank", 200)
-    assert params.model_params == DEFAULT_PARAMS["lambdarank"] and params.features == list(FEATURES + LEXICAL_FEATURES)
-    assert len(set(tree_ensemble(out)["nodes_treeids"])) == DEFAULT_PARAMS["lambdarank"]["trees"]
+    assert (params.kind, params.rerank_depth) == (DEFAULT_MODEL, DEFAULT_RERANK_DEPTH) == ("tree", None)
+    assert params.model_params == DEFAULT_PARAMS["tree"] and params.features == list(FEATURES + LEXICAL_FEATURES)
+    assert len(set(tree_ensemble(out)["nodes_treeids"])) == 1
 
 
 def test_an_export_whose_onnx_model_differs_from_its_library_is_refused(monkeypatch):
