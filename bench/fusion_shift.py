@@ -8,7 +8,8 @@ Adversarial validation of their (query, candidate label) pairs.
 memory key left out; the service meets dev (and live) queries, which are not in the memory. If the
 two kinds of pairs come from the same distribution, no classifier tells them apart. This fits one
 (LightGBM, 50 trees) on half of a balanced sample of held-out and dev pairs and reports its ROC
-AUC on the other half, separately for relevant and irrelevant pairs, and the features it used most:
+AUC on the other half (split by query), separately for relevant and irrelevant pairs, and the
+features it used most:
 0.5 means indistinguishable; the higher, the less a validation on held-out pairs says about dev.
 Both sides are the filter-blind search (the peers' protocol) of the same number of queries.
 """
@@ -25,23 +26,33 @@ from pathlib import Path
 import numpy as np
 
 from bench.fusion_models import DEFAULT_GROUPS, held_out_instances
-from export.fuse import pairs_of, unfitted_fusion
+from export.fuse import HeldOutPairs, pairs_of, unfitted_fusion
 from service.engine.lexical import KeyTerms
 from training.data import load_jsonl_split
 
 
-def shift(held: np.ndarray, dev: np.ndarray, features: tuple[str, ...], seed: int = 0) -> dict:
-    """ROC AUC of a classifier telling rows of ``held`` from rows of ``dev`` (balanced sample, half
-    to fit, half to score) and its features by total gain."""
+def shift(held: HeldOutPairs, dev: HeldOutPairs, relevant: bool, features: tuple[str, ...], seed: int = 0) -> dict:
+    """ROC AUC of a classifier telling the ``relevant`` (or irrelevant) pairs of ``held`` from those
+    of ``dev`` (balanced sample), fitted on the pairs of half of each side's queries and scored on
+    the other half's, and its features by total gain. Split by query, not by pair: a query's pairs
+    share query-level values (its lowest retrieved similarity, for one), which a split by pair lets
+    the classifier recognise."""
     import lightgbm
     from sklearn.metrics import roc_auc_score
 
     rng = np.random.default_rng(seed)
-    n = min(len(held), len(dev), 200_000)
-    X = np.vstack([held[rng.choice(len(held), n, replace=False)], dev[rng.choice(len(dev), n, replace=False)]])
-    y = np.r_[np.ones(n), np.zeros(n)]
-    order = rng.permutation(2 * n)
-    fit, score = order[:n], order[n:]
+
+    def side(pairs: HeldOutPairs, n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        at = np.flatnonzero(pairs.y == (1 if relevant else 0))
+        if n is not None:
+            at = np.sort(rng.choice(at, n, replace=False))
+        return pairs.X[at], pairs.query[at] % 2 == 0  # even queries fit, odd ones score
+
+    n = min(int((held.y == relevant).sum()), int((dev.y == relevant).sum()), 200_000)
+    (Xh, fit_h), (Xd, fit_d) = side(held, n), side(dev, n)
+    X, y = np.vstack([Xh, Xd]), np.r_[np.ones(n), np.zeros(n)]
+    fit = np.flatnonzero(np.r_[fit_h, fit_d])
+    score = np.flatnonzero(~np.r_[fit_h, fit_d])
     model = lightgbm.LGBMClassifier(n_estimators=50, random_state=seed, verbose=-1).fit(X[fit], y[fit])
     gains = model.booster_.feature_importance("gain")
     total = float(gains.sum()) or 1.0
@@ -84,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             "dev": round(len(devs.y) / len(devs.relevant), 1),
         },
         "relevant_among_candidates": {"held_out": round(held.found, 4), "dev": round(devs.found, 4)},
-        "relevant_pairs": shift(held.X[held.y == 1], devs.X[devs.y == 1], features),
-        "irrelevant_pairs": shift(held.X[held.y == 0], devs.X[devs.y == 0], features),
+        "relevant_pairs": shift(held, devs, True, features),
+        "irrelevant_pairs": shift(held, devs, False, features),
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
