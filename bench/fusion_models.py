@@ -18,8 +18,10 @@ The choice, in two steps, by :func:`selection_score` (the mean of P@1 and P@5, f
 1. the single regression tree, the regression GBDT and LambdaMART on the default features
    (the RAE and lexical groups), each at every ``--rerank-depths`` (0: every candidate; M: T
    fitted on and rescoring each search's top M by p̂, as ``export.fuse --rerank-depth`` serves it)
-   and the ensembles at every ``--ensembles`` size; with ``--max-model-ms``, a candidate whose
-   model costs more a query in ONNX Runtime is reported but not chosen;
+   and the ensembles at every ``--ensembles`` size. A candidate is reported but not chosen when
+   its model costs more than ``--max-model-ms`` a query in ONNX Runtime, or when one of the
+   ``--guard-metrics`` (PSP@5 and R@100) is below that of NGAME's single tree over every candidate
+   (the default before; a shallow rerank depth caps R@100);
 2. for the best of them, each optional group added alone; a group is kept when it raises the
    validation score by more than ``--min-gain``.
 
@@ -195,32 +197,53 @@ def first_candidates(depths: list[int | None], sizes: list[dict]) -> list[Candid
     return candidates
 
 
+# the fusion every other candidate must not fall below on the guarded metrics: NGAME's single tree
+# over every candidate, the default before this comparison
+REFERENCE = Candidate("tree", DEFAULT_GROUPS, DEFAULT_PARAMS["tree"], None)
+
+
 def choose(
-    pairs_at: dict, fold, frequencies, num_train, candidates, min_gain, max_model_ms, report
+    pairs_at: dict, fold, frequencies, num_train, candidates, min_gain, max_model_ms, guarded, report
 ) -> tuple[Candidate, dict]:
     """The two-step choice of the module docstring (groups added greedily, each kept only when it
-    raises the current choice's validation score by more than ``min_gain``; a candidate whose
-    model costs more than ``max_model_ms`` a query is never chosen); every candidate's figures in
-    the result. ``pairs_at``: the held-out pairs at each rerank depth."""
+    raises the current choice's validation score by more than ``min_gain``); a candidate is never
+    chosen when its model costs more than ``max_model_ms`` a query, or when one of the ``guarded``
+    validation metrics (filter after) is below :data:`REFERENCE`'s (when it is among ``candidates``).
+    Every candidate's figures in the result. ``pairs_at``: the held-out pairs at each rerank depth."""
     results: dict[str, dict] = {}
+    floor: dict[str, float] = {}
 
     def run(candidate: Candidate) -> float:
         result = validate(candidate, pairs_at[candidate.rerank_depth], fold, frequencies, num_train)
-        over = max_model_ms is not None and result["onnx_ms_per_query"] > max_model_ms
+        figures = result["validation"]["filter_after"]
+        why = [f"{metric} below {REFERENCE.name}'s" for metric in guarded if figures[metric] < floor.get(metric, -1)]
+        if max_model_ms is not None and result["onnx_ms_per_query"] > max_model_ms:
+            why.append(f"model over {max_model_ms} ms a query")
         result |= {
             "model": candidate.model,
             "features": list(candidate.groups),
             "params": candidate.params,
             "rerank_depth": candidate.rerank_depth,
-            "eligible": not over,
+            "eligible": not why,
+            "ineligible_because": why,
         }
         results[candidate.name] = result
         report(candidate.name, result)
-        return -np.inf if over else selection_score(result["validation"])
+        return -np.inf if why else selection_score(result["validation"])
 
-    best, chosen = max(((run(candidate), candidate) for candidate in candidates), key=lambda scored: scored[0])
+    if REFERENCE in candidates:  # first: it sets the floor of the guarded metrics
+        candidates = [REFERENCE] + [c for c in candidates if c != REFERENCE]
+        scored = [(run(REFERENCE), REFERENCE)]
+        floor.update({m: results[REFERENCE.name]["validation"]["filter_after"][m] for m in guarded})
+        scored += [(run(candidate), candidate) for candidate in candidates[1:]]
+    else:
+        scored = [(run(candidate), candidate) for candidate in candidates]
+    best, chosen = max(scored, key=lambda pair: pair[0])
     if best == -np.inf:
-        raise SystemExit(f"bench.fusion_models: no candidate's model costs at most {max_model_ms} ms a query")
+        raise SystemExit(
+            f"bench.fusion_models: no candidate's model costs at most {max_model_ms} ms a query with "
+            f"{list(guarded)} not below {REFERENCE.name}'s"
+        )
     for group in (g for g in OPTIONAL_GROUPS if g not in DEFAULT_GROUPS):
         trial = dataclasses.replace(chosen, groups=tuple(g for g in FEATURE_GROUPS if g in chosen.groups + (group,)))
         score = run(trial)
@@ -270,6 +293,14 @@ def main(argv: list[str] | None = None) -> int:
         help="rerank depths to try (export.fuse --rerank-depth; 0: every candidate)",
     )
     parser.add_argument(
+        "--guard-metrics",
+        nargs="*",
+        default=["PSP@5", "R@100"],
+        choices=VALIDATION_METRICS,
+        help="validation metrics (filter after) no chosen candidate may have below the single tree over every "
+        "candidate (when --rerank-depths has 0)",
+    )
+    parser.add_argument(
         "--max-model-ms",
         type=float,
         help="never choose a candidate whose model costs more ONNX Runtime ms a query on this machine",
@@ -298,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
 
     candidates = first_candidates(depths, args.ensembles)
     chosen, results = choose(
-        pairs_at, fold, frequencies, num_train, candidates, args.min_gain, args.max_model_ms, report
+        pairs_at, fold, frequencies, num_train, candidates, args.min_gain, args.max_model_ms, args.guard_metrics, report
     )
     unfitted, key_terms, pairs = held_out[chosen.rerank_depth]
     result = {
@@ -314,9 +345,11 @@ def main(argv: list[str] | None = None) -> int:
         "positives_among_candidates": {str(d or "all"): round(p.found, 4) for d, p in pairs_at.items()},
         "pair_seconds": pair_seconds,
         "selection": "mean of validation P@1 and P@5, filter_after, among candidates whose model costs at most "
-        "max_model_ms a query; an optional group kept above +min_gain",
+        "max_model_ms a query and whose guard_metrics are not below the single tree's over every candidate; "
+        "an optional group kept above +min_gain",
         "min_gain": args.min_gain,
         "max_model_ms": args.max_model_ms,
+        "guard_metrics": args.guard_metrics,
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
         "candidates": results,
         "chosen": chosen.name,

@@ -38,7 +38,7 @@ import yaml
 
 from export.build import ExportParams, build_bundle
 from export.derive import derive_rae_bundle
-from export.fuse import fuse_bundle
+from export.fuse import DEFAULT_MODEL, DEFAULT_RERANK_DEPTH, fuse_bundle
 from service.engine.bundle import load_bundle
 from training.checkpoint import ServingHead
 from training.data import load_jsonl_split
@@ -188,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fusion-model",
         choices=("tree", "gbdt", "lambdarank"),
-        default="tree",
-        help="the fused rows' model (export.fuse --model; bench.fusion_models says which)",
+        default=DEFAULT_MODEL,
+        help="the fused rows' model (export.fuse --model, whose default it is: bench.fusion_models' choice)",
     )
     parser.add_argument(
         "--fusion-extra-features",
@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fusion-rerank-depth",
         type=int,
-        help="the fused rows' rerank depth (export.fuse --rerank-depth)",
+        default=DEFAULT_RERANK_DEPTH or 0,
+        help="the fused rows' rerank depth (export.fuse --rerank-depth, whose default it is; 0: every candidate)",
     )
     parser.add_argument(
         "--fusion-models",
@@ -312,7 +313,8 @@ def fusion_of_row(suffix: str, args) -> tuple[str, dict, tuple[str, ...], int | 
     given = {"trees": args.fusion_trees, "leaves": args.fusion_leaves}
     params = {name: value for name, value in given.items() if value is not None and args.fusion_model != "tree"}
     lexical = ("lexical",) if suffix == "-fused" else ()
-    return args.fusion_model, params, ("rae", *lexical, *args.fusion_extra_features), args.fusion_rerank_depth
+    groups = ("rae", *lexical, *args.fusion_extra_features)
+    return args.fusion_model, params, groups, args.fusion_rerank_depth or None
 
 
 def fused_bundle_name(source: Path, suffix: str, model: str, params: dict, depth: int | None) -> Path:
@@ -481,10 +483,11 @@ def fusion_model_table(result: dict) -> dict:
         "held_out_instances": result["held_out_instances"],
         "folds": result["folds"],
         "candidates": {
-            name: {key: c[key] for key in ("validation", "onnx_ms_per_query", "rerank_depth", "eligible")}
+            name: {key: c.get(key) for key in ("validation", "onnx_ms_per_query", "rerank_depth", "ineligible_because")}
             for name, c in result["candidates"].items()
         },
         "max_model_ms": result.get("max_model_ms"),
+        "guard_metrics": result.get("guard_metrics"),
         "chosen": result["chosen"],
         "dev_of_choice": result.get("dev"),
     }
@@ -502,14 +505,14 @@ def fusion_model_markdown(table: dict | None) -> str:
         f"({table['folds']}-fold cross-fit; P@1 / P@5 / PSP@5 / R@100, filter after | exclude before; model cost "
         f"in ONNX Runtime, one thread; budget {table['max_model_ms'] or 'none'} ms):",
         "",
-        "| candidate | validation, filter after | validation, exclude before | model ms/query | chosen |",
+        "| candidate | validation, filter after | validation, exclude before | model ms/query | chosen, or why not |",
         "| --- | --- | --- | ---: | --- |",
     ]
     for name, c in table["candidates"].items():
         cells = [
             " / ".join(f"{c['validation'][p][m]:.2f}" for m in HEADLINE) for p in ("filter_after", "exclude_before")
         ]
-        mark = "**chosen**" if name == table["chosen"] else ("" if c["eligible"] else "over budget")
+        mark = "**chosen**" if name == table["chosen"] else "; ".join(c["ineligible_because"] or [])
         lines.append(f"| {name} | {cells[0]} | {cells[1]} | {c['onnx_ms_per_query']:.3f} | {mark} |")
     dev = table.get("dev_of_choice")
     if dev:

@@ -85,6 +85,12 @@ FitOn = Literal["both", "exclude"]
 PARITY_BOUND = 1e-4
 # ai.onnx.ml opset 3 / ONNX opset 15: what skl2onnx and onnxmltools both write TreeEnsembleRegressor in
 ONNX_OPSETS = {"": 15, "ai.onnx.ml": 3}
+# The default fusion: NGAME's single tree over every candidate. bench.fusion_models chose LambdaMART
+# (100 trees, 31 leaves) rescoring the top 200 on the held-out instances' validation split, but its
+# dev figures fell below the tree's on PSP@5 and R@100 (docs/score-fusion.md): the held-out
+# searches do not predict dev for the ensembles yet, so the default stays the tree.
+DEFAULT_MODEL: FusionModelKind = "tree"
+DEFAULT_RERANK_DEPTH: int | None = None
 DEFAULT_PARAMS: dict[str, dict] = {
     "tree": {"depth": 7, "min_leaf": 50},
     "gbdt": {"trees": 100, "depth": 6, "leaves": 31, "min_leaf": 20, "learning_rate": 0.1},
@@ -154,10 +160,13 @@ def pairs_of(
     unfitted: ScoreFusion,
     key_terms: KeyTerms | None,
     excluding: bool,
+    in_memory: bool = True,
 ) -> HeldOutPairs:
     """φ (``unfitted.features``) and targets of every (held-out instance, candidate label) pair,
-    searched as the service searches (``rows``: the instances, which are also keys ``rows`` of
-    the memory), with their filter labels excluded or (``excluding`` False) left out of the pairs."""
+    searched as the service searches (``rows``: the instances of ``train``, which are also keys
+    ``rows`` of the memory, left out of their own search; ``in_memory`` False: instances of
+    another split, such as dev, which are not), with their filter labels excluded or
+    (``excluding`` False) left out of the pairs."""
     manifest, view = predictor.bundle.manifest, predictor.view
     rae, filters = manifest.rae, train.filter_sets()
     features, targets, queries, labels, relevant_of, found = [], [], [], [], [], 0.0
@@ -168,7 +177,7 @@ def pairs_of(
         vectors, _ = predictor.bundle.encoder.encode(texts)
         widest = max(len(e) for e in excluded)
         keys, sims, _ = predictor.knn(vectors, rae.top_b + widest + 1, None)
-        keys, sims = leave_one_out(keys, sims, block)
+        keys, sims = leave_one_out(keys, sims, block if in_memory else np.full(len(block), -1))
         lexical = None
         if unfitted.lexicon is not None:
             lexical = key_terms.similarities(unfitted.lexicon.query_terms(texts), keys)
@@ -351,11 +360,11 @@ def fit_fusion(
     predictor: Predictor,
     train: XMCDataset,
     rows: np.ndarray,
-    kind: FusionModelKind = "tree",
+    kind: FusionModelKind = DEFAULT_MODEL,
     params: dict | None = None,
     groups: tuple[str, ...] = ("rae", "lexical"),
     fit_on: FitOn = "both",
-    rerank_depth: int | None = None,
+    rerank_depth: int | None = DEFAULT_RERANK_DEPTH,
 ) -> FusionFit:
     """Fit the fusion's model on the held-out instances ``rows`` of ``train`` (the bundle's memory
     split) over the feature ``groups`` and the top ``rerank_depth`` candidates of each search (None:
@@ -397,9 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         choices=get_args(FusionModelKind),
-        default="tree",
+        default=DEFAULT_MODEL,
         help="the fusion's model: one regression tree (NGAME App. C), LightGBM regression GBDT, or LightGBM "
-        "lambdarank (LambdaMART, each held-out search a group)",
+        f"lambdarank (LambdaMART, each held-out search a group); default {DEFAULT_MODEL}",
     )
     parser.add_argument("--depth", type=int, help="max depth of the tree(s) (default: tree 7, ensembles 6)")
     parser.add_argument("--min-leaf", type=int, help="fewest pairs in a leaf (default: tree 50, ensembles 20)")
@@ -409,7 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--rerank-depth",
         type=int,
-        help="fit on, and serve T over, each search's top N candidates by p̂ only (default: every candidate)",
+        default=DEFAULT_RERANK_DEPTH,
+        help="fit on, and serve T over, each search's top N candidates by p̂ only; 0: every candidate "
+        f"(default {DEFAULT_RERANK_DEPTH or 0})",
     )
     parser.add_argument(
         "--extra-features",
@@ -448,12 +459,12 @@ def fuse_bundle(
     run: Path,
     train: XMCDataset,
     out: Path,
-    kind: FusionModelKind = "tree",
+    kind: FusionModelKind = DEFAULT_MODEL,
     params: dict | None = None,
     force: bool = False,
     groups: tuple[str, ...] = ("rae", "lexical"),
     fit_on: FitOn = "both",
-    rerank_depth: int | None = None,
+    rerank_depth: int | None = DEFAULT_RERANK_DEPTH,
 ) -> tuple[Manifest, FusionFit]:
     """``bundle`` with a fusion fitted on ``run``'s held-out instances of ``train`` (the bundle's
     memory split), written to ``out``."""
@@ -489,14 +500,23 @@ def main(argv: list[str] | None = None) -> None:
     groups = ("rae", *(() if args.no_lexical else ("lexical",)), *args.extra_features)
     train = load_jsonl_split(args.data, args.split)
     manifest, fit = fuse_bundle(
-        args.bundle, args.run, train, args.out, args.model, params, args.force, groups, args.fit_on, args.rerank_depth
+        args.bundle,
+        args.run,
+        train,
+        args.out,
+        args.model,
+        params,
+        args.force,
+        groups,
+        args.fit_on,
+        args.rerank_depth or None,
     )
     summary = {
         "bundle": str(args.out),
         "bundle_id": manifest.bundle_id,
         "model": args.model,
         "model_params": fit.fitted.params,
-        "rerank_depth": args.rerank_depth,
+        "rerank_depth": args.rerank_depth or None,
         "onnx_parity_max_abs": fit.parity,
         "queries": fit.queries,
         "pairs": fit.pairs,

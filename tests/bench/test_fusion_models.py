@@ -38,7 +38,8 @@ def test_the_choice_is_made_on_validation_and_dev_is_measured_for_it_alone(memor
     candidates = result["candidates"]
     assert {c["model"] for c in candidates.values()} == set(MODELS)
     assert len(candidates) == len(MODELS) + len(OPTIONAL_GROUPS) - 1  # each extra group tried once
-    assert all(c["rerank_depth"] is None and c["eligible"] for c in candidates.values())
+    assert all(c["rerank_depth"] is None for c in candidates.values()) and candidates[result["chosen"]]["eligible"]
+    assert all(c["eligible"] == (not c["ineligible_because"]) for c in candidates.values())
     for figures in candidates.values():
         for protocol in ("filter_after", "exclude_before"):
             assert set(figures["validation"][protocol]) == {"P@1", "P@5", "PSP@5", "R@100"}
@@ -68,6 +69,11 @@ def test_rerank_depths_and_sizes_are_compared_and_the_budget_rules_out_dear_mode
     assert {c["rerank_depth"] for c in candidates.values()} == {None, 8}
     assert {(c["params"].get("trees"), c["params"].get("leaves")) for c in candidates.values()} >= {(6, 4), (12, 8)}
     assert result["pairs"]["8"] < result["pairs"]["all"]
+    reference = candidates["tree@all[rae+lexical]"]
+    for c in candidates.values():
+        below = c["validation"]["filter_after"]["R@100"] < reference["validation"]["filter_after"]["R@100"]
+        assert below == any("R@100" in why for why in c["ineligible_because"])
+    assert candidates[result["chosen"]]["eligible"]
     assert result["positives_among_candidates"]["8"] <= result["positives_among_candidates"]["all"]
     # a depth-8 candidate ranks at most 8 labels a search: its R@100 is its R@8
     deep = [c for c in candidates.values() if c["rerank_depth"] == 8]

@@ -45,12 +45,12 @@ def test_the_fusion_candidates_are_tabled_with_the_choice_and_its_dev_figures():
         "folds": 5,
         "max_model_ms": 0.3,
         "candidates": {
-            "tree@all[rae+lexical]": candidate | {"rerank_depth": None, "eligible": True},
-            "gbdt-100x31@all[rae+lexical]": candidate | {"rerank_depth": None, "eligible": False},
+            "tree@all[rae+lexical]": candidate | {"rerank_depth": None, "ineligible_because": []},
+            "gbdt-100x31@all[rae+lexical]": candidate | {"rerank_depth": None, "ineligible_because": ["model over"]},
         },
         "chosen": "tree@all[rae+lexical]",
         "dev": {"filter_after": figures, "exclude_before": figures},
     }
     markdown = fusion_model_markdown(fusion_model_table(result))
     assert "| tree@all[rae+lexical] | 70.00 / 35.00 / 25.00 / 77.00 |" in markdown
-    assert "**chosen**" in markdown and "over budget" in markdown and "Dev, once, for the choice" in markdown
+    assert "**chosen**" in markdown and "| model over |" in markdown and "Dev, once, for the choice" in markdown

@@ -15,7 +15,18 @@ from onnx import helper
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
-from export.fuse import PARITY_BOUND, FittedModel, HeldOutPairs, fit_model, leave_one_out, main, onnx_fusion_model
+from export.fuse import (
+    DEFAULT_MODEL,
+    DEFAULT_PARAMS,
+    DEFAULT_RERANK_DEPTH,
+    PARITY_BOUND,
+    FittedModel,
+    HeldOutPairs,
+    fit_model,
+    leave_one_out,
+    main,
+    onnx_fusion_model,
+)
 from service.engine.bundle import BundleError, load_bundle, load_fusion, load_labels, load_shard
 from service.engine.fusion import (
     FEATURE_GROUPS,
@@ -63,14 +74,16 @@ def fuse(bundle, sample_dir, run_dir, out, *options: str):
 
 @pytest.fixture(scope="module")
 def fused(sample_bundle, sample_dir, run_dir, tmp_path_factory):
-    """The default bundle with its (lexical) fusion."""
-    return fuse(sample_bundle, sample_dir, run_dir, tmp_path_factory.mktemp("fused") / "sample-fused")
+    """The default bundle with a lexical fusion by NGAME's single tree over every candidate."""
+    out = tmp_path_factory.mktemp("fused") / "sample-fused"
+    return fuse(sample_bundle, sample_dir, run_dir, out, "--model", "tree", "--rerank-depth", "0")
 
 
 @pytest.fixture(scope="module")
 def plain_fused(sample_bundle, sample_dir, run_dir, tmp_path_factory):
-    """The default bundle with a fusion of the RAE features alone."""
-    return fuse(sample_bundle, sample_dir, run_dir, tmp_path_factory.mktemp("fused") / "plain", "--no-lexical")
+    """The default bundle with a single-tree fusion of the RAE features alone."""
+    out = tmp_path_factory.mktemp("fused") / "plain"
+    return fuse(sample_bundle, sample_dir, run_dir, out, "--no-lexical", "--model", "tree", "--rerank-depth", "0")
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +210,14 @@ def test_a_rerank_depth_is_fitted_on_and_serves_each_querys_top_candidates_by_ra
         for got, base in zip(fused.predict(texts, k=k).rankings, source, strict=True):
             assert len(got.ids) == min(k, len(base.ids))
             assert set(got.ids.tolist()) <= set(base.ids[:width].tolist())  # only the top max(depth, k) by p̂
+
+
+def test_the_default_fusion_is_ngame_s_tree_over_every_candidate(tiny_memory, sample_dir, run_dir, tmp_path):
+    out = fuse(tiny_memory, sample_dir, run_dir, tmp_path / "default")
+    params = load_bundle(out).manifest.fusion
+    assert (params.kind, params.rerank_depth) == (DEFAULT_MODEL, DEFAULT_RERANK_DEPTH) == ("tree", None)
+    assert params.model_params == DEFAULT_PARAMS["tree"] and params.features == list(FEATURES + LEXICAL_FEATURES)
+    assert len(set(tree_ensemble(out)["nodes_treeids"])) == 1
 
 
 def test_an_export_whose_onnx_model_differs_from_its_library_is_refused(monkeypatch):
