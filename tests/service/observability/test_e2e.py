@@ -2,6 +2,7 @@
 logging JSON and exporting traces over OTLP/HTTP to a receiver on 127.0.0.1."""
 
 import json
+import time
 
 import httpx
 import pytest
@@ -22,6 +23,18 @@ def json_lines(log: str) -> list[dict]:
 
 def access_lines(log: str) -> list[dict]:
     return [line for line in json_lines(log) if line.get("logger") == "xmcserve.access"]
+
+
+def access_lines_when(server, wanted, attempts: int = 100) -> list[dict]:
+    """``server``'s access lines for which ``wanted(line)`` holds, as soon as there are any. A line
+    is written as its response completes, which the client can see first, and a shadow's copy
+    leaves within the mirroring worker's batching wait: polled, at most ``attempts`` × 0.1 s."""
+    for _ in range(attempts):
+        found = [line for line in access_lines(server.log()) if wanted(line)]
+        if found:
+            return found
+        time.sleep(0.1)
+    return []
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +66,7 @@ def test_one_request_id_from_the_primary_access_line_to_the_shadow_access_line(t
     primary, shadow, _ = traced_pair
     answer = httpx.post(f"{primary.url}/predict", json=TEXT, headers={"X-Request-Id": "follow-me-1"}, timeout=30)
     assert answer.status_code == 200 and answer.headers["x-request-id"] == "follow-me-1"
-    mine = [line for line in access_lines(primary.log()) if line["request_id"] == "follow-me-1"]
+    mine = access_lines_when(primary, lambda line: line["request_id"] == "follow-me-1")
     assert len(mine) == 1
     line = mine[0]
     assert line["route"] == "/predict" and line["status"] == 200 and line["variant"] == "A"
@@ -61,16 +74,7 @@ def test_one_request_id_from_the_primary_access_line_to_the_shadow_access_line(t
     assert line["queue_ms"] >= 0 and line["total_ms"] >= line["queue_ms"] and line["level"] == "INFO"
     assert "request_texts" not in line and TEXT["text"] not in primary.log()  # texts only with XMCSERVE_LOG_TEXTS
 
-    def shadow_saw_it() -> list[dict]:
-        return [line for line in access_lines(shadow.log()) if "follow-me-1" in line.get("shadow_of", "")]
-
-    for _ in range(100):  # the copy goes out within the worker's batching wait (100 ms)
-        if shadow_saw_it():
-            break
-        import time
-
-        time.sleep(0.1)
-    (copy,) = shadow_saw_it()
+    (copy,) = access_lines_when(shadow, lambda line: "follow-me-1" in line.get("shadow_of", ""))
     assert copy["request_id"] == "follow-me-1" and copy["status"] == 200
 
 
@@ -82,7 +86,7 @@ def test_refusals_carry_the_request_id_and_their_reason(traced_pair):
     assert bad.status_code == 422 and bad.headers["x-request-id"] == "bad-1"
     unknown = httpx.get(f"{primary.url}/nowhere", headers={"X-Request-Id": "bad id with spaces"}, timeout=30)
     assert unknown.status_code == 404 and len(unknown.headers["x-request-id"]) == 32  # generated instead
-    (line,) = [line for line in access_lines(primary.log()) if line["request_id"] == "bad-1"]
+    (line,) = access_lines_when(primary, lambda line: line["request_id"] == "bad-1")
     assert line["status"] == 422 and "k" in line["reason"]
 
 
@@ -99,7 +103,7 @@ def test_the_trace_follows_the_request_into_the_shadow_and_the_batch(traced_pair
     primary, _, receiver = traced_pair
     answer = httpx.post(f"{primary.url}/predict", json=TEXT, headers={"X-Request-Id": "traced-1"}, timeout=30)
     assert answer.status_code == 200
-    (line,) = [line for line in access_lines(primary.log()) if line["request_id"] == "traced-1"]
+    (line,) = access_lines_when(primary, lambda line: line["request_id"] == "traced-1")
     trace_id = line["trace_id"]
 
     def complete(spans):
