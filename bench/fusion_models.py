@@ -85,9 +85,14 @@ class Candidate:
     def name(self) -> str:
         extra = "+".join(group for group in self.groups if group not in DEFAULT_GROUPS)
         size = f"-{self.params['trees']}x{self.params['leaves']}" if "trees" in self.params else ""
-        depth = f"@{self.rerank_depth}" if self.rerank_depth else "@all"
+        depth = f"@{depth_name(self.rerank_depth)}"
         groups = "+".join(g for g in self.groups if g in DEFAULT_GROUPS) + ("+" + extra if extra else "")
         return f"{self.model}{size}{depth}[{groups}]"
+
+
+def depth_name(rerank_depth: int | None) -> str:
+    """How results name a rerank depth: its value, or ``all`` for every candidate."""
+    return str(rerank_depth or "all")
 
 
 def ensemble_size(value: str) -> dict:
@@ -318,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     for depth in depths:
         started = time.perf_counter()
         held_out[depth] = held_out_features(predictor, train, rows, depth)
-        pair_seconds[str(depth or "all")] = round(time.perf_counter() - started, 1)
+        pair_seconds[depth_name(depth)] = round(time.perf_counter() - started, 1)
     pairs_at = {depth: pairs for depth, (_, _, pairs) in held_out.items()}
     frequencies, num_train = label_frequencies(train.Y), len(train)
     fold = fold_of_instances(len(rows), args.folds)
@@ -340,9 +345,9 @@ def main(argv: list[str] | None = None) -> int:
         "run": str(args.run),
         "held_out_instances": len(rows),
         "folds": args.folds,
-        "pairs": {str(d or "all"): int(len(p.y)) for d, p in pairs_at.items()},
-        "positives": {str(d or "all"): int(p.y.sum()) for d, p in pairs_at.items()},
-        "positives_among_candidates": {str(d or "all"): round(p.found, 4) for d, p in pairs_at.items()},
+        "pairs": {depth_name(d): int(len(p.y)) for d, p in pairs_at.items()},
+        "positives": {depth_name(d): int(p.y.sum()) for d, p in pairs_at.items()},
+        "positives_among_candidates": {depth_name(d): round(p.found, 4) for d, p in pairs_at.items()},
         "pair_seconds": pair_seconds,
         "selection": "mean of validation P@1 and P@5, filter_after, among candidates whose model costs at most "
         "max_model_ms a query and whose guard_metrics are not below the single tree's over every candidate; "

@@ -42,14 +42,14 @@ def shift(held: HeldOutPairs, dev: HeldOutPairs, relevant: bool, features: tuple
 
     rng = np.random.default_rng(seed)
 
-    def side(pairs: HeldOutPairs, n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        at = np.flatnonzero(pairs.y == (1 if relevant else 0))
-        if n is not None:
-            at = np.sort(rng.choice(at, n, replace=False))
+    kept = [np.flatnonzero(pairs.y == relevant) for pairs in (held, dev)]
+    n = min(len(kept[0]), len(kept[1]), 200_000)
+
+    def side(pairs: HeldOutPairs, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        at = np.sort(rng.choice(at, n, replace=False))
         return pairs.X[at], pairs.query[at] % 2 == 0  # even queries fit, odd ones score
 
-    n = min(int((held.y == relevant).sum()), int((dev.y == relevant).sum()), 200_000)
-    (Xh, fit_h), (Xd, fit_d) = side(held, n), side(dev, n)
+    (Xh, fit_h), (Xd, fit_d) = side(held, kept[0]), side(dev, kept[1])
     X, y = np.vstack([Xh, Xd]), np.r_[np.ones(n), np.zeros(n)]
     fit = np.flatnonzero(np.r_[fit_h, fit_d])
     score = np.flatnonzero(~np.r_[fit_h, fit_d])

@@ -498,6 +498,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     params = model_params(args)
     groups = ("rae", *(() if args.no_lexical else ("lexical",)), *args.extra_features)
+    rerank_depth = args.rerank_depth or None  # 0: every candidate
     train = load_jsonl_split(args.data, args.split)
     manifest, fit = fuse_bundle(
         args.bundle,
@@ -509,14 +510,14 @@ def main(argv: list[str] | None = None) -> None:
         args.force,
         groups,
         args.fit_on,
-        args.rerank_depth or None,
+        rerank_depth,
     )
     summary = {
         "bundle": str(args.out),
         "bundle_id": manifest.bundle_id,
         "model": args.model,
         "model_params": fit.fitted.params,
-        "rerank_depth": args.rerank_depth or None,
+        "rerank_depth": rerank_depth,
         "onnx_parity_max_abs": fit.parity,
         "queries": fit.queries,
         "pairs": fit.pairs,
