@@ -45,16 +45,19 @@ import platform
 import time
 from datetime import date
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 import scipy.sparse as sp
 
 from export.fuse import (
+    DEFAULT_HELD_OUT_MEMORY,
     DEFAULT_PARAMS,
+    HeldOutMemory,
     HeldOutPairs,
+    HeldOutSearch,
     check_memory,
     fit_model,
-    held_out_pairs,
     onnx_fusion_model,
     unfitted_fusion,
 )
@@ -174,13 +177,7 @@ def validate(
         timed = time.perf_counter()
         onnx_model.predict(pairs.X[held])
         timings.append(time.perf_counter() - timed)
-    ranked = ranked_by(pairs, rae_score + out_of_fold)
-    Y = relevant_matrix(pairs, len(frequencies))
-    validation = {}
-    for s, protocol in enumerate(PROTOCOL_OF_SEARCH):
-        rows = slice(s * instances, (s + 1) * instances)
-        metrics = compute_all(ranked[rows], Y[rows], frequencies, num_train, ks=(1, 5), recall_ks=(100,))
-        validation[protocol] = {name: round(metrics[name], 2) for name in VALIDATION_METRICS}
+    validation = validation_metrics(pairs, rae_score + out_of_fold, frequencies, num_train)
     us_per_pair = 1e6 * min(timings) / max(int(held.sum()), 1)
     pairs_per_search = len(pairs.y) / len(pairs.relevant)
     return {
@@ -267,14 +264,34 @@ def held_out_instances(bundle: Path, run: Path, data: Path):
 
 
 def held_out_features(
-    predictor, train, rows, rerank_depth: int | None = None
+    predictor, train, rows, rerank_depth: int | None = None, memory: HeldOutMemory = DEFAULT_HELD_OUT_MEMORY
 ) -> tuple[ScoreFusion, KeyTerms, HeldOutPairs]:
-    """(unfitted, key_terms, pairs): the fusion with every feature group, not fitted yet, its key
-    terms, and the held-out instances' candidate pairs from both searches (each search's top
-    ``rerank_depth`` by p̂; None: all)."""
-    unfitted, key_rows = unfitted_fusion(predictor, train, tuple(FEATURE_GROUPS), rerank_depth)
-    key_terms = KeyTerms(key_rows)
-    return unfitted, key_terms, held_out_pairs(predictor, train, rows, unfitted, key_terms, "both")
+    """(served, key_terms, pairs): the fusion with every feature group as it would be served (the
+    whole memory's counts and lexicon), not fitted yet, its key terms, and the held-out instances'
+    candidate pairs from both searches against ``memory`` (each search's top ``rerank_depth`` by
+    p̂; None: all)."""
+    served, key_rows = unfitted_fusion(predictor, train, tuple(FEATURE_GROUPS), rerank_depth)
+    search = HeldOutSearch.of(predictor, train, rows, tuple(FEATURE_GROUPS), rerank_depth, memory)
+    return served, KeyTerms(key_rows), search.pairs(predictor, train, "both")
+
+
+def validation_metrics(pairs: HeldOutPairs, scores: np.ndarray, frequencies: np.ndarray, num_train: int) -> dict:
+    """The held-out searches ranked by ``scores`` (one per pair), their metrics per protocol."""
+    ranked, Y = ranked_by(pairs, scores), relevant_matrix(pairs, len(frequencies))
+    instances = len(pairs.relevant) // len(PROTOCOL_OF_SEARCH)
+    validation = {}
+    for s, protocol in enumerate(PROTOCOL_OF_SEARCH):
+        rows = slice(s * instances, (s + 1) * instances)
+        metrics = compute_all(ranked[rows], Y[rows], frequencies, num_train, ks=(1, 5), recall_ks=(100,))
+        validation[protocol] = {name: round(metrics[name], 2) for name in VALIDATION_METRICS}
+    return validation
+
+
+def unfused_validation(pairs: HeldOutPairs, frequencies: np.ndarray, num_train: int) -> dict:
+    """The memory's own ranking (p̂ alone) of the held-out searches: what every candidate's
+    validation gain is measured from."""
+    rae_score = features_of_groups(FEATURE_GROUPS).index("rae_score")
+    return validation_metrics(pairs, pairs.X[:, rae_score], frequencies, num_train)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,6 +332,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--curve", action="store_true", help="also fit the choice on 25/50/100%% of the instances")
     parser.add_argument("--dev", action="store_true", help="evaluate the chosen candidate on the dev split, once")
+    parser.add_argument(
+        "--dev-all",
+        action="store_true",
+        help="after the choice, also evaluate the memory alone and every first-step candidate on dev: does the "
+        "validation predict dev? (reported beside the choice, never used for it)",
+    )
+    parser.add_argument(
+        "--held-out-memory",
+        choices=get_args(HeldOutMemory),
+        default=DEFAULT_HELD_OUT_MEMORY,
+        help=f"what the held-out instances are searched against (export.fuse --held-out-memory; default "
+        f"{DEFAULT_HELD_OUT_MEMORY})",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/fusion-models.json"), help="result JSON")
     args = parser.parse_args(argv)
     train, predictor, rows = held_out_instances(args.bundle, args.run, args.data)
@@ -322,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     held_out, pair_seconds = {}, {}
     for depth in depths:
         started = time.perf_counter()
-        held_out[depth] = held_out_features(predictor, train, rows, depth)
+        held_out[depth] = held_out_features(predictor, train, rows, depth, args.held_out_memory)
         pair_seconds[depth_name(depth)] = round(time.perf_counter() - started, 1)
     pairs_at = {depth: pairs for depth, (_, _, pairs) in held_out.items()}
     frequencies, num_train = label_frequencies(train.Y), len(train)
@@ -344,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "bundle": str(args.bundle),
         "run": str(args.run),
         "held_out_instances": len(rows),
+        "held_out_memory": args.held_out_memory,
         "folds": args.folds,
         "pairs": {depth_name(d): int(len(p.y)) for d, p in pairs_at.items()},
         "positives": {depth_name(d): int(p.y.sum()) for d, p in pairs_at.items()},
@@ -356,9 +387,11 @@ def main(argv: list[str] | None = None) -> int:
         "max_model_ms": args.max_model_ms,
         "guard_metrics": args.guard_metrics,
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "unfused": {"validation": unfused_validation(pairs_at[depths[0]], frequencies, num_train)},
         "candidates": results,
         "chosen": chosen.name,
     }
+    print("unfused", json.dumps(result["unfused"]["validation"]), flush=True)
     if args.curve:
         result["curve"] = {
             f"{share:g}": validate(chosen, pairs, fold, frequencies, num_train, share)["validation"]
@@ -367,6 +400,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.dev:
         result["dev"] = evaluate_choice(chosen, predictor, pairs, unfitted, key_terms, args.data, train)
         print("dev", json.dumps(result["dev"]), flush=True)
+    if args.dev_all:
+        result["unfused"]["dev"] = dev_figures(
+            evaluate_bundle(predictor.bundle, load_jsonl_split(args.data, "dev"), train)
+        )
+        for candidate in [c for c in candidates if c.name in results]:
+            served, key_terms, pairs = held_out[candidate.rerank_depth]
+            results[candidate.name]["dev"] = evaluate_choice(
+                candidate, predictor, pairs, served, key_terms, args.data, train
+            )
+            print(candidate.name, "dev", json.dumps(results[candidate.name]["dev"]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
@@ -380,9 +423,12 @@ def evaluate_choice(chosen: Candidate, predictor, pairs, unfitted: ScoreFusion, 
     fusion = ScoreFusion(model, unfitted.log_frequency, unfitted.lexicon, features, chosen.rerank_depth)
     bundle = dataclasses.replace(predictor.bundle, fusion=fusion, key_terms=key_terms)
     evaluation = evaluate_bundle(bundle, load_jsonl_split(data, "dev"), train, k=100)
+    return {"candidate": chosen.name, "onnx_parity_max_abs": parity} | dev_figures(evaluation)
+
+
+def dev_figures(evaluation: dict) -> dict:
+    """What the result keeps of a ``training.evaluate`` dev evaluation."""
     return {
-        "candidate": chosen.name,
-        "onnx_parity_max_abs": parity,
         "queries_per_second": evaluation["queries_per_second"],
         "filter_after": {m: evaluation["metrics"][m] for m in DEV_METRICS},
         "exclude_before": {m: evaluation["metrics_exclude_before"][m] for m in DEV_METRICS},

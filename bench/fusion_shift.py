@@ -22,11 +22,12 @@ import os
 import platform
 from datetime import date
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 
 from bench.fusion_models import DEFAULT_GROUPS, held_out_instances
-from export.fuse import HeldOutPairs, pairs_of, unfitted_fusion
+from export.fuse import DEFAULT_HELD_OUT_MEMORY, HeldOutMemory, HeldOutPairs, HeldOutSearch, pairs_of, unfitted_fusion
 from service.engine.lexical import KeyTerms
 from training.data import load_jsonl_split
 
@@ -72,16 +73,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rerank-depth", type=int, default=0, help="the candidates per search (export.fuse --rerank-depth; 0: all)"
     )
+    parser.add_argument(
+        "--held-out-memory",
+        choices=get_args(HeldOutMemory),
+        default=DEFAULT_HELD_OUT_MEMORY,
+        help=f"what the held-out queries are searched against (export.fuse --held-out-memory; default "
+        f"{DEFAULT_HELD_OUT_MEMORY})",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/fusion-shift.json"), help="result JSON")
     args = parser.parse_args(argv)
     train, predictor, rows = held_out_instances(args.bundle, args.run, args.data)
     dev = load_jsonl_split(args.data, "dev", labels=train.labels)
-    unfitted, key_rows = unfitted_fusion(predictor, train, DEFAULT_GROUPS, args.rerank_depth or None)
-    key_terms = KeyTerms(key_rows)
-    held = pairs_of(predictor, train, rows[: args.queries], unfitted, key_terms, excluding=False)
+    depth = args.rerank_depth or None
+    # the held-out queries searched as export.fuse searches them; dev as the service does
+    search = HeldOutSearch.of(predictor, train, rows, DEFAULT_GROUPS, depth, args.held_out_memory)
+    held = pairs_of(
+        predictor, train, rows[: args.queries], search.unfitted, search.key_terms, excluding=False, hidden=search.hidden
+    )
+    served, key_rows = unfitted_fusion(predictor, train, DEFAULT_GROUPS, depth)
     queries = np.arange(min(args.queries, len(dev)))
-    devs = pairs_of(predictor, dev, queries, unfitted, key_terms, excluding=False, in_memory=False)
-    features = unfitted.features
+    devs = pairs_of(predictor, dev, queries, served, KeyTerms(key_rows), excluding=False, in_memory=False)
+    features = served.features
     result = {
         "what": "adversarial validation: can a classifier tell the fusion's held-out training pairs from dev pairs? "
         "(0.5: no)",
@@ -89,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         "bundle": str(args.bundle),
         "run": str(args.run),
         "queries": {"held_out": len(held.relevant), "dev": len(devs.relevant)},
-        "rerank_depth": args.rerank_depth or None,
+        "rerank_depth": depth,
+        "held_out_memory": args.held_out_memory,
         "pairs_per_query": {
             "held_out": round(len(held.y) / len(held.relevant), 1),
             "dev": round(len(devs.y) / len(devs.relevant), 1),

@@ -33,12 +33,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 import yaml
 
 from export.build import ExportParams, build_bundle
 from export.derive import derive_rae_bundle
-from export.fuse import DEFAULT_MODEL, DEFAULT_RERANK_DEPTH, fuse_bundle
+from export.fuse import DEFAULT_HELD_OUT_MEMORY, DEFAULT_MODEL, DEFAULT_RERANK_DEPTH, HeldOutMemory, fuse_bundle
 from service.engine.bundle import load_bundle
 from training.checkpoint import ServingHead
 from training.data import load_jsonl_split
@@ -210,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the fused rows' rerank depth (export.fuse --rerank-depth, whose default it is; 0: every candidate)",
     )
     parser.add_argument(
+        "--fusion-held-out-memory",
+        choices=get_args(HeldOutMemory),
+        default=DEFAULT_HELD_OUT_MEMORY,
+        help="what the fused rows' held-out instances are searched against (export.fuse --held-out-memory, whose "
+        "default it is)",
+    )
+    parser.add_argument(
         "--fusion-models",
         type=Path,
         help="a bench.fusion_models result whose candidates' validation figures (and the choice's dev figures) "
@@ -317,10 +325,13 @@ def fusion_of_row(suffix: str, args) -> tuple[str, dict, tuple[str, ...], int | 
     return args.fusion_model, params, groups, args.fusion_rerank_depth or None
 
 
-def fused_bundle_name(source: Path, suffix: str, model: str, params: dict, depth: int | None) -> Path:
-    """Where a fused row's bundle is built: its name says its fusion, so a changed one is rebuilt."""
+def fused_bundle_name(
+    source: Path, suffix: str, model: str, params: dict, depth: int | None, memory: str = DEFAULT_HELD_OUT_MEMORY
+) -> Path:
+    """Where a fused row's bundle is built: its name says its fusion (and what its held-out
+    instances were searched against), so a changed one is rebuilt."""
     size = "".join(f"-{name}{value}" for name, value in sorted(params.items()))
-    return source.with_name(f"{source.name}{suffix}-{model}{size}-depth{depth or 'all'}")
+    return source.with_name(f"{source.name}{suffix}-{model}{size}-depth{depth or 'all'}-{memory.replace('_', '-')}")
 
 
 def rows_of_group(args) -> set[str]:
@@ -382,9 +393,12 @@ def trained_rows(args, checkpoint: Path, train, dev, halves: bool, int8: bool) -
     if (args.run / HOLDOUT_FILE).is_file():  # the run kept instances out: fuse the chosen memory
         for suffix, what in FUSIONS:
             model, params, groups, depth = fusion_of_row(suffix, args)
-            fused = fused_bundle_name(best_bundle, suffix, model, params, depth)
+            memory = args.fusion_held_out_memory
+            fused = fused_bundle_name(best_bundle, suffix, model, params, depth, memory)
             if not (fused / "manifest.json").is_file():
-                fuse_bundle(best_bundle, args.run, train, fused, model, params, True, groups, rerank_depth=depth)
+                fuse_bundle(
+                    best_bundle, args.run, train, fused, model, params, True, groups, rerank_depth=depth, memory=memory
+                )
             fusion = load_bundle(fused).manifest.fusion
             queries = fusion.queries
             what = (

@@ -5,13 +5,20 @@ instances, and write it as a derived bundle.
         --data ../shared/data/debian-related --out bundles/debian-unidec-fused
 
 The held-out instances (``<run>/holdout.txt``, written by a run with ``TrainParams.holdout``)
-were never trained on, but they are keys of the bundle's memory: each is searched through the
-bundle's own encoder and index as a query with its own key removed (leave one out). Every
-candidate label the search gives it becomes one pair (target 1 when the label is relevant), and the
-fusion's model T is fitted to the pairs (``--model``): one regression tree (NGAME App. C: depth 7,
-scikit-learn), gradient-boosted regression trees (LightGBM) or LambdaMART (LightGBM lambdarank,
-each search of a held-out instance a group, boosted from p̂ so that p̂ + T is what it ranks by).
-The dev and test splits are never read.
+were never trained on, but they are keys of the bundle's memory. Each is searched through the
+bundle's own encoder and index as a query, against the memory **without any held-out instance**
+(``--held-out-memory without_holdout``, the default): their keys are never returned, and the
+label counts and the lexicon's idf are those of the memory without them. A held-out query then
+meets the memory as a dev or live query does, which is not in it: none of its labels is counted
+for it, and a label only held-out instances carry looks as unseen as a dev query's zero-shot
+label. ``leave_one_out`` searches the whole memory less each query's own key, as before; its
+counts include the query itself, and boosted models learnt that (docs/score-fusion.md). The
+served fusion keeps the whole memory's counts and idf. Every candidate label the search gives a
+query becomes one pair (target 1 when the label is relevant), and the fusion's model T is fitted
+to the pairs (``--model``): one regression tree (NGAME App. C: depth 7, scikit-learn),
+gradient-boosted regression trees (LightGBM) or LambdaMART (LightGBM lambdarank, each search of a
+held-out instance a group, boosted from p̂ so that p̂ + T is what it ranks by). The dev and test
+splits are never read.
 
 T is converted by the maintained converter of its library (skl2onnx, onnxmltools) into an
 ai.onnx.ml TreeEnsemble ONNX model, ``fusion.onnx``, which the service runs with ONNX Runtime.
@@ -80,6 +87,15 @@ log = logging.getLogger("xmcserve.fuse")
 QUERY_BLOCK = 256
 # Which searches of the held-out instances the model is fitted on (see the module docstring).
 FitOn = Literal["both", "exclude"]
+# What memory the held-out instances are searched against: the memory without any of them (as a
+# dev or live query meets it), or the whole memory less each query's own key (module docstring).
+HeldOutMemory = Literal["without_holdout", "leave_one_out"]
+DEFAULT_HELD_OUT_MEMORY: HeldOutMemory = "without_holdout"
+# how a manifest's fusion.fitted_on names each
+FITTED_ON = {"without_holdout": "searched against the memory without them", "leave_one_out": "leave one out"}
+# Keys fetched beyond the share the hidden keys are expected to take of a search's neighbours;
+# a search that still comes short is fetched again, twice as wide.
+HIDDEN_FETCH_MARGIN = 1.25
 # The most |ONNX Runtime − fitting library| an exported model may differ by on its pairs: float32
 # sums of leaf values, far below any difference between two candidates' fused scores that matters.
 PARITY_BOUND = 1e-4
@@ -142,15 +158,43 @@ class HeldOutPairs:
         return sizes[sizes > 0]
 
 
-def leave_one_out(keys: np.ndarray, sims: np.ndarray, own_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's keys and similarities without its own key (order kept, −1 / 0 padding at the end)."""
-    kept_keys = np.full((len(keys), keys.shape[1] - 1), -1, dtype=keys.dtype)
-    kept_sims = np.zeros((len(keys), keys.shape[1] - 1), dtype=sims.dtype)
-    for i, own in enumerate(own_keys):
-        mask = keys[i] != own
-        row_keys, row_sims = keys[i][mask][: kept_keys.shape[1]], sims[i][mask][: kept_keys.shape[1]]
+def without_keys(keys: np.ndarray, sims: np.ndarray, dropped: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's keys and similarities less the ``dropped`` ones (a mask of ``keys``' shape),
+    order kept, ``width`` wide (−1 / 0 padding at the end)."""
+    kept_keys = np.full((len(keys), width), -1, dtype=keys.dtype)
+    kept_sims = np.zeros((len(keys), width), dtype=sims.dtype)
+    for i in range(len(keys)):
+        mask = ~dropped[i]
+        row_keys, row_sims = keys[i][mask][:width], sims[i][mask][:width]
         kept_keys[i, : len(row_keys)], kept_sims[i, : len(row_sims)] = row_keys, row_sims
     return kept_keys, kept_sims
+
+
+def leave_one_out(keys: np.ndarray, sims: np.ndarray, own_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's keys and similarities without its own key (order kept, −1 / 0 padding at the end)."""
+    return without_keys(keys, sims, keys == own_keys[:, None], keys.shape[1] - 1)
+
+
+def search_without(
+    predictor: Predictor, vectors: np.ndarray, width: int, own: np.ndarray | None, hidden: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``width`` nearest keys of ``vectors`` (best first, with similarities) that are neither a
+    query's ``own`` key (None: no query is a key) nor one of the ``hidden`` keys (sorted; None:
+    none): the search of a memory that lacks them. Fetched wider than ``width`` by the hidden keys'
+    share of the memory, and again twice as wide for as long as a search comes short."""
+    total = predictor.view.num_keys
+    share = len(hidden) / total if hidden is not None else 0.0
+    fetch = min(total, int(np.ceil((width + 1) * HIDDEN_FETCH_MARGIN / max(1.0 - share, 1e-3))) if share else width + 1)
+    while True:
+        keys, sims, _ = predictor.knn(vectors, fetch, None)
+        dropped = keys == (own if own is not None else np.full(len(keys), -1))[:, None]
+        if hidden is not None:
+            dropped |= np.isin(keys, hidden)
+        kept_keys, kept_sims = without_keys(keys, sims, dropped, width)
+        short = (kept_keys[:, -1] < 0) & (keys[:, -1] >= 0)  # fewer than width left, more in the memory
+        if not short.any() or fetch >= total:
+            return kept_keys, kept_sims
+        fetch = min(total, 2 * fetch)
 
 
 def pairs_of(
@@ -161,12 +205,14 @@ def pairs_of(
     key_terms: KeyTerms | None,
     excluding: bool,
     in_memory: bool = True,
+    hidden: np.ndarray | None = None,
 ) -> HeldOutPairs:
     """φ (``unfitted.features``) and targets of every (held-out instance, candidate label) pair,
     searched as the service searches (``rows``: the instances of ``train``, which are also keys
     ``rows`` of the memory, left out of their own search; ``in_memory`` False: instances of
-    another split, such as dev, which are not), with their filter labels excluded or
-    (``excluding`` False) left out of the pairs."""
+    another split, such as dev, which are not; ``hidden``: memory keys no search returns, as if
+    the memory lacked them), with their filter labels excluded or (``excluding`` False) left out
+    of the pairs."""
     manifest, view = predictor.bundle.manifest, predictor.view
     rae, filters = manifest.rae, train.filter_sets()
     features, targets, queries, labels, relevant_of, found = [], [], [], [], [], 0.0
@@ -176,8 +222,7 @@ def pairs_of(
         excluded = [filters[r] if excluding else set() for r in block]
         vectors, _ = predictor.bundle.encoder.encode(texts)
         widest = max(len(e) for e in excluded)
-        keys, sims, _ = predictor.knn(vectors, rae.top_b + widest + 1, None)
-        keys, sims = leave_one_out(keys, sims, block if in_memory else np.full(len(block), -1))
+        keys, sims = search_without(predictor, vectors, rae.top_b + widest, block if in_memory else None, hidden)
         lexical = None
         if unfitted.lexicon is not None:
             lexical = key_terms.similarities(unfitted.lexicon.query_terms(texts), keys)
@@ -332,28 +377,62 @@ class FusionFit:
 
 
 def unfitted_fusion(
-    predictor: Predictor, train: XMCDataset, groups: tuple[str, ...], rerank_depth: int | None = None
+    predictor: Predictor,
+    train: XMCDataset,
+    groups: tuple[str, ...],
+    rerank_depth: int | None = None,
+    hidden: np.ndarray | None = None,
 ) -> tuple[ScoreFusion, sp.csr_matrix | None]:
     """The fusion's features over ``predictor``'s memory, before a model (``groups``: its
     feature groups; with ``lexical``, the lexicon of the memory's texts; ``rerank_depth``: the
-    candidates it rescores), and the keys' term vectors of a lexical one."""
+    candidates it rescores; ``hidden``: instance rows of the memory to count and fit the lexicon
+    without, as if it lacked them), and the keys' term vectors of a lexical one."""
     bundle = predictor.bundle
-    manifest = bundle.manifest
-    log_frequency = memory_log_frequency(bundle.values, manifest.counts.train_instances)
+    num_train = bundle.manifest.counts.train_instances
+    counted = np.setdiff1d(np.arange(num_train), hidden if hidden is not None else [])
+    log_frequency = memory_log_frequency(bundle.values[counted], len(counted))
     lexicon, key_rows = None, None
     if "lexical" in groups:
         texts = list(train.texts) + list(bundle.label_texts)  # the memory's keys, in key order
-        lexicon = Lexicon.fit(bundle.path / TOKENIZER_FILE, manifest.tokenizer.max_length, texts)
+        seen = [train.texts[r] for r in counted] + list(bundle.label_texts)
+        lexicon = Lexicon.fit(bundle.path / TOKENIZER_FILE, bundle.manifest.tokenizer.max_length, seen)
         key_rows = lexicon.rows(texts)
     return ScoreFusion(None, log_frequency, lexicon, features_of_groups(groups), rerank_depth), key_rows
 
 
-def held_out_pairs(
-    predictor: Predictor, train: XMCDataset, rows: np.ndarray, unfitted: ScoreFusion, key_terms, fit_on: FitOn
-) -> HeldOutPairs:
-    """The pairs of both kinds of search of ``rows`` (or the excluding one alone)."""
-    searches = (True, False) if fit_on == "both" else (True,)
-    return HeldOutPairs.joined([pairs_of(predictor, train, rows, unfitted, key_terms, e) for e in searches])
+@dataclass
+class HeldOutSearch:
+    """How the held-out instances ``rows`` are searched and featurised: the unfitted fusion
+    whose counts and lexicon φ is computed with, its keys' term vectors, and the hidden keys."""
+
+    rows: np.ndarray
+    unfitted: ScoreFusion
+    key_terms: KeyTerms | None
+    hidden: np.ndarray | None
+
+    @classmethod
+    def of(
+        cls,
+        predictor: Predictor,
+        train: XMCDataset,
+        rows: np.ndarray,
+        groups: tuple[str, ...],
+        rerank_depth: int | None,
+        memory: HeldOutMemory = DEFAULT_HELD_OUT_MEMORY,
+    ) -> HeldOutSearch:
+        hidden = np.sort(rows) if memory == "without_holdout" else None
+        unfitted, key_rows = unfitted_fusion(predictor, train, groups, rerank_depth, hidden)
+        return cls(rows, unfitted, KeyTerms(key_rows) if key_rows is not None else None, hidden)
+
+    def pairs(self, predictor: Predictor, train: XMCDataset, fit_on: FitOn) -> HeldOutPairs:
+        """The pairs of both kinds of search of the rows (or the excluding one alone)."""
+        searches = (True, False) if fit_on == "both" else (True,)
+        return HeldOutPairs.joined(
+            [
+                pairs_of(predictor, train, self.rows, self.unfitted, self.key_terms, e, hidden=self.hidden)
+                for e in searches
+            ]
+        )
 
 
 def fit_fusion(
@@ -365,18 +444,20 @@ def fit_fusion(
     groups: tuple[str, ...] = ("rae", "lexical"),
     fit_on: FitOn = "both",
     rerank_depth: int | None = DEFAULT_RERANK_DEPTH,
+    memory: HeldOutMemory = DEFAULT_HELD_OUT_MEMORY,
 ) -> FusionFit:
     """Fit the fusion's model on the held-out instances ``rows`` of ``train`` (the bundle's memory
-    split) over the feature ``groups`` and the top ``rerank_depth`` candidates of each search (None:
-    all), convert it to ONNX and check it against its library."""
+    split, searched against ``memory``) over the feature ``groups`` and the top ``rerank_depth``
+    candidates of each search (None: all), convert it to ONNX and check it against its library.
+    The fusion served keeps the whole memory's label counts and lexicon."""
     started = time.perf_counter()
-    unfitted, key_rows = unfitted_fusion(predictor, train, groups, rerank_depth)
-    key_terms = KeyTerms(key_rows) if key_rows is not None else None
-    pairs = held_out_pairs(predictor, train, rows, unfitted, key_terms, fit_on)
-    fitted = fit_model(kind, pairs, unfitted.features, params)
+    served, key_rows = unfitted_fusion(predictor, train, groups, rerank_depth)
+    search = HeldOutSearch.of(predictor, train, rows, groups, rerank_depth, memory)
+    pairs = search.pairs(predictor, train, fit_on)
+    fitted = fit_model(kind, pairs, served.features, params)
     model, parity = onnx_fusion_model(fitted, pairs.X)
-    log.info("fusion %s fitted on %d pairs; ONNX parity %.3g", kind, len(pairs.y), parity)
-    fusion = ScoreFusion(model, unfitted.log_frequency, unfitted.lexicon, unfitted.features, rerank_depth)
+    log.info("fusion %s fitted on %d pairs (%s); ONNX parity %.3g", kind, len(pairs.y), memory, parity)
+    fusion = ScoreFusion(model, served.log_frequency, served.lexicon, served.features, rerank_depth)
     return FusionFit(
         fusion, fitted, parity, key_rows, len(rows), len(pairs.y), pairs.found, time.perf_counter() - started
     )
@@ -440,6 +521,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="both",
         help="the held-out searches the model is fitted on: both (filter labels excluded, and not) or exclude only",
     )
+    parser.add_argument(
+        "--held-out-memory",
+        choices=get_args(HeldOutMemory),
+        default=DEFAULT_HELD_OUT_MEMORY,
+        help="what the held-out instances are searched against: the memory without any of them (its counts and "
+        "idf too), as a dev query meets it, or the whole memory less each query's own key; default "
+        f"{DEFAULT_HELD_OUT_MEMORY}",
+    )
     parser.add_argument("--force", action="store_true", help="replace an existing --out bundle")
     return parser
 
@@ -465,6 +554,7 @@ def fuse_bundle(
     groups: tuple[str, ...] = ("rae", "lexical"),
     fit_on: FitOn = "both",
     rerank_depth: int | None = DEFAULT_RERANK_DEPTH,
+    memory: HeldOutMemory = DEFAULT_HELD_OUT_MEMORY,
 ) -> tuple[Manifest, FusionFit]:
     """``bundle`` with a fusion fitted on ``run``'s held-out instances of ``train`` (the bundle's
     memory split), written to ``out``."""
@@ -475,7 +565,7 @@ def fuse_bundle(
     predictor = load_predictor(bundle)
     check_memory(predictor, train)
     rows = rows_of_uids(train, holdout.read_text().split())
-    fit = fit_fusion(predictor, train, rows, kind, params, groups, fit_on, rerank_depth)
+    fit = fit_fusion(predictor, train, rows, kind, params, groups, fit_on, rerank_depth, memory)
     shards = shard_list(predictor.bundle.manifest)
     fusion_params = FusionParams(
         model=FUSION_MODEL_FILE,
@@ -485,7 +575,7 @@ def fuse_bundle(
         features=list(fit.fusion.features),
         depth=fit.fitted.depth,
         rerank_depth=rerank_depth,
-        fitted_on=f"{len(rows)} held-out training instances of {run} (leave one out; searched: {fit_on})",
+        fitted_on=f"{len(rows)} held-out training instances of {run} ({FITTED_ON[memory]}; searched: {fit_on})",
         queries=fit.queries,
         pairs=fit.pairs,
         lexical=lexical_file_names(len(shards)) if "lexical" in groups else None,
@@ -511,6 +601,7 @@ def main(argv: list[str] | None = None) -> None:
         groups,
         args.fit_on,
         rerank_depth,
+        args.held_out_memory,
     )
     summary = {
         "bundle": str(args.out),
@@ -518,6 +609,7 @@ def main(argv: list[str] | None = None) -> None:
         "model": args.model,
         "model_params": fit.fitted.params,
         "rerank_depth": rerank_depth,
+        "held_out_memory": args.held_out_memory,
         "onnx_parity_max_abs": fit.parity,
         "queries": fit.queries,
         "pairs": fit.pairs,

@@ -34,6 +34,8 @@ def test_each_fused_row_has_its_fusion_and_a_bundle_named_by_it():
         for a in (args, given(fusion_trees=100), given(fusion_rerank_depth=None), given(fusion_model="gbdt"))
     }
     assert len(names) == 4 and all(name.startswith("memory-lambda0.3-fused-") for name in names)
+    fused = fusion_of_row("-fused", args)
+    assert fused_bundle_name(source, "-fused", *fused[:2], fused[3], "leave_one_out").name not in names
     assert fusion_of_row("-fused", given(fusion_model="tree"))[1] == {}  # a tree takes no ensemble size
 
 

@@ -22,10 +22,13 @@ from export.fuse import (
     PARITY_BOUND,
     FittedModel,
     HeldOutPairs,
+    HeldOutSearch,
     fit_model,
     leave_one_out,
     main,
     onnx_fusion_model,
+    search_without,
+    unfitted_fusion,
 )
 from service.engine.bundle import BundleError, load_bundle, load_fusion, load_labels, load_shard
 from service.engine.fusion import (
@@ -35,6 +38,7 @@ from service.engine.fusion import (
     OnnxTreeEnsemble,
     RegressionTree,
     groups_of,
+    memory_log_frequency,
 )
 from service.engine.loading import load_predictor
 from service.engine.manifest import (
@@ -50,7 +54,7 @@ from service.engine.memory import AppendBatch, base_view, fetch_and_ef
 from service.engine.search import RankedSearch, merged_neighbours
 from service.engine.shards import ShardQuery
 from tests.service.engine.test_fusion import random_sklearn_tree, tree_from
-from training.data import load_jsonl_split
+from training.data import label_frequencies, load_jsonl_split, rows_of_uids
 from training.params import HOLDOUT_FILE
 
 
@@ -134,6 +138,63 @@ def sharded_fused(tiny_memory, sample_dir, run_dir, tmp_path_factory):
         out,
         *("--model", "lambdarank", "--trees", "30", "--rerank-depth", "12", "--extra-features", *extra),
     )
+
+
+class OrderedMemory:
+    """A stand-in predictor whose every query's nearest keys are 0, 1, 2, … of ``keys`` keys, and
+    which records how many it was asked for."""
+
+    def __init__(self, keys: int):
+        self.view = type("View", (), {"num_keys": keys})()
+        self.asked: list[int] = []
+
+    def knn(self, vectors, n, ef):
+        self.asked.append(n)
+        ids = np.arange(self.view.num_keys)[:n]
+        keys = np.tile(np.pad(ids, (0, n - len(ids)), constant_values=-1), (len(vectors), 1))
+        return keys, np.where(keys >= 0, 1.0 - keys / 1000, 0.0).astype(np.float32), 0
+
+
+def test_a_search_without_hidden_keys_returns_the_next_nearest_and_fetches_wider_when_short():
+    memory = OrderedMemory(200)
+    hidden = np.arange(0, 60, 2)  # every other one of the 60 nearest: many more than their share
+    keys, sims = search_without(memory, np.zeros((2, 4)), 20, np.array([1, 3]), hidden)
+    nearest = [k for k in range(200) if k % 2 or k >= 60]
+    assert keys.tolist() == [[k for k in nearest if k != 1][:20], [k for k in nearest if k != 3][:20]]
+    np.testing.assert_allclose(sims, 1.0 - keys / 1000, rtol=1e-6)
+    assert len(memory.asked) > 1 and memory.asked == sorted(memory.asked)  # fetched again, wider
+    few = OrderedMemory(25)  # fewer keys left than asked for: padded, after one fetch of the whole memory
+    keys, _ = search_without(few, np.zeros((1, 4)), 20, None, np.arange(10))
+    assert keys.tolist() == [list(range(10, 25)) + [-1] * 5] and few.asked[-1] == 25
+
+
+def test_held_out_instances_meet_the_memory_without_them(tiny_memory, train, run_dir):
+    predictor = load_predictor(tiny_memory)
+    rows = rows_of_uids(train, (run_dir / HOLDOUT_FILE).read_text().split())
+    groups = ("rae", "lexical")
+    search = HeldOutSearch.of(predictor, train, rows, groups, None, "without_holdout")
+    others = np.setdiff1d(np.arange(len(train)), rows)
+    # counted as a memory without them would count: a label only held-out instances carry is unseen
+    np.testing.assert_allclose(np.expm1(search.unfitted.log_frequency), label_frequencies(train.Y[others]), atol=1e-3)
+    served, _ = unfitted_fusion(predictor, train, groups)
+    np.testing.assert_allclose(np.expm1(served.log_frequency), label_frequencies(train.Y), atol=1e-3)
+    assert not np.array_equal(search.unfitted.lexicon.idf, served.lexicon.idf)
+    vectors, _ = predictor.bundle.encoder.encode([train.texts[r] for r in rows[:40]])
+    keys, _ = search_without(predictor, vectors, 30, rows[:40], search.hidden)
+    assert not np.isin(keys, rows).any() and (keys >= 0).all()
+    whole, _, _ = predictor.knn(vectors, len(train), None)
+    for got, every in zip(keys, whole, strict=True):  # the nearest keys that are no held-out instance
+        nearest = every[~np.isin(every, rows)][:30]  # (a wider HNSW search may order a near tie apart)
+        assert len(set(got.tolist()) & set(nearest.tolist())) >= 27
+    old = HeldOutSearch.of(predictor, train, rows, groups, None, "leave_one_out")
+    assert old.hidden is None and np.array_equal(old.unfitted.log_frequency, served.log_frequency)
+
+
+def test_the_fused_bundle_serves_the_whole_memory_s_counts_and_says_how_it_was_fitted(fused, sample_bundle):
+    bundle = load_bundle(fused)
+    assert "searched against the memory without them" in bundle.manifest.fusion.fitted_on
+    whole = memory_log_frequency(load_bundle(sample_bundle).values, bundle.manifest.counts.train_instances)
+    np.testing.assert_array_equal(bundle.fusion.log_frequency, whole)
 
 
 def test_leave_one_out_drops_only_each_rows_own_key():
