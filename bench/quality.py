@@ -39,7 +39,14 @@ import yaml
 
 from export.build import ExportParams, build_bundle
 from export.derive import derive_rae_bundle
-from export.fuse import DEFAULT_HELD_OUT_MEMORY, DEFAULT_MODEL, DEFAULT_RERANK_DEPTH, HeldOutMemory, fuse_bundle
+from export.fuse import (
+    DEFAULT_EXTRA_FEATURES,
+    DEFAULT_HELD_OUT_MEMORY,
+    DEFAULT_MODEL,
+    DEFAULT_RERANK_DEPTH,
+    HeldOutMemory,
+    fuse_bundle,
+)
 from service.engine.bundle import load_bundle
 from training.checkpoint import ServingHead
 from training.data import load_jsonl_split
@@ -195,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fusion-extra-features",
         nargs="*",
-        default=[],
+        default=list(DEFAULT_EXTRA_FEATURES),
         help="optional feature groups of the fused rows (export.fuse --extra-features)",
     )
     parser.add_argument(
@@ -489,17 +496,20 @@ def ablation_markdown(systems: dict, ablations: dict | None) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
+# what the quality table keeps of each fusion candidate ("dev": measured after the choice, if at all)
+CANDIDATE_KEYS = ("validation", "onnx_ms_per_query", "rerank_depth", "ineligible_because", "dev")
+
+
 def fusion_model_table(result: dict) -> dict:
     """What the quality table keeps of a ``bench.fusion_models`` result: each candidate's
     cross-fitted validation figures and model cost, the choice, and its dev figures."""
     return {
         "source": "bench.fusion_models (validation: cross-fitted on the run's held-out training instances)",
         "held_out_instances": result["held_out_instances"],
+        "held_out_memory": result.get("held_out_memory", "leave_one_out"),  # results before it was a choice
         "folds": result["folds"],
-        "candidates": {
-            name: {key: c.get(key) for key in ("validation", "onnx_ms_per_query", "rerank_depth", "ineligible_because")}
-            for name, c in result["candidates"].items()
-        },
+        "unfused": result.get("unfused"),
+        "candidates": {name: {key: c.get(key) for key in CANDIDATE_KEYS} for name, c in result["candidates"].items()},
         "max_model_ms": result.get("max_model_ms"),
         "guard_metrics": result.get("guard_metrics"),
         "chosen": result["chosen"],
@@ -513,21 +523,30 @@ PROTOCOLS = ("filter_after", "exclude_before")
 def fusion_model_markdown(table: dict | None) -> str:
     if not table:
         return ""
+    searched = table.get("held_out_memory", "leave_one_out").replace("_", " ")
+
+    def figures(metrics: dict | None, protocol: str) -> str:
+        return " / ".join(f"{metrics[protocol][m]:.2f}" for m in HEADLINE) if metrics else ""
+
     lines = [
         "",
         f"Score fusion candidates, validation on {table['held_out_instances']} held-out training instances "
-        f"({table['folds']}-fold cross-fit; P@1 / P@5 / PSP@5 / R@100, filter after | exclude before; model cost "
-        f"in ONNX Runtime, one thread; budget {table['max_model_ms'] or 'none'} ms):",
+        f"searched {searched} ({table['folds']}-fold cross-fit; P@1 / P@5 / PSP@5 / R@100, filter after | exclude "
+        f"before; model cost in ONNX Runtime, one thread; budget {table['max_model_ms'] or 'none'} ms; dev, filter "
+        "after, measured after the choice and never used for it):",
         "",
-        "| candidate | validation, filter after | validation, exclude before | model ms/query | chosen, or why not |",
-        "| --- | --- | --- | ---: | --- |",
+        "| candidate | validation, filter after | validation, exclude before | dev, filter after | model ms/query "
+        "| chosen, or why not |",
+        "| --- | --- | --- | --- | ---: | --- |",
     ]
+    unfused = table.get("unfused")
+    if unfused:
+        cells = [figures(unfused["validation"], p) for p in PROTOCOLS] + [figures(unfused.get("dev"), PROTOCOLS[0])]
+        lines.append(f"| no fusion (p̂ alone) | {cells[0]} | {cells[1]} | {cells[2]} | 0 | |")
     for name, c in table["candidates"].items():
-        cells = [
-            " / ".join(f"{c['validation'][p][m]:.2f}" for m in HEADLINE) for p in ("filter_after", "exclude_before")
-        ]
+        cells = [figures(c["validation"], p) for p in PROTOCOLS] + [figures(c.get("dev"), PROTOCOLS[0])]
         mark = "**chosen**" if name == table["chosen"] else "; ".join(c["ineligible_because"] or [])
-        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {c['onnx_ms_per_query']:.3f} | {mark} |")
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {cells[2]} | {c['onnx_ms_per_query']:.3f} | {mark} |")
     dev = table.get("dev_of_choice")
     if dev:
         figures = [" / ".join(f"{dev[p][m]:.2f}" for m in HEADLINE) for p in PROTOCOLS]

@@ -101,12 +101,13 @@ HIDDEN_FETCH_MARGIN = 1.25
 PARITY_BOUND = 1e-4
 # ai.onnx.ml opset 3 / ONNX opset 15: what skl2onnx and onnxmltools both write TreeEnsembleRegressor in
 ONNX_OPSETS = {"": 15, "ai.onnx.ml": 3}
-# The default fusion: NGAME's single tree over every candidate. bench.fusion_models chose LambdaMART
-# (100 trees, 31 leaves) rescoring the top 200 on the held-out instances' validation split, but its
-# dev figures fell below the tree's on PSP@5 and R@100 (docs/score-fusion.md): the held-out
-# searches do not predict dev for the ensembles yet, so the default stays the tree.
-DEFAULT_MODEL: FusionModelKind = "tree"
-DEFAULT_RERANK_DEPTH: int | None = None
+# The default fusion: bench.fusion_models' choice on the CPU recipe's held-out instances, searched
+# against the memory without them (docs/score-fusion.md): LambdaMART (100 trees, 31 leaves) over
+# the RAE, lexical, rank and query features, rescoring each query's top 200 by p̂.
+DEFAULT_MODEL: FusionModelKind = "lambdarank"
+DEFAULT_RERANK_DEPTH: int | None = 200
+DEFAULT_EXTRA_FEATURES: tuple[str, ...] = ("ranks", "query")
+DEFAULT_GROUPS: tuple[str, ...] = ("rae", "lexical", *DEFAULT_EXTRA_FEATURES)
 DEFAULT_PARAMS: dict[str, dict] = {
     "tree": {"depth": 7, "min_leaf": 50},
     "gbdt": {"trees": 100, "depth": 6, "leaves": 31, "min_leaf": 20, "learning_rate": 0.1},
@@ -441,7 +442,7 @@ def fit_fusion(
     rows: np.ndarray,
     kind: FusionModelKind = DEFAULT_MODEL,
     params: dict | None = None,
-    groups: tuple[str, ...] = ("rae", "lexical"),
+    groups: tuple[str, ...] = DEFAULT_GROUPS,
     fit_on: FitOn = "both",
     rerank_depth: int | None = DEFAULT_RERANK_DEPTH,
     memory: HeldOutMemory = DEFAULT_HELD_OUT_MEMORY,
@@ -507,8 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--extra-features",
         nargs="*",
         choices=[group for group in OPTIONAL_GROUPS if group != "lexical"],
-        default=[],
-        help="optional cheap feature groups to add to φ (service.engine.fusion.FEATURE_GROUPS)",
+        default=list(DEFAULT_EXTRA_FEATURES),
+        help="optional cheap feature groups to add to φ (service.engine.fusion.FEATURE_GROUPS); default "
+        f"{' '.join(DEFAULT_EXTRA_FEATURES)}, none when given no group",
     )
     parser.add_argument(
         "--no-lexical",
@@ -551,7 +553,7 @@ def fuse_bundle(
     kind: FusionModelKind = DEFAULT_MODEL,
     params: dict | None = None,
     force: bool = False,
-    groups: tuple[str, ...] = ("rae", "lexical"),
+    groups: tuple[str, ...] = DEFAULT_GROUPS,
     fit_on: FitOn = "both",
     rerank_depth: int | None = DEFAULT_RERANK_DEPTH,
     memory: HeldOutMemory = DEFAULT_HELD_OUT_MEMORY,

@@ -56,3 +56,38 @@ def test_the_fusion_candidates_are_tabled_with_the_choice_and_its_dev_figures():
     markdown = fusion_model_markdown(fusion_model_table(result))
     assert "| tree@all[rae+lexical] | 70.00 / 35.00 / 25.00 / 77.00 |" in markdown
     assert "**chosen**" in markdown and "| model over |" in markdown and "Dev, once, for the choice" in markdown
+
+
+def test_the_unfused_memory_and_each_candidate_s_dev_figures_are_tabled_when_measured():
+    figures = {"P@1": 70.0, "P@5": 35.0, "PSP@5": 25.0, "R@100": 77.0}
+    dev = {"P@1": 71.0, "P@5": 36.0, "PSP@5": 26.0, "R@100": 78.0}
+    both = {"filter_after": figures, "exclude_before": figures}
+    result = {
+        "held_out_instances": 2000,
+        "held_out_memory": "without_holdout",
+        "folds": 5,
+        "max_model_ms": None,
+        "unfused": {"validation": both, "dev": {"filter_after": dev, "exclude_before": dev}},
+        "candidates": {
+            "tree@all[rae+lexical]": {
+                "validation": both,
+                "onnx_ms_per_query": 0.02,
+                "rerank_depth": None,
+                "ineligible_because": [],
+                "dev": {"filter_after": dev, "exclude_before": dev},
+            },
+            "tree@200[rae+lexical]": {
+                "validation": both,
+                "onnx_ms_per_query": 0.01,
+                "rerank_depth": 200,
+                "ineligible_because": ["PSP@5 below"],
+            },
+        },
+        "chosen": "tree@all[rae+lexical]",
+    }
+    markdown = fusion_model_markdown(fusion_model_table(result))
+    assert "searched without holdout" in markdown
+    same = "70.00 / 35.00 / 25.00 / 77.00 | 70.00 / 35.00 / 25.00 / 77.00"
+    assert f"| no fusion (p̂ alone) | {same} | 71.00 / 36.00 / 26.00 / 78.00 | 0 |" in markdown
+    assert f"| tree@all[rae+lexical] | {same} | 71.00 / 36.00 / 26.00 / 78.00 | 0.020 | **chosen** |" in markdown
+    assert f"| tree@200[rae+lexical] | {same} |  | 0.010 | PSP@5 below |" in markdown

@@ -35,6 +35,8 @@ from service.engine.fusion import (
     FEATURE_GROUPS,
     FEATURES,
     LEXICAL_FEATURES,
+    QUERY_FEATURES,
+    RANK_FEATURES,
     OnnxTreeEnsemble,
     RegressionTree,
     groups_of,
@@ -80,14 +82,25 @@ def fuse(bundle, sample_dir, run_dir, out, *options: str):
 def fused(sample_bundle, sample_dir, run_dir, tmp_path_factory):
     """The default bundle with a lexical fusion by NGAME's single tree over every candidate."""
     out = tmp_path_factory.mktemp("fused") / "sample-fused"
-    return fuse(sample_bundle, sample_dir, run_dir, out, "--model", "tree", "--rerank-depth", "0")
+    return fuse(sample_bundle, sample_dir, run_dir, out, "--model", "tree", "--rerank-depth", "0", "--extra-features")
 
 
 @pytest.fixture(scope="module")
 def plain_fused(sample_bundle, sample_dir, run_dir, tmp_path_factory):
     """The default bundle with a single-tree fusion of the RAE features alone."""
     out = tmp_path_factory.mktemp("fused") / "plain"
-    return fuse(sample_bundle, sample_dir, run_dir, out, "--no-lexical", "--model", "tree", "--rerank-depth", "0")
+    return fuse(
+        sample_bundle,
+        sample_dir,
+        run_dir,
+        out,
+        "--no-lexical",
+        "--model",
+        "tree",
+        "--rerank-depth",
+        "0",
+        "--extra-features",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -273,12 +286,16 @@ def test_a_rerank_depth_is_fitted_on_and_serves_each_querys_top_candidates_by_ra
             assert set(got.ids.tolist()) <= set(base.ids[:width].tolist())  # only the top max(depth, k) by p̂
 
 
-def test_the_default_fusion_is_ngame_s_tree_over_every_candidate(tiny_memory, sample_dir, run_dir, tmp_path):
+def test_the_default_fusion_is_the_validation_s_choice_lambdamart_over_the_top_200(
+    tiny_memory, sample_dir, run_dir, tmp_path
+):
     out = fuse(tiny_memory, sample_dir, run_dir, tmp_path / "default")
     params = load_bundle(out).manifest.fusion
-    assert (params.kind, params.rerank_depth) == (DEFAULT_MODEL, DEFAULT_RERANK_DEPTH) == ("tree", None)
-    assert params.model_params == DEFAULT_PARAMS["tree"] and params.features == list(FEATURES + LEXICAL_FEATURES)
-    assert len(set(tree_ensemble(out)["nodes_treeids"])) == 1
+    assert (params.kind, params.rerank_depth) == (DEFAULT_MODEL, DEFAULT_RERANK_DEPTH) == ("lambdarank", 200)
+    assert params.model_params == DEFAULT_PARAMS["lambdarank"]
+    assert params.features == list(FEATURES + LEXICAL_FEATURES + RANK_FEATURES + QUERY_FEATURES)
+    assert len(set(tree_ensemble(out)["nodes_treeids"])) == DEFAULT_PARAMS["lambdarank"]["trees"]
+    assert "searched against the memory without them" in params.fitted_on
 
 
 def test_an_export_whose_onnx_model_differs_from_its_library_is_refused(monkeypatch):
