@@ -333,12 +333,21 @@ def fusion_of_row(suffix: str, args) -> tuple[str, dict, tuple[str, ...], int | 
 
 
 def fused_bundle_name(
-    source: Path, suffix: str, model: str, params: dict, depth: int | None, memory: str = DEFAULT_HELD_OUT_MEMORY
+    source: Path,
+    suffix: str,
+    model: str,
+    params: dict,
+    depth: int | None,
+    memory: str = DEFAULT_HELD_OUT_MEMORY,
+    groups: tuple[str, ...] = ("rae", "lexical"),
 ) -> Path:
-    """Where a fused row's bundle is built: its name says its fusion (and what its held-out
-    instances were searched against), so a changed one is rebuilt."""
+    """Where a fused row's bundle is built: its name says its fusion (its optional feature groups
+    beyond the row's own, and what its held-out instances were searched against), so a changed one
+    is rebuilt."""
     size = "".join(f"-{name}{value}" for name, value in sorted(params.items()))
-    return source.with_name(f"{source.name}{suffix}-{model}{size}-depth{depth or 'all'}-{memory.replace('_', '-')}")
+    extra = "".join(f"-{group}" for group in groups if group not in ("rae", "lexical"))
+    memory = memory.replace("_", "-")
+    return source.with_name(f"{source.name}{suffix}-{model}{size}-depth{depth or 'all'}{extra}-{memory}")
 
 
 def rows_of_group(args) -> set[str]:
@@ -401,7 +410,7 @@ def trained_rows(args, checkpoint: Path, train, dev, halves: bool, int8: bool) -
         for suffix, what in FUSIONS:
             model, params, groups, depth = fusion_of_row(suffix, args)
             memory = args.fusion_held_out_memory
-            fused = fused_bundle_name(best_bundle, suffix, model, params, depth, memory)
+            fused = fused_bundle_name(best_bundle, suffix, model, params, depth, memory, groups)
             if not (fused / "manifest.json").is_file():
                 fuse_bundle(
                     best_bundle, args.run, train, fused, model, params, True, groups, rerank_depth=depth, memory=memory

@@ -577,7 +577,7 @@ def fuse_bundle(
         features=list(fit.fusion.features),
         depth=fit.fitted.depth,
         rerank_depth=rerank_depth,
-        fitted_on=f"{len(rows)} held-out training instances of {run} ({FITTED_ON[memory]}; searched: {fit_on})",
+        fitted_on=f"{len(rows)} held-out training instances of {run} ({FITTED_ON[memory]}; searches: {fit_on})",
         queries=fit.queries,
         pairs=fit.pairs,
         lexical=lexical_file_names(len(shards)) if "lexical" in groups else None,

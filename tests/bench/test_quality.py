@@ -35,7 +35,9 @@ def test_each_fused_row_has_its_fusion_and_a_bundle_named_by_it():
     }
     assert len(names) == 4 and all(name.startswith("memory-lambda0.3-fused-") for name in names)
     fused = fusion_of_row("-fused", args)
-    assert fused_bundle_name(source, "-fused", *fused[:2], fused[3], "leave_one_out").name not in names
+    assert fused_bundle_name(source, "-fused", *fused[:2], fused[3], "leave_one_out", fused[2]).name not in names
+    named = fused_bundle_name(source, "-fused", *fused[:2], fused[3], groups=fused[2]).name
+    assert named.endswith("-ranks-without-holdout") and named not in names  # its extra group, ranks
     assert fusion_of_row("-fused", given(fusion_model="tree"))[1] == {}  # a tree takes no ensemble size
 
 
