@@ -189,7 +189,7 @@ train-smoke: $(SERVE_STAMP)
 TRAINED_RUN ?= runs/debian-unidec
 TRAINED_DATA ?= ../shared/data/debian-related
 TRAINED_BUNDLE ?= bundles/debian-unidec
-TRAINED_MEMORY_ARGS ?= --rae-mode split --rae-tau 0.04 --rae-top-b 200 --rae-lambda 0.3
+TRAINED_MEMORY_ARGS ?= --rae-mode split --rae-tau 0.04 --rae-top-b 200 --rae-lambda 0.2
 FUSE_ARGS ?=
 $(TRAINED_BUNDLE)-memory/manifest.json: | $(SERVE_STAMP)
 	test -f $(TRAINED_RUN)/best/head.json || { echo "no $(TRAINED_RUN)/best: run make train first" >&2; exit 1; }
