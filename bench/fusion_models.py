@@ -45,7 +45,6 @@ import platform
 import time
 from datetime import date
 from pathlib import Path
-from typing import get_args
 
 import numpy as np
 import scipy.sparse as sp
@@ -56,6 +55,7 @@ from export.fuse import (
     HeldOutMemory,
     HeldOutPairs,
     HeldOutSearch,
+    add_held_out_memory_option,
     check_memory,
     fit_model,
     onnx_fusion_model,
@@ -338,13 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         help="after the choice, also evaluate the memory alone and every first-step candidate on dev: does the "
         "validation predict dev? (reported beside the choice, never used for it)",
     )
-    parser.add_argument(
-        "--held-out-memory",
-        choices=get_args(HeldOutMemory),
-        default=DEFAULT_HELD_OUT_MEMORY,
-        help=f"what the held-out instances are searched against (export.fuse --held-out-memory; default "
-        f"{DEFAULT_HELD_OUT_MEMORY})",
-    )
+    add_held_out_memory_option(parser)
     parser.add_argument("--out", type=Path, default=Path("bench/results/fusion-models.json"), help="result JSON")
     args = parser.parse_args(argv)
     train, predictor, rows = held_out_instances(args.bundle, args.run, args.data)

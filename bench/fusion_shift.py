@@ -22,12 +22,11 @@ import os
 import platform
 from datetime import date
 from pathlib import Path
-from typing import get_args
 
 import numpy as np
 
 from bench.fusion_models import DEFAULT_GROUPS, held_out_instances
-from export.fuse import DEFAULT_HELD_OUT_MEMORY, HeldOutMemory, HeldOutPairs, HeldOutSearch, pairs_of, unfitted_fusion
+from export.fuse import HeldOutPairs, HeldOutSearch, add_held_out_memory_option, pairs_of, unfitted_fusion
 from service.engine.lexical import KeyTerms
 from training.data import load_jsonl_split
 
@@ -73,13 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rerank-depth", type=int, default=0, help="the candidates per search (export.fuse --rerank-depth; 0: all)"
     )
-    parser.add_argument(
-        "--held-out-memory",
-        choices=get_args(HeldOutMemory),
-        default=DEFAULT_HELD_OUT_MEMORY,
-        help=f"what the held-out queries are searched against (export.fuse --held-out-memory; default "
-        f"{DEFAULT_HELD_OUT_MEMORY})",
-    )
+    add_held_out_memory_option(parser)
     parser.add_argument("--out", type=Path, default=Path("bench/results/fusion-shift.json"), help="result JSON")
     args = parser.parse_args(argv)
     train, predictor, rows = held_out_instances(args.bundle, args.run, args.data)

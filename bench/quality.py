@@ -33,7 +33,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import get_args
 
 import yaml
 
@@ -44,7 +43,7 @@ from export.fuse import (
     DEFAULT_HELD_OUT_MEMORY,
     DEFAULT_MODEL,
     DEFAULT_RERANK_DEPTH,
-    HeldOutMemory,
+    add_held_out_memory_option,
     fuse_bundle,
 )
 from service.engine.bundle import load_bundle
@@ -217,13 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_RERANK_DEPTH or 0,
         help="the fused rows' rerank depth (export.fuse --rerank-depth, whose default it is; 0: every candidate)",
     )
-    parser.add_argument(
-        "--fusion-held-out-memory",
-        choices=get_args(HeldOutMemory),
-        default=DEFAULT_HELD_OUT_MEMORY,
-        help="what the fused rows' held-out instances are searched against (export.fuse --held-out-memory, whose "
-        "default it is)",
-    )
+    add_held_out_memory_option(parser, "--fusion-held-out-memory")
     parser.add_argument(
         "--fusion-models",
         type=Path,

@@ -478,6 +478,19 @@ def check_memory(predictor: Predictor, train: XMCDataset) -> None:
         )
 
 
+def add_held_out_memory_option(parser: argparse.ArgumentParser, flag: str = "--held-out-memory") -> None:
+    """The option that says what the held-out instances are searched against (every CLI that fits
+    or measures a fusion on them takes it)."""
+    parser.add_argument(
+        flag,
+        choices=get_args(HeldOutMemory),
+        default=DEFAULT_HELD_OUT_MEMORY,
+        help="what the held-out instances are searched against: the memory without any of them (its counts and "
+        "idf too), as a dev query meets it, or the whole memory less each query's own key; default "
+        f"{DEFAULT_HELD_OUT_MEMORY}",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", type=Path, required=True, help="the rae_memory bundle to fuse")
@@ -523,14 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="both",
         help="the held-out searches the model is fitted on: both (filter labels excluded, and not) or exclude only",
     )
-    parser.add_argument(
-        "--held-out-memory",
-        choices=get_args(HeldOutMemory),
-        default=DEFAULT_HELD_OUT_MEMORY,
-        help="what the held-out instances are searched against: the memory without any of them (its counts and "
-        "idf too), as a dev query meets it, or the whole memory less each query's own key; default "
-        f"{DEFAULT_HELD_OUT_MEMORY}",
-    )
+    add_held_out_memory_option(parser)
     parser.add_argument("--force", action="store_true", help="replace an existing --out bundle")
     return parser
 
