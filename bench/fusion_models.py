@@ -271,7 +271,7 @@ def held_out_features(
     candidate pairs from both searches against ``memory`` (each search's top ``rerank_depth`` by
     p̂; None: all)."""
     served, key_rows = unfitted_fusion(predictor, train, tuple(FEATURE_GROUPS), rerank_depth)
-    search = HeldOutSearch.of(predictor, train, rows, tuple(FEATURE_GROUPS), rerank_depth, memory)
+    search = HeldOutSearch.of(predictor, train, rows, (served, key_rows), memory)
     return served, KeyTerms(key_rows), search.pairs(predictor, train, "both")
 
 

@@ -79,11 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     dev = load_jsonl_split(args.data, "dev", labels=train.labels)
     depth = args.rerank_depth or None
     # the held-out queries searched as export.fuse searches them; dev as the service does
-    search = HeldOutSearch.of(predictor, train, rows, DEFAULT_GROUPS, depth, args.held_out_memory)
+    served, key_rows = unfitted_fusion(predictor, train, DEFAULT_GROUPS, depth)
+    search = HeldOutSearch.of(predictor, train, rows, (served, key_rows), args.held_out_memory)
     held = pairs_of(
         predictor, train, rows[: args.queries], search.unfitted, search.key_terms, excluding=False, hidden=search.hidden
     )
-    served, key_rows = unfitted_fusion(predictor, train, DEFAULT_GROUPS, depth)
     queries = np.arange(min(args.queries, len(dev)))
     devs = pairs_of(predictor, dev, queries, served, KeyTerms(key_rows), excluding=False, in_memory=False)
     features = served.features

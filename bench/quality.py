@@ -551,8 +551,8 @@ def fusion_model_markdown(table: dict | None) -> str:
         lines.append(f"| {name} | {cells[0]} | {cells[1]} | {cells[2]} | {c['onnx_ms_per_query']:.3f} | {mark} |")
     dev = table.get("dev_of_choice")
     if dev:
-        figures = [" / ".join(f"{dev[p][m]:.2f}" for m in HEADLINE) for p in PROTOCOLS]
-        lines += ["", f"Dev, once, for the choice: {figures[0]} (filter after), {figures[1]} (exclude before)."]
+        cells = [figures(dev, p) for p in PROTOCOLS]
+        lines += ["", f"Dev, once, for the choice: {cells[0]} (filter after), {cells[1]} (exclude before)."]
     return "\n".join(lines) + "\n"
 
 

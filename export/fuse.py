@@ -188,9 +188,9 @@ def search_without(
     fetch = min(total, int(np.ceil((width + 1) * HIDDEN_FETCH_MARGIN / max(1.0 - share, 1e-3))) if share else width + 1)
     while True:
         keys, sims, _ = predictor.knn(vectors, fetch, None)
-        dropped = keys == (own if own is not None else np.full(len(keys), -1))[:, None]
-        if hidden is not None:
-            dropped |= np.isin(keys, hidden)
+        dropped = np.isin(keys, hidden) if hidden is not None else np.zeros(keys.shape, dtype=bool)
+        if own is not None:
+            dropped |= keys == own[:, None]
         kept_keys, kept_sims = without_keys(keys, sims, dropped, width)
         short = (kept_keys[:, -1] < 0) & (keys[:, -1] >= 0)  # fewer than width left, more in the memory
         if not short.any() or fetch >= total:
@@ -417,12 +417,17 @@ class HeldOutSearch:
         predictor: Predictor,
         train: XMCDataset,
         rows: np.ndarray,
-        groups: tuple[str, ...],
-        rerank_depth: int | None,
+        served: tuple[ScoreFusion, sp.csr_matrix | None],
         memory: HeldOutMemory = DEFAULT_HELD_OUT_MEMORY,
     ) -> HeldOutSearch:
-        hidden = np.sort(rows) if memory == "without_holdout" else None
-        unfitted, key_rows = unfitted_fusion(predictor, train, groups, rerank_depth, hidden)
+        """The search of ``rows`` against ``memory``, whose features are those of ``served`` (an
+        :func:`unfitted_fusion` of the whole memory and its key rows, used as they are when no key
+        is hidden)."""
+        unfitted, key_rows = served
+        hidden = None
+        if memory == "without_holdout":
+            hidden = np.sort(rows)
+            unfitted, key_rows = unfitted_fusion(predictor, train, unfitted.groups, unfitted.rerank_depth, hidden)
         return cls(rows, unfitted, KeyTerms(key_rows) if key_rows is not None else None, hidden)
 
     def pairs(self, predictor: Predictor, train: XMCDataset, fit_on: FitOn) -> HeldOutPairs:
@@ -453,7 +458,7 @@ def fit_fusion(
     The fusion served keeps the whole memory's label counts and lexicon."""
     started = time.perf_counter()
     served, key_rows = unfitted_fusion(predictor, train, groups, rerank_depth)
-    search = HeldOutSearch.of(predictor, train, rows, groups, rerank_depth, memory)
+    search = HeldOutSearch.of(predictor, train, rows, (served, key_rows), memory)
     pairs = search.pairs(predictor, train, fit_on)
     fitted = fit_model(kind, pairs, served.features, params)
     model, parity = onnx_fusion_model(fitted, pairs.X)

@@ -185,11 +185,11 @@ def test_held_out_instances_meet_the_memory_without_them(tiny_memory, train, run
     predictor = load_predictor(tiny_memory)
     rows = rows_of_uids(train, (run_dir / HOLDOUT_FILE).read_text().split())
     groups = ("rae", "lexical")
-    search = HeldOutSearch.of(predictor, train, rows, groups, None, "without_holdout")
+    served, key_rows = unfitted_fusion(predictor, train, groups)
+    search = HeldOutSearch.of(predictor, train, rows, (served, key_rows), "without_holdout")
     others = np.setdiff1d(np.arange(len(train)), rows)
     # counted as a memory without them would count: a label only held-out instances carry is unseen
     np.testing.assert_allclose(np.expm1(search.unfitted.log_frequency), label_frequencies(train.Y[others]), atol=1e-3)
-    served, _ = unfitted_fusion(predictor, train, groups)
     np.testing.assert_allclose(np.expm1(served.log_frequency), label_frequencies(train.Y), atol=1e-3)
     assert not np.array_equal(search.unfitted.lexicon.idf, served.lexicon.idf)
     vectors, _ = predictor.bundle.encoder.encode([train.texts[r] for r in rows[:40]])
@@ -199,7 +199,7 @@ def test_held_out_instances_meet_the_memory_without_them(tiny_memory, train, run
     for got, every in zip(keys, whole, strict=True):  # the nearest keys that are no held-out instance
         nearest = every[~np.isin(every, rows)][:30]  # (a wider HNSW search may order a near tie apart)
         assert len(set(got.tolist()) & set(nearest.tolist())) >= 27
-    old = HeldOutSearch.of(predictor, train, rows, groups, None, "leave_one_out")
+    old = HeldOutSearch.of(predictor, train, rows, (served, key_rows), "leave_one_out")
     assert old.hidden is None and np.array_equal(old.unfitted.log_frequency, served.log_frequency)
 
 
