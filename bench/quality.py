@@ -42,6 +42,7 @@ from export.fuse import (
     DEFAULT_EXTRA_FEATURES,
     DEFAULT_HELD_OUT_MEMORY,
     DEFAULT_MODEL,
+    DEFAULT_PARAMS,
     DEFAULT_RERANK_DEPTH,
     add_held_out_memory_option,
     fuse_bundle,
@@ -318,8 +319,11 @@ def fusion_of_row(suffix: str, args) -> tuple[str, dict, tuple[str, ...], int | 
     """(model, params, feature groups, rerank depth) of a fused row."""
     if suffix == "-fused-tree":
         return "tree", {}, ("rae", "lexical"), None
-    given = {"trees": args.fusion_trees, "leaves": args.fusion_leaves}
-    params = {name: value for name, value in given.items() if value is not None and args.fusion_model != "tree"}
+    if args.fusion_model == "tree":
+        params = {}
+    else:  # the size in full, export.fuse's default filling what was not given: it names the bundle
+        default = DEFAULT_PARAMS[args.fusion_model]
+        params = {"trees": args.fusion_trees or default["trees"], "leaves": args.fusion_leaves or default["leaves"]}
     lexical = ("lexical",) if suffix == "-fused" else ()
     groups = ("rae", *lexical, *args.fusion_extra_features)
     return args.fusion_model, params, groups, args.fusion_rerank_depth or None

@@ -102,16 +102,17 @@ PARITY_BOUND = 1e-4
 # ai.onnx.ml opset 3 / ONNX opset 15: what skl2onnx and onnxmltools both write TreeEnsembleRegressor in
 ONNX_OPSETS = {"": 15, "ai.onnx.ml": 3}
 # The default fusion: bench.fusion_models' choice on the CPU recipe's held-out instances, searched
-# against the memory without them (docs/score-fusion.md): LambdaMART (100 trees, 31 leaves) over
-# the RAE, lexical, rank and query features, rescoring each query's top 200 by p̂.
+# against the memory without them, among the models the fusion's bill leaves room for (at most
+# 0.15 ms a query in ONNX Runtime; docs/score-fusion.md): LambdaMART (60 trees, 15 leaves) over the
+# RAE and lexical features, rescoring each query's top 200 by p̂. No optional group added enough.
 DEFAULT_MODEL: FusionModelKind = "lambdarank"
 DEFAULT_RERANK_DEPTH: int | None = 200
-DEFAULT_EXTRA_FEATURES: tuple[str, ...] = ("ranks", "query")
+DEFAULT_EXTRA_FEATURES: tuple[str, ...] = ()
 DEFAULT_GROUPS: tuple[str, ...] = ("rae", "lexical", *DEFAULT_EXTRA_FEATURES)
 DEFAULT_PARAMS: dict[str, dict] = {
     "tree": {"depth": 7, "min_leaf": 50},
     "gbdt": {"trees": 100, "depth": 6, "leaves": 31, "min_leaf": 20, "learning_rate": 0.1},
-    "lambdarank": {"trees": 100, "depth": 6, "leaves": 31, "min_leaf": 20, "learning_rate": 0.1},
+    "lambdarank": {"trees": 60, "depth": 6, "leaves": 15, "min_leaf": 20, "learning_rate": 0.1},
 }
 
 
@@ -512,8 +513,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--depth", type=int, help="max depth of the tree(s) (default: tree 7, ensembles 6)")
     parser.add_argument("--min-leaf", type=int, help="fewest pairs in a leaf (default: tree 50, ensembles 20)")
-    parser.add_argument("--trees", type=int, help="boosting rounds of gbdt / lambdarank (default 100)")
-    parser.add_argument("--leaves", type=int, help="max leaves per tree of gbdt / lambdarank (default 31)")
+    parser.add_argument(
+        "--trees",
+        type=int,
+        help=f"boosting rounds of gbdt / lambdarank (default {DEFAULT_PARAMS['gbdt']['trees']} / "
+        f"{DEFAULT_PARAMS['lambdarank']['trees']})",
+    )
+    parser.add_argument(
+        "--leaves",
+        type=int,
+        help=f"max leaves per tree of gbdt / lambdarank (default {DEFAULT_PARAMS['gbdt']['leaves']} / "
+        f"{DEFAULT_PARAMS['lambdarank']['leaves']})",
+    )
     parser.add_argument("--learning-rate", type=float, help="shrinkage of gbdt / lambdarank (default 0.1)")
     parser.add_argument(
         "--rerank-depth",
@@ -528,7 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[group for group in OPTIONAL_GROUPS if group != "lexical"],
         default=list(DEFAULT_EXTRA_FEATURES),
         help="optional cheap feature groups to add to φ (service.engine.fusion.FEATURE_GROUPS); default "
-        f"{' '.join(DEFAULT_EXTRA_FEATURES)}, none when given no group",
+        f"{' '.join(DEFAULT_EXTRA_FEATURES) or 'none'}",
     )
     parser.add_argument(
         "--no-lexical",

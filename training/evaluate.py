@@ -30,6 +30,7 @@ from typing import Literal
 import numpy as np
 
 from service.engine.bundle import Bundle, load_bundle
+from service.engine.lexical import QueryTerms
 from service.engine.memory import MemoryView
 from service.engine.search import Predictor
 from training.data import XMCDataset, label_frequencies, load_jsonl_split
@@ -54,11 +55,14 @@ def rank_split(
     batch_size: int = 64,
     vectors: np.ndarray | None = None,
     protocol: Protocol = "exclude_before",
+    terms: list[QueryTerms] | None = None,
 ) -> tuple[np.ndarray, float]:
     """Ranked dataset label ids (``n x k``, −1 padded) and the wall seconds spent predicting.
 
     ``vectors``: the split's query vectors, already encoded by this bundle's encoder (a λ sweep
-    over bundles that share one encoder encodes once); the search path is the same.
+    over bundles that share one encoder encodes once); the search path is the same. ``terms``:
+    their lexical term vectors from the same tokenization (:meth:`Predictor.encode`), for a
+    lexical score fusion (None: computed from the texts, as a search given texts does).
     ``protocol``: how the filter file applies (see the module docstring).
     """
     view = predictor.view
@@ -79,7 +83,8 @@ def rank_split(
             prediction = predictor.predict([dataset.texts[r] for r in rows], depth, ef, exclude, view)
         else:
             texts = [dataset.texts[r] for r in rows]  # a lexical score fusion reads them
-            prediction = predictor.search(vectors[rows.start : rows.stop], depth, ef, exclude, view, texts)
+            batch_terms = terms[rows.start : rows.stop] if terms is not None else None
+            prediction = predictor.search(vectors[rows.start : rows.stop], depth, ef, exclude, view, texts, batch_terms)
         for r, ranking in zip(rows, prediction.rankings, strict=True):
             ids = to_dataset[ranking.ids]
             if protocol == "filter_after":
@@ -108,15 +113,17 @@ def evaluate_predictor(
     predictor's memory as it is now (appends included) is what is measured."""
     bundle = predictor.bundle
     encode_started = time.perf_counter()
-    if vectors is None:
-        vectors = np.concatenate(
-            [bundle.encoder.encode(dataset.texts[i : i + 256])[0] for i in range(0, len(dataset), 256)]
-        )
+    terms = None
+    if vectors is None:  # as the server encodes: the vectors and the lexical terms of one tokenization
+        encoded = [predictor.encode(dataset.texts[i : i + 256]) for i in range(0, len(dataset), 256)]
+        vectors = np.concatenate([chunk_vectors for chunk_vectors, _, _ in encoded])
+        if all(chunk_terms is not None for _, _, chunk_terms in encoded):
+            terms = [t for _, _, chunk_terms in encoded for t in chunk_terms]
     encode_seconds = time.perf_counter() - encode_started
     frequencies = label_frequencies(train.Y)
     results, seconds = {}, 0.0
     for protocol in PROTOCOLS:
-        ranked, search_seconds = rank_split(predictor, dataset, k, ef, vectors=vectors, protocol=protocol)
+        ranked, search_seconds = rank_split(predictor, dataset, k, ef, vectors=vectors, protocol=protocol, terms=terms)
         seconds = search_seconds if protocol == "exclude_before" else seconds
         results[protocol] = compute_all(
             ranked,

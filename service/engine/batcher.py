@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from service.engine.encoder import EncodeTimes
+from service.engine.lexical import QueryTerms
 from service.engine.memory import MemoryView
 from service.engine.search import Predictor, Ranking, StageTimes, excluded_label_ids
 
@@ -112,11 +113,13 @@ class _Background:
 
 @dataclass
 class _Encoded:
-    """A batch between the stages: its jobs, the predictor that encoded it, and its vectors."""
+    """A batch between the stages: its jobs, the predictor that encoded it, its vectors and (a
+    lexical score fusion) its term vectors."""
 
     jobs: list[_Job]
     predictor: Predictor
     vectors: np.ndarray
+    terms: list[QueryTerms] | None
     times: EncodeTimes
     started: float
 
@@ -324,7 +327,7 @@ class MicroBatcher:
         predictor = self._predictor_source()
         texts = [t for job in batch for t in job.texts]
         try:
-            vectors, encode_times = predictor.encode(texts)
+            vectors, encode_times, terms = predictor.encode(texts)
         except Exception as exc:  # the model failed: every request of the batch gets the error
             with self._lock:
                 self._encoding.difference_update(batch)
@@ -335,7 +338,7 @@ class MicroBatcher:
             self._seconds_per_text += 0.2 * (per_text - self._seconds_per_text) if self._seconds_per_text else per_text
             self._encoding.difference_update(batch)
             self._searching.update(batch)
-        encoded = _Encoded(batch, predictor, vectors, encode_times, started)
+        encoded = _Encoded(batch, predictor, vectors, terms, encode_times, started)
         while not self._stopping:
             try:
                 self._handoff.put(encoded, timeout=STOP_POLL_S)
@@ -407,7 +410,7 @@ def _search_batch(encoded: _Encoded) -> list[BatchAnswer]:
     ks = [job.k for job in jobs for _ in job.texts]
     ef = max(job.ef or predictor.default_ef for job in jobs)
     texts = [text for job in jobs for text in job.texts]
-    prediction = predictor.search(encoded.vectors, ks, ef, exclude, view, texts)
+    prediction = predictor.search(encoded.vectors, ks, ef, exclude, view, texts, encoded.terms)
     times = prediction.times
     times.add_encoding(encoded.times)
     answers, offset = [], 0

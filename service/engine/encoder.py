@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 try:
     import onnxruntime as ort
@@ -181,8 +181,15 @@ class OnnxEncoder:
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, EncodeTimes]:
         """Vectors in input order: tokenise once, then one session call per length-sorted chunk."""
+        vectors, times, _ = self.encode_keeping_tokens(texts)
+        return vectors, times
+
+    def encode_keeping_tokens(self, texts: list[str]) -> tuple[np.ndarray, EncodeTimes, list[Encoding]]:
+        """:meth:`encode`, and the tokenizer's encodings of ``texts`` it computed (the word pieces a
+        lexical score fusion reads too)."""
         t0 = time.perf_counter()
-        token_ids = self.tokenize(texts)
+        encodings = self.tokenizer.encode_batch(texts)
+        token_ids = [encoding.ids for encoding in encodings]
         t1 = time.perf_counter()
         order = np.argsort([len(ids) for ids in token_ids], kind="stable")
         lengths = [len(token_ids[i]) for i in order]
@@ -193,4 +200,4 @@ class OnnxEncoder:
             if out is None:
                 out = np.empty((len(texts), vectors.shape[1]), dtype=np.float32)
             out[rows] = vectors
-        return out, EncodeTimes(tokenize_s=t1 - t0, encode_s=time.perf_counter() - t1)
+        return out, EncodeTimes(tokenize_s=t1 - t0, encode_s=time.perf_counter() - t1), encodings

@@ -17,6 +17,7 @@ from service.engine.append_log import AppendLog
 from service.engine.bundle import Bundle
 from service.engine.encoder import EncodeTimes
 from service.engine.fusion import ScoreFusion
+from service.engine.lexical import QueryTerms
 from service.engine.manifest import Manifest
 from service.engine.memory import AppendBatch, AppendOutcome, Memory, MemoryView, base_view
 from service.engine.rae import ValueRows, aggregate_kept, keep_keys, top_k_of_row
@@ -105,10 +106,18 @@ class Predictor:
 
         return self.memory.prepare(batch, encode)
 
-    def encode(self, texts: list[str]) -> tuple[np.ndarray, EncodeTimes]:
-        """The query vectors of ``texts`` (the first stage of :meth:`predict`; a pipelined caller
-        runs it apart from :meth:`search`)."""
-        return self.bundle.encoder.encode(texts)
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, EncodeTimes, list[QueryTerms] | None]:
+        """The query vectors of ``texts`` and, for a lexical score fusion, their term vectors,
+        from the one tokenization the encoder makes (the first stage of :meth:`predict`; a
+        pipelined caller runs it apart from :meth:`search`, and hands both over)."""
+        lexicon = self.bundle.fusion.lexicon if self.bundle.fusion is not None else None
+        if lexicon is None:
+            return *self.bundle.encoder.encode(texts), None
+        vectors, times, encodings = self.bundle.encoder.encode_keeping_tokens(texts)
+        started = time.perf_counter()
+        terms = lexicon.terms_of(encodings)  # the lexicon and the encoder load the bundle's tokenizer alike
+        times.tokenize_s += time.perf_counter() - started
+        return vectors, times, terms
 
     def predict(
         self,
@@ -118,8 +127,8 @@ class Predictor:
         exclude: Sequence[Collection[int]] | None = None,
         view: MemoryView | None = None,
     ) -> Prediction:
-        vectors, enc_times = self.encode(texts)
-        prediction = self.search(vectors, k, ef, exclude, view, texts)
+        vectors, enc_times, terms = self.encode(texts)
+        prediction = self.search(vectors, k, ef, exclude, view, texts, terms)
         prediction.times.add_encoding(enc_times)
         return prediction
 
@@ -131,11 +140,13 @@ class Predictor:
         exclude: Sequence[Collection[int]] | None = None,
         view: MemoryView | None = None,
         texts: Sequence[str] | None = None,
+        terms: list[QueryTerms] | None = None,
     ) -> Prediction:
         """Top-k per query. ``k`` may differ per query (a micro-batch mixes requests); one
         batched HNSW call serves them all. ``exclude`` holds label ids of ``view`` (default: the
-        current memory), the memory the search then runs against. ``texts``: the queries'
-        texts, which a bundle whose score fusion is lexical needs."""
+        current memory), the memory the search then runs against. A bundle whose score fusion is
+        lexical needs the queries' term vectors (``terms``, as :meth:`encode` gives them) or their
+        ``texts`` to compute them from."""
         view = view or self.memory.view
         ks = [k] * len(vectors) if isinstance(k, int) else list(k)
         exclude = exclude if exclude is not None else [()] * len(vectors)
@@ -145,22 +156,30 @@ class Predictor:
         t0 = time.perf_counter()
         keys, sims, ef = self.knn(vectors, search.neighbours, ef, view)
         t1 = time.perf_counter()
-        lexical = self.lexical_similarities(keys, view, texts)
+        lexical = self.lexical_similarities(keys, view, texts, terms)
         rankings = search.rank(Neighbours(keys, sims, view.labels_of_keys(keys), view.values, lexical, ef))
         times = StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1)
         return Prediction(rankings, times, ef, view)
 
     def lexical_similarities(
-        self, keys: np.ndarray, view: MemoryView, texts: Sequence[str] | None
+        self,
+        keys: np.ndarray,
+        view: MemoryView,
+        texts: Sequence[str] | None,
+        terms: list[QueryTerms] | None = None,
     ) -> np.ndarray | None:
         """The keys' lexical similarities to the queries for a lexical fusion (None without one)."""
         fusion = self.bundle.fusion
         if fusion is None or fusion.lexicon is None:
             return None
-        if texts is None or len(texts) != len(keys):
-            raise ValueError("this bundle's score fusion is lexical: search needs the query texts")
+        if terms is None:
+            if texts is None or len(texts) != len(keys):
+                raise ValueError("this bundle's score fusion is lexical: search needs the query texts")
+            terms = fusion.lexicon.query_terms(list(texts))
+        elif len(terms) != len(keys):
+            raise ValueError("search needs one term vector per query")
         key_terms = self.bundle.key_terms.with_appended(view.appended_key_terms)
-        return key_terms.similarities(fusion.lexicon.query_terms(list(texts)), keys)
+        return key_terms.similarities(terms, keys)
 
     def knn(
         self, vectors: np.ndarray, n: int, ef: int | None, view: MemoryView | None = None

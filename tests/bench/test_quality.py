@@ -5,6 +5,7 @@ import argparse
 from pathlib import Path
 
 from bench.quality import fused_bundle_name, fusion_model_markdown, fusion_model_table, fusion_of_row
+from export.fuse import DEFAULT_PARAMS
 
 
 def given(**overrides) -> argparse.Namespace:
@@ -39,6 +40,10 @@ def test_each_fused_row_has_its_fusion_and_a_bundle_named_by_it():
     named = fused_bundle_name(source, "-fused", *fused[:2], fused[3], groups=fused[2]).name
     assert named.endswith("-ranks-without-holdout") and named not in names  # its extra group, ranks
     assert fusion_of_row("-fused", given(fusion_model="tree"))[1] == {}  # a tree takes no ensemble size
+    # export.fuse's default size, named in full: a changed default is rebuilt too
+    default = DEFAULT_PARAMS["lambdarank"]
+    size = fusion_of_row("-fused", given(fusion_trees=None, fusion_leaves=None))[1]
+    assert size == {"trees": default["trees"], "leaves": default["leaves"]}
 
 
 def test_the_fusion_candidates_are_tabled_with_the_choice_and_its_dev_figures():

@@ -35,8 +35,6 @@ from service.engine.fusion import (
     FEATURE_GROUPS,
     FEATURES,
     LEXICAL_FEATURES,
-    QUERY_FEATURES,
-    RANK_FEATURES,
     OnnxTreeEnsemble,
     RegressionTree,
     groups_of,
@@ -247,6 +245,25 @@ def test_the_fused_bundle_ranks_by_rae_score_plus_the_onnx_tree(fused, sample_bu
     check_rae_score_plus_a_leaf(fused, sample_bundle, load_jsonl_split(sample_dir, "dev").texts[:20], leaves)
 
 
+def test_one_tokenization_gives_the_query_vectors_and_the_lexical_terms(fused, plain_fused, sample_dir):
+    predictor = load_predictor(fused)
+    texts = load_jsonl_split(sample_dir, "dev").texts[:12]
+    vectors, _, terms = predictor.encode(texts)
+    computed = predictor.bundle.fusion.lexicon.query_terms(texts)
+    assert [t.ids.tolist() for t in terms] == [t.ids.tolist() for t in computed]
+    np.testing.assert_array_equal(
+        np.concatenate([t.weights for t in terms]), np.concatenate([t.weights for t in computed])
+    )
+    by_terms = predictor.search(vectors, 10, terms=terms).rankings
+    by_texts = predictor.search(vectors, 10, texts=texts).rankings
+    assert [r.ids.tolist() for r in by_terms] == [r.ids.tolist() for r in by_texts]
+    with pytest.raises(ValueError, match="query texts"):
+        predictor.search(vectors, 10)
+    with pytest.raises(ValueError, match="one term vector per query"):
+        predictor.search(vectors, 10, terms=terms[:-1])
+    assert load_predictor(plain_fused).encode(texts)[2] is None  # no lexical features: no terms
+
+
 def test_an_old_bundle_s_tree_as_arrays_still_serves(old_fused, sample_bundle, sample_dir):
     bundle = load_bundle(old_fused)
     assert bundle.manifest.fusion.model is None and isinstance(bundle.fusion.model, RegressionTree)
@@ -293,7 +310,8 @@ def test_the_default_fusion_is_the_validation_s_choice_lambdamart_over_the_top_2
     params = load_bundle(out).manifest.fusion
     assert (params.kind, params.rerank_depth) == (DEFAULT_MODEL, DEFAULT_RERANK_DEPTH) == ("lambdarank", 200)
     assert params.model_params == DEFAULT_PARAMS["lambdarank"]
-    assert params.features == list(FEATURES + LEXICAL_FEATURES + RANK_FEATURES + QUERY_FEATURES)
+    assert params.features == list(FEATURES + LEXICAL_FEATURES)
+    assert (params.model_params["trees"], params.model_params["leaves"]) == (60, 15)
     assert len(set(tree_ensemble(out)["nodes_treeids"])) == DEFAULT_PARAMS["lambdarank"]["trees"]
     assert "searched against the memory without them" in params.fitted_on
 
@@ -352,7 +370,7 @@ def test_a_sharded_bundle_is_fused_with_a_key_term_file_per_shard_and_ranks_alik
     assert manifest.fusion.rerank_depth == 12  # the ingress cuts to the same candidates
     predictor = load_predictor(sharded_fused)
     texts = load_jsonl_split(sample_dir, "dev").texts[:16]
-    vectors, _ = predictor.encode(texts)
+    vectors, _, _ = predictor.encode(texts)
     expected = predictor.search(vectors, 10, None, None, None, texts).rankings
 
     _, uids, label_texts = load_labels(sharded_fused)

@@ -70,9 +70,9 @@ class EchoPredictor:
             assert self.released.acquire(timeout=30), "test never released the batch"
         if self.fail:
             raise RuntimeError("model exploded")
-        return np.array([[text_code(t)] for t in texts]), EncodeTimes(tokenize_s=0.0, encode_s=0.001)
+        return np.array([[text_code(t)] for t in texts]), EncodeTimes(tokenize_s=0.0, encode_s=0.001), None
 
-    def search(self, vectors, ks, ef=None, exclude=None, view=None, texts=None):
+    def search(self, vectors, ks, ef=None, exclude=None, view=None, texts=None, terms=None):
         # each query's text reaches the search beside its own vector (a lexical fusion reads it)
         assert [text_code(t) for t in texts] == vectors[:, 0].tolist()
         self.efs.append(ef)

@@ -24,6 +24,7 @@ from service.engine.fusion import (
     features_of_groups,
     groups_of,
     memory_log_frequency,
+    ranks_within_rows,
     top_of_rows,
 )
 from service.engine.lexical import Lexicon
@@ -197,6 +198,21 @@ def test_top_of_rows_keeps_each_rows_best_entries_with_ties_to_the_lower_label()
     top = top_of_rows(scores, [2, 5, 3])
     assert top.toarray().tolist() == [[0.0, 0.5, 0.5, 0.0, 0.0], [0.0, 0.2, 0.0, 0.0, 0.9], [0.0] * 5]
     assert top_of_rows(scores, [1, 1, 1])[0].indices.tolist() == [1]  # 0.5 twice: label 1 before label 2
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_ranks_within_rows_rank_each_rows_entries_best_first_with_ties_in_storage_order(rows):
+    rng = np.random.default_rng(rows)
+    lengths = rng.integers(0, 9, rows) if rows > 1 else np.array([7])
+    indptr = np.concatenate([[0], np.cumsum(lengths)])
+    x = rng.choice([0.1, 0.2, 0.3, -1.0], indptr[-1])  # few values: many ties
+    expected = np.concatenate(
+        [
+            [sum(x[j] > x[i] for j in range(a, b)) + sum(x[j] == x[i] for j in range(a, i)) for i in range(a, b)]
+            for a, b in zip(indptr[:-1], indptr[1:], strict=True)
+        ]
+    )
+    assert ranks_within_rows(indptr, x).tolist() == expected.astype(int).tolist()
 
 
 def test_a_rerank_depth_rescores_and_returns_only_each_querys_top_max_depth_k_candidates():

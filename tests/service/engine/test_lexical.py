@@ -1,11 +1,13 @@
 """service.engine.lexical: a text's terms are its word pieces and their hashed pairs, the idf is
 fitted on the memory's texts, and a key's lexical similarity is the cosine of the two unit
-idf-weighted term vectors, for the bundle's keys and a live memory's appended ones alike."""
+idf-weighted term vectors, for the bundle's keys and a live memory's appended ones alike, whether
+a batch's products are merged in compiled code or looked up (every similarity test runs both)."""
 
 import numpy as np
 import pytest
 import scipy.sparse as sp
 
+import service.engine.lexical as lexical
 from service.engine.lexical import (
     BIGRAM_BUCKETS,
     KeyTerms,
@@ -25,6 +27,13 @@ MEMORY = [
     "python3-numpy: Fast array facility to the Python 3 language",
     "python3: interactive high-level object-oriented language",
 ]
+
+
+@pytest.fixture(params=["looked_up", "merged"], autouse=True)
+def products(request, monkeypatch):
+    """Each test with the keys' products looked up, and again merged (whatever the batch's size)."""
+    monkeypatch.setattr(lexical, "MERGE_FROM_KEYS", 10**9 if request.param == "looked_up" else 0)
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +135,31 @@ def test_a_query_s_terms_are_its_row_of_the_key_term_matrix(lexicon):
     for i, query in enumerate(lexicon.query_terms(texts)):
         np.testing.assert_array_equal(query.ids, rows.indices[rows.indptr[i] : rows.indptr[i + 1]])
         np.testing.assert_allclose(query.weights, rows.data[rows.indptr[i] : rows.indptr[i + 1]], rtol=1e-6)
+
+
+def test_merged_and_looked_up_products_agree_on_a_batch_with_appended_keys_and_absent_terms(lexicon):
+    texts = MEMORY + [f"{a} {b}" for a in MEMORY for b in MEMORY[:2]]
+    rows = lexicon.rows(texts)
+    keys = KeyTerms(rows[:10]).with_appended(rows[10:])
+    rng = np.random.default_rng(7)
+    queries = lexicon.query_terms([f"{t} extra words" for t in texts[::3]]) + [
+        QueryTerms(np.array([3, 2**30]), np.ones(2, dtype=np.float32))
+    ]
+    query_of = np.repeat(np.arange(len(queries)), 12)
+    ids = rng.integers(0, len(texts), len(query_of))
+    merged = keys.merged_products(queries, query_of, ids)
+    looked_up = keys.looked_up_products(queries, query_of, ids)
+    np.testing.assert_allclose(merged, looked_up, atol=1e-6)
+    assert (merged > 0.1).sum() > len(merged) // 10  # the batch has real matches to compare
+
+
+def test_a_batch_of_many_keys_is_merged_and_one_query_is_looked_up(lexicon, products, monkeypatch):
+    monkeypatch.setattr(lexical, "MERGE_FROM_KEYS", 4)
+    keys = KeyTerms(lexicon.rows(MEMORY))
+    called = []
+    for name in ("merged_products", "looked_up_products"):
+        method = getattr(KeyTerms, name)
+        monkeypatch.setattr(KeyTerms, name, lambda self, *a, _m=method, _n=name: called.append(_n) or _m(self, *a))
+    keys.similarities(lexicon.query_terms(MEMORY[:2]), np.array([[0, 1, 2], [3, 4, -1]]))
+    keys.similarities(lexicon.query_terms(MEMORY[:1]), np.array([[0, 1, 2, 3]]))
+    assert called == ["merged_products", "looked_up_products"]
