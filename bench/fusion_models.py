@@ -76,6 +76,9 @@ DEFAULT_GROUPS = ("rae", "lexical")
 # stage <= 2 ms) on the project's 2-core VM, with a margin for its noise: there, a model of 0.14 ms
 # a query made the fused bundle 0.91x, one of 0.28 ms 0.84x (bench/results/README.md).
 MAX_MODEL_MS = 0.15
+# The candidates of the run that chose export.fuse's default (bench/results/fusion-models.json)
+DEFAULT_ENSEMBLES = ("40x15", "40x31", "60x15", "60x31", "100x31")
+DEFAULT_RERANK_DEPTHS = (0, 200)
 MODELS = ("tree", "gbdt", "lambdarank")
 # the two searches of each held-out instance, in the order held_out_pairs joins them
 PROTOCOL_OF_SEARCH = ("exclude_before", "filter_after")
@@ -308,16 +311,16 @@ def main(argv: list[str] | None = None) -> int:
         "--ensembles",
         type=ensemble_size,
         nargs="+",
-        default=[{"trees": DEFAULT_PARAMS["gbdt"]["trees"], "leaves": DEFAULT_PARAMS["gbdt"]["leaves"]}],
-        help="sizes TREESxLEAVES of the gbdt / lambdarank candidates (default: export.fuse's gbdt, "
-        f"{DEFAULT_PARAMS['gbdt']['trees']}x{DEFAULT_PARAMS['gbdt']['leaves']})",
+        default=[ensemble_size(size) for size in DEFAULT_ENSEMBLES],
+        help=f"sizes TREESxLEAVES of the gbdt / lambdarank candidates (default {' '.join(DEFAULT_ENSEMBLES)})",
     )
     parser.add_argument(
         "--rerank-depths",
         type=int,
         nargs="+",
-        default=[0],
-        help="rerank depths to try (export.fuse --rerank-depth; 0: every candidate)",
+        default=list(DEFAULT_RERANK_DEPTHS),
+        help="rerank depths to try (export.fuse --rerank-depth; 0: every candidate; default "
+        f"{' '.join(map(str, DEFAULT_RERANK_DEPTHS))})",
     )
     parser.add_argument(
         "--guard-metrics",

@@ -138,7 +138,7 @@ class KeyTerms:
         query_of, column = np.nonzero(keys >= 0)
         if not len(query_of) or not any(len(query.ids) for query in queries):
             return out
-        products = self.merged_products if len(query_of) > MERGE_FROM_KEYS else self.looked_up_products
+        products = self.merged_products if len(query_of) >= MERGE_FROM_KEYS else self.looked_up_products
         out[query_of, column] = products(queries, query_of, keys[query_of, column] - self.first_key)
         return out
 
@@ -149,7 +149,11 @@ class KeyTerms:
         dot products."""
         key_rows = self.rows_of(keys)
         query_rows = query_matrix(queries, key_rows.shape[1])[query_of]
-        return np.asarray(key_rows.multiply(query_rows).sum(axis=1)).ravel()
+        products = key_rows.multiply(query_rows).tocsr()
+        # summed in float64 in term order, as the lookup sums: a key's similarity is the same
+        # float32 whatever the size of the batch it came in
+        owner = np.repeat(np.arange(len(keys)), np.diff(products.indptr))
+        return np.bincount(owner, weights=products.data, minlength=len(keys))
 
     def looked_up_products(self, queries: list[QueryTerms], query_of: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """:meth:`merged_products` by looking every key term up among its query's terms: every
@@ -176,6 +180,9 @@ class KeyTerms:
 
     def rows_of(self, keys: np.ndarray) -> sp.csr_matrix:
         """The term rows of ``keys`` (ids from :attr:`first_key`), in that order."""
+        held = self.rows.shape[0] + (self.appended.shape[0] if self.appended is not None else 0)
+        if keys.min() < 0 or keys.max() >= held:  # numpy indexing would wrap a negative id silently
+            raise IndexError(f"keys {keys.min()}..{keys.max()} outside the {held} held from key {self.first_key}")
         if self.appended is None or keys.max() < self.rows.shape[0]:
             return self.rows[keys]
         terms, weights, counts = gather_rows([(self.rows, 0), (self.appended, self.rows.shape[0])], keys)

@@ -33,7 +33,7 @@ def test_the_choice_is_made_on_validation_and_dev_is_measured_for_it_alone(memor
     bundle, run = memory_and_run
     out = tmp_path / "fusion-models.json"
     args = ["--bundle", str(bundle), "--run", str(run), "--data", str(sample_dir), "--out", str(out)]
-    assert main([*args, "--folds", "3", "--ensembles", "10x31", "--dev", "--curve"]) == 0
+    assert main([*args, "--folds", "3", "--ensembles", "10x31", "--rerank-depths", "0", "--dev", "--curve"]) == 0
     result = json.loads(out.read_text())
     candidates = result["candidates"]
     assert {c["model"] for c in candidates.values()} == set(MODELS)

@@ -70,11 +70,14 @@ class EchoPredictor:
             assert self.released.acquire(timeout=30), "test never released the batch"
         if self.fail:
             raise RuntimeError("model exploded")
-        return np.array([[text_code(t)] for t in texts]), EncodeTimes(tokenize_s=0.0, encode_s=0.001), None
+        # stand-ins for a lexical fusion's term vectors, which must reach the search of the same batch
+        terms = [f"terms of {t}" for t in texts]
+        return np.array([[text_code(t)] for t in texts]), EncodeTimes(tokenize_s=0.0, encode_s=0.001), terms
 
     def search(self, vectors, ks, ef=None, exclude=None, view=None, texts=None, terms=None):
         # each query's text reaches the search beside its own vector (a lexical fusion reads it)
         assert [text_code(t) for t in texts] == vectors[:, 0].tolist()
+        assert terms == [f"terms of {t}" for t in texts]  # the encode stage's, handed over with the vectors
         self.efs.append(ef)
         self.search_threads.add(threading.current_thread().name)
         self.searching.release()

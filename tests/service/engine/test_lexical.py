@@ -149,12 +149,33 @@ def test_merged_and_looked_up_products_agree_on_a_batch_with_appended_keys_and_a
     ids = rng.integers(0, len(texts), len(query_of))
     merged = keys.merged_products(queries, query_of, ids)
     looked_up = keys.looked_up_products(queries, query_of, ids)
-    np.testing.assert_allclose(merged, looked_up, atol=1e-6)
+    np.testing.assert_array_equal(merged, looked_up)
     assert (merged > 0.1).sum() > len(merged) // 10  # the batch has real matches to compare
 
 
+def test_a_merged_batch_gives_each_query_exactly_its_looked_up_similarities(lexicon, monkeypatch):
+    monkeypatch.setattr(lexical, "MERGE_FROM_KEYS", 5)  # the batch's 10 keys merged, each query's 3 or 4 looked up
+    texts = MEMORY + [f"{a} {b}" for a in MEMORY for b in MEMORY[:2]]
+    keys = KeyTerms(lexicon.rows(texts[:9])).with_appended(lexicon.rows(texts[9:]))
+    queries = lexicon.query_terms([MEMORY[1], "python3 numpy array", "libc6 tryton"])
+    ids = np.array([[0, 1, 12, -1], [3, 4, 0, 1], [2, 13, 9, -1]])
+    batch = keys.similarities(queries, ids)
+    for i in range(len(queries)):
+        np.testing.assert_array_equal(batch[i], keys.similarities(queries[i : i + 1], ids[i : i + 1])[0])
+    assert (batch > 0.1).sum() >= 4
+
+
+def test_keys_outside_the_held_range_are_refused_not_wrapped(lexicon):
+    shard = KeyTerms(lexicon.rows(MEMORY[2:]), first_key=2)
+    queries = lexicon.query_terms(["libc6"])
+    with pytest.raises(IndexError, match="outside"):
+        shard.merged_products(queries, np.array([0]), np.array([-1]))
+    with pytest.raises(IndexError, match="outside"):
+        shard.merged_products(queries, np.array([0]), np.array([3]))
+
+
 def test_a_batch_of_many_keys_is_merged_and_one_query_is_looked_up(lexicon, products, monkeypatch):
-    monkeypatch.setattr(lexical, "MERGE_FROM_KEYS", 4)
+    monkeypatch.setattr(lexical, "MERGE_FROM_KEYS", 5)
     keys = KeyTerms(lexicon.rows(MEMORY))
     called = []
     for name in ("merged_products", "looked_up_products"):
