@@ -140,8 +140,9 @@ class OnnxTreeEnsemble:
     """T as an ai.onnx.ml TreeEnsemble model (``fusion.onnx``) run by ONNX Runtime: one
     ``InferenceSession.run`` per batch over φ as float32 (the precision ``export.fuse`` fitted it at).
 
-    The session has one intra-op and one inter-op thread: a batch's φ has a few thousand rows, which
-    one core scores in well under a millisecond, and the encoder's session keeps the cores."""
+    The session has one intra-op and one inter-op thread: under load the search thread runs beside
+    the encoder's session, which takes every core, so a second fusion thread (1.5x faster on a batch
+    of 12,800 pairs, docs/score-fusion.md) would take its time from the encoder."""
 
     serialized: bytes
     session: object = field(repr=False, compare=False)
