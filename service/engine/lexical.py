@@ -130,6 +130,11 @@ class KeyTerms:
     def with_appended(self, appended: sp.csr_matrix | None) -> KeyTerms:
         return self if appended is None else KeyTerms(self.rows, self.first_key, appended)
 
+    @property
+    def parts(self) -> list[tuple[sp.csr_matrix, int]]:
+        """The term rows as :func:`~service.engine.rae.gather_rows` reads them: (part, its first row)."""
+        return [(self.rows, 0)] + ([(self.appended, self.rows.shape[0])] if self.appended is not None else [])
+
     def similarities(self, queries: list[QueryTerms], keys: np.ndarray) -> np.ndarray:
         """``lex(query i, keys[i, j])`` (``nq x n``, float32; 0 for no key, −1), in one pass over
         the batch: :meth:`merged_products` for a batch of many keys, :meth:`looked_up_products`
@@ -160,10 +165,7 @@ class KeyTerms:
         """:meth:`merged_products` by looking every key term up among its query's terms: every
         (query, term) pair is a single id ``i·width + term``, so all queries' terms form one sorted
         array that every key term is searched in at once."""
-        parts = [(self.rows, 0)]
-        if self.appended is not None:
-            parts.append((self.appended, self.rows.shape[0]))
-        terms, weights, counts = gather_rows(parts, keys)
+        terms, weights, counts = gather_rows(self.parts, keys)
         width = self.rows.shape[1]
         query_ids, query_weights = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.float32)]
         for i, query in enumerate(queries):
@@ -186,7 +188,7 @@ class KeyTerms:
             raise IndexError(f"keys {keys.min()}..{keys.max()} outside the {held} held from key {self.first_key}")
         if self.appended is None or keys.max() < self.rows.shape[0]:
             return self.rows[keys]
-        terms, weights, counts = gather_rows([(self.rows, 0), (self.appended, self.rows.shape[0])], keys)
+        terms, weights, counts = gather_rows(self.parts, keys)
         indptr = np.concatenate([[0], np.cumsum(counts)])
         return sp.csr_matrix((weights, terms.astype(np.int32), indptr), shape=(len(keys), self.rows.shape[1]))
 

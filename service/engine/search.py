@@ -74,9 +74,11 @@ class Predictor:
         self.bundle = bundle
         manifest = bundle.manifest
         view = base_view(bundle.label_uids, bundle.label_texts, manifest.counts.memory_rows, bundle.values)
-        lexicon = bundle.fusion.lexicon if bundle.fusion is not None else None
+        # a lexical score fusion's lexicon (None without one): the term vectors of queries and appended keys
+        self.lexicon = bundle.fusion.lexicon if bundle.fusion is not None else None
         lam = manifest.rae.lam if manifest.rae else None
-        self.memory = Memory(bundle.index, view, lam, append_log, lexicon.rows if lexicon is not None else None)
+        rows_of_texts = self.lexicon.rows if self.lexicon is not None else None
+        self.memory = Memory(bundle.index, view, lam, append_log, rows_of_texts)
 
     @property
     def default_ef(self) -> int:
@@ -110,12 +112,11 @@ class Predictor:
         """The query vectors of ``texts`` and, for a lexical score fusion, their term vectors,
         from the one tokenization the encoder makes (the first stage of :meth:`predict`; a
         pipelined caller runs it apart from :meth:`search`, and hands both over)."""
-        lexicon = self.bundle.fusion.lexicon if self.bundle.fusion is not None else None
-        if lexicon is None:
+        if self.lexicon is None:
             return *self.bundle.encoder.encode(texts), None
         vectors, times, encodings = self.bundle.encoder.encode_keeping_tokens(texts)
         started = time.perf_counter()
-        terms = lexicon.terms_of(encodings)  # the lexicon and the encoder load the bundle's tokenizer alike
+        terms = self.lexicon.terms_of(encodings)  # the lexicon and the encoder load the bundle's tokenizer alike
         times.tokenize_s += time.perf_counter() - started
         return vectors, times, terms
 
@@ -169,13 +170,12 @@ class Predictor:
         terms: list[QueryTerms] | None = None,
     ) -> np.ndarray | None:
         """The keys' lexical similarities to the queries for a lexical fusion (None without one)."""
-        fusion = self.bundle.fusion
-        if fusion is None or fusion.lexicon is None:
+        if self.lexicon is None:
             return None
         if terms is None:
             if texts is None or len(texts) != len(keys):
                 raise ValueError("this bundle's score fusion is lexical: search needs the query texts")
-            terms = fusion.lexicon.query_terms(list(texts))
+            terms = self.lexicon.query_terms(list(texts))
         elif len(terms) != len(keys):
             raise ValueError("search needs one term vector per query")
         key_terms = self.bundle.key_terms.with_appended(view.appended_key_terms)
