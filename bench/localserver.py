@@ -54,20 +54,24 @@ def start_server(
     nice: int = 0,
     cpus: set[int] | None = None,
     file_size_limit: int | None = None,
+    command: list[str] | None = None,
+    cwd: Path = ROOT,
 ) -> Server:
-    """Start xmcserve (``python -m service.http``), or ``uvicorn <app> --factory`` for another
-    app, on a free loopback port serving ``bundle_dir``; wait for /readyz. ``cpus`` pins the
+    """Start xmcserve (``python -m service.http``), ``uvicorn <app> --factory`` for another app,
+    or ``command`` (a server taking ``--host`` and ``--port``, run in ``cwd``), on a free
+    loopback port serving ``bundle_dir``; wait for /readyz. ``cpus`` pins the
     server (and every thread and child it starts) to those cores; ``file_size_limit``: the
     largest file the server may write (RLIMIT_FSIZE: a full disk, for fault tests)."""
     port = free_port()
     env = {**os.environ, "XMCSERVE_BUNDLE_DIR": str(bundle_dir), **(extra_env or {})}
+    if command is None:
+        command = [sys.executable, "-m"] + (
+            ["service.http"] if app is None else ["uvicorn", app, "--factory", "--no-access-log"]
+        )
     with open(log_path, "w") as log_fh:  # the child keeps its own copy of the descriptor
         process = subprocess.Popen(
-            (["nice", "-n", str(nice)] if nice else [])
-            + [sys.executable, "-m"]
-            + (["service.http"] if app is None else ["uvicorn", app, "--factory", "--no-access-log"])
-            + ["--host", "127.0.0.1", "--port", str(port)],
-            cwd=ROOT,
+            (["nice", "-n", str(nice)] if nice else []) + command + ["--host", "127.0.0.1", "--port", str(port)],
+            cwd=cwd,
             env=env,
             stdout=log_fh,
             stderr=subprocess.STDOUT,

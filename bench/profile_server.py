@@ -29,9 +29,13 @@ STAGES = (
     ("hnsw_search", ("knn_query", "Predictor.knn (")),
     ("rae_aggregate", ("rank (service/engine/search.py", "rae.py")),
     ("tokenize", ("encode_batch", "tokenize (service/engine/encoder.py")),
-    ("response_json", ("to_response", "json/encoder.py")),
-    ("request_parse", ("pydantic", "fastapi/routing.py")),
+    ("response_json", ("to_response", "json/encoder.py", "predict_response")),
+    ("request_parse", ("pydantic", "fastapi/routing.py", "fastapi/dependencies")),
     ("metrics", ("prometheus_client",)),
+    ("batcher", ("service/engine/batcher.py",)),
+    ("http_protocol", ("httptools_impl.py", "h11_impl.py", "/h11/", "protocols/http/")),
+    ("middleware", ("service/observability/", "guards.py", "RequestMetricsMiddleware", "starlette/")),
+    ("endpoint", ("service/http/app.py",)),
 )
 
 

@@ -150,6 +150,41 @@ def quantize_int8(src: Path, dst: Path) -> None:
     )
 
 
+def quantize_int8_static(
+    src: Path, dst: Path, tokenizer: Tokenizer, calibration_texts: list[str], batch_size: int = 32
+) -> None:
+    """Static int8 quantization: MatMul weights per channel, and each MatMul's input activations
+    with one scale and zero point fitted here on ``calibration_texts`` (MinMax over their
+    padded batches), fixed in the graph (QDQ). Unlike dynamic quantization, whose activation
+    scale is computed per call from the whole batch tensor, a text's vector then does not
+    depend on the other texts of its batch or on their padding."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    batches = [
+        {k: v.numpy() for k, v in tokenize_batch(tokenizer, calibration_texts[i : i + batch_size]).items()}
+        for i in range(0, len(calibration_texts), batch_size)
+    ]
+
+    class Batches:
+        def __init__(self):
+            self.remaining = iter(batches)
+
+        def get_next(self) -> dict | None:
+            return next(self.remaining, None)
+
+    quantize_static(
+        str(src),
+        str(dst),
+        Batches(),
+        quant_format=QuantFormat.QDQ,
+        op_types_to_quantize=["MatMul"],
+        per_channel=True,
+        activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8,
+        calibrate_method=CalibrationMethod.MinMax,
+    )
+
+
 def min_cosine(reference: Path, candidate: Path, tokenizer: Tokenizer, texts: list[str], batch_size: int = 32) -> float:
     """Smallest cosine between two graphs' outputs on ``texts`` (unit vectors: the dot product)."""
     sessions = [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in (reference, candidate)]

@@ -12,10 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import TypeVar
 
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 class BodyRefused(HTTPException):
@@ -90,6 +94,36 @@ class BodyLimitMiddleware:
 
     def _too_large(self) -> str:
         return f"request body over the {self.max_bytes} byte limit (XMCSERVE_MAX_BODY_BYTES)"
+
+
+def is_json(content_type: str | None) -> bool:
+    """Whether a request's ``Content-Type`` announces JSON (none at all is taken as JSON, as
+    FastAPI takes it): ``application/json`` or ``application/<anything>+json``."""
+    if not content_type:
+        return True
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+
+
+def decode_body(model: type[ModelT], raw: bytes, content_type: str | None) -> ModelT:
+    """The request model from the raw body in one pass: pydantic's JSON parser validates while it
+    parses, where FastAPI's body parameter first builds the whole object tree with ``json.loads``
+    and then validates it. Refusals are the :class:`RequestValidationError` FastAPI raises,
+    worded as it words them (a JSON syntax error is a ``JSON decode error`` at the body)."""
+    if not is_json(content_type):
+        raise RequestValidationError(
+            [{"type": "model_attributes_type", "loc": ("body",), "msg": "the body must be a JSON object"}]
+        )
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        errors = []
+        for error in exc.errors(include_url=False, include_input=False):
+            if error["type"] == "json_invalid":
+                errors.append({"type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error"})
+            else:
+                errors.append({**error, "loc": ("body", *error["loc"])})
+        raise RequestValidationError(errors) from None
 
 
 def validation_error(request: Request, exc: RequestValidationError) -> Response:

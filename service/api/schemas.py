@@ -7,12 +7,13 @@ limits its OpenAPI schema documents.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from fastapi import Response
+import numpy as np
+import orjson
+from fastapi import FastAPI, Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from service.engine.manifest import Manifest
@@ -187,6 +188,32 @@ def build_predict_request(limits: LimitSettings) -> type[PredictRequestBase]:
     return PredictRequest
 
 
+def request_body_openapi(model: type[BaseModel]) -> dict:
+    """A route's ``openapi_extra`` documenting ``model`` as its JSON body, for a route that
+    decodes the body itself (:func:`service.api.guards.decode_body`); the schema goes into the
+    components with :func:`document_models`."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def document_models(app: FastAPI, *models: type[BaseModel]) -> None:
+    """Add ``models``' JSON schemas to ``app``'s OpenAPI components (FastAPI caches the schema
+    it builds, and these go into it once)."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        schema = build()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in models:
+            if model.__name__ not in components:
+                model_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(model_schema.pop("$defs", {}))
+                components[model.__name__] = model_schema
+        return schema
+
+    app.openapi = openapi
+
+
 class LabelScore(BaseModel):
     id: int = Field(description="label id in the bundle")
     uid: str
@@ -225,19 +252,19 @@ async def predict_response_off_loop(
 def predict_response(
     manifest: Manifest, variant: str, k: int, ef: int, rankings: Sequence[Ranking], view: MemoryView
 ) -> Response:
-    """A :class:`PredictResponse` as JSON, serialised directly: FastAPI would otherwise validate
-    the ~k label objects of every answer again (the model stays the documented schema).
+    """A :class:`PredictResponse` as JSON, serialised directly by orjson: FastAPI would otherwise
+    validate the ~k label objects of every answer again (the model stays the documented schema).
     ``view``: the labels the rankings' ids refer to."""
     uids, texts = view.label_uids, view.label_texts
-    results = [
-        {
-            "labels": [
-                {"id": i, "uid": uids[i], "text": texts[i], "score": s}
-                for i, s in zip(ranking.ids.tolist(), ranking.scores.tolist(), strict=True)
-            ]
-        }
-        for ranking in rankings
-    ]
+    results = []
+    for ranking in rankings:
+        if not np.isfinite(ranking.scores).all():  # orjson would write null; JSON has no NaN
+            raise ValueError("a ranking has a score that is not a finite number")
+        labels = [
+            {"id": i, "uid": uids[i], "text": texts[i], "score": s}
+            for i, s in zip(ranking.ids.tolist(), ranking.scores.tolist(), strict=True)
+        ]
+        results.append({"labels": labels})
     body = {
         "bundle_id": manifest.bundle_id,
         "variant": variant,
@@ -246,7 +273,7 @@ def predict_response(
         "ef": ef,
         "results": results,
     }
-    return Response(json.dumps(body, ensure_ascii=False, allow_nan=False), media_type="application/json")
+    return Response(orjson.dumps(body), media_type="application/json")
 
 
 class ReloadRequest(BaseModel):

@@ -112,6 +112,15 @@ def plan_chunks(
     return chunks[::-1]
 
 
+def texts_per_call_of(quantize: str | None) -> int:
+    """The most texts one session call of a graph exported with ``quantize`` may carry so that a
+    text's vector never depends on what it is batched with: one for ``int8`` (dynamic
+    quantization computes each activation scale from the whole batch tensor, padding included, so
+    a text's scores moved with its neighbours'), :data:`MAX_CHUNK` for float graphs and static
+    ``int8-static`` ones (their scales are constants of the graph)."""
+    return 1 if quantize == "int8" else MAX_CHUNK
+
+
 @dataclass(frozen=True)
 class EncoderOptions:
     """How a bundle's encoder runs (not what it computes).
@@ -136,8 +145,18 @@ class EncodeTimes:
 class OnnxEncoder:
     """Tokenizer + ONNX Runtime session producing L2-normalised ``[batch, dim]`` float32 vectors."""
 
-    def __init__(self, onnx_path: Path, tokenizer_path: Path, max_length: int, options: EncoderOptions | None = None):
+    def __init__(
+        self,
+        onnx_path: Path,
+        tokenizer_path: Path,
+        max_length: int,
+        options: EncoderOptions | None = None,
+        texts_per_call: int = MAX_CHUNK,
+    ):
+        """``texts_per_call``: the most texts one session call carries; 1 for a graph whose output
+        for a text depends on the other texts of its call (:func:`texts_per_call_of`)."""
         self.options = options = options or EncoderOptions()
+        self.texts_per_call = texts_per_call
         self.tokenizer, self.pad_id = load_tokenizer(tokenizer_path, max_length)
         session_options = ort.SessionOptions()
         session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -194,7 +213,7 @@ class OnnxEncoder:
         order = np.argsort([len(ids) for ids in token_ids], kind="stable")
         lengths = [len(token_ids[i]) for i in order]
         out: np.ndarray | None = None
-        for start, end in plan_chunks(lengths, CALL_COST_TOKENS, MAX_CHUNK):
+        for start, end in plan_chunks(lengths, CALL_COST_TOKENS, self.texts_per_call):
             rows = order[start:end]
             vectors = self.run([token_ids[i] for i in rows])
             if out is None:

@@ -22,8 +22,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from service.api.guards import BodyLimitMiddleware, validation_error
-from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response_off_loop
+from service.api.guards import BodyLimitMiddleware, decode_body, validation_error
+from service.api.schemas import (
+    SERVICE_VERSION,
+    PredictResponse,
+    build_predict_request,
+    document_models,
+    predict_response_off_loop,
+    request_body_openapi,
+)
 from service.engine.batcher import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
 from service.engine.bundle import BundleError
 from service.http.admin import add_admin_routes, require_admin
@@ -237,8 +244,9 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
     )
     tracing.instrument(app)  # the instrumentation's span wraps everything, the middlewares above included
 
-    @app.post("/predict", response_model=PredictResponse)
-    async def predict(body: PredictRequest, request: Request) -> Response:  # type: ignore[valid-type]
+    @app.post("/predict", response_model=PredictResponse, openapi_extra=request_body_openapi(PredictRequest))
+    async def predict(request: Request) -> Response:
+        body = decode_body(PredictRequest, await request.body(), request.headers.get("content-type"))
         state: ServingState | None = request.app.state.serving
         if state is None:
             return JSONResponse({"detail": "no bundle loaded yet"}, status_code=503)
@@ -329,4 +337,5 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
 
     add_admin_routes(app)
     add_rollout_routes(app)
+    document_models(app, PredictRequest)
     return app

@@ -1,11 +1,17 @@
-"""``python -m service.http``: uvicorn with the connection limits a public server needs.
+"""``python -m service.http``: uvicorn on uvloop with the httptools parser, and the connection
+limits a public server needs.
 
-Uvicorn bounds connections (``limit_concurrency``: a 503 beyond it) and header size
-(``h11_max_incomplete_event_size``), but it waits for a connection's request headers forever:
-a client that opens connections and sends nothing, or a header a byte a minute, would hold
-descriptors until the cap refuses everyone else. :class:`HeaderTimeoutProtocol` closes a
-connection whose next request's headers have not arrived within ``XMCSERVE_HEADER_TIMEOUT_S``
-(the body has its own deadline, :mod:`service.api.guards`).
+The parser and the loop are the compiled ones (``httptools``, ``uvloop``) rather than uvicorn's
+pure-Python ``h11`` protocol on the default asyncio loop, whose CPU per request was a large part
+of everything the server does besides the encoder (``bench.serving --null-encoder``).
+
+Uvicorn bounds connections (``limit_concurrency``: a 503 beyond it), but with httptools it bounds
+neither the size of a request's headers nor the time they take: a client that opens connections
+and sends nothing, or a header a byte a minute, would hold descriptors until the cap refuses
+everyone else, and one endless header would grow the parser's buffer. :class:`GuardedProtocol`
+answers ``431`` to headers over ``XMCSERVE_MAX_HEADER_BYTES`` and closes a connection whose next
+request's headers have not arrived within ``XMCSERVE_HEADER_TIMEOUT_S`` (the body has its own
+deadline, :mod:`service.api.guards`).
 
 Nor does uvicorn bound a response's sending: a client that asks for a large answer and never
 reads it keeps the answer in the transport's buffer for as long as it keeps the connection open
@@ -20,24 +26,97 @@ from __future__ import annotations
 import argparse
 
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.http.settings import LogSettings, ServerSettings
 from service.observability.logs import configure_logging
 
+_TOO_LARGE_BODY = b"request headers over the size limit (XMCSERVE_MAX_HEADER_BYTES)"
+HEADERS_TOO_LARGE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
+    b"content-length: " + str(len(_TOO_LARGE_BODY)).encode() + b"\r\nconnection: close\r\n\r\n" + _TOO_LARGE_BODY
+)
 
-class HeaderTimeoutProtocol(H11Protocol):
-    """h11 with a deadline for each request's headers, from connection or last response on, and
-    one for the client to make room in a full send buffer."""
+
+class HeadersTooLarge(Exception):
+    """Raised from a parser callback: the parser stops there, and the protocol answers 431."""
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    """httptools with a size cap and a deadline for each request's headers (from connection or
+    last response on), and a deadline for the client to make room in a full send buffer."""
 
     header_timeout_s = 10.0
     write_timeout_s = 15.0
+    max_header_bytes = 16384
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._header_deadline = None
         self._write_deadline = None
+        self._header_bytes: int | None = 0  # fed while a request's headers are incomplete; None after
+        self._headers_refused = False
         self._await_headers()
+
+    # header size: every chunk fed while the headers are still incomplete after it, and the
+    # exact size of headers that completed inside a chunk
+
+    def data_received(self, data: bytes) -> None:
+        counting = self._header_bytes is not None
+        super().data_received(data)
+        if counting and self._header_bytes is not None and not self.transport.is_closing():
+            self._header_bytes += len(data)
+            if self._header_bytes > self.max_header_bytes:
+                self._refuse_headers()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._header_bytes = 0
+
+    def on_headers_complete(self) -> None:
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > self.max_header_bytes:
+            self._headers_refused = True
+            raise HeadersTooLarge  # the parser turns it into an error: send_400_response below
+        self._header_bytes = None
+        self._stop_waiting()  # a request's headers arrived
+        super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        if self._headers_refused:
+            self._refuse_headers()
+            return
+        super().send_400_response(msg)
+
+    def _refuse_headers(self) -> None:
+        self._headers_refused = True
+        self._stop_waiting()
+        self.transport.write(HEADERS_TOO_LARGE)
+        self.transport.close()
+
+    # header deadline
+
+    def _await_headers(self) -> None:
+        self._stop_waiting()
+        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _stop_waiting(self) -> None:
+        if getattr(self, "_header_deadline", None) is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _headers_late(self) -> None:
+        self._header_deadline = None
+        if self.cycle is None or self.cycle.response_complete:
+            self.transport.close()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._header_bytes = 0
+            self._await_headers()
+
+    # write deadline
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -57,40 +136,19 @@ class HeaderTimeoutProtocol(H11Protocol):
         self._write_deadline = None
         self.transport.abort()  # not close(): close() would wait to send what the client does not read
 
-    def _await_headers(self) -> None:
-        self._stop_waiting()
-        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_late)
-
-    def _stop_waiting(self) -> None:
-        if getattr(self, "_header_deadline", None) is not None:
-            self._header_deadline.cancel()
-            self._header_deadline = None
-
-    def _headers_late(self) -> None:
-        self._header_deadline = None
-        if self.cycle is None or self.cycle.response_complete:
-            self.transport.close()
-
-    def handle_events(self) -> None:
-        cycle = self.cycle
-        super().handle_events()
-        if self.cycle is not cycle:  # a request's headers arrived
-            self._stop_waiting()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
-            self._await_headers()
-
     def connection_lost(self, exc) -> None:
         self._stop_waiting()
         self._stop_write_deadline()
         super().connection_lost(exc)
 
 
-def protocol_for(settings: ServerSettings) -> type[HeaderTimeoutProtocol]:
-    timeout = {"header_timeout_s": settings.header_timeout_s, "write_timeout_s": settings.write_timeout_s}
-    return type("ConfiguredHeaderTimeoutProtocol", (HeaderTimeoutProtocol,), timeout)
+def protocol_for(settings: ServerSettings) -> type[GuardedProtocol]:
+    guards = {
+        "header_timeout_s": settings.header_timeout_s,
+        "write_timeout_s": settings.write_timeout_s,
+        "max_header_bytes": settings.max_header_bytes,
+    }
+    return type("ConfiguredGuardedProtocol", (GuardedProtocol,), guards)
 
 
 def uvicorn_options(settings: ServerSettings) -> dict:
@@ -98,9 +156,9 @@ def uvicorn_options(settings: ServerSettings) -> dict:
     return {
         "factory": True,
         "http": protocol_for(settings),
+        "loop": "uvloop",
         "limit_concurrency": settings.max_connections,
         "timeout_keep_alive": settings.keep_alive_s,
-        "h11_max_incomplete_event_size": settings.max_header_bytes,
         "timeout_graceful_shutdown": settings.graceful_shutdown_s,
         "access_log": False,  # the app writes its own access line (request id, variant, timings)
         "log_config": None,  # uvicorn's loggers go through the app's logging configuration

@@ -151,7 +151,9 @@ class ServerSettings(BaseSettings):
         description="a response the client stops reading for this long (its send buffer full) is abandoned "
         "and the connection closed, freeing what was buffered",
     )
-    max_header_bytes: int = Field(16384, ge=1024, description="most bytes of request headers (h11)")
+    max_header_bytes: int = Field(
+        16384, ge=1024, description="most bytes of a request's headers (target, names and values); beyond it: 431"
+    )
     graceful_shutdown_s: int = Field(
         20, ge=1, description="on SIGTERM, how long requests in progress may finish before the server stops"
     )

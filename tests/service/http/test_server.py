@@ -1,11 +1,13 @@
 """The uvicorn protocol of ``python -m service.http`` against real sockets on 127.0.0.1: a
 client that never reads its answer is cut off after the write timeout, freeing what the server
-had buffered for it, while a client that reads gets the whole answer."""
+had buffered for it, while a client that reads gets the whole answer; request headers over the
+size limit are refused with 431, however they arrive."""
 
 import asyncio
 import socket
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 import uvicorn
@@ -26,11 +28,18 @@ async def large_answer(scope, receive, send):
     await send({"type": "http.response.body", "body": b"x" * ANSWER_BYTES})
 
 
-@pytest.fixture
-def server():
-    settings = ServerSettings(write_timeout_s=WRITE_TIMEOUT_S, header_timeout_s=30)
+async def small_answer(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    await receive()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@contextmanager
+def serving(app, settings: ServerSettings):
     options = uvicorn_options(settings) | {"factory": False, "log_level": "warning"}
-    config = uvicorn.Config(large_answer, host="127.0.0.1", port=0, **options)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, **options)
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=asyncio.run, args=(srv.serve(),), daemon=True)
     thread.start()
@@ -38,9 +47,17 @@ def server():
     while not srv.started:
         assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.01)
-    yield srv, srv.servers[0].sockets[0].getsockname()[1]
-    srv.should_exit = True
-    thread.join(30)
+    try:
+        yield srv, srv.servers[0].sockets[0].getsockname()[1]
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture
+def server():
+    with serving(large_answer, ServerSettings(write_timeout_s=WRITE_TIMEOUT_S, header_timeout_s=30)) as running:
+        yield running
 
 
 def ask(port: int, receive_buffer: int | None = None) -> socket.socket:
@@ -87,3 +104,42 @@ def test_a_client_that_reads_gets_the_whole_answer(server):
             assert chunk, f"connection closed after {received} bytes"
             received += len(chunk)
     assert received > ANSWER_BYTES  # the headers and the whole body
+
+
+MAX_HEADER_BYTES = 2048
+
+
+def exchange(port: int, chunks: list[bytes]) -> bytes:
+    """Send ``chunks`` one by one, then read until the server closes or has answered."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        for chunk in chunks:
+            try:
+                sock.sendall(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break  # refused before the rest arrived
+            time.sleep(0.01)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+            if b"\r\n\r\n" in answer and answer.startswith(b"HTTP/1.1 200"):
+                break
+        return answer
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [b"GET / HTTP/1.1\r\nhost: t\r\nx-big: " + b"a" * 4000 + b"\r\n\r\n"],  # one write, complete
+        [b"GET / HTTP/1.1\r\nhost: t\r\n"] + [b"x-h%d: %s\r\n" % (i, b"b" * 200) for i in range(30)],  # never ends
+        [b"GET /" + b"p" * 3000 + b" HTTP/1.1\r\nhost: t\r\n\r\n"],  # a long target
+    ],
+    ids=["one-large-header", "many-headers-trickled", "long-target"],
+)
+def test_headers_over_the_limit_are_refused_with_431(chunks):
+    with serving(small_answer, ServerSettings(max_header_bytes=MAX_HEADER_BYTES, header_timeout_s=30)) as (_, port):
+        answer = exchange(port, chunks)
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+        # headers within the limit, with a body far larger than the limit, are served
+        body = b"x" * 50_000
+        ok = exchange(port, [b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 50000\r\n\r\n" + body])
+        assert ok.startswith(b"HTTP/1.1 200"), ok[:200]

@@ -1,0 +1,136 @@
+"""Which int8 encoder keeps a query's vector independent of its batch, at what speed and quality.
+
+    python -m bench.int8_methods --bundle bundles/minilm-rae-64d-fp32 \
+        [--data ../shared/data/debian-related] [--out bench/results/int8-methods.json]
+
+``--bundle`` is a float32 bundle (``export.build --quantize none``); its served graph is
+quantized here in each way, and each variant is measured on the same bundle, in one run:
+
+- ``fp32``: the float graph, batched as the server batches (length-sorted chunks of up to 64);
+- ``int8 dynamic, batched``: dynamic int8 (``quantize_dynamic``) batched likewise, the default
+  bundle's encoder before: its activation scales come from the whole batch tensor;
+- ``int8 dynamic, one text per call``: the same graph, each text its own session call, so each
+  text gets its own scales;
+- ``int8 static``: per-channel int8 weights and activation scales fitted once on training texts
+  (``quantize_static``, QDQ, MinMax), batched.
+
+For each: the largest difference between a text's vector alone and inside random batches of 1 to
+64 dev texts of mixed lengths; encoder texts/s in the server's thread layout (two workers, one
+intra-op thread each, on 2 cores) at batches of 1, 8 and 32; and the dev metrics of the bundle
+with that encoder (both filter protocols).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from bench.serving import encoder_alone
+from export.onnx_export import quantize_int8, quantize_int8_static
+from service.engine.bundle import load_bundle
+from service.engine.encoder import MAX_CHUNK, EncoderOptions, OnnxEncoder
+from service.engine.manifest import ENCODER_FILE, TOKENIZER_FILE
+from service.engine.search import Predictor
+from training.data import load_jsonl_split
+from training.evaluate import evaluate_predictor
+
+
+def batch_invariance(encoder: OnnxEncoder, texts: list[str], trials: int, seed: int = 0) -> float:
+    """Largest |vector alone − vector in a batch| over ``trials`` random batches of 1–64 texts."""
+    rng = np.random.default_rng(seed)
+    alone = {}
+    worst = 0.0
+    for _ in range(trials):
+        size = int(rng.integers(1, 65))
+        batch = [texts[i] for i in rng.choice(len(texts), size, replace=False)]
+        vectors, _ = encoder.encode(batch)
+        for text, vector in zip(batch, vectors, strict=True):
+            if text not in alone:
+                alone[text] = encoder.encode([text])[0][0]
+            worst = max(worst, float(np.abs(alone[text] - vector).max()))
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bundle", type=Path, required=True, help="a float32 bundle (export.build --quantize none)")
+    parser.add_argument(
+        "--data", type=Path, default=Path("../shared/data/debian-related"), help="dataset: dev queries, trn texts"
+    )
+    parser.add_argument("--calibration-texts", type=int, default=512, help="training texts the static scales fit on")
+    parser.add_argument("--trials", type=int, default=60, help="random batches of the invariance check")
+    parser.add_argument("--seconds", type=float, default=6.0, help="encoder timing per batch size")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/int8-methods.json"), help="result JSON")
+    args = parser.parse_args()
+
+    bundle = load_bundle(args.bundle)
+    if bundle.manifest.params.get("quantize", "none") != "none":
+        parser.error(f"{args.bundle} is not a float32 bundle")
+    dev = load_jsonl_split(args.data, "dev")
+    train = load_jsonl_split(args.data, "trn")
+    calibration = [train.texts[i] for i in np.random.default_rng(1).choice(len(train), args.calibration_texts)]
+    max_length = bundle.manifest.tokenizer.max_length
+    work = Path(tempfile.mkdtemp(prefix="int8-methods-"))
+    float_graph = args.bundle / ENCODER_FILE
+    started = time.perf_counter()
+    quantize_int8(float_graph, work / "dynamic.onnx")
+    dynamic_s = time.perf_counter() - started
+    started = time.perf_counter()
+    quantize_int8_static(float_graph, work / "static.onnx", bundle.encoder.tokenizer, calibration)
+    static_s = time.perf_counter() - started
+    variants = {
+        "fp32": (float_graph, MAX_CHUNK),
+        "int8 dynamic, batched": (work / "dynamic.onnx", MAX_CHUNK),
+        "int8 dynamic, one text per call": (work / "dynamic.onnx", 1),
+        "int8 static": (work / "static.onnx", MAX_CHUNK),
+    }
+    rows = {}
+    for name, (graph, per_call) in variants.items():
+
+        def encoder(threads: int = 0, graph=graph, per_call=per_call) -> OnnxEncoder:
+            options = EncoderOptions(providers="cpu", intra_op_threads=threads)
+            return OnnxEncoder(graph, args.bundle / TOKENIZER_FILE, max_length, options, per_call)
+
+        served = encoder(threads=1)  # the server's layout on 2 cores: 2 workers x 1 thread
+        speed = {str(b): round(encoder_alone(served, dev.texts, b, args.seconds, workers=2), 1) for b in (1, 8, 32)}
+        invariance = batch_invariance(served, dev.texts[:2000], args.trials)
+        bundle.encoder = encoder()
+        quality = evaluate_predictor(Predictor(bundle), dev, train)
+        rows[name] = {
+            "graph_bytes": graph.stat().st_size,
+            "texts_per_call": per_call,
+            "max_abs_diff_alone_vs_batched": invariance,
+            "encoder_texts_per_s_2x1_threads": speed,
+            "metrics_filter_after": {k: quality["metrics"][k] for k in ("P@1", "P@3", "P@5", "PSP@5", "R@100")},
+            "metrics_exclude_before": {
+                k: quality["metrics_exclude_before"][k] for k in ("P@1", "P@3", "P@5", "PSP@5", "R@100")
+            },
+        }
+        print(json.dumps({name: rows[name]}), flush=True)
+    fp32 = rows["fp32"]["metrics_filter_after"]
+    for row in rows.values():
+        row["p5_cost_vs_fp32"] = round(fp32["P@5"] - row["metrics_filter_after"]["P@5"], 2)
+    result = {
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "onnxruntime": ort.__version__,
+        "bundle_id": bundle.bundle_id,
+        "data": str(args.data),
+        "dev_instances": len(dev),
+        "calibration_texts": args.calibration_texts,
+        "quantize_seconds": {"dynamic": round(dynamic_s, 1), "static": round(static_s, 1)},
+        "variants": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

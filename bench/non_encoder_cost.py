@@ -1,0 +1,186 @@
+"""What a request costs besides the encoder: the real server with a null encoder
+(:mod:`bench.null_encoder`), this tree's code against another checkout's in the same run.
+
+    python -m bench.non_encoder_cost [--bundle bundles/default] [--baseline-tree DIR]
+        [--rps 150] [--seconds 10] [--rounds 3] [--out bench/results/serving-null-encoder.json]
+
+Each tree's server serves the bundle with the ONNX call replaced by a lookup of the vectors the
+real encoder gives the dev texts, so tokenizing, HTTP, validation, batching, search, RAE, fusion
+and serialisation do their real work. In alternating rounds, each server is held at a fixed
+open-loop rate (the server's CPU seconds, from its own ``process_cpu_seconds_total``, over the
+requests answered: **µs CPU per request**) and then loaded closed loop (**peak q/s**). A py-spy
+profile of each at the fixed rate splits that CPU by stage. ``--baseline-tree``: a checkout of
+the code to compare with (``git worktree add --detach DIR REF``); without it, this tree alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.loadgen import closed_loop, open_loop
+from bench.localserver import ROOT, start_server, stop_server
+from bench.null_encoder import VECTORS_ENV, write_vectors
+from bench.profile_server import fold
+from training.data import load_jsonl_split
+
+NULL_SERVER = ROOT / "bench" / "null_encoder.py"
+
+
+def server_cpu_s(url: str) -> float:
+    """The server process's CPU seconds so far (its ``process_cpu_seconds_total``)."""
+    import httpx
+
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("process_cpu_seconds_total "):
+            return float(line.split()[1])
+    raise RuntimeError("no process_cpu_seconds_total in /metrics")
+
+
+def start_null_server(tree: Path, bundle: Path, vectors: Path, log_path: Path, extra_env: dict):
+    """``tree``'s server (its own ``service`` package) with the null encoder."""
+    env = {**extra_env, VECTORS_ENV: str(vectors), "PYTHONPATH": str(tree)}
+    return start_server(
+        bundle.resolve(), log_path, extra_env=env, command=[sys.executable, str(NULL_SERVER)], cwd=tree, timeout_s=180
+    )
+
+
+def cpu_per_request_us(url: str, bodies: list[bytes], rps: float, seconds: float) -> tuple[float, dict]:
+    cpu0 = server_cpu_s(url)
+    row = asyncio.run(open_loop(url, bodies, rps, seconds)).summary()
+    return (server_cpu_s(url) - cpu0) * 1e6 / max(row["ok"], 1), row
+
+
+def profile(server, bodies: list[bytes], rps: float, seconds: float, collapsed: Path) -> dict:
+    """py-spy over ``server`` held at ``rps``: the shares of its CPU samples by stage."""
+    py_spy = Path(sys.executable).parent / "py-spy"
+    command = [str(py_spy), "record", "--pid", str(server.process.pid), "--duration", str(int(seconds))]
+    command += ["--rate", "250", "--format", "raw", "--threads", "--nonblocking", "--output", str(collapsed)]
+    spy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    asyncio.run(open_loop(server.url, bodies, rps, seconds))
+    _, err = spy.communicate(timeout=seconds + 60)
+    if spy.returncode != 0:
+        raise RuntimeError(f"py-spy failed: {err.decode()[-2000:]}")
+    return fold(collapsed)
+
+
+def measure(
+    trees: dict[str, Path], bundle: Path, bodies: list[bytes], texts: list[str], args: argparse.Namespace
+) -> dict:
+    work = Path("/tmp/xmcserve-bench")
+    work.mkdir(exist_ok=True)
+    vectors = work / "null-vectors.npz"
+    write_vectors(bundle, texts, vectors)
+    extra_env = dict(item.split("=", 1) for item in args.env)
+    servers = {}
+    try:
+        for name, tree in trees.items():
+            servers[name] = start_null_server(tree, bundle, vectors, work / f"null-{name}.log", extra_env)
+        for server in servers.values():
+            asyncio.run(closed_loop(server.url, bodies, 8, 3.0))  # warm-up
+        cpu_us: dict[str, list[float]] = {name: [] for name in trees}
+        peak: dict[str, list[float]] = {name: [] for name in trees}
+        paced: dict[str, list[dict]] = {name: [] for name in trees}
+        names = list(trees)
+        for round_ in range(args.rounds):
+            order = names[round_ % len(names) :] + names[: round_ % len(names)]
+            for name in order:
+                url = servers[name].url
+                us, row = cpu_per_request_us(url, bodies, args.rps, args.seconds)
+                cpu_us[name].append(round(us, 1))
+                paced[name].append(row)
+                closed = asyncio.run(closed_loop(url, bodies, args.concurrency, args.seconds)).summary()
+                peak[name].append(closed["qps"])
+                print(json.dumps({"round": round_, "tree": name, "cpu_us_per_request": us, "peak_qps": closed}))
+        profiles = {}
+        for name, server in servers.items():
+            share = profile(server, bodies, args.rps, args.seconds, work / f"null-{name}.txt")
+            median_us = statistics.median(cpu_us[name])
+            profiles[name] = {
+                **share,
+                "stage_cpu_us_per_request": {k: round(v * median_us, 1) for k, v in share["stages"].items()},
+            }
+    finally:
+        for server in servers.values():
+            stop_server(server)
+    result = {
+        "cpu_us_per_request": cpu_us,
+        "median_cpu_us_per_request": {name: statistics.median(v) for name, v in cpu_us.items()},
+        "peak_qps": peak,
+        "median_peak_qps": {name: statistics.median(v) for name, v in peak.items()},
+        "paced": paced,
+        "profiles": profiles,
+    }
+    if "baseline" in trees:
+        median = result["median_cpu_us_per_request"]
+        result["cpu_per_request_this_over_baseline"] = round(median["this"] / median["baseline"], 3)
+        result["cpu_per_request_this_over_baseline_per_round"] = [
+            round(a / b, 3) for a, b in zip(cpu_us["this"], cpu_us["baseline"], strict=True)
+        ]
+    return result
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--baseline-tree", type=Path, default=None, help="a checkout of the code to compare with")
+    parser.add_argument("--rps", type=float, default=150.0, help="the fixed open-loop rate the CPU is measured at")
+    parser.add_argument("--null-seconds", type=float, default=10.0, help="seconds of each load")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over the trees (order rotated each round)")
+    parser.add_argument("--concurrency", type=int, default=64, help="closed-loop concurrency of the peak")
+
+
+def run(args: argparse.Namespace, bundle: Path, data: Path) -> dict:
+    texts = load_jsonl_split(data, "dev").texts
+    bodies = [json.dumps({"text": t, "k": 10}).encode() for t in texts]
+    trees = {"this": ROOT}
+    if args.baseline_tree is not None:
+        trees["baseline"] = args.baseline_tree.resolve()
+    args.seconds = args.null_seconds
+    return {
+        "what": "the server with its ONNX call replaced by a vector lookup (bench.null_encoder)",
+        "trees": {name: str(tree) for name, tree in trees.items()},
+        "baseline_commit": git_head(args.baseline_tree) if args.baseline_tree else None,
+        "rps": args.rps,
+        "seconds_per_load": args.null_seconds,
+        "rounds": args.rounds,
+        "concurrency": args.concurrency,
+        **measure(trees, bundle, bodies, texts, args),
+    }
+
+
+def git_head(tree: Path) -> str | None:
+    out = subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bundle", type=Path, default=Path("bundles/default"), help="bundle both servers serve")
+    parser.add_argument(
+        "--data", type=Path, default=Path("data/debian-sample"), help="dataset whose dev texts are sent"
+    )
+    parser.add_argument("--env", action="append", default=[], help="extra XMCSERVE_* settings, NAME=VALUE")
+    parser.add_argument(
+        "--out", type=Path, default=Path("bench/results/serving-null-encoder.json"), help="result JSON file"
+    )
+    add_arguments(parser)
+    args = parser.parse_args()
+    result = {
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "bundle": str(args.bundle),
+        **run(args, args.bundle, args.data),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    keys = ("median_cpu_us_per_request", "median_peak_qps", "cpu_per_request_this_over_baseline")
+    print(json.dumps({k: result.get(k) for k in keys}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

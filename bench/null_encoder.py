@@ -1,0 +1,73 @@
+"""The real server with its encoder's ONNX call replaced by a lookup: what everything but the
+encoder costs (HTTP, validation, batching, tokenizing, search, RAE, fusion, serialisation).
+
+    python -m bench.null_encoder --vectors VECTORS.npz [--host 127.0.0.1] [--port 8000]
+
+``VECTORS.npz`` holds the query vectors the bundle's own encoder gives the texts a benchmark will
+send (:func:`write_vectors`), keyed by their token ids, so the search, aggregation and fusion do
+exactly the work they do behind the real encoder; a text not in the file gets the first vector.
+Everything else is ``python -m service.http`` as deployed: the same settings, guards and threads.
+
+This file imports only the service (not ``bench``), so it can also run as a script over another
+checkout's service package (``PYTHONPATH=<that tree> python <this file>``): the way
+``bench.serving --null-encoder`` measures the code before a change in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+VECTORS_ENV = "XMCSERVE_BENCH_NULL_VECTORS"
+
+
+def token_key(ids) -> int:
+    """A text's key in the vector file: a hash of its token ids (ints hash the same in every process)."""
+    return hash(tuple(ids))
+
+
+def write_vectors(bundle_dir: Path, texts: list[str], path: Path) -> None:
+    """The bundle encoder's vectors of ``texts``, keyed by their token ids, to ``path``."""
+    from service.engine.bundle import load_bundle
+
+    encoder = load_bundle(bundle_dir).encoder
+    vectors, _ = encoder.encode(texts)
+    keys = np.array([token_key(ids) for ids in encoder.tokenize(texts)], dtype=np.int64)
+    np.savez(path, keys=keys, vectors=vectors)
+
+
+def install(path: Path) -> None:
+    """Replace every ``OnnxEncoder``'s session call in this process by a lookup in ``path``."""
+    from service.engine.encoder import OnnxEncoder
+
+    data = np.load(path)
+    rows = {int(key): row for row, key in enumerate(data["keys"])}
+    vectors = np.ascontiguousarray(data["vectors"], dtype=np.float32)
+
+    def run(self, token_ids: list[list[int]]) -> np.ndarray:
+        return vectors[[rows.get(token_key(ids), 0) for ids in token_ids]]
+
+    OnnxEncoder.run = run
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vectors", type=Path, default=None, help=f"vector file (default: ${VECTORS_ENV})")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    args = parser.parse_args(argv)
+    vectors = args.vectors or os.environ.get(VECTORS_ENV)
+    if not vectors:
+        parser.error(f"give --vectors or ${VECTORS_ENV}")
+    install(Path(vectors))
+    from service.http.server import main as serve
+
+    serve(["--host", args.host, "--port", str(args.port)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
