@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,8 +46,11 @@ def server_cpu_s(url: str) -> float:
 
 
 def start_null_server(tree: Path, bundle: Path, vectors: Path, log_path: Path, extra_env: dict):
-    """``tree``'s server (its own ``service`` package) with the null encoder."""
-    env = {**extra_env, VECTORS_ENV: str(vectors), "PYTHONPATH": str(tree)}
+    """``tree``'s server (its own ``service`` package) with the null encoder, and an append log
+    directory of its own (two servers of one bundle cannot share its log)."""
+    appends = log_path.with_suffix(".appends")
+    shutil.rmtree(appends, ignore_errors=True)
+    env = {**extra_env, VECTORS_ENV: str(vectors), "PYTHONPATH": str(tree), "XMCSERVE_APPEND_LOG_DIR": str(appends)}
     return start_server(
         bundle.resolve(), log_path, extra_env=env, command=[sys.executable, str(NULL_SERVER)], cwd=tree, timeout_s=180
     )

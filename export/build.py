@@ -164,6 +164,7 @@ def write_payload(
         fuse=params.optimize,
         quantize=params.quantize,
         int8_min_cosine=params.int8_min_cosine,
+        calibration_texts=calibration_texts(prepared, labels, params),
     )
     (stage / TOKENIZER_FILE).write_text(tokenizer.to_str())
     # The head inside encoder.onnx, as numpy: lets torch tools (the naive benchmark baseline, a
@@ -172,6 +173,16 @@ def write_payload(
     write_labels(labels, stage / LABELS_FILE)
     memory_Y = prepared.memory.Y if prepared.memory is not None else None
     return graph, write_index(stage, prepared.keys, memory_Y, params)
+
+
+def calibration_texts(prepared: Prepared, labels: LabelSpace, params: ExportParams) -> list[str] | None:
+    """A seeded sample of the memory and label texts for ``int8-static`` scales (None otherwise):
+    the texts a query resembles, never an evaluation split."""
+    if params.quantize != "int8-static":
+        return None
+    texts = (prepared.memory.texts if prepared.memory is not None else []) + labels.texts
+    rows = np.random.default_rng(params.seed).choice(len(texts), min(params.calibration_texts, len(texts)), False)
+    return [texts[i] for i in sorted(rows)]
 
 
 def write_index(

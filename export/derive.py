@@ -1,5 +1,5 @@
 """Bundles derived from another bundle without re-encoding: an RAE memory with other λ, τ, b or
-mode, or with a score fusion (``export.fuse``).
+mode, with a score fusion (``export.fuse``), or a float bundle's encoder quantized to int8.
 
 The encoder and the index do not depend on these parameters, so they are hard-linked (bundles are
 immutable, sharing their files is safe) and only the value rows (``values.npz``, or each shard's,
@@ -13,12 +13,24 @@ import shutil
 from pathlib import Path
 
 import scipy.sparse as sp
+from tokenizers import Tokenizer
 
-from export.params import RAE_ATTRIBUTES, RaeMode
+from export.onnx_export import quantize_checked, random_texts
+from export.params import RAE_ATTRIBUTES, Quantize, RaeMode
 from export.writer import write_bundle, write_values
 from service.engine.fusion import ScoreFusion
 from service.engine.lexical import save_key_terms
-from service.engine.manifest import MANIFEST_FILE, FusionParams, Manifest, RaeParams, Shard, shard_list, utc_now
+from service.engine.manifest import (
+    ENCODER_FILE,
+    MANIFEST_FILE,
+    TOKENIZER_FILE,
+    FusionParams,
+    Manifest,
+    RaeParams,
+    Shard,
+    shard_list,
+    utc_now,
+)
 
 
 def derive_rae_bundle(
@@ -94,6 +106,42 @@ def derive_fused_bundle(
             "created_at": utc_now(),
             "fusion": params,
             "params": {**src.params, "derived_from": src.bundle_id},
+        }
+
+    return write_bundle(out, populate, force)
+
+
+def derive_quantized_bundle(
+    source: Path,
+    out: Path,
+    quantize: Quantize,
+    calibration_texts: list[str] | None = None,
+    least_cosine: float = 0.85,
+    parity_texts: int = 64,
+    seed: int = 0,
+    force: bool = False,
+) -> Manifest:
+    """A float32 bundle's twin with an int8 encoder (``quantize``: ``int8`` or ``int8-static``,
+    whose scales fit on ``calibration_texts``): the graph quantized and checked against the
+    float one as a build checks it (:func:`~export.onnx_export.quantize_checked`), every other
+    file linked. The keys are the float encoder's, as in a bundle built with ``quantize``."""
+    src = Manifest.model_validate_json((source / MANIFEST_FILE).read_text())
+    if src.params.get("quantize", "none") != "none":
+        raise ValueError(f"{source}: its encoder is quantized already ({src.params['quantize']})")
+    if quantize == "none":
+        raise ValueError("nothing to derive: quantize is none")
+    tokenizer = Tokenizer.from_file(str(source / TOKENIZER_FILE))  # pads and truncates as exported
+
+    def populate(stage: Path) -> dict:
+        for name in src.files:
+            if name != ENCODER_FILE:
+                link_or_copy(source / name, stage / name)
+        shutil.copy2(source / ENCODER_FILE, stage / ENCODER_FILE)
+        texts = random_texts(tokenizer, parity_texts, seed)
+        cosine = quantize_checked(stage / ENCODER_FILE, tokenizer, texts, least_cosine, quantize, calibration_texts)
+        return src.model_dump(exclude={"bundle_id", "files"}) | {
+            "created_at": utc_now(),
+            "params": {**src.params, "quantize": quantize, "int8_min_cosine": cosine, "derived_from": src.bundle_id},
         }
 
     return write_bundle(out, populate, force)

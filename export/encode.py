@@ -27,7 +27,7 @@ from tqdm import tqdm
 from export.model import PooledEncoder, tokenize_batch
 from export.onnx_export import ParityError, export_checked_graph
 from export.params import ExportParams
-from service.engine.encoder import EncoderOptions, OnnxEncoder
+from service.engine.encoder import MAX_CHUNK, EncoderOptions, OnnxEncoder
 from service.engine.manifest import TOKENIZER_FILE
 
 log = logging.getLogger("xmcserve.export")
@@ -102,7 +102,9 @@ def encode_pooled(
             params.parity_tolerance,
         )
         tokenizer_file.write_text(tokenizer.to_str())
-        onnx_encoder = OnnxEncoder(graph, tokenizer_file, params.max_length, EncoderOptions(providers="cpu"))
+        # batched: a build encodes many texts on every core, and keys need no batch invariance
+        options = EncoderOptions(providers="cpu")
+        onnx_encoder = OnnxEncoder(graph, tokenizer_file, params.max_length, options, texts_per_call=MAX_CHUNK)
         started = time.perf_counter()
         if device == "cpu":
             pooled = onnx_pooled(onnx_encoder, texts, max(params.batch_size, ENCODE_BLOCK))

@@ -1,8 +1,9 @@
 """The ONNX side of an export: graph export, ORT fusion, int8 quantization and the parity checks.
 
 Every graph a bundle is built with goes through :func:`export_checked_graph` (export, fuse,
-check against torch); the served graph may then be quantized by :func:`quantize_checked`, which
-refuses an int8 graph that drifts too far from the float one. Nothing that was not checked is kept.
+check against torch); the served graph may then be quantized by :func:`quantize_checked`
+(dynamic, or static with calibrated activation scales), which refuses an int8 graph that drifts
+too far from the float one. Nothing that was not checked is kept.
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ def quantize_int8_static(
     padded batches), fixed in the graph (QDQ). Unlike dynamic quantization, whose activation
     scale is computed per call from the whole batch tensor, a text's vector then does not
     depend on the other texts of its batch or on their padding."""
+    import onnx
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     batches = [
@@ -182,6 +184,8 @@ def quantize_int8_static(
         activation_type=QuantType.QUInt8,
         weight_type=QuantType.QInt8,
         calibrate_method=CalibrationMethod.MinMax,
+        # the fused com.microsoft ops defeat shape inference; their outputs are float32
+        extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
     )
 
 
@@ -240,12 +244,25 @@ def export_checked_graph(
     return report
 
 
-def quantize_checked(path: Path, tokenizer: Tokenizer, parity_texts: list[str], least_cosine: float) -> float:
-    """Replace the float graph at ``path`` by its int8 version; returns the smallest cosine between
+def quantize_checked(
+    path: Path,
+    tokenizer: Tokenizer,
+    parity_texts: list[str],
+    least_cosine: float,
+    quantize: Quantize = "int8",
+    calibration_texts: list[str] | None = None,
+) -> float:
+    """Replace the float graph at ``path`` by its ``quantize`` version (``int8``: dynamic;
+    ``int8-static``: scales fitted on ``calibration_texts``); returns the smallest cosine between
     the two graphs' outputs on ``parity_texts`` and raises :class:`ParityError` below ``least_cosine``."""
     float_graph = path.with_suffix(".float.onnx")
     path.rename(float_graph)
-    quantize_int8(float_graph, path)
+    if quantize == "int8-static":
+        if not calibration_texts:
+            raise ValueError("static int8 quantization needs calibration texts")
+        quantize_int8_static(float_graph, path, tokenizer, calibration_texts)
+    else:
+        quantize_int8(float_graph, path)
     cosine = min_cosine(float_graph, path, tokenizer, parity_texts)
     float_graph.unlink()
     if cosine < least_cosine:
@@ -264,10 +281,13 @@ def export_serving_graph(
     fuse: bool,
     quantize: Quantize,
     int8_min_cosine: float,
+    calibration_texts: list[str] | None = None,
 ) -> dict:
     """The served graph at ``path``: :func:`export_checked_graph`, then int8 when ``quantize`` says
     so (:func:`quantize_checked`). Returns what was done (fusions, parity, int8 drift)."""
     report = export_checked_graph(model, tokenizer, config, path, parity_texts, tolerance, fuse)
-    if quantize == "int8":
-        report["int8_min_cosine"] = quantize_checked(path, tokenizer, parity_texts, int8_min_cosine)
+    if quantize != "none":
+        report["int8_min_cosine"] = quantize_checked(
+            path, tokenizer, parity_texts, int8_min_cosine, quantize, calibration_texts
+        )
     return report

@@ -17,7 +17,7 @@ from typing import Literal, get_args, get_origin, get_type_hints
 from service.engine.manifest import IndexKind, RaeMode, RaeParams
 from training.params import parse_bool
 
-Quantize = Literal["none", "int8"]
+Quantize = Literal["none", "int8", "int8-static"]
 EncodeDevice = Literal["auto", "cpu", "cuda"]
 ALL_HEAD_BLOCKS = "all"
 # The ExportParams attribute of each field of the manifest's RaeParams.
@@ -61,10 +61,15 @@ class ExportParams:
             sample; fp16 differs in the third decimal (default: 0.05)
         optimize: fuse the served graph with onnxruntime's transformer optimizer (BERT-class
             encoders); the parity check runs on the fused graph (default: true)
-        quantize: ``none``, or ``int8``: dynamic int8 MatMul weights, ~2x faster on CPU, lossy; the
-            parity check then runs on the float graph, and the int8 graph's smallest cosine to it
-            on the parity texts is recorded and must reach int8_min_cosine (default: none)
+        quantize: ``none``; ``int8``: dynamic int8 MatMuls (activation scales computed per call, so
+            the service runs such a graph one text per session call, which keeps a text's vector
+            independent of its batch); or ``int8-static``: int8 MatMuls with activation scales
+            fitted on calibration_texts of the memory and label texts, constants of the graph, so
+            texts batch freely. Lossy either way: the parity check then runs on the float graph,
+            and the int8 graph's smallest cosine to it on the parity texts is recorded and must
+            reach int8_min_cosine (default: none)
         int8_min_cosine: refuse an int8 graph whose outputs drift further than this (default: 0.85)
+        calibration_texts: memory and label texts the ``int8-static`` scales are fitted on (default: 512)
         parity_texts: random texts in the ONNX-vs-torch parity check (default: 64)
         parity_tolerance: largest allowed max |onnx − torch| (default: 0.0001)
         max_train: use only the first N training instances as memory; 0 = all (default: 0)
@@ -95,6 +100,7 @@ class ExportParams:
     optimize: bool = True
     quantize: Quantize = "none"
     int8_min_cosine: float = 0.85
+    calibration_texts: int = 512
     parity_texts: int = 64
     parity_tolerance: float = 1e-4
     max_train: int = 0

@@ -400,22 +400,23 @@ def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> Non
 
 
 def _search_batch(encoded: _Encoded) -> list[BatchAnswer]:
-    """The search stage of one encoded batch: each request's rankings, at the widest ef any of
-    them is owed (its own, or the bundle's default when it gave none): a wider search only adds
-    recall, a narrower one would take recall from requests that did not ask for it."""
+    """The search stage of one encoded batch: each request's rankings, each searched at its own
+    ef (the bundle's default when it gave none), so that no answer depends on what it was batched
+    with."""
     jobs, predictor = encoded.jobs, encoded.predictor
     # Uids map to ids of the memory the batch searches (a live memory grows between batches).
     view = predictor.view
     exclude = [ids for job in jobs for ids in excluded_label_ids(view, job.exclude, len(job.texts))]
     ks = [job.k for job in jobs for _ in job.texts]
-    ef = max(job.ef or predictor.default_ef for job in jobs)
+    efs = [job.ef or predictor.default_ef for job in jobs for _ in job.texts]
     texts = [text for job in jobs for text in job.texts]
-    prediction = predictor.search(encoded.vectors, ks, ef, exclude, view, texts, encoded.terms)
+    prediction = predictor.search(encoded.vectors, ks, efs, exclude, view, texts, encoded.terms)
     times = prediction.times
     times.add_encoding(encoded.times)
     answers, offset = [], 0
     for job in jobs:
         rankings = prediction.rankings[offset : offset + len(job.texts)]
+        ef = max(prediction.efs[offset : offset + len(job.texts)])
         offset += len(job.texts)
         answers.append(
             BatchAnswer(
@@ -425,7 +426,7 @@ def _search_batch(encoded: _Encoded) -> list[BatchAnswer]:
                 started=encoded.started,
                 batch_texts=len(encoded.vectors),
                 predictor=predictor,
-                ef=prediction.ef,
+                ef=ef,
                 view=prediction.view,
             )
         )

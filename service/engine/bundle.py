@@ -22,7 +22,7 @@ import numpy as np
 import scipy.sparse as sp
 from pydantic import ValidationError
 
-from service.engine.encoder import EncoderOptions, OnnxEncoder, texts_per_call_of
+from service.engine.encoder import EncoderOptions, OnnxEncoder
 from service.engine.fusion import FEATURE_GROUPS, ScoreFusion, groups_of
 from service.engine.lexical import KeyTerms, key_terms_of
 from service.engine.manifest import (
@@ -385,8 +385,7 @@ def check_encoder(path: Path, encoder: OnnxEncoder, manifest: Manifest) -> None:
 def open_encoder(path: Path, manifest: Manifest, options: EncoderOptions | None) -> OnnxEncoder:
     """An ONNX Runtime session over the bundle's encoder and its tokenizer."""
     try:
-        per_call = texts_per_call_of(manifest.params.get("quantize"))
-        return OnnxEncoder(path / ENCODER_FILE, path / TOKENIZER_FILE, manifest.tokenizer.max_length, options, per_call)
+        return OnnxEncoder(path / ENCODER_FILE, path / TOKENIZER_FILE, manifest.tokenizer.max_length, options)
     except Exception as exc:  # onnxruntime raises its own exception types
         raise BundleError(f"{path}: cannot load encoder or tokenizer ({exc})") from None
 

@@ -112,15 +112,6 @@ def plan_chunks(
     return chunks[::-1]
 
 
-def texts_per_call_of(quantize: str | None) -> int:
-    """The most texts one session call of a graph exported with ``quantize`` may carry so that a
-    text's vector never depends on what it is batched with: one for ``int8`` (dynamic
-    quantization computes each activation scale from the whole batch tensor, padding included, so
-    a text's scores moved with its neighbours'), :data:`MAX_CHUNK` for float graphs and static
-    ``int8-static`` ones (their scales are constants of the graph)."""
-    return 1 if quantize == "int8" else MAX_CHUNK
-
-
 @dataclass(frozen=True)
 class EncoderOptions:
     """How a bundle's encoder runs (not what it computes).
@@ -151,12 +142,11 @@ class OnnxEncoder:
         tokenizer_path: Path,
         max_length: int,
         options: EncoderOptions | None = None,
-        texts_per_call: int = MAX_CHUNK,
+        texts_per_call: int | None = None,
     ):
-        """``texts_per_call``: the most texts one session call carries; 1 for a graph whose output
-        for a text depends on the other texts of its call (:func:`texts_per_call_of`)."""
+        """``texts_per_call``: the most texts one session call carries (None: one on the CPU,
+        :data:`MAX_CHUNK` on CUDA; see :attr:`texts_per_call`)."""
         self.options = options = options or EncoderOptions()
-        self.texts_per_call = texts_per_call
         self.tokenizer, self.pad_id = load_tokenizer(tokenizer_path, max_length)
         session_options = ort.SessionOptions()
         session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -181,6 +171,15 @@ class OnnxEncoder:
                 f"CUDA execution provider requested but the session runs on {self.session.get_providers()}: "
                 "the CUDA provider could not be created (see ONNX Runtime's log above for the missing library)"
             )
+        # On the CPU each text is its own session call, so that a text's vector is the same bits
+        # whatever it is batched with: ONNX Runtime's kernels sum in an order that depends on the
+        # call's shape (a batch of one against two differed by 4e-8, enough to move HNSW's path),
+        # and an int8 graph's dynamic activation scales come from the whole batch tensor. With one
+        # worker thread per core this costs little (bench/results/int8-methods.json); on CUDA,
+        # where a batch is many times faster than its texts one by one, texts are batched.
+        if texts_per_call is None:
+            texts_per_call = MAX_CHUNK if self.provider == CUDA_PROVIDER else 1
+        self.texts_per_call = texts_per_call
         self.input_names = [i.name for i in self.session.get_inputs()]
         log.info("encoder %s on %s", onnx_path, self.provider)
 

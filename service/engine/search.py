@@ -58,12 +58,14 @@ class Ranking:
 @dataclass
 class Prediction:
     """Rankings in query order, the stage times, and the HNSW ef the search ran at (the asked
-    ef or the bundle's default, raised to the number of neighbours fetched when that is larger)."""
+    ef or the bundle's default, raised to the number of neighbours fetched when that is larger):
+    ``ef`` the widest, ``efs`` each query's."""
 
     rankings: list[Ranking]
     times: StageTimes = field(default_factory=StageTimes)
     ef: int = 0
     view: MemoryView | None = None  # the labels the ids refer to (a live memory grows)
+    efs: list[int] = field(default_factory=list)
 
 
 class Predictor:
@@ -137,30 +139,60 @@ class Predictor:
         self,
         vectors: np.ndarray,
         k: int | Sequence[int],
-        ef: int | None = None,
+        ef: int | Sequence[int | None] | None = None,
         exclude: Sequence[Collection[int]] | None = None,
         view: MemoryView | None = None,
         texts: Sequence[str] | None = None,
         terms: list[QueryTerms] | None = None,
     ) -> Prediction:
-        """Top-k per query. ``k`` may differ per query (a micro-batch mixes requests); one
-        batched HNSW call serves them all. ``exclude`` holds label ids of ``view`` (default: the
-        current memory), the memory the search then runs against. A bundle whose score fusion is
-        lexical needs the queries' term vectors (``terms``, as :meth:`encode` gives them) or their
-        ``texts`` to compute them from."""
+        """Top-k per query. ``k`` and ``ef`` may differ per query (a micro-batch mixes requests).
+        ``exclude`` holds label ids of ``view`` (default: the current memory), the memory the
+        search then runs against. A bundle whose score fusion is lexical needs the queries' term
+        vectors (``terms``, as :meth:`encode` gives them) or their ``texts`` to compute them from.
+
+        A query's answer does not depend on the other queries of the batch: the queries that need
+        as many neighbours at the same ef share one HNSW call, and a query that needs fewer or
+        asked a narrower ef is never searched wider for its neighbours' sake."""
         view = view or self.memory.view
-        ks = [k] * len(vectors) if isinstance(k, int) else list(k)
-        exclude = exclude if exclude is not None else [()] * len(vectors)
-        if len(exclude) != len(vectors) or len(ks) != len(vectors):
-            raise ValueError("k and exclude must have one entry per query")
+        n = len(vectors)
+        ks = [k] * n if isinstance(k, int) else list(k)
+        efs = [ef] * n if ef is None or isinstance(ef, int) else list(ef)
+        exclude = exclude if exclude is not None else [()] * n
+        if len(exclude) != n or len(ks) != n or len(efs) != n:
+            raise ValueError("k, ef and exclude must have one entry per query")
         search = RankedSearch(self.bundle.manifest, ks, exclude, self.bundle.fusion)
         t0 = time.perf_counter()
-        keys, sims, ef = self.knn(vectors, search.neighbours, ef, view)
+        keys, sims, ran_at = self.knn_per_query(vectors, search.needed, efs, view)
         t1 = time.perf_counter()
         lexical = self.lexical_similarities(keys, view, texts, terms)
-        rankings = search.rank(Neighbours(keys, sims, view.labels_of_keys(keys), view.values, lexical, ef))
+        widest = max(ran_at, default=0)
+        rankings = search.rank(Neighbours(keys, sims, view.labels_of_keys(keys), view.values, lexical, widest))
         times = StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1)
-        return Prediction(rankings, times, ef, view)
+        return Prediction(rankings, times, widest, view, ran_at)
+
+    def knn_per_query(
+        self, vectors: np.ndarray, needed: Sequence[int], efs: Sequence[int | None], view: MemoryView
+    ) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """:meth:`knn` with each query's own neighbour count and ef: one call per distinct
+        (count, ef), the rows padded to the widest count with −1 keys (``-inf`` similarities), as
+        a search that finds fewer keys pads them. Returns each query's ef too."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, (count, ef) in enumerate(zip(needed, efs, strict=True)):
+            groups.setdefault((count, ef or self.default_ef), []).append(i)
+        if len(groups) == 1:
+            (count, ef), _ = groups.popitem()
+            keys, sims, ran_at = self.knn(vectors, count, ef, view)
+            return keys, sims, [ran_at] * len(vectors)
+        width = max(needed)
+        keys = np.full((len(vectors), width), -1, dtype=np.int64)
+        sims = np.full((len(vectors), width), -np.inf, dtype=np.float32)
+        ran = [0] * len(vectors)
+        for (count, ef), rows in groups.items():
+            group_keys, group_sims, ran_at = self.knn(vectors[rows], count, ef, view)
+            keys[rows, :count], sims[rows, :count] = group_keys, group_sims
+            for row in rows:
+                ran[row] = ran_at
+        return keys, sims, ran
 
     def lexical_similarities(
         self,
@@ -189,13 +221,13 @@ class Predictor:
         return self.memory.knn(vectors, n, ef or self.default_ef, view or self.memory.view)
 
 
-def neighbours_needed(manifest: Manifest, ks: Sequence[int], exclude: Sequence[Collection[int]]) -> int:
-    """Nearest keys a batch needs: each query's k plus its excluded labels (a label index), or b
-    plus the most labels a query excludes (an RAE memory drops excluded label keys before the
-    softmax, and must still have b left)."""
+def neighbours_needed(manifest: Manifest, ks: Sequence[int], exclude: Sequence[Collection[int]]) -> list[int]:
+    """Nearest keys each query needs: its k plus its excluded labels (a label index), or b plus
+    the labels it excludes (an RAE memory drops excluded label keys before the softmax, and must
+    still have b left)."""
     if manifest.index_kind == "rae_memory":
-        return manifest.rae.top_b + max(len(e) for e in exclude)
-    return max(k + len(e) for k, e in zip(ks, exclude, strict=True))
+        return [manifest.rae.top_b + len(e) for e in exclude]
+    return [k + len(e) for k, e in zip(ks, exclude, strict=True)]
 
 
 @dataclass
@@ -244,7 +276,8 @@ class RankedSearch:
         if len(exclude) != len(ks):
             raise ValueError("k and exclude must have one entry per query")
         self.manifest, self.ks, self.exclude, self.fusion = manifest, ks, exclude, fusion
-        self.neighbours = neighbours_needed(manifest, ks, exclude)
+        self.needed = neighbours_needed(manifest, ks, exclude)  # each query's
+        self.neighbours = max(self.needed)  # the batch's widest
 
     def rank(self, found: Neighbours) -> list[Ranking]:
         """Each query's top-k labels. A label index ranks the labels of the keys; an RAE memory

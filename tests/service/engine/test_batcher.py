@@ -87,7 +87,8 @@ class EchoPredictor:
         for code, k, excluded in zip(vectors[:, 0], ks, exclude, strict=True):
             ids = np.array(sorted(excluded) or [0] * k, dtype=np.int64)
             rankings.append(Ranking(ids=ids, scores=np.full(len(ids), code)))
-        return Prediction(rankings, StageTimes(search=0.001), ef=ef or self.default_ef, view=view)
+        efs = [e or self.default_ef for e in ef]  # the batcher passes each query's
+        return Prediction(rankings, StageTimes(search=0.001), ef=max(efs), view=view, efs=efs)
 
 
 async def batch_started(predictor: EchoPredictor) -> None:
@@ -166,16 +167,16 @@ def test_batches_never_exceed_max_batch_size_and_requests_stay_whole():
     assert all(len(a.rankings) == 3 for a in answers[1:])
 
 
-def test_the_widest_ef_of_a_batch_is_used_and_reported_to_every_request():
+def test_each_request_is_searched_and_answered_at_its_own_ef_whatever_its_batch():
     predictor = EchoPredictor(hold=True)
 
     async def scenario(batcher):
-        rest = [(["y"], 1, ef, [()]) for ef in (None, 50, 400)]
+        rest = [(["y"], 1, None, [()]), (["y", "z"], 1, 50, [(), ()]), (["y"], 1, 400, [()])]
         return await submit_behind_a_running_batch(batcher, predictor, (["x"], 1, 10, [()]), rest)
 
     answers, _ = asyncio.run(run_with(predictor, BatcherConfig(), scenario))
-    assert predictor.efs == [10, 400]
-    assert [a.ef for a in answers] == [10, 400, 400, 400]  # what each answer's search ran at
+    assert predictor.efs == [[10], [EchoPredictor.default_ef, 50, 50, 400]]
+    assert [a.ef for a in answers] == [10, EchoPredictor.default_ef, 50, 400]  # what each one ran at
 
 
 def test_a_request_without_ef_is_never_searched_below_the_bundle_default():
@@ -186,7 +187,7 @@ def test_a_request_without_ef_is_never_searched_below_the_bundle_default():
         return await submit_behind_a_running_batch(batcher, predictor, (["x"], 1, 10, [()]), rest)
 
     asyncio.run(run_with(predictor, BatcherConfig(), scenario))
-    assert predictor.efs == [10, EchoPredictor.default_ef]
+    assert predictor.efs == [[10], [EchoPredictor.default_ef, 20]]
 
 
 def test_max_wait_gathers_requests_that_arrive_within_it():

@@ -50,7 +50,7 @@ def test_chunked_encoding_matches_one_text_at_a_time(tiny_rae_bundle, monkeypatc
     path = tiny_rae_bundle
     texts = ["a", "a much longer text " * 6, "libc6: GNU C Library", "x y", "python3-numpy: fast arrays"] * 3
     monkeypatch.setattr(enc, "CALL_COST_TOKENS", 4.0)  # cheap calls: several chunks per batch
-    chunked = OnnxEncoder(path / "encoder.onnx", path / "tokenizer.json", 64, EncoderOptions())
+    chunked = OnnxEncoder(path / "encoder.onnx", path / "tokenizer.json", 64, EncoderOptions(), enc.MAX_CHUNK)
     vectors, times = chunked.encode(texts)
     singles = np.concatenate([chunked.encode([t])[0] for t in texts])
     np.testing.assert_allclose(vectors, singles, atol=1e-5)
@@ -106,3 +106,19 @@ def test_on_cuda_two_workers_share_the_device_by_default(monkeypatch):
     monkeypatch.setattr(enc, "choose_providers", lambda preference: [enc.CUDA_PROVIDER, enc.CPU_PROVIDER])
     assert enc.thread_layout(0, 0, "cuda") == (2, 0)
     assert enc.thread_layout(3, 1, "cuda") == (3, 1)
+
+
+def test_on_the_cpu_each_text_is_its_own_session_call(tiny_rae_bundle):
+    """A text's vector is the same bits whatever it is batched with: ONNX Runtime's sums depend on
+    a call's shape, so on the CPU no call carries two texts."""
+    path = tiny_rae_bundle
+    encoder = OnnxEncoder(path / "encoder.onnx", path / "tokenizer.json", 64, EncoderOptions(providers="cpu"))
+    assert encoder.texts_per_call == 1
+    calls = []
+    run = encoder.run
+    encoder.run = lambda token_ids: calls.append(len(token_ids)) or run(token_ids)
+    texts = ["libc6: GNU C Library", "a much longer text " * 6, "x"]
+    batched, _ = encoder.encode(texts)
+    assert calls == [1, 1, 1]
+    for text, vector in zip(texts, batched, strict=True):
+        assert np.array_equal(encoder.encode([text])[0][0], vector)
