@@ -119,23 +119,6 @@ def least_wait(app: FastAPI) -> float | None:
     return min(waits) if waits else None
 
 
-def batch_observers(metrics: Metrics, tracing: Tracing):
-    """Each variant's ``on_batch_done``: the metrics, and the batch spans when tracing is on."""
-    if not tracing.enabled:
-        return metrics.batch_observer
-
-    def observers(variant: str):
-        record, trace_batch = metrics.batch_observer(variant), tracing.batch_observer(variant)
-
-        def observe(texts, times, started, tags) -> None:
-            record(texts, times, started, tags)
-            trace_batch(texts, times, started, tags)
-
-        return observe
-
-    return observers
-
-
 def create_app(settings: Settings | None = None, tracing: Tracing | None = None) -> FastAPI:
     """``tracing``: None reads the ``OTEL_*`` environment (off unless an exporter is configured)."""
     settings = settings or Settings()
@@ -145,7 +128,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        variants = Variants.create(settings.batcher_config(), batch_observers(metrics, tracing), metrics.drop_observer)
+        variants = Variants.create(settings.batcher_config(), metrics.batch_observer, metrics.drop_observer)
         variants.split_b = settings.rollout.split_b
         for name, slot in variants.slots.items():
             metrics.queue_depth.labels(variant=name).set_function(lambda slot=slot: slot.batcher.depth)
@@ -259,7 +242,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
             request.state.request_texts = texts
         started = time.perf_counter()
         timeout_s = (body.timeout_ms or settings.limits.request_timeout_ms) / 1000
-        submitted = slot.batcher.submit(texts, body.k, body.ef, body.exclude, timeout_s, tracing.current())
+        submitted = slot.batcher.submit(texts, body.k, body.ef, body.exclude, timeout_s)
         try:
             answer = await answer_unless_gone(request, submitted)
         except (QueueFullError, DeadlineExceededError) as exc:
@@ -271,10 +254,10 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
             return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
         if answer is None:  # nobody is listening; 499 is what nginx logs for it
             return Response(status_code=499)
+        resumed = time.perf_counter()
         metrics.stage_seconds.labels(stage="queue", variant=slot.name).observe(answer.queue_wait_s)
         request.state.queue_ms = round(answer.queue_wait_s * 1000, 3)
         request.state.bundle_id = answer.predictor.bundle.bundle_id  # the bundle that answered
-        tracing.queue_wait(answer.started - answer.queue_wait_s, answer.started)
         metrics.predicted_texts.labels(variant=slot.name).inc(len(texts))
         # The shadow copy (its uid lists built per label) only when mirroring is on at all.
         mirroring = state.shadow.config.fraction > 0
@@ -292,7 +275,9 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
                     tracing.headers().get("traceparent"),
                 )
             )
-        return await to_response(answer, slot.name, body.k)
+        response = await to_response(answer, slot.name, body.k)
+        tracing.batch_answered(answer, resumed, slot.name)  # the request's queue wait, batch stages and respond
+        return response
 
     @app.get("/healthz")
     async def healthz() -> dict:

@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import pytest
 import yaml
 
 from bench.localserver import free_port, start_server, stop_server
 from service.http.metrics import Metrics
+from tests.conftest import need_tool
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARDS = DEPLOY / "grafana" / "dashboards"
@@ -97,8 +97,8 @@ def load(url: str, seconds: float) -> None:
         assert sum(pool.map(client_loop, range(4))) > 100
 
 
-@pytest.mark.skipif(not Path(PROMETHEUS).exists(), reason="no prometheus binary (Debian: apt-get install prometheus)")
 def test_every_panel_has_data_under_load(bundle_root, tmp_path):
+    need_tool(Path(PROMETHEUS).exists(), "no prometheus binary (Debian: apt-get install prometheus)")
     shadow = start_server(bundle_root / "tiny-rae", tmp_path / "shadow.log")
     env = {
         "XMCSERVE_SHADOW_URL": shadow.url,

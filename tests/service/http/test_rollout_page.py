@@ -7,6 +7,7 @@ skipped with the reason where either is missing.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from fastapi.testclient import TestClient
 from bench.localserver import start_server, stop_server
 from service.http.app import create_app
 from service.http.settings import Settings
-from tests.conftest import wait_for
+from tests.conftest import need_tool, wait_for
 
 TOKEN = "rollout-token"
 ADMIN = {"X-Admin-Token": TOKEN}
@@ -131,9 +132,12 @@ def test_agreement_keeps_the_recent_comparisons_and_the_worst_texts(servers):
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
-        pytest.skip("browser test skipped: Debian's chromium and chromium-driver are not installed")
-    webdriver = pytest.importorskip("selenium.webdriver", reason="browser test skipped: selenium is not installed")
+    need_tool(
+        CHROMIUM.exists() and CHROMEDRIVER.exists(),
+        "browser test skipped: Debian's chromium and chromium-driver are not installed",
+    )
+    need_tool(importlib.util.find_spec("selenium") is not None, "browser test skipped: selenium is not installed")
+    from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
