@@ -27,6 +27,7 @@ from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_
 from service.engine.batcher import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
 from service.engine.bundle import BundleError
 from service.http.admin import add_admin_routes, require_admin
+from service.http.api_docs import add_api_docs
 from service.http.guards import ShedBeforeParsingMiddleware, method_label
 from service.http.metrics import Metrics
 from service.http.rollout_page import add_rollout_routes
@@ -197,6 +198,8 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         description="Extreme multi-label classification: the k most relevant labels for a short text.",
         lifespan=lifespan,
         exception_handlers={RequestValidationError: validation_error},
+        docs_url=None,  # served by add_api_docs from local assets, not a CDN
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.metrics = metrics
@@ -314,4 +317,5 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
 
     add_admin_routes(app)
     add_rollout_routes(app)
+    add_api_docs(app)
     return app

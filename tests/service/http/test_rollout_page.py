@@ -7,7 +7,6 @@ skipped with the reason where either is missing.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
@@ -18,11 +17,10 @@ from fastapi.testclient import TestClient
 from bench.localserver import start_server, stop_server
 from service.http.app import create_app
 from service.http.settings import Settings
-from tests.conftest import need_tool, wait_for
+from tests.conftest import wait_for
 
 TOKEN = "rollout-token"
 ADMIN = {"X-Admin-Token": TOKEN}
-CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 TEXTS = [
     "python3-numpy: Fast array facility to the Python 3 language",
     "libssl-dev: Secure Sockets Layer toolkit - development files",
@@ -128,41 +126,6 @@ def test_agreement_keeps_the_recent_comparisons_and_the_worst_texts(servers):
 
 
 # ---------------------------------------------------------------- the page in a real browser
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    need_tool(
-        CHROMIUM.exists() and CHROMEDRIVER.exists(),
-        "browser test skipped: Debian's chromium and chromium-driver are not installed",
-    )
-    need_tool(importlib.util.find_spec("selenium") is not None, "browser test skipped: selenium is not installed")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    # Chromium's switches, not options of a CLI of ours (which tests/test_cli_help.py holds to help=);
-    # no background, update or sync traffic: the closed network would only refuse it
-    add_switch = options.add_argument
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--window-size=1280,1400",
-        f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}",
-    ):
-        add_switch(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the page's console, read at the end
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)  # no driver download
-    driver.set_page_load_timeout(30)
-    yield driver
-    driver.quit()
 
 
 def test_an_operator_compares_watches_and_promotes_in_the_browser(servers, browser, tmp_path):
