@@ -36,6 +36,7 @@ from service.http.state import ServingState, load_for_serving, refused_fields
 from service.observability.logs import resolved_format
 from service.observability.requests import RequestContextMiddleware
 from service.observability.tracing import Tracing
+from service.rollout.live import LiveTraffic
 from service.rollout.shadow import ShadowMirror, ShadowRequest, ranked
 from service.rollout.shadow_worker import ShadowWorker
 from service.rollout.variants import CANDIDATE, PRIMARY, Variants
@@ -140,7 +141,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
             metrics.rejected.labels(variant=name)
             metrics.predicted_texts.labels(variant=name)
             metrics.start_at_zero(name)
-        state = ServingState(settings, metrics, variants)
+        state = ServingState(settings, metrics, variants, live=LiveTraffic(metrics.request_seconds))
         # nothing serves yet: a primary that fails stops start-up, no need to vet it apart
         try:
             predictor = await load_for_serving(settings.bundle_dir, settings, vet=False)
@@ -165,6 +166,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         variants.start()
         state.shadow = build_shadow(settings, metrics)
         state.shadow.start()
+        sampling = asyncio.create_task(state.live.run())  # the rollout page's live figures per variant
         app.state.serving = state
         log.info(
             "serving bundle %s on %s",
@@ -188,6 +190,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         log.info("shutting down: draining %d queued requests", queued, extra={"event": "shutdown", "queued": queued})
         await state.shadow.stop()
         await variants.stop()
+        sampling.cancel()
         app.state.serving = None
         tracing.shutdown()
         log.info("stopped", extra={"event": "stopped"})
