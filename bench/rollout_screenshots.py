@@ -71,6 +71,7 @@ def shoot(url: str, out: Path, compare_texts: list[str], profile: Path) -> list[
         Select(find(By.ID, "window")).select_by_value("300")
         wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#live-charts svg polyline")) >= 2)
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#charts svg circle"))
+        driver.execute_script("window.scrollTo(0, 0)")
         time.sleep(1)
         driver.save_screenshot(str(out / "rollout-page.png"))  # what a laptop shows on unlocking
         written.append(out / "rollout-page.png")

@@ -164,10 +164,10 @@ async def shadow_bundle(target: str | None) -> dict | None:
     }
 
 
-def pair(a: dict | None, other: dict | None) -> dict | None:
+def pair(a: dict | None, other: dict | None, name: str) -> dict | None:
     if a is None or other is None or "manifest" not in other:
         return None
-    comparable, why = scores_comparable(a["manifest"], other["manifest"])
+    comparable, why = scores_comparable(a["manifest"], other["manifest"], ("A", name))
     return {"rows": manifest_rows(a["manifest"], other["manifest"]), "scores_comparable": comparable, "why": why}
 
 
@@ -243,7 +243,7 @@ def add_rollout_routes(app: FastAPI) -> None:
         shadow = await shadow_bundle(state.shadow.target if state.shadow else None)
         return {
             "variants": {"A": a, "B": b, "shadow": shadow},
-            "against_a": {"B": pair(a, b), "shadow": pair(a, shadow)},
+            "against_a": {"B": pair(a, b, "B"), "shadow": pair(a, shadow, "the shadow")},
             "dashboards": dashboard_links(settings.rollout.grafana_url),
         }
 

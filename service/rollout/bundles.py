@@ -65,15 +65,15 @@ def scoring(manifest: dict) -> str:
     return f"{kind} scores"
 
 
-def scores_comparable(a: dict | None, b: dict | None) -> tuple[bool, str]:
-    """Whether score differences between the two bundles mean anything, and why (not)."""
+def scores_comparable(a: dict | None, b: dict | None, names: tuple[str, str] = ("A", "B")) -> tuple[bool, str]:
+    """Whether score differences between the two bundles (called ``names``) mean anything, and why (not)."""
     if not a or not b:
         return False, "only one bundle is loaded"
     how_a, how_b = scoring(a), scoring(b)
     if how_a == how_b:
         return True, f"both score by {how_a}"
     return False, (
-        f"A scores by {how_a}, the other by {how_b}: the scales differ, so score deltas are not shown; "
+        f"{names[0]} scores by {how_a}, {names[1]} by {how_b}: their scales differ; "
         "compare the rankings (overlap@k, τ) instead"
     )
 

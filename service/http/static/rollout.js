@@ -125,6 +125,8 @@
     return [pair.scores_comparable, pair.why];
   }
 
+  // An ISO date as "2026-11-26 06:04" in UTC (the page's readers may be anywhere).
+  const utc = (iso) => { const d = new Date(iso); return isNaN(d) ? iso : d.toISOString().slice(0, 16).replace("T", " "); };
   const shown = (value) => (value === null || value === undefined || value === "" ? "–" : String(value));
 
   function renderManifests() {
@@ -154,7 +156,8 @@
 
   function renderQuality() {
     const metrics = ["P@1", "P@5", "nDCG@5", "PSP@5", "R@100"];
-    const head = el("tr", {}, ...["variant", "bundle", "split", "evaluated", ...metrics, ""].map((h) => el("th", {}, h)));
+    const head = el("tr", {}, ...["variant", "bundle", "split", "evaluated (UTC)"].map((h) => el("th", {}, h)),
+      ...metrics.map((m) => el("th", { class: "num" }, m)), el("th", {}, ""));
     const rows = [];
     for (const name of ["A", "B", "shadow"]) {
       const bundle = manifests.variants[name];
@@ -172,7 +175,7 @@
       for (const ev of bundle.evaluations) {
         const note = ev.stale ? `measured ${ev.bundle_id}, not the loaded build` : `${ev.instances || "?"} instances`;
         rows.push(el("tr", { class: ev.stale ? "stale" : "" }, el("td", {}, name), el("td", { class: "id" }, bundle.bundle_id),
-          el("td", {}, shown(ev.split)), el("td", { title: `${ev.date} (${ev.dated_by}), ${ev.file}` }, ev.date.slice(0, 16).replace("T", " ")),
+          el("td", {}, shown(ev.split)), el("td", { title: `${ev.date} (${ev.dated_by}), ${ev.file}` }, utc(ev.date)),
           ...metrics.map((m) => el("td", { class: "num" }, ev.metrics[m] === undefined ? "–" : fmt(ev.metrics[m], 2))),
           el("td", { class: ev.stale ? "warn" : "muted" }, note)));
       }
@@ -209,7 +212,8 @@
     }
     $("live-split").textContent = `split to B ${data.split_b}: ${Math.round((1 - data.split_b) * 100)} % of requests to A, ${Math.round(data.split_b * 100)} % to B`;
     const names = Object.keys(data.variants).sort();
-    const head = el("tr", {}, ...["variant", "requests", "QPS", "p50 ms", "p99 ms", "failed"].map((h) => el("th", {}, h)));
+    const head = el("tr", {}, el("th", {}, "variant"),
+      ...["requests", "QPS", "p50 ms", "p99 ms", "failed"].map((h) => el("th", { class: "num" }, h)));
     const rows = names.map((name) => {
       const v = data.variants[name];
       return el("tr", {}, el("td", {}, el("span", { class: `swatch ${VARIANT_CLASS[name] || ""}` }), ` ${name}`),
