@@ -90,7 +90,6 @@ class BatchTimeline:
     encoded: float = 0.0  # its vectors ready
     searching: float = 0.0  # taken by the search thread
     searched: float = 0.0  # its rankings ready
-    answered: float = 0.0  # its answers handed to the event loop's futures
 
 
 @dataclass
@@ -402,7 +401,6 @@ class MicroBatcher:
                     job.future.set_exception(answers)
             return
         first = answers[0]
-        first.timeline.answered = time.perf_counter()
         self._on_batch_done(first.batch_texts, first.times)
         for job, answer in zip(batch, answers, strict=True):
             if not job.future.done():  # its caller may have stopped waiting
