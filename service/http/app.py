@@ -22,12 +22,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from service.api.docs import add_api_docs
 from service.api.guards import BodyLimitMiddleware, validation_error
 from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response_off_loop
 from service.engine.batcher import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
 from service.engine.bundle import BundleError
 from service.http.admin import add_admin_routes, require_admin
-from service.http.api_docs import add_api_docs
 from service.http.guards import ShedBeforeParsingMiddleware, method_label
 from service.http.metrics import Metrics
 from service.http.rollout_page import add_rollout_routes
