@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -23,6 +24,17 @@ def wait_for(condition, limit_s: float = 60, step_s: float = 0.1):
             return result
         time.sleep(step_s)
     raise AssertionError(f"condition not met within {limit_s}s")
+
+
+def need_tool(present: bool, reason: str) -> None:
+    """Skip the test, saying ``reason``, where a tool it needs (a browser, Prometheus) is missing;
+    under ``CI=true`` fail instead: CI installs these tools (.ci/run), and a skip there would let a
+    run pass that no longer checks what the test guards."""
+    if present:
+        return
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"{reason} (CI=true: the tool must be installed, see .ci/run)", pytrace=False)
+    pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ label frequencies for PSP@k and the head/torso/tail segments.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import time
@@ -190,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     result = evaluate_bundle(
         bundle, dataset, train, k=args.k, ef=args.ef, propensity=args.propensity, segments=segments
     )
-    result.update({"data": str(args.data), "split": args.split})
+    # when, beside what on which split: the rollout page shows a stored evaluation with its split and date
+    evaluated_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    result.update({"data": str(args.data), "split": args.split, "evaluated_at": evaluated_at})
     print(format_table(result))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

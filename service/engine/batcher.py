@@ -79,6 +79,20 @@ class BatcherConfig:
 
 
 @dataclass
+class BatchTimeline:
+    """When one batch crossed each boundary between its stages (``time.perf_counter()`` readings,
+    each taken once, by the thread that crossed it): a trace lays the stages end to end from
+    these, so no wait between them (a full hand-off, a busy event loop) goes unaccounted for."""
+
+    number: int  # the batch's sequence number in its batcher: requests with the same one shared it
+    requests: int
+    started: float  # taken from the queue by an encode thread
+    encoded: float = 0.0  # its vectors ready
+    searching: float = 0.0  # taken by the search thread
+    searched: float = 0.0  # its rankings ready
+
+
+@dataclass
 class BatchAnswer:
     """One request's share of a batch; ``ef`` is what the batch's search ran at (at least the
     request's own)."""
@@ -86,7 +100,7 @@ class BatchAnswer:
     rankings: list[Ranking]
     times: StageTimes
     queue_wait_s: float
-    started: float  # when the batch started (``time.perf_counter()``)
+    timeline: BatchTimeline  # shared by the batch's answers
     batch_texts: int
     predictor: Predictor
     ef: int
@@ -101,7 +115,6 @@ class _Job:
     exclude: Collection[str] | list[Collection[str]]
     future: asyncio.Future
     enqueued: float
-    tag: Any = None
 
 
 @dataclass(eq=False)
@@ -121,7 +134,7 @@ class _Encoded:
     vectors: np.ndarray
     terms: list[QueryTerms] | None
     times: EncodeTimes
-    started: float
+    timeline: BatchTimeline
 
 
 # Background work waits for an idle moment at most this long, then runs before the next batch:
@@ -143,6 +156,7 @@ class MicroBatcher:
     or when it is still queued at its deadline (``"deadline"``, :class:`DeadlineExceededError`).
     A request already computing is answered however late: its batch is paid for.
 
+    ``on_batch_done(texts, times)`` gets each answered batch's size and stage times.
     Call :meth:`start` and :meth:`submit` from one event loop; answers and ``on_batch_done`` /
     ``on_drop`` calls happen on that loop."""
 
@@ -150,12 +164,12 @@ class MicroBatcher:
         self,
         predictor_source: Callable[[], Predictor],
         config: BatcherConfig | None = None,
-        on_batch_done: Callable[[int, StageTimes, float, list[Any]], None] | None = None,
+        on_batch_done: Callable[[int, StageTimes], None] | None = None,
         on_drop: Callable[[str], None] | None = None,
     ):
         self.config = config or BatcherConfig()
         self._predictor_source = predictor_source
-        self._on_batch_done = on_batch_done or (lambda texts, times, started, tags: None)
+        self._on_batch_done = on_batch_done or (lambda texts, times: None)
         self._on_drop = on_drop or (lambda reason: None)
         self._lock = threading.Condition()  # guards everything below that both stages touch
         self._jobs: deque[_Job] = deque()
@@ -168,6 +182,7 @@ class MicroBatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self.in_flight_batches = 0  # batches taken from the queue and not yet answered
+        self._batches_taken = 0  # numbers the batches (BatchTimeline.number)
         self._seconds_per_text = 0.0  # moving average of the encode time per text of recent batches
 
     @property
@@ -207,20 +222,18 @@ class MicroBatcher:
         ef: int | None,
         exclude: Collection[str] | list[Collection[str]],
         timeout_s: float | None = None,
-        tag: Any = None,
     ) -> BatchAnswer:
         """Queue one request; ``exclude`` holds label *uids*, one collection for all texts or one
         per text (:func:`~service.engine.search.excluded_label_ids`), mapped to ids by the bundle
         that runs the batch (a reload may swap bundles between submit and run). ``timeout_s``:
-        how long it may wait to start (None: as long as it takes). ``tag``: the caller's, handed back
-        with the batch's times to ``on_batch_done`` (the front end's trace context)."""
+        how long it may wait to start (None: as long as it takes)."""
         if len(self._jobs) >= self.config.max_queue:
             raise QueueFullError(len(self._jobs), retry_after_s=1)
         if timeout_s is not None and self.expected_wait_s() > timeout_s:
             # refused now, in microseconds, rather than after waiting out the deadline
             self._on_drop("deadline")
             raise DeadlineExceededError(0.0)
-        job = _Job(texts, k, ef, exclude, asyncio.get_running_loop().create_future(), time.perf_counter(), tag)
+        job = _Job(texts, k, ef, exclude, asyncio.get_running_loop().create_future(), time.perf_counter())
         with self._lock:
             if self._stopping:
                 raise BatcherStoppedError("service shutting down")
@@ -279,10 +292,11 @@ class MicroBatcher:
             if isinstance(work, _Background):
                 self._run_background(work)
             else:
-                self._encode(work)
+                self._encode(*work)
 
-    def _take(self) -> list[_Job] | _Background | None:
-        """The next piece of work for an encode thread: a batch, background work, or None (stop)."""
+    def _take(self) -> tuple[list[_Job], BatchTimeline] | _Background | None:
+        """The next piece of work for an encode thread: a batch (its timeline starting now, as its
+        requests leave the queue), background work, or None (stop)."""
         with self._lock:
             while not self._stopping and not self._jobs and not self._background:
                 self._lock.wait()
@@ -297,7 +311,8 @@ class MicroBatcher:
                 return None
             self._encoding.update(batch)
             self.in_flight_batches += 1
-            return batch
+            self._batches_taken += 1
+            return batch, BatchTimeline(self._batches_taken, len(batch), time.perf_counter())
 
     def _background_overdue(self) -> bool:
         return time.perf_counter() - self._background[0].queued > BACKGROUND_MAX_WAIT_S
@@ -322,8 +337,7 @@ class MicroBatcher:
             self._lock.wait(remaining)
         return batch
 
-    def _encode(self, batch: list[_Job]) -> None:
-        started = time.perf_counter()
+    def _encode(self, batch: list[_Job], timeline: BatchTimeline) -> None:
         predictor = self._predictor_source()
         texts = [t for job in batch for t in job.texts]
         try:
@@ -333,12 +347,13 @@ class MicroBatcher:
                 self._encoding.difference_update(batch)
             self._answer(batch, exc)
             return
-        per_text = (time.perf_counter() - started) / len(texts)
+        timeline.encoded = time.perf_counter()
+        per_text = (timeline.encoded - timeline.started) / len(texts)
         with self._lock:
             self._seconds_per_text += 0.2 * (per_text - self._seconds_per_text) if self._seconds_per_text else per_text
             self._encoding.difference_update(batch)
             self._searching.update(batch)
-        encoded = _Encoded(batch, predictor, vectors, terms, encode_times, started)
+        encoded = _Encoded(batch, predictor, vectors, terms, encode_times, timeline)
         while not self._stopping:
             try:
                 self._handoff.put(encoded, timeout=STOP_POLL_S)
@@ -359,10 +374,12 @@ class MicroBatcher:
 
     def _search_loop(self) -> None:
         while (encoded := self._handoff.get()) is not None and not self._stopping:
+            encoded.timeline.searching = time.perf_counter()
             try:
                 answers: list[BatchAnswer] | Exception = _search_batch(encoded)
             except Exception as exc:
                 answers = exc
+            encoded.timeline.searched = time.perf_counter()
             self._answer(encoded.jobs, answers)
 
     # --- back on the event loop ----------------------------------------------------------------
@@ -384,7 +401,7 @@ class MicroBatcher:
                     job.future.set_exception(answers)
             return
         first = answers[0]
-        self._on_batch_done(first.batch_texts, first.times, first.started, [job.tag for job in batch])
+        self._on_batch_done(first.batch_texts, first.times)
         for job, answer in zip(batch, answers, strict=True):
             if not job.future.done():  # its caller may have stopped waiting
                 job.future.set_result(answer)
@@ -422,8 +439,8 @@ def _search_batch(encoded: _Encoded) -> list[BatchAnswer]:
             BatchAnswer(
                 rankings=rankings,
                 times=times,
-                queue_wait_s=encoded.started - job.enqueued,
-                started=encoded.started,
+                queue_wait_s=encoded.timeline.started - job.enqueued,
+                timeline=encoded.timeline,
                 batch_texts=len(encoded.vectors),
                 predictor=predictor,
                 ef=ef,

@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from service.api.docs import add_api_docs
 from service.api.guards import BodyLimitMiddleware, decode_body, validation_error
 from service.api.schemas import (
     SERVICE_VERSION,
@@ -42,6 +43,7 @@ from service.http.state import ServingState, load_for_serving, refused_fields
 from service.observability.logs import resolved_format
 from service.observability.requests import RequestContextMiddleware
 from service.observability.tracing import Tracing
+from service.rollout.live import LiveTraffic
 from service.rollout.shadow import ShadowMirror, ShadowRequest, ranked
 from service.rollout.shadow_worker import ShadowWorker
 from service.rollout.variants import CANDIDATE, PRIMARY, Variants
@@ -126,23 +128,6 @@ def least_wait(app: FastAPI) -> float | None:
     return min(waits) if waits else None
 
 
-def batch_observers(metrics: Metrics, tracing: Tracing):
-    """Each variant's ``on_batch_done``: the metrics, and the batch spans when tracing is on."""
-    if not tracing.enabled:
-        return metrics.batch_observer
-
-    def observers(variant: str):
-        record, trace_batch = metrics.batch_observer(variant), tracing.batch_observer(variant)
-
-        def observe(texts, times, started, tags) -> None:
-            record(texts, times, started, tags)
-            trace_batch(texts, times, started, tags)
-
-        return observe
-
-    return observers
-
-
 def create_app(settings: Settings | None = None, tracing: Tracing | None = None) -> FastAPI:
     """``tracing``: None reads the ``OTEL_*`` environment (off unless an exporter is configured)."""
     settings = settings or Settings()
@@ -152,7 +137,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        variants = Variants.create(settings.batcher_config(), batch_observers(metrics, tracing), metrics.drop_observer)
+        variants = Variants.create(settings.batcher_config(), metrics.batch_observer, metrics.drop_observer)
         variants.split_b = settings.rollout.split_b
         for name, slot in variants.slots.items():
             metrics.queue_depth.labels(variant=name).set_function(lambda slot=slot: slot.batcher.depth)
@@ -163,7 +148,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
             metrics.rejected.labels(variant=name)
             metrics.predicted_texts.labels(variant=name)
             metrics.start_at_zero(name)
-        state = ServingState(settings, metrics, variants)
+        state = ServingState(settings, metrics, variants, live=LiveTraffic(metrics.request_seconds))
         # nothing serves yet: a primary that fails stops start-up, no need to vet it apart
         try:
             predictor = await load_for_serving(settings.bundle_dir, settings, vet=False)
@@ -188,6 +173,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         variants.start()
         state.shadow = build_shadow(settings, metrics)
         state.shadow.start()
+        sampling = asyncio.create_task(state.live.run())  # the rollout page's live figures per variant
         app.state.serving = state
         log.info(
             "serving bundle %s on %s",
@@ -211,6 +197,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         log.info("shutting down: draining %d queued requests", queued, extra={"event": "shutdown", "queued": queued})
         await state.shadow.stop()
         await variants.stop()
+        sampling.cancel()
         app.state.serving = None
         tracing.shutdown()
         log.info("stopped", extra={"event": "stopped"})
@@ -221,6 +208,8 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         description="Extreme multi-label classification: the k most relevant labels for a short text.",
         lifespan=lifespan,
         exception_handlers={RequestValidationError: validation_error},
+        docs_url=None,  # served by add_api_docs from local assets, not a CDN
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.metrics = metrics
@@ -267,7 +256,7 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
             request.state.request_texts = texts
         started = time.perf_counter()
         timeout_s = (body.timeout_ms or settings.limits.request_timeout_ms) / 1000
-        submitted = slot.batcher.submit(texts, body.k, body.ef, body.exclude, timeout_s, tracing.current())
+        submitted = slot.batcher.submit(texts, body.k, body.ef, body.exclude, timeout_s)
         try:
             answer = await answer_unless_gone(request, submitted)
         except (QueueFullError, DeadlineExceededError) as exc:
@@ -279,10 +268,10 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
             return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
         if answer is None:  # nobody is listening; 499 is what nginx logs for it
             return Response(status_code=499)
+        resumed = time.perf_counter()
         metrics.stage_seconds.labels(stage="queue", variant=slot.name).observe(answer.queue_wait_s)
         request.state.queue_ms = round(answer.queue_wait_s * 1000, 3)
         request.state.bundle_id = answer.predictor.bundle.bundle_id  # the bundle that answered
-        tracing.queue_wait(answer.started - answer.queue_wait_s, answer.started)
         metrics.predicted_texts.labels(variant=slot.name).inc(len(texts))
         # The shadow copy (its uid lists built per label) only when mirroring is on at all.
         mirroring = state.shadow.config.fraction > 0
@@ -300,7 +289,9 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
                     tracing.headers().get("traceparent"),
                 )
             )
-        return await to_response(answer, slot.name, body.k)
+        response = await to_response(answer, slot.name, body.k)
+        tracing.batch_answered(answer, resumed, slot.name)  # the request's queue wait, batch stages and respond
+        return response
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -338,4 +329,5 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
     add_admin_routes(app)
     add_rollout_routes(app)
     document_models(app, PredictRequest)
+    add_api_docs(app)
     return app

@@ -161,7 +161,7 @@ class Metrics:
         return observe
 
     def batch_observer(self, variant: str):
-        def observe(texts: int, times, started: float, tags: list) -> None:
+        def observe(texts: int, times) -> None:
             self.batch_texts.labels(variant=variant).observe(texts)
             for stage, seconds in times.as_dict().items():
                 self.stage_seconds.labels(stage=stage, variant=variant).observe(seconds)

@@ -9,6 +9,11 @@ script keeps it in the tab's memory and sends it as ``X-Admin-Token`` to the adm
 - ``GET /admin/agreement``: the shadow's recent comparisons and drops (the mirror's bounded ring,
   :mod:`service.rollout.agreement`) and the texts where A and B disagreed most;
 - ``GET /admin/bundles``: the bundles under the bundle root, for a reload of B;
+- ``GET /admin/manifests``: A's, B's and the shadow's manifests field by field, whether their
+  scores are comparable (:mod:`service.rollout.bundles`), the offline evaluations stored beside
+  A's and B's bundles, and the Grafana dashboards' links when ``XMCSERVE_GRAFANA_URL`` is set;
+- ``GET /admin/live``: each variant's /predict QPS, p50/p99 and failed share over a window, from
+  the server's own request histogram (:mod:`service.rollout.live`);
 - and the existing ``/admin/state``, ``/admin/config``, ``/admin/reload``, ``/admin/promote``.
 
 With no admin token configured the page is not served (404), as the admin API is off. The page
@@ -21,6 +26,7 @@ import json
 import time
 from pathlib import Path
 
+import httpx
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import FileResponse
 from pydantic import Field
@@ -29,6 +35,7 @@ from service.api.schemas import build_predict_request
 from service.engine.batcher import BatcherStoppedError, DeadlineExceededError, QueueFullError
 from service.engine.manifest import MANIFEST_FILE
 from service.http.admin import require_admin, serving_state
+from service.rollout.bundles import manifest_rows, scores_comparable, scoring, stored_evaluations
 from service.rollout.shadow import compare, ranked
 from service.rollout.variants import CANDIDATE, PRIMARY
 
@@ -41,6 +48,10 @@ SECURITY_HEADERS = {
     "Cache-Control": "no-store",
 }
 MAX_WORST = 50
+# The shadow's manifest is read from its /info; a shadow that does not answer this fast is reported so.
+SHADOW_INFO_TIMEOUT_S = 2.0
+# The dashboards in deploy/grafana (their uids), linked from the page when Grafana's URL is set.
+DASHBOARDS = {"xmcserve": "server, variants and shadow", "xmcserve-ray": "Ray Serve front end"}
 
 
 def admin_enabled(request: Request) -> bool:
@@ -71,6 +82,7 @@ async def answer_side(slot, texts: list[str], k: int, ef: int | None, exclude, t
     return {
         "variant": slot.name,
         "bundle_id": answer.predictor.bundle.bundle_id,
+        "manifest": answer.predictor.bundle.manifest.model_dump(mode="json"),
         "latency_ms": round(seconds * 1000, 3),
         "ranked": ranked(answer.rankings, view.label_uids),
         "label_text": {view.label_uids[i]: view.label_texts[i] for r in answer.rankings for i in r.ids.tolist()},
@@ -78,10 +90,13 @@ async def answer_side(slot, texts: list[str], k: int, ef: int | None, exclude, t
 
 
 def side_by_side(a: dict, b: dict, k: int, n_texts: int) -> dict:
-    """Both sides' labels per text (text, score, shared with the other side) and their agreement."""
+    """Both sides' labels per text (text, score, shared with the other side) and their agreement;
+    the mean score delta only where the two bundles score alike (``scores``: whether, and why)."""
     sides, agreement = {}, []
+    comparable, why = scores_comparable(a.get("manifest"), b.get("manifest"))
     for side, other in ((a, b), (b, a)):
         out = {key: side.get(key) for key in ("variant", "bundle_id", "latency_ms", "error")}
+        out["scoring"] = scoring(side["manifest"]) if side.get("manifest") else None
         if "ranked" in side:
             out["results"] = []
             for i, labels in enumerate(side["ranked"]):
@@ -95,7 +110,9 @@ def side_by_side(a: dict, b: dict, k: int, n_texts: int) -> dict:
         sides[side["variant"]] = out
     if "ranked" in a and "ranked" in b:
         agreement = [compare(a["ranked"][i], b["ranked"][i], k) for i in range(n_texts)]
-    return {"k": k, "sides": sides, "agreement": agreement}
+        if not comparable:
+            agreement = [{**row, "score_delta": None} for row in agreement]
+    return {"k": k, "sides": sides, "agreement": agreement, "scores": {"comparable": comparable, "why": why}}
 
 
 def bundles_under(root: Path) -> list[dict]:
@@ -110,6 +127,55 @@ def bundles_under(root: Path) -> list[dict]:
             bundle_id = None
         out.append({"name": path.name, "bundle_id": bundle_id})
     return out
+
+
+def variant_bundle(slot) -> dict | None:
+    """A loaded variant's bundle: id, manifest, how it scores, the evaluations stored beside it."""
+    if not slot.ready:
+        return None
+    bundle = slot.predictor.bundle
+    manifest = bundle.manifest.model_dump(mode="json")
+    return {
+        "bundle_id": bundle.bundle_id,
+        "path": str(bundle.path),
+        "scoring": scoring(manifest),
+        "manifest": manifest,
+        "evaluations": stored_evaluations(Path(bundle.path), bundle.bundle_id),
+    }
+
+
+async def shadow_bundle(target: str | None) -> dict | None:
+    """The shadow's bundle as its /info tells it, or why it cannot be read."""
+    if not target:
+        return None
+    try:
+        async with httpx.AsyncClient(timeout=SHADOW_INFO_TIMEOUT_S) as client:
+            response = await client.get(f"{target.rstrip('/')}/info")
+            response.raise_for_status()
+            manifest = response.json()["manifest"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        return {"target": target, "error": f"the shadow's /info did not answer with a manifest: {exc}"}
+    return {
+        "target": target,
+        "bundle_id": manifest.get("bundle_id"),
+        "scoring": scoring(manifest),
+        "manifest": manifest,
+        "evaluations": None,  # stored beside the shadow's bundle, on its own machine
+    }
+
+
+def pair(a: dict | None, other: dict | None, name: str) -> dict | None:
+    if a is None or other is None or "manifest" not in other:
+        return None
+    comparable, why = scores_comparable(a["manifest"], other["manifest"], ("A", name))
+    return {"rows": manifest_rows(a["manifest"], other["manifest"]), "scores_comparable": comparable, "why": why}
+
+
+def dashboard_links(grafana_url: str | None) -> list[dict]:
+    if not grafana_url:
+        return []
+    base = grafana_url.rstrip("/")
+    return [{"title": title, "uid": uid, "url": f"{base}/d/{uid}/{uid}"} for uid, title in DASHBOARDS.items()]
 
 
 def add_rollout_routes(app: FastAPI) -> None:
@@ -166,6 +232,33 @@ def add_rollout_routes(app: FastAPI) -> None:
                 for c in shadow.history.worst(compared, worst)
             ],
         }
+
+    @app.get("/admin/manifests", dependencies=guarded)
+    async def manifests(request: Request) -> dict:
+        """A's, B's and the shadow's bundles (manifest, how they score, the evaluations stored
+        beside them), A against each of the others field by field with whether their scores are
+        comparable, and links to the Grafana dashboards when their URL is configured."""
+        state = serving_state(request)
+        a, b = variant_bundle(state.variants[PRIMARY]), variant_bundle(state.variants[CANDIDATE])
+        shadow = await shadow_bundle(state.shadow.target if state.shadow else None)
+        return {
+            "variants": {"A": a, "B": b, "shadow": shadow},
+            "against_a": {"B": pair(a, b, "B"), "shadow": pair(a, shadow, "the shadow")},
+            "dashboards": dashboard_links(settings.rollout.grafana_url),
+        }
+
+    @app.get("/admin/live", dependencies=guarded)
+    async def live(
+        request: Request,
+        window_s: float = Query(300.0, gt=0, le=3600, description="how far back, in seconds"),
+    ) -> dict:
+        """Each variant's /predict answers over the last ``window_s`` seconds (requests, QPS,
+        p50/p99 in ms, the share not answered 200) and per sampling interval, from the server's
+        own request histogram; and the split they ran under."""
+        state = serving_state(request)
+        if state.live is None:
+            raise HTTPException(503, "service not started")
+        return {**state.live.report(window_s), "split_b": state.variants.split_b}
 
     @app.get("/admin/bundles", dependencies=guarded)
     async def bundles(request: Request) -> dict:

@@ -50,6 +50,9 @@ class RolloutSettings(BaseSettings):
 
     candidate_bundle_dir: Path | None = Field(None, description="variant B loaded at start-up (optional)")
     split_b: float = Field(0.0, ge=0.0, le=1.0, description="share of requests routed to B (sticky per X-Request-Key)")
+    grafana_url: str | None = Field(
+        None, description="Grafana's base URL with the deploy/grafana dashboards; the rollout page links to them"
+    )
 
 
 class ShadowSettings(BaseSettings):

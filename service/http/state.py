@@ -18,6 +18,7 @@ from service import engine
 from service.engine import Predictor
 from service.http.metrics import Metrics
 from service.http.settings import Settings
+from service.rollout.live import LiveTraffic
 from service.rollout.shadow import ShadowMirror
 from service.rollout.variants import Variants
 
@@ -73,6 +74,7 @@ class ServingState:
     metrics: Metrics
     variants: Variants
     shadow: ShadowMirror | None = None
+    live: LiveTraffic | None = None  # each variant's recent /predict traffic, for the rollout page
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def install(self, name: str, predictor: Predictor, source: str) -> Predictor | None:

@@ -4,7 +4,9 @@ JSON lines (python-json-logger) in containers, readable text on a terminal; ``XM
 chooses (``auto``: text when stderr is a terminal). Every record carries the request id of the
 request being handled (a context variable set by :mod:`service.observability.requests`), ``-``
 outside a request. Structured fields are passed as ``extra=``: JSON renders them as keys; the
-text form relies on each message already saying what matters in words.
+text form relies on each message already saying what matters in words. Uvicorn passes each of its
+messages a second time, with terminal colour codes, as ``extra={"color_message": ...}``: JSON
+leaves that copy out, so a line holds no escape sequences and says its message once.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from contextvars import ContextVar
 from typing import Literal
 
+from pythonjsonlogger.core import RESERVED_ATTRS
 from pythonjsonlogger.json import JsonFormatter
 
 REQUEST_ID: ContextVar[str] = ContextVar("request_id", default="-")
@@ -23,6 +26,8 @@ UVICORN_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access")
 TEXT_FORMAT = "%(asctime)s %(levelname)-7s %(request_id)s %(name)s: %(message)s"
 JSON_FIELDS = "%(asctime)s %(levelname)s %(name)s %(request_id)s %(message)s"
 JSON_RENAMES = {"asctime": "time", "levelname": "level", "name": "logger"}
+# Record attributes that are not fields of a JSON line: the standard ones, and uvicorn's coloured copy.
+JSON_SKIPPED = [*RESERVED_ATTRS, "color_message"]
 
 LogFormat = Literal["auto", "json", "text"]
 
@@ -45,7 +50,7 @@ def resolved_format(fmt: LogFormat, stream=None) -> Literal["json", "text"]:
 
 def formatter(fmt: Literal["json", "text"]) -> logging.Formatter:
     if fmt == "json":
-        return JsonFormatter(JSON_FIELDS, rename_fields=JSON_RENAMES, timestamp=False)
+        return JsonFormatter(JSON_FIELDS, rename_fields=JSON_RENAMES, timestamp=False, reserved_attrs=JSON_SKIPPED)
     return logging.Formatter(TEXT_FORMAT)
 
 

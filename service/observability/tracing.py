@@ -6,11 +6,16 @@ win): the SDK's tracer provider with a batch processor and the OTLP/HTTP exporte
 headers, sampler and ``OTEL_SERVICE_NAME`` read by the SDK from the environment), and the
 FastAPI instrumentation's server span per request, continuing an incoming W3C ``traceparent``.
 Off: :class:`Tracing` has no tracer and every method returns at once (no spans, no SDK objects).
+The server spans follow the stable HTTP conventions (``http.request.method``, ``url.path``,
+``http.response.status_code``): ``OTEL_SEMCONV_STABILITY_OPT_IN=http`` unless set otherwise.
 
-The micro-batcher measures its stages per batch; their spans are written when the batch is
-answered, from the measured start and durations: a ``batch`` span, linked to the spans of the
-requests it serves, with ``tokenize``, ``encode``, ``search`` and ``aggregate`` children, and per
-request a ``queue wait`` child of the request's span.
+One trace per request: the micro-batcher records when each batch crossed each boundary between
+its stages (:class:`~service.engine.batcher.BatchTimeline`), and the request's handler writes,
+under its own span, a ``queue wait`` span, a ``batch`` span with one child per stage, and a
+``respond`` span, end to end from those readings. A batch that served n requests appears in each
+of their n traces (the same ``xmcserve.batch.id``); OpenTelemetry gives a span one parent, and a
+trace that stops at the queue, the batch elsewhere behind a link, is one most backends do not
+follow.
 """
 
 from __future__ import annotations
@@ -18,13 +23,16 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, SpanContext
 
 # Routes probed every few seconds: tracing them would bury the requests in probe traces.
 EXCLUDED_URLS = "healthz,readyz,metrics"
+# The instrumentation's server span reports the stable HTTP attributes only with this opt-in (read
+# once per process, at the first instrumentation); the old ones (http.status_code) otherwise.
+SEMCONV_OPT_IN = ("OTEL_SEMCONV_STABILITY_OPT_IN", "http")
 
 
 def exporter_configured(env=os.environ) -> bool:
@@ -81,6 +89,7 @@ class Tracing:
     def instrument(self, app) -> None:
         """A server span per request (FastAPI's instrumentation), when on."""
         if self.enabled:
+            os.environ.setdefault(*SEMCONV_OPT_IN)  # an operator's own choice (http/dup) stands
             from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 
             FastAPIInstrumentor.instrument_app(
@@ -118,54 +127,49 @@ class Tracing:
             propagate.inject(carrier)
         return carrier
 
-    def queue_wait(self, enqueued: float, started: float) -> None:
-        """A ``queue wait`` span under the current request span: from ``enqueued`` to ``started``
-        (``time.perf_counter()`` readings)."""
+    def batch_answered(self, answer, resumed: float, variant: str) -> None:
+        """Called by a request's handler once its response is built from the batcher's ``answer``
+        (a :class:`~service.engine.batcher.BatchAnswer`, got at ``resumed``): under the current
+        request span, the request's ``queue wait``, its ``batch`` with the stages as children,
+        and ``respond`` (the handler's work since: metrics, the shadow copy, the response body),
+        laid end to end. Nothing when off or outside a request span."""
         if self.current() is None:
             return
+        timeline, times = answer.timeline, answer.times
         now_perf, now_ns = time.perf_counter(), time.time_ns()
-        span = self.tracer.start_span("queue wait", start_time=epoch_ns(enqueued, now_perf, now_ns))
-        span.end(end_time=epoch_ns(started, now_perf, now_ns))
 
-    def batch_observer(self, variant: str) -> Callable[[int, object, float, Sequence], None]:
-        """The batcher's ``on_batch_done(texts, times, started, tags)``, where each request's tag
-        is its span context: a ``batch`` span linked to them, with one child per stage. The stage
-        spans are laid end to end from the batch's start, ``search`` and ``aggregate`` ending when
-        the batch is answered (the hand-off between the encode and search threads is the gap)."""
+        def ns(perf: float) -> int:  # one reading for every span: boundaries shared by two spans agree
+            return epoch_ns(perf, now_perf, now_ns)
 
-        def observe(texts: int, times, started: float, tags: Sequence) -> None:
-            if not self.enabled:
-                return
-            links = [Link(tag) for tag in tags if isinstance(tag, SpanContext)]
-            if not links:
-                return
-            now_perf, now_ns = time.perf_counter(), time.time_ns()
-            start = epoch_ns(started, now_perf, now_ns)
-            attributes = {
+        # Each boundary is one reading; the two inside a thread's stage (tokenize | encode, search |
+        # aggregate) come from the measured durations, kept within that stage's own readings.
+        tokenized = min(timeline.started + times.tokenize, timeline.encoded)
+        aggregating = max(timeline.searched - times.aggregate, timeline.searching)
+        boundaries = [
+            ("tokenize", timeline.started, tokenized),
+            ("encode", tokenized, timeline.encoded),
+            ("handoff wait", timeline.encoded, timeline.searching),  # the search thread busy with the batch before
+            ("search", timeline.searching, aggregating),
+            ("aggregate", aggregating, timeline.searched),
+            ("loop wait", timeline.searched, resumed),  # the answer waiting for the event loop to run the handler
+        ]
+        queued = timeline.started - answer.queue_wait_s
+        self.tracer.start_span("queue wait", start_time=ns(queued)).end(end_time=ns(timeline.started))
+        batch = self.tracer.start_span(
+            "batch",
+            start_time=ns(timeline.started),
+            attributes={
                 "xmcserve.variant": variant,
-                "xmcserve.batch.texts": texts,
-                "xmcserve.batch.requests": len(tags),
-            }
-            batch = self.tracer.start_span(
-                "batch",
-                context=trace.set_span_in_context(trace.INVALID_SPAN),
-                links=links,
-                start_time=start,
-                attributes=attributes,
-            )
-            parent = trace.set_span_in_context(batch)
-            search_start = now_ns - round((times.search + times.aggregate) * 1e9)
-            stages = (
-                ("tokenize", start, start + round(times.tokenize * 1e9)),
-                ("encode", start + round(times.tokenize * 1e9), start + round((times.tokenize + times.encode) * 1e9)),
-                ("search", search_start, search_start + round(times.search * 1e9)),
-                ("aggregate", now_ns - round(times.aggregate * 1e9), now_ns),
-            )
-            for name, begin, end in stages:
-                self.tracer.start_span(name, context=parent, start_time=begin).end(end_time=end)
-            batch.end(end_time=now_ns)
-
-        return observe
+                "xmcserve.batch.id": timeline.number,
+                "xmcserve.batch.requests": timeline.requests,
+                "xmcserve.batch.texts": answer.batch_texts,
+            },
+        )
+        parent = trace.set_span_in_context(batch)
+        for name, begin, end in boundaries:
+            self.tracer.start_span(name, context=parent, start_time=ns(begin)).end(end_time=ns(end))
+        batch.end(end_time=ns(resumed))
+        self.tracer.start_span("respond", start_time=ns(resumed)).end(end_time=now_ns)
 
     @contextlib.contextmanager
     def part_span(

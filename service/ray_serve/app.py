@@ -39,6 +39,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.util import metrics as ray_metrics
 
+from service.api.docs import add_api_docs
 from service.api.guards import BodyLimitMiddleware, validation_error
 from service.api.limits import LimitSettings
 from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response_off_loop
@@ -394,7 +395,10 @@ def ingress_app(ingress: Ingress) -> FastAPI:
         version=SERVICE_VERSION,
         description="Extreme multi-label classification: the k most relevant labels for a short text.",
         exception_handlers={RequestValidationError: validation_error},
+        docs_url=None,  # served by add_api_docs from local assets, not a CDN
+        redoc_url=None,
     )
+    add_api_docs(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, read_timeout_s=limits.body_timeout_s)
     # Ray's workers log through Ray's own handlers: the access line takes their format
     app.add_middleware(RequestContextMiddleware, tracing=ingress.tracing)

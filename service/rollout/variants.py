@@ -38,7 +38,7 @@ def route(key: str | None, split_b: float, candidate_ready: bool, rng: random.Ra
 class VariantSlot:
     name: str
     config: BatcherConfig
-    on_batch_done: Callable[[int, StageTimes, float, list], None]
+    on_batch_done: Callable[[int, StageTimes], None]
     on_drop: Callable[[str], None] | None = None
     predictor: Predictor | None = None
     source: str | None = None
@@ -76,7 +76,7 @@ class Variants:
     def create(
         cls,
         config: BatcherConfig,
-        on_batch_done: Callable[[str], Callable[[int, StageTimes, float, list], None]],
+        on_batch_done: Callable[[str], Callable[[int, StageTimes], None]],
         on_drop: Callable[[str], Callable[[str], None]] = lambda name: None,
     ) -> Variants:
         """``on_batch_done(name)`` / ``on_drop(name)``: each slot's batcher callbacks."""

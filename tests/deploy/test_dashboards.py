@@ -1,9 +1,11 @@
 """The Grafana dashboards match what the processes export: every metric family has a panel, every
-query tells the primary from the shadow, and, where Debian's ``prometheus`` binary is installed,
-every panel's query returns data from a real Prometheus scraping a primary under load with a
-shadow running (both scraped with deploy/prometheus.yml's jobs and labels)."""
+query tells the primary from the shadow, every query reads the chosen data source and keeps to the
+chosen namespace, pod and instance (template variables), and every panel's query returns data
+from a real Prometheus (Debian's ``prometheus``) scraping a primary under load with a shadow
+running (both scraped with deploy/prometheus.yml's jobs and labels)."""
 
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -11,23 +13,60 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import pytest
 import yaml
 
 from bench.localserver import free_port, start_server, stop_server
 from service.http.metrics import Metrics
+from tests.conftest import need_tool
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARDS = DEPLOY / "grafana" / "dashboards"
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 TOKEN = "dashboards-token"
 TEXTS = ["libc6: GNU C Library: Shared libraries", "python3: interactive high-level language", "vim editor"]
+# The scope every query keeps to: Grafana's template variables (all of them by default).
+SELECTORS = ("namespace", "pod", "instance")
+DATA_SOURCE = {"type": "prometheus", "uid": "${datasource}"}
+METRIC = re.compile(r"\b(?:xmcserve|process|python|ray)_[a-z_]+(\{[^}]*\})?")
 
 
 def queries(name: str) -> list[tuple[str, str]]:
     """(panel title, expression) of every query of a dashboard."""
     dashboard = json.loads((DASHBOARDS / name).read_text())
     return [(p["title"], t["expr"]) for p in dashboard["panels"] if p["type"] != "row" for t in p["targets"]]
+
+
+def promql(expr: str, **chosen: str) -> str:
+    """The expression as Grafana sends it: each variable replaced by its choice, or by its "All"
+    value (``.*``, which also matches a series without the label, as a compose stack's)."""
+    for name in SELECTORS:
+        expr = expr.replace(f"${name}", chosen.get(name, ".*"))
+    return expr
+
+
+def test_every_query_reads_the_chosen_data_source_and_keeps_to_the_chosen_pods():
+    for name in ("xmcserve.json", "xmcserve-ray.json"):
+        dashboard = json.loads((DASHBOARDS / name).read_text())
+        variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+        assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+        for label in SELECTORS:
+            variable = variables[label]
+            assert variable["datasource"] == DATA_SOURCE and f", {label})" in variable["definition"]
+            assert variable["includeAll"] and variable["allValue"] == ".*"
+        # each selector's choices narrowed by the ones before it
+        assert 'namespace=~"$namespace"' in variables["pod"]["definition"]
+        assert 'pod=~"$pod"' in variables["instance"]["definition"]
+        for panel in dashboard["panels"]:
+            if panel["type"] == "row":
+                continue
+            assert panel["datasource"] == DATA_SOURCE, panel["title"]
+            for target in panel["targets"]:
+                assert target["datasource"] == DATA_SOURCE, panel["title"]
+                metrics = METRIC.findall(target["expr"])
+                assert metrics, target["expr"]
+                for braces in metrics:
+                    for label in SELECTORS:
+                        assert f'{label}=~"${label}"' in braces, (panel["title"], target["expr"])
 
 
 def ray_ingress_families() -> set[str]:
@@ -97,8 +136,25 @@ def load(url: str, seconds: float) -> None:
         assert sum(pool.map(client_loop, range(4))) > 100
 
 
-@pytest.mark.skipif(not Path(PROMETHEUS).exists(), reason="no prometheus binary (Debian: apt-get install prometheus)")
+def check_the_selectors(port: int, primary: str, shadow: str) -> None:
+    """The instance variable lists both processes, and choosing one keeps the other out."""
+    base = f"http://127.0.0.1:{port}/api/v1"
+    dashboard = json.loads((DASHBOARDS / "xmcserve.json").read_text())
+    (instance,) = [v for v in dashboard["templating"]["list"] if v["name"] == "instance"]
+    # Grafana's label_values(selector, label): the label's values among the selector's series
+    selector, label = re.fullmatch(r"label_values\((.*), (\w+)\)", instance["definition"]).groups()
+    series = httpx.get(f"{base}/series", params={"match[]": promql(selector)}, timeout=10).json()["data"]
+    listed = {s[label] for s in series}
+    primary_at, shadow_at = primary.removeprefix("http://"), shadow.removeprefix("http://")
+    assert {primary_at, shadow_at} <= listed, listed
+    by_role, _ = [expr for title, expr in queries("xmcserve.json") if title == "Memory: resident and virtual"]
+    for chosen, role in ((primary_at, "primary"), (shadow_at, "shadow")):
+        result = httpx.get(f"{base}/query", params={"query": promql(by_role, instance=chosen)}, timeout=10).json()
+        assert [r["metric"]["role"] for r in result["data"]["result"]] == [role]
+
+
 def test_every_panel_has_data_under_load(bundle_root, tmp_path):
+    need_tool(Path(PROMETHEUS).exists(), "no prometheus binary (Debian: apt-get install prometheus)")
     shadow = start_server(bundle_root / "tiny-rae", tmp_path / "shadow.log")
     env = {
         "XMCSERVE_SHADOW_URL": shadow.url,
@@ -129,7 +185,7 @@ def test_every_panel_has_data_under_load(bundle_root, tmp_path):
             for _ in range(20):  # scrapes every second; a rate needs two samples in its window
                 empty = []
                 for title, expr in queries("xmcserve.json"):
-                    result = httpx.get(api, params={"query": expr}, timeout=10).json()
+                    result = httpx.get(api, params={"query": promql(expr)}, timeout=10).json()
                     assert result["status"] == "success", (title, expr, result)
                     if not result["data"]["result"]:
                         empty.append((title, expr))
@@ -138,6 +194,7 @@ def test_every_panel_has_data_under_load(bundle_root, tmp_path):
                 time.sleep(1)
             assert empty == [], empty
             print(f"dashboard check: {len(queries('xmcserve.json'))} queries, every one with data")
+            check_the_selectors(port, primary.url, shadow.url)
         finally:
             stop_server(primary)
     finally:

@@ -6,6 +6,7 @@ others queue" is a state the test creates, not a timing it hopes for."""
 
 import asyncio
 import threading
+import time
 import zlib
 
 import numpy as np
@@ -103,7 +104,7 @@ async def search_started(predictor: EchoPredictor) -> None:
 
 async def run_with(predictor, config, coro_factory, on_drop=None):
     done_batches = []
-    batcher = MicroBatcher(lambda: predictor, config, lambda n, t, s, tags: done_batches.append(n), on_drop)
+    batcher = MicroBatcher(lambda: predictor, config, lambda n, t: done_batches.append(n), on_drop)
     batcher.start()
     try:
         return await asyncio.wait_for(coro_factory(batcher), 60), done_batches
@@ -151,6 +152,12 @@ def test_concurrent_requests_share_batches_and_keep_their_own_k():
     for i, answer in enumerate(answers):
         assert len(answer.rankings) == 1 and len(answer.rankings[0].ids) == max(i, 1)
     assert answers[5].batch_texts == 10 and answers[5].queue_wait_s > 0
+    # one timeline per batch, shared by its answers, its readings in the order the stages ran
+    first, second = answers[0].timeline, answers[1].timeline
+    assert all(answer.timeline is second for answer in answers[1:])
+    assert (first.number, first.requests, second.number, second.requests) == (1, 1, 2, 10)
+    for line in (first, second):
+        assert line.started <= line.encoded <= line.searching <= line.searched <= time.perf_counter()
     assert predictor.threads and all(name.startswith("xmcserve-encode") for name in predictor.threads)
     assert predictor.search_threads == {"xmcserve-search"}
 

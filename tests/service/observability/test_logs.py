@@ -58,6 +58,29 @@ def test_uvicorn_loggers_go_through_the_same_handler(restore_logging):
     assert "INFO" in line and " - uvicorn.error: Application startup complete." in line  # "-": outside a request
 
 
+def unique_keys(pairs: list) -> dict:
+    keys = [key for key, _ in pairs]
+    assert len(keys) == len(set(keys)), f"duplicated fields: {keys}"
+    return dict(pairs)
+
+
+def test_json_lines_hold_no_colour_codes_and_no_field_twice(restore_logging):
+    """Uvicorn logs its start-up lines with a coloured copy of the message in ``color_message``."""
+    out = io.StringIO()
+    configure_logging("json", "INFO", out)
+    logging.getLogger("uvicorn.error").info(
+        "Uvicorn running on %s (Press CTRL+C to quit)",
+        "http://127.0.0.1:8000",
+        extra={"color_message": "Uvicorn running on \x1b[1m%s\x1b[0m (Press CTRL+C to quit)"},
+    )
+    logging.getLogger("xmcserve.access").info("GET / 200", extra={"request_id": "r1", "status": 200})
+    text = out.getvalue()
+    assert "\x1b" not in text and "\\u001b" not in text and "color_message" not in text
+    first, second = [json.loads(line, object_pairs_hook=unique_keys) for line in text.splitlines()]
+    assert first["message"] == "Uvicorn running on http://127.0.0.1:8000 (Press CTRL+C to quit)"
+    assert second["request_id"] == "r1" and second["status"] == 200
+
+
 def test_the_log_settings_read_the_environment(monkeypatch):
     from service.http.settings import LogSettings
 

@@ -47,7 +47,7 @@ def test_requests_queued_for_b_when_it_is_promoted_are_served_by_the_new_a():
     from service.engine.batcher import BatcherConfig
     from service.rollout.variants import Variants
 
-    variants = Variants.create(BatcherConfig(), lambda name: lambda n, t, s, tags: None)
+    variants = Variants.create(BatcherConfig(), lambda name: lambda n, t: None)
     old_a, candidate = object(), object()
     variants.install(PRIMARY, old_a, "a")
     variants.install(CANDIDATE, candidate, "b")
