@@ -73,9 +73,15 @@ evaluate: $(SERVE_STAMP) $(BUNDLE)/manifest.json
 	$(PY) -m training.evaluate --bundle $(BUNDLE) --data $(DATA) --split dev --out $(BUNDLE)-eval-dev.json
 
 # Benchmarks write JSON (and PNG) under bench/results/; run one at a time (they share 2 cores).
+# With BASELINE_REF (a commit), the CPU per request of everything but the encoder is measured for
+# this tree and that commit in the same run (bench.non_encoder_cost), the commit checked out in a
+# temporary worktree.
+BASELINE_REF ?=
+BASELINE_TREE := /tmp/xmcserve-baseline-$(BASELINE_REF)
 bench-serving:
 	$(MAKE) EXTRAS=cpu,train,dev,bench install bundle
-	$(PY) -m bench.serving --bundle $(BUNDLE)
+	$(if $(BASELINE_REF),test -d $(BASELINE_TREE) || git worktree add --detach $(BASELINE_TREE) $(BASELINE_REF))
+	$(PY) -m bench.serving --bundle $(BUNDLE) --null-encoder $(if $(BASELINE_REF),--baseline-tree $(BASELINE_TREE))
 
 # Single server vs Ray Serve with 1, 2 and 4 shards at 1M synthetic labels (builds take ~35 min
 # on 2 cores; built bundles are kept in /tmp/xmcserve-ray-scale).

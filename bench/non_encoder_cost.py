@@ -97,15 +97,15 @@ def measure(
             order = names[round_ % len(names) :] + names[: round_ % len(names)]
             for name in order:
                 url = servers[name].url
-                us, row = cpu_per_request_us(url, bodies, args.rps, args.seconds)
+                us, row = cpu_per_request_us(url, bodies, args.rps, args.null_seconds)
                 cpu_us[name].append(round(us, 1))
                 paced[name].append(row)
-                closed = asyncio.run(closed_loop(url, bodies, args.concurrency, args.seconds)).summary()
+                closed = asyncio.run(closed_loop(url, bodies, args.null_concurrency, args.null_seconds)).summary()
                 peak[name].append(closed["qps"])
                 print(json.dumps({"round": round_, "tree": name, "cpu_us_per_request": us, "peak_qps": closed}))
         profiles = {}
         for name, server in servers.items():
-            share = profile(server, bodies, args.rps, args.seconds, work / f"null-{name}.txt")
+            share = profile(server, bodies, args.rps, args.null_seconds, work / f"null-{name}.txt")
             median_us = statistics.median(cpu_us[name])
             profiles[name] = {
                 **share,
@@ -131,12 +131,16 @@ def measure(
     return result
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, rounds: bool = True) -> None:
+    """The options of this measurement (``rounds``: also ``--rounds``, which bench.serving has)."""
     parser.add_argument("--baseline-tree", type=Path, default=None, help="a checkout of the code to compare with")
     parser.add_argument("--rps", type=float, default=150.0, help="the fixed open-loop rate the CPU is measured at")
     parser.add_argument("--null-seconds", type=float, default=10.0, help="seconds of each load")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds over the trees (order rotated each round)")
-    parser.add_argument("--concurrency", type=int, default=64, help="closed-loop concurrency of the peak")
+    parser.add_argument(
+        "--null-concurrency", type=int, default=64, help="closed-loop concurrency of the null-encoder peak"
+    )
+    if rounds:
+        parser.add_argument("--rounds", type=int, default=3, help="rounds over the trees (order rotated each round)")
 
 
 def run(args: argparse.Namespace, bundle: Path, data: Path) -> dict:
@@ -145,7 +149,6 @@ def run(args: argparse.Namespace, bundle: Path, data: Path) -> dict:
     trees = {"this": ROOT}
     if args.baseline_tree is not None:
         trees["baseline"] = args.baseline_tree.resolve()
-    args.seconds = args.null_seconds
     return {
         "what": "the server with its ONNX call replaced by a vector lookup (bench.null_encoder)",
         "trees": {name: str(tree) for name, tree in trees.items()},
@@ -153,7 +156,7 @@ def run(args: argparse.Namespace, bundle: Path, data: Path) -> dict:
         "rps": args.rps,
         "seconds_per_load": args.null_seconds,
         "rounds": args.rounds,
-        "concurrency": args.concurrency,
+        "concurrency": args.null_concurrency,
         **measure(trees, bundle, bodies, texts, args),
     }
 
