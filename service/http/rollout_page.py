@@ -9,7 +9,8 @@ script keeps it in the tab's memory and sends it as ``X-Admin-Token`` to the adm
 - ``GET /admin/agreement``: the shadow's recent comparisons and drops (the mirror's bounded ring,
   :mod:`service.rollout.agreement`) and the texts where A and B disagreed most;
 - ``GET /admin/bundles``: the bundles under the bundle root, for a reload of B;
-- and the existing ``/admin/state``, ``/admin/config``, ``/admin/reload``, ``/admin/promote``.
+- and the existing ``/admin/state``, ``/admin/config``, ``/admin/reload``, ``/admin/promote``,
+  ``/admin/rollback``.
 
 With no admin token configured the page is not served (404), as the admin API is off. The page
 costs /predict nothing: it only calls admin endpoints, and only while it is open.
