@@ -22,7 +22,7 @@ TOKEN = "lineage-token"
 ADMIN = {"X-Admin-Token": TOKEN}
 SEEDS = [int(seed) for seed in os.environ.get("LINEAGE_SEEDS", "26").split(",")]
 STEPS = 22  # operations per seed
-TIME_LIMIT_S = 50  # one seed's whole run, servers included
+TIME_LIMIT_S = 45  # no step starts after this (a seed's steps take ~25 s on 2 idle cores)
 
 
 def serve(root, name, appends, log_path, extra_env=None):
@@ -223,7 +223,8 @@ def test_a_random_interleaving_never_reorders_doubles_or_strands_an_acknowledged
             return f"{'sigkill' if kill else 'restart'}->{a_name}"
 
         for step in range(STEPS):
-            assert time.monotonic() - started < TIME_LIMIT_S, f"step {step} of seed {seed}: {done}"
+            if time.monotonic() - started > TIME_LIMIT_S:  # a machine too busy: stop drawing, still checked
+                break
             body = {**append_body(rng, step, acked.uids()), "append_id": f"s{seed}-{step}"}
             move = next_move(rng, done, len(lineage), b_name is not None, previous is not None)
             if move.startswith("append"):
@@ -260,5 +261,6 @@ def test_a_random_interleaving_never_reorders_doubles_or_strands_an_acknowledged
         stop_server(server)
     elapsed = time.monotonic() - started
     print(f"\nlineage seed {seed}: {len(acked.bodies)} appends acknowledged in {elapsed:.1f} s; steps: {done}")
-    kinds = {move.split(" ")[0].split("->")[0] for move in done}
-    assert kinds >= {"append", "compact", "promote", "rollback", "restart", "sigkill"}, done
+    if len(done) == STEPS:  # the seed's whole sequence ran: it covers every kind of step
+        kinds = {move.split(" ")[0].split("->")[0] for move in done}
+        assert kinds >= {"append", "compact", "reload", "promote", "rollback", "restart", "sigkill"}, done
