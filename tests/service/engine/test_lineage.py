@@ -158,7 +158,7 @@ def test_a_bundle_never_replays_one_file_twice(own_bundle, tmp_path, alias):
     inode: replayed once."""
     appends = tmp_path / "appends"
     live = load_predictor(own_bundle, appends_dir=appends)
-    add_instance(live, "i1", append_id="i1")
+    add_instance(live, "i1")  # no append_id: nothing but the file's identity tells a second replay
     log_path = live.memory.log.path
     name = log_path.name
     if alias == "hard-link":
