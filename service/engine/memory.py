@@ -267,6 +267,8 @@ def value_rows(view: MemoryView, batch: AppendBatch, new_label_ids: np.ndarray, 
 
 
 class TailRecord(Protocol):
+    """An append another bundle of the lineage logged (:class:`~service.engine.append_log.TailRecord`)."""
+
     batch: AppendBatch
     vectors: np.ndarray
     end: int  # the log offset after it
