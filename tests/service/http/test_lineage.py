@@ -20,7 +20,9 @@ from export.compact import NothingToFold, compact_bundle
 
 TOKEN = "lineage-token"
 ADMIN = {"X-Admin-Token": TOKEN}
-SEEDS = [int(seed) for seed in os.environ.get("LINEAGE_SEEDS", "26").split(",")]
+# The default seed draws every kind of step within STEPS (checked below); LINEAGE_SEEDS=1,2,3 runs others.
+COVERING_SEED = 26
+SEEDS = [int(seed) for seed in os.environ.get("LINEAGE_SEEDS", str(COVERING_SEED)).split(",")]
 STEPS = 22  # operations per seed
 TIME_LIMIT_S = 45  # no step starts after this (a seed's steps take ~25 s on 2 idle cores)
 
@@ -261,6 +263,6 @@ def test_a_random_interleaving_never_reorders_doubles_or_strands_an_acknowledged
         stop_server(server)
     elapsed = time.monotonic() - started
     print(f"\nlineage seed {seed}: {len(acked.bodies)} appends acknowledged in {elapsed:.1f} s; steps: {done}")
-    if len(done) == STEPS:  # the seed's whole sequence ran: it covers every kind of step
+    if seed == COVERING_SEED and len(done) == STEPS:  # its whole sequence ran: every kind of step
         kinds = {move.split(" ")[0].split("->")[0] for move in done}
         assert kinds >= {"append", "compact", "reload", "promote", "rollback", "restart", "sigkill"}, done
