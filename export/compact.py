@@ -7,13 +7,15 @@ extended. Label ids do not change, so clients' stored ids stay valid. The encode
 head files are the source's (hard-linked); the manifest records the source id and the number of
 appends folded in (``params.compacted_from``, ``params.appends``).
 
-The source may be serving meanwhile: its log is only read (no lock, no repair), up to the last
-complete record, and the manifest records how far (``params.source_logs``: each log's path
-relative to the compacted bundle's log directory, byte offset and sha256 of what was folded).
-Loading the compacted bundle replays those logs past that offset, then its own log, so the
-appends the source acknowledged while the compaction ran are kept. Serve it with the same log
-directory setting the compaction was given (``--appends-dir`` = ``XMCSERVE_APPEND_LOG_DIR``, or
-neither: each bundle's ``<bundle>.appends/``).
+The compacted bundle stays in its source's lineage (docs/operations.md, "Lineage model"): it has
+no log of its own but goes on in the lineage's log, from the byte offset the compaction read it
+to (``manifest.lineage``: the log's path relative to the compacted bundle's log directory, that
+offset and the sha256 of what was folded; part of the bundle id). The source may be serving
+meanwhile: its log is only read (no lock, no repair), up to the last complete record, and what it
+logs later is replayed by the compacted bundle at load, or applied before its first append. Serve
+it with the same log directory setting the compaction was given (``--appends-dir`` =
+``XMCSERVE_APPEND_LOG_DIR``, or neither: each bundle's ``<bundle>.appends/``). A source with
+nothing logged past what it was built or compacted with is refused: there is nothing to fold.
 """
 
 from __future__ import annotations
@@ -34,23 +36,49 @@ from export.writer import refuse_existing, write_bundle
 from service.engine.append_log import appends_dir_beside
 from service.engine.fusion import ScoreFusion
 from service.engine.loading import SOURCE_LOGS, load_for_reading
-from service.engine.manifest import INDEX_FILE, LABELS_FILE, MANIFEST_FILE, Counts, Manifest, Shard, shard_list, utc_now
+from service.engine.manifest import (
+    INDEX_FILE,
+    LABELS_FILE,
+    MANIFEST_FILE,
+    Counts,
+    Lineage,
+    Manifest,
+    Shard,
+    shard_list,
+    utc_now,
+)
 from service.engine.memory import MemoryView
 from training.data import LabelSpace
 
 
+class NothingToFold(RuntimeError):
+    """The source's log holds nothing past what the source was built or compacted with."""
+
+
 def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, force: bool = False) -> Manifest:
     """The bundle ``source`` with the appends of its log (in ``appends_dir``, default beside it)
-    folded in, written to ``out``."""
+    folded in, written to ``out``. Raises :class:`NothingToFold` (nothing written) when there are
+    none, ``FileExistsError`` when ``out`` exists (also when another compaction wrote it first)
+    unless ``force``."""
     refuse_existing(out, force)
     source, out = Path(source).resolve(), Path(out).resolve()
     predictor, reads = load_for_reading(source, Path(appends_dir or appends_dir_beside(source)).resolve())
-    # where the compacted bundle's own log will be: source logs are named relative to it
+    if not reads:
+        raise NothingToFold(f"{source}: no append log (is --appends-dir the server's XMCSERVE_APPEND_LOG_DIR?)")
+    if predictor.view.version == 0:
+        raise NothingToFold(
+            f"{source}: nothing to fold: {reads[-1].path} holds no append past what the bundle already has; "
+            "nothing written"
+        )
+    # where the compacted bundle's log directory will be: the lineage log is named relative to it
     target_dir = Path(appends_dir).resolve() if appends_dir is not None else appends_dir_beside(out)
-    source_logs = [
-        {"bundle_id": r.bundle_id, "log": os.path.relpath(r.path, target_dir), "offset": r.size, "sha256": r.sha256}
-        for r in reads
-    ]
+    lineage_read = reads[-1]  # the log the source writes to: its lineage's
+    lineage = Lineage(
+        bundle_id=lineage_read.bundle_id,
+        log=os.path.relpath(lineage_read.path, target_dir),
+        offset=lineage_read.size,
+        sha256=lineage_read.sha256,
+    )
     bundle, view = predictor.bundle, predictor.view
     src = bundle.manifest
     keys = np.asarray(bundle.index.get_items(np.arange(view.num_keys)), dtype=np.float32)
@@ -86,11 +114,12 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
             "created_at": utc_now(),
             "counts": counts,
             "shards": shards,
+            "lineage": lineage,
+            "append_ids": view.append_ids,  # a retry of a folded append is still recognised
             "params": {
-                **src.params,
+                **{name: value for name, value in src.params.items() if name != SOURCE_LOGS},  # folded too
                 "compacted_from": src.bundle_id,
                 "appends": view.version,
-                SOURCE_LOGS: source_logs,
             },
         }
 
@@ -136,14 +165,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="directory of the append logs (the server's XMCSERVE_APPEND_LOG_DIR; default: <bundle>.appends)",
     )
-    parser.add_argument("--force", action="store_true", help="replace an existing bundle at --out")
+    parser.add_argument(
+        "--force", action="store_true", help="replace an existing bundle at --out (without it, an existing one is kept)"
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    manifest = compact_bundle(args.bundle, args.out, args.appends_dir, args.force)
+    try:
+        manifest = compact_bundle(args.bundle, args.out, args.appends_dir, args.force)
+    except (NothingToFold, FileExistsError) as exc:
+        raise SystemExit(f"export.compact: {exc}") from None
     print(json.dumps({"bundle_id": manifest.bundle_id, "out": str(args.out), **manifest.counts.model_dump()}))
 
 

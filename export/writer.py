@@ -9,7 +9,10 @@ the target as it was.
 Durable, not only atomic: every file and the staging directory are fsynced before the rename and
 the parent directory after it, so a power loss after :func:`write_bundle` returns cannot leave a
 bundle whose name exists but whose files are empty (ext4 and XFS may otherwise commit the rename
-before the data). ``force`` swaps the new bundle and the old in one ``renameat2(RENAME_EXCHANGE)``
+before the data). Without ``force`` the final rename is ``renameat2(RENAME_NOREPLACE)``, so of two
+writers racing to one target exactly one wins and the other gets ``FileExistsError`` (checking at
+the start only is not enough: both may find the target missing). ``force`` swaps the new bundle
+and the old in one ``renameat2(RENAME_EXCHANGE)``
 (Linux ≥ 3.15), so a process killed at any point leaves the old bundle or the new one at the
 target, never neither; where the file system cannot exchange, the old one is renamed aside first
 and put back by the next write if the writer died in between. Staging and replaced directories a
@@ -52,7 +55,7 @@ def write_bundle(out: Path, populate: Populate, force: bool = False) -> Manifest
     """
     refuse_existing(out, force)
     remove_stale(out)
-    with _staging_dir(out) as stage:
+    with _staging_dir(out, force) as stage:
         manifest = _seal(stage, populate(stage))
     return manifest
 
@@ -149,42 +152,74 @@ def fsync_tree(directory: Path) -> None:
 
 
 _AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
+
+
+def _renameat2(a: Path, b: Path, flags: int) -> bool:
+    """``renameat2(a, b, flags)``; False where the C library or the file system cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    if code == errno.EEXIST:
+        raise FileExistsError(code, os.strerror(code), str(b))
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
 
 
 def exchange(a: Path, b: Path) -> bool:
     """Swap the names ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``); False where
     the C library or the file system cannot (the caller falls back to two renames)."""
-    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if renameat2 is None:
-        return False
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(code, os.strerror(code), str(a), None, str(b))
+    return _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+def rename_no_replace(a: Path, b: Path) -> None:
+    """Rename ``a`` to ``b`` unless ``b`` exists (``FileExistsError``), atomically:
+    ``renameat2(RENAME_NOREPLACE)``. Where that is not supported, ``rename(2)``, which refuses a
+    non-empty directory at ``b`` as well (every bundle holds its manifest) but would replace an
+    empty one: the error says which."""
+    try:
+        if _renameat2(a, b, _RENAME_NOREPLACE):
+            return
+    except FileExistsError:
+        raise FileExistsError(
+            f"{b} was created by another writer while this one wrote; bundles are immutable "
+            "(pass --force / force=True to replace)"
+        ) from None
+    try:
+        os.rename(a, b)
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise FileExistsError(
+                f"{b} was created by another writer while this one wrote (this file system has no "
+                "renameat2(RENAME_NOREPLACE); rename(2) refused the non-empty target)"
+            ) from None
+        raise
 
 
 @contextmanager
-def _staging_dir(out: Path) -> Iterator[Path]:
-    """A hidden sibling of ``out`` (same file system, so the final rename is atomic) that replaces
-    ``out`` when the block succeeds and is removed when it fails."""
+def _staging_dir(out: Path, force: bool) -> Iterator[Path]:
+    """A hidden sibling of ``out`` (same file system, so the final rename is atomic) that becomes
+    ``out`` when the block succeeds (replacing one only with ``force``) and is removed when it fails."""
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=_leftover_prefix(out, STAGING) + _owner_tag(), dir=out.parent))
     stage.chmod(0o755)  # mkdtemp makes it private; a serving container runs as another user
     try:
         yield stage
         fsync_tree(stage)
-        _move_into_place(stage, out)
+        _move_into_place(stage, out, force)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
 
 
-def _move_into_place(stage: Path, out: Path) -> None:
-    if not out.exists():
-        stage.rename(out)
+def _move_into_place(stage: Path, out: Path, force: bool) -> None:
+    if not force or not out.exists():
+        rename_no_replace(stage, out)  # another writer may have put one there since we checked
         sync_directory(out.parent)
         return
     if exchange(stage, out):  # the new bundle at ``out``, the old one at ``stage``: delete it

@@ -29,12 +29,19 @@ The public surface:
 Everything is thread-safe for concurrent ``predict`` calls on one predictor.
 """
 
-from service.engine.append_log import AppendLog, AppendLogError, appends_dir_beside
+from service.engine.append_log import AppendLog, AppendLogError, AppendLogHeld, appends_dir_beside
 from service.engine.batcher import BatchAnswer, BatcherConfig, BatcherStoppedError, MicroBatcher, QueueFullError
 from service.engine.bundle import Bundle, BundleError, load_bundle
 from service.engine.encoder import EncoderOptions, OnnxEncoder
 from service.engine.loading import load_predictor, vet_in_child
-from service.engine.memory import AppendBatch, AppendIdReused, AppendOutcome, AppendRefused, MemoryView
+from service.engine.memory import (
+    AppendBatch,
+    AppendIdReused,
+    AppendOutcome,
+    AppendRefused,
+    LineageDiverged,
+    MemoryView,
+)
 from service.engine.search import Prediction, Predictor, Ranking, StageTimes
 
 __all__ = [
@@ -42,8 +49,10 @@ __all__ = [
     "AppendIdReused",
     "AppendLog",
     "AppendLogError",
+    "AppendLogHeld",
     "AppendOutcome",
     "AppendRefused",
+    "LineageDiverged",
     "MemoryView",
     "appends_dir_beside",
     "BatchAnswer",

@@ -2,14 +2,20 @@
 
 One line per append, ``<sha256 of the payload> <json payload>``: the append's labels, instances,
 idempotency key and its keys' vectors (base64 float32), so replay needs no encoder. A log is named
-by its bundle's id (checked first: :func:`check_bundle_id`), so it is never replayed onto another
-bundle and never lands outside its directory.
+by the id of its lineage's first bundle (checked first: :func:`check_bundle_id`), so it is never
+replayed onto another lineage and never lands outside its directory.
 
-One writer per log, enforced by the OS: the process that serves a bundle holds an exclusive
-``flock`` on its log for as long as it serves it (:meth:`AppendLog.open_for_writing`); another
-process opening it for writing is refused at load. Readers (compaction, inspection) take no lock:
-they read the complete records up to a byte offset (:meth:`AppendLog.read`), a consistent prefix
-whatever the writer is doing, and never modify the file.
+One log per lineage, one order: a bundle and every bundle compacted from it read and write the
+same log (a compacted bundle from the offset its compaction folded to), so the n-th label appended
+has the same id in all of them. One writer at a time, enforced by the OS: a process takes an
+exclusive ``flock`` on the log at its first append and holds it for as long as it serves a bundle
+of the lineage (:meth:`AppendLog.exclusive`); another process's append is refused meanwhile.
+Before writing, a bundle applies the records it has not seen yet (another bundle of the lineage in
+this process wrote them: :meth:`AppendLog.exclusive` yields them), so it always appends at the end
+of the one order. Loading takes no lock and creates nothing: a bundle that never appends (a shadow,
+a candidate) never touches the log's directory. Readers (compaction, inspection, catching up) read
+the complete records up to a byte offset (:meth:`AppendLog.read`), a consistent prefix whatever the
+writer is doing, and never modify the file.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import os
 import re
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +51,18 @@ class AppendLogError(RuntimeError):
 
 
 class AppendLogHeld(AppendLogError):
-    """Another process holds the log open for writing (one writer per log)."""
+    """Another process holds the log open for writing (one writer per lineage)."""
+
+
+@dataclass(frozen=True)
+class TailRecord:
+    """A record past what a memory has applied: the append and its keys' vectors, and the byte
+    offset its line ends at (the memory has applied the log up to there once it is applied)."""
+
+    batch: AppendBatch
+    vectors: np.ndarray
+    end: int
+    where: str
 
 
 def check_bundle_id(bundle_id: str) -> str:
@@ -86,14 +105,16 @@ class _Writer:
         except BlockingIOError:
             os.close(self.fd)
             raise AppendLogHeld(
-                f"{path} is held for writing by another process (one writer per log): stop that process, "
-                "or serve this bundle with an XMCSERVE_APPEND_LOG_DIR of its own"
+                f"{path} is held for writing by another process (one writer per lineage): append through "
+                "that process, or serve this bundle with an XMCSERVE_APPEND_LOG_DIR of its own"
             ) from None
         except OSError:
             os.close(self.fd)
             raise
         sync_directory(path.parent)  # the log's entry, if this open created it
-        self.lock = threading.Lock()  # one write at a time among this process's predictors
+        # one write at a time among this process's predictors; re-entrant, as a memory catches up
+        # and writes under one hold (AppendLog.exclusive, then AppendLog.write)
+        self.lock = threading.RLock()
         weakref.finalize(self, os.close, self.fd)
 
 
@@ -128,9 +149,10 @@ class AppendLog:
         return cls(Path(directory) / f"{check_bundle_id(bundle_id)}{LOG_SUFFIX}", bundle_id)
 
     def open_for_writing(self) -> None:
-        """Open the log for appending and take its lock, for as long as this object lives.
-        Raises :class:`AppendLogHeld` when another process holds it, :class:`AppendLogError`
-        when it cannot be opened (its directory cannot be created, say)."""
+        """Open the log for appending and take its lock, for as long as this object lives (the
+        log's directory is created here, at the first append, never at load). Raises
+        :class:`AppendLogHeld` when another process holds it, :class:`AppendLogError` when it
+        cannot be opened (its directory cannot be created, say)."""
         try:
             self._writer = _writer_of(self.path)
         except AppendLogHeld:
@@ -172,6 +194,51 @@ class AppendLog:
         head = hashlib.sha256(data[:prefix]).hexdigest() if prefix <= len(data) else None
         return LogRead(self.path, self.bundle_id, records, offsets, good_bytes, digest, head)
 
+    def tail(self, dim: int) -> list[TailRecord]:
+        """The complete records past :attr:`size` (appended since this memory last read or wrote
+        the log: by another bundle of its lineage), oldest first; no lock taken, nothing changed."""
+        return self._scan(dim)[0]
+
+    @contextmanager
+    def exclusive(self, dim: int) -> Iterator[list[TailRecord]]:
+        """Hold the log for writing (opened and locked at the first call: :meth:`open_for_writing`)
+        and yield the records past :attr:`size`, which the caller applies before it writes: while
+        this block runs nobody else appends. A torn last record (a writer that died mid-write; only
+        a dead writer can leave one, as the lock is held) is cut off first."""
+        if self._writer is None:
+            self.open_for_writing()
+        with self._writer.lock:
+            records, end, length = self._scan(dim)
+            if length != end:
+                log.warning("%s: cutting %d bytes of an unfinished record", self.path, length - end)
+                self._truncate(end)
+            yield records
+
+    def _scan(self, dim: int) -> tuple[list[TailRecord], int, int]:
+        """The complete records from byte :attr:`size` on, the offset the last one ends at and the
+        file's length."""
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.size)
+                data = fh.read()
+        except (FileNotFoundError, NotADirectoryError):  # nothing appended yet
+            return [], self.size, self.size
+        except OSError as exc:
+            raise AppendLogError(f"cannot read the append log {self.path}: {exc}") from exc
+        records, end = [], self.size
+        lines = data.split(b"\n")
+        complete = lines[:-1]
+        for number, line in enumerate(complete, start=1):
+            record = self._decode(line)
+            if record is None:
+                if number == len(complete) and not lines[-1]:
+                    break  # torn by a crash mid-write, with its newline: not a complete record
+                raise AppendLogError(f"{self.path} (byte {end}): damaged record before the end of the log")
+            end += len(line) + 1
+            batch, vectors = batch_of(record, dim)
+            records.append(TailRecord(batch, vectors, end, f"{self.path} (byte {end - len(line) - 1})"))
+        return records, end, self.size + len(data)
+
     def _decode(self, line: bytes) -> dict | None:
         digest, _, payload = line.partition(b" ")
         if hashlib.sha256(payload).hexdigest().encode() != digest:
@@ -185,7 +252,8 @@ class AppendLog:
         """Append one record durably (unbuffered, fsync'ed) and return the size before it; on any
         failure (a full disk, say) the file is cut back to that size. Refused when the file is not
         the size its owner left it at: another predictor of this process appended to it, and this
-        memory has not seen those appends (reload the bundle to replay them)."""
+        memory has not applied those appends (a writer calls it inside :meth:`exclusive`, after
+        applying what that yields, so this never happens there)."""
         payload = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
         line = hashlib.sha256(payload).hexdigest().encode() + b" " + payload + b"\n"
         if self._writer is None:

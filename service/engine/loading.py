@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import resource
 from pathlib import Path
 
@@ -12,7 +13,6 @@ from service.engine.append_log import (
     LOG_SUFFIX,
     AppendLog,
     AppendLogError,
-    AppendLogHeld,
     LogRead,
     batch_of,
     check_bundle_id,
@@ -25,7 +25,8 @@ from service.engine.search import Predictor
 
 log = logging.getLogger(__name__)
 
-# The manifest parameter in which a compacted bundle lists the logs it replays past an offset.
+# The manifest parameter in which a bundle compacted before lineages (manifest.lineage) lists the
+# logs it replays past an offset before its own.
 SOURCE_LOGS = "source_logs"
 
 
@@ -39,11 +40,11 @@ def load_predictor(
     """A bundle loaded, verified and warmed by one prediction (the first search and aggregation
     allocate); a bundle that cannot answer is refused like a corrupt one (:class:`BundleError`).
 
-    ``appends_dir``: where the bundle's append log lives (e.g. :func:`appends_dir_beside`); this
-    process becomes its one writer (another process holding it: refused), its appends are
-    replayed, and new ones are written there before they are applied. None: no log (appends live
-    in memory only). A compacted bundle first replays the logs it lists (``params.source_logs``)
-    past the offsets its compaction read them to.
+    ``appends_dir``: where the bundle's lineage log lives (e.g. :func:`appends_dir_beside`): its
+    appends are replayed (a compacted bundle's from the offset its compaction folded to), and new
+    ones are written there before they are applied. Loading takes no lock and creates nothing; the
+    first append takes the log's lock (another process holding it: that append is refused) and
+    creates the directory. None: no log (appends live in memory only).
 
     ``skip_refused``: a logged append that no longer applies (its label uid exists already, say)
     is skipped and reported in the memory's ``replay_skipped`` instead of refusing the bundle."""
@@ -55,7 +56,7 @@ def load_for_reading(
 ) -> tuple[Predictor, list[LogRead]]:
     """The bundle with its logs replayed as they are now, without writing to them or locking them
     (a compaction, an inspection): the predictor, which has no log, and what was read of each
-    log (a consistent prefix: a record being written meanwhile is left out)."""
+    log, its lineage log last (a consistent prefix: a record being written meanwhile is left out)."""
     return _load(Path(path), options, True, appends_dir, False, False)
 
 
@@ -64,25 +65,24 @@ def _load(
 ) -> tuple[Predictor, list[LogRead]]:
     bundle = load_bundle(path, options, verify=verify)
     check_identity(bundle)
-    own = AppendLog.in_directory(appends_dir, bundle.bundle_id) if appends_dir is not None else None
-    if own is not None and write:
-        try:
-            own.open_for_writing()
-        except AppendLogHeld as exc:
-            raise BundleError(f"{path}: {exc}") from None
-        except AppendLogError as exc:  # an unwritable directory: serve; appends get 503 until it is fixed
-            log.warning("%s: %s", path, exc)
-    predictor = Predictor(bundle, own if write else None)
-    reads, skipped = [], []
     try:
-        for source in source_logs(bundle, appends_dir):
+        sources, own = logs_to_replay(bundle, appends_dir)
+    except AppendLogError as exc:
+        raise BundleError(f"{path}: {exc}") from None
+    predictor = Predictor(bundle, own.log if (own is not None and write) else None)
+    reads, skipped, replayed = [], [], set()
+    try:
+        for source in [*sources, *([own] if own is not None else [])]:
             read = source.read()
+            if (file := file_identity(source.log.path)) in replayed:
+                # one file named twice (a bundle compacted before lineages, whose own log is its source's)
+                log.warning("%s: %s replayed once only (named twice)", path, source.log.path)
+            else:
+                skipped += replay(predictor, read, source.offset, source.min_version, skip)
+            replayed.add(file)
             reads.append(read)
-            skipped += replay(predictor, read, source.offset, source.min_version, skip)
         if own is not None:
-            read = own.read(repair=own.writing)
-            reads.append(read)
-            skipped += replay(predictor, read, 0, 0, skip)
+            own.log.size = reads[-1].size  # the memory has applied its lineage log up to here
     except (AppendLogError, ValueError, KeyError, TypeError) as exc:
         raise BundleError(f"{path}: cannot replay its append log ({exc})") from None
     if skipped:
@@ -92,6 +92,15 @@ def _load(
     except Exception as exc:
         raise BundleError(f"{path}: warm-up prediction failed ({type(exc).__name__}: {exc})") from None
     return predictor, reads
+
+
+def file_identity(path: Path) -> tuple:
+    """What makes two names one file: (device, inode) when it exists, its absolute path otherwise."""
+    try:
+        stat = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return ("missing", os.path.normpath(os.path.abspath(path)))
+    return (stat.st_dev, stat.st_ino)
 
 
 def check_identity(bundle: Bundle) -> None:
@@ -108,10 +117,11 @@ def check_identity(bundle: Bundle) -> None:
 
 
 class SourceLog:
-    """A log that a compacted bundle replays past ``offset``: the log its source was served with,
-    read by the compaction up to that offset (whose sha256 it recorded, checked here)."""
+    """A log that a bundle replays past ``offset``: its lineage log (offset 0 for the lineage's
+    first bundle, where a compacted one's compaction stopped reading, its sha256 checked here), or
+    a log a bundle compacted before lineages replays before its own."""
 
-    def __init__(self, log: AppendLog, offset: int, sha256: str | None, min_version: int = 0):
+    def __init__(self, log: AppendLog, offset: int = 0, sha256: str | None = None, min_version: int = 0):
         self.log, self.offset, self.sha256, self.min_version = log, offset, sha256, min_version
 
     def read(self) -> LogRead:
@@ -126,15 +136,29 @@ class SourceLog:
         return read
 
 
-def source_logs(bundle: Bundle, appends_dir: Path | None) -> list[SourceLog]:
-    """The logs a compacted bundle replays before its own (none without a log directory).
-    ``params.source_logs`` names each by its path relative to the log directory the bundle is
-    served with (the source's log in a shared XMCSERVE_APPEND_LOG_DIR; the one beside the source
-    bundle by default); a bundle compacted before that field replays its source's log in
-    ``appends_dir`` past the appends it folded (``params.appends``)."""
-    params = bundle.manifest.params
+def logs_to_replay(bundle: Bundle, appends_dir: Path | None) -> tuple[list[SourceLog], SourceLog | None]:
+    """The logs a bundle replays (none without a log directory): the legacy source logs of a bundle
+    compacted before lineages, and the log it writes to. That is its lineage's log
+    (``manifest.lineage``, named by its path relative to the log directory the bundle is served
+    with: the first bundle's log in a shared XMCSERVE_APPEND_LOG_DIR, the one beside the first
+    bundle by default) from the compaction's offset, or, for a bundle built, its own from 0."""
     if appends_dir is None:
-        return []
+        return [], None
+    lineage = bundle.manifest.lineage
+    if lineage is not None:
+        relative = Path(lineage.log)
+        if relative.is_absolute() or relative.name != f"{check_bundle_id(lineage.bundle_id)}{LOG_SUFFIX}":
+            raise AppendLogError(f"lineage log {lineage.log!r}: not the relative path of a bundle's log")
+        path = Path(os.path.normpath(Path(appends_dir).absolute() / relative))
+        return [], SourceLog(AppendLog(path, lineage.bundle_id), lineage.offset, lineage.sha256)
+    own = SourceLog(AppendLog.in_directory(appends_dir, bundle.bundle_id))
+    return legacy_source_logs(bundle, appends_dir), own
+
+
+def legacy_source_logs(bundle: Bundle, appends_dir: Path) -> list[SourceLog]:
+    """The logs a bundle compacted before lineages replays before its own (``params.source_logs``
+    past their offsets; older still, ``params.compacted_from`` past the appends it folded)."""
+    params = bundle.manifest.params
     if SOURCE_LOGS not in params:
         if source := params.get("compacted_from"):
             return [SourceLog(AppendLog.in_directory(appends_dir, source), 0, None, int(params.get("appends", 0)))]

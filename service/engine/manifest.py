@@ -139,6 +139,18 @@ class Counts(_Strict):
     train_instances: int = Field(0, ge=0, description="instance keys in an RAE memory")
 
 
+class Lineage(_Strict):
+    """Where a compacted bundle's memory goes on: the append log of its lineage (the log of the
+    bundle first built, ``bundle_id``), of which the compaction folded the first ``offset`` bytes.
+    Every bundle of a lineage reads and writes that one log, so they all hold its appends in one
+    order, with the same label ids (see docs/operations.md, "Lineage model")."""
+
+    bundle_id: str = Field(description="the lineage's first bundle: its log is named from this id")
+    log: str = Field(description="the log's path relative to this bundle's append log directory")
+    offset: int = Field(ge=1, description="bytes of the log folded into this bundle")
+    sha256: str = Field(description="sha256 of those bytes: a log altered since is refused")
+
+
 class Manifest(_Strict):
     schema_version: int = SCHEMA_VERSION
     bundle_id: str
@@ -153,6 +165,12 @@ class Manifest(_Strict):
     shards: list[Shard] | None = Field(None, description="a sharded index; None: index.hnsw (+ values.npz)")
     fusion: FusionParams | None = Field(None, description="RAE score fusion; None: rank by p̂")
     params: dict = Field(default_factory=dict, description="export parameters as given")
+    lineage: Lineage | None = Field(None, description="a compacted bundle's lineage log; None: its own")
+    append_ids: dict[str, tuple[int, str]] = Field(
+        default_factory=dict,
+        description="a compacted bundle: the append_ids folded in, id -> (memory version, content "
+        "fingerprint), so that a client's retry after the switch is recognised, not applied again",
+    )
     files: dict[str, str] = Field(description="file name -> sha256 hex digest")
 
     @model_validator(mode="after")
@@ -208,10 +226,15 @@ def bundle_id_from(files: dict[str, str], prefix: str) -> str:
 
 
 def content_id(manifest: Manifest) -> str:
-    """The bundle id that ``manifest``'s files and RAE parameters give, e.g. ``labels-64d-<12 hex>``:
-    what the export writer names a bundle, and what a loader checks the claimed id against."""
+    """The bundle id that ``manifest``'s files, RAE parameters and lineage give, e.g.
+    ``labels-64d-<12 hex>``: what the export writer names a bundle, and what a loader checks the
+    claimed id against. The lineage is part of it because it is part of what the bundle serves: two
+    compactions with the same files but different folded log prefixes are different bundles."""
     rae = {"rae": manifest.rae.model_dump_json()} if manifest.rae else {}
-    return bundle_id_from(manifest.files | rae, prefix=f"{manifest.index_kind.replace('_', '-')}-{manifest.dim}d")
+    lineage = {"lineage": manifest.lineage.model_dump_json()} if manifest.lineage else {}
+    return bundle_id_from(
+        manifest.files | rae | lineage, prefix=f"{manifest.index_kind.replace('_', '-')}-{manifest.dim}d"
+    )
 
 
 def utc_now() -> str:

@@ -19,6 +19,10 @@ checksummed line, fsync'ed)
 before it is applied and acknowledged; loading a bundle replays its log. A crash while writing
 leaves a torn last line, which replay drops (none of the append); a crash after writing replays
 it (all of it). ``python -m export.compact`` folds a log into a fresh bundle.
+
+Lineage. The log is shared by every bundle of a lineage (a bundle and those compacted from it), so
+before an append a memory first applies what other bundles of its lineage logged since it last
+looked (:meth:`Memory.catch_up`): the log is the one order, and a label's id is its place in it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Collection
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -56,6 +61,11 @@ class AppendRefused(ValueError):
 
 class AppendIdReused(AppendRefused):
     """The append's ``append_id`` was applied already, with other content."""
+
+
+class LineageDiverged(RuntimeError):
+    """A record that another bundle of this memory's lineage logged does not apply to this memory:
+    it no longer holds the log's order (a log edited or mixed by hand); nothing is appended."""
 
 
 @dataclass(frozen=True)
@@ -134,8 +144,15 @@ class MemoryView:
         } | ({"replay_skipped": list(self.replay_skipped)} if self.replay_skipped else {})
 
 
-def base_view(label_uids: list[str], label_texts: list[str], num_keys: int, values: sp.csr_matrix | None) -> MemoryView:
-    """The view of a bundle as built: its keys, labels and value matrix."""
+def base_view(
+    label_uids: list[str],
+    label_texts: list[str],
+    num_keys: int,
+    values: sp.csr_matrix | None,
+    append_ids: dict[str, tuple[int, str]] | None = None,
+) -> MemoryView:
+    """The view of a bundle as built: its keys, labels and value matrix, and the append ids a
+    compaction folded into it."""
     num_labels = len(label_uids)
     return MemoryView(
         label_uids=list(label_uids),
@@ -147,6 +164,7 @@ def base_view(label_uids: list[str], label_texts: list[str], num_keys: int, valu
         base_train=num_keys - num_labels,
         appended_key_labels=np.zeros(0, dtype=np.int64),
         values=ValueRows(values) if values is not None else None,
+        append_ids={key: (int(version), str(fp)) for key, (version, fp) in (append_ids or {}).items()},
     )
 
 
@@ -248,14 +266,31 @@ def value_rows(view: MemoryView, batch: AppendBatch, new_label_ids: np.ndarray, 
     return rows
 
 
+class TailRecord(Protocol):
+    """An append another bundle of the lineage logged (:class:`~service.engine.append_log.TailRecord`)."""
+
+    batch: AppendBatch
+    vectors: np.ndarray
+    end: int  # the log offset after it
+    where: str
+
+
 class AppendWriter(Protocol):
     """Where a memory writes its appends before applying them (an
-    :class:`~service.engine.append_log.AppendLog`)."""
+    :class:`~service.engine.append_log.AppendLog`), shared with the other bundles of its lineage."""
+
+    size: int  # how far into the log this memory has applied
 
     def append(self, batch: AppendBatch, vectors: np.ndarray, version: int) -> int:
         """Write the append durably; returns the size to :meth:`cut_back` to if applying fails."""
 
     def cut_back(self, size: int) -> None: ...
+
+    def tail(self, dim: int) -> list[TailRecord]:
+        """The records past ``size``, without a lock."""
+
+    def exclusive(self, dim: int) -> AbstractContextManager[list[TailRecord]]:
+        """Hold the log for writing; yields the records past ``size``."""
 
 
 @dataclass(frozen=True)
@@ -291,7 +326,7 @@ class Memory:
         self.log = log
         self.key_terms_of = key_terms_of
         self.lock = threading.Lock()
-        self._append_lock = threading.Lock()
+        self._append_lock = threading.RLock()
         self._view = view
 
     @property
@@ -319,7 +354,9 @@ class Memory:
 
     def prepare(self, batch: AppendBatch, encode: Callable[[list[str]], np.ndarray]) -> np.ndarray | None:
         """Check ``batch`` against the memory and encode it (the slow part, no lock held);
-        None when its ``append_id`` was applied already. Raises :class:`AppendRefused`."""
+        None when its ``append_id`` was applied already. Raises :class:`AppendRefused`. The
+        lineage's newer records are applied first, so a label another bundle added is known."""
+        self.catch_up()
         view = self._view
         if self._repeated(view, batch) is not None:
             return None
@@ -328,8 +365,12 @@ class Memory:
 
     def commit(self, batch: AppendBatch, vectors: np.ndarray | None) -> AppendOutcome:
         """Log and apply a prepared batch; checked again, since another append may have come
-        first. If applying fails after the log was written, the record is taken back."""
-        with self._append_lock:
+        first. If applying fails after the log was written, the record is taken back. Under the
+        log's lock, what other bundles of the lineage logged is applied first: this append goes
+        at the end of the one order."""
+        log_held = self.log.exclusive(self.index.dim) if self.log is not None else nullcontext([])
+        with self._append_lock, log_held as newer:
+            self._apply_logged(newer)
             view = self._view
             if (repeated := self._repeated(view, batch)) is not None:
                 return repeated
@@ -348,7 +389,7 @@ class Memory:
         """Apply one logged append at load, before serving; False when its ``append_id`` is
         already applied (the same append logged twice: skipped, as a live retry would be).
         Raises :class:`AppendRefused` when it no longer applies."""
-        with self._append_lock:
+        with self._append_lock:  # re-entrant: catching up replays under the append lock
             if self._repeated(self._view, batch) is not None:
                 return False
             check_batch(self._view, batch, self.has_instance_memory)
@@ -356,6 +397,24 @@ class Memory:
                 raise AppendRefused(f"{len(vectors)} vectors for {len(batch.texts)} keys")
             self._apply(self._view, batch, vectors)
             return True
+
+    def catch_up(self) -> int:
+        """Apply the records other bundles of this lineage logged since this memory last read or
+        wrote its log (a promote, a rollback and every append call it); returns how many."""
+        if self.log is None:
+            return 0
+        with self._append_lock:
+            return self._apply_logged(self.log.tail(self.index.dim))
+
+    def _apply_logged(self, records: list) -> int:
+        applied = 0
+        for record in records:
+            try:
+                applied += self.replay(record.batch, record.vectors)
+            except AppendRefused as exc:
+                raise LineageDiverged(f"{record.where} no longer applies to this memory: {exc}") from None
+            self.log.size = record.end
+        return applied
 
     def report_skipped(self, skipped: list[dict]) -> None:
         """Record the logged appends that replay left out (see :attr:`MemoryView.replay_skipped`)."""

@@ -75,7 +75,9 @@ class Predictor:
     def __init__(self, bundle: Bundle, append_log: AppendLog | None = None):
         self.bundle = bundle
         manifest = bundle.manifest
-        view = base_view(bundle.label_uids, bundle.label_texts, manifest.counts.memory_rows, bundle.values)
+        view = base_view(
+            bundle.label_uids, bundle.label_texts, manifest.counts.memory_rows, bundle.values, manifest.append_ids
+        )
         # a lexical score fusion's lexicon (None without one): the term vectors of queries and appended keys
         self.lexicon = bundle.fusion.lexicon if bundle.fusion is not None else None
         lam = manifest.rae.lam if manifest.rae else None

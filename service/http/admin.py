@@ -1,12 +1,14 @@
-"""Admin endpoints: load a bundle into a variant, promote B to A, change split and shadow share,
-append labels and instances to a variant's memory.
+"""Admin endpoints: load a bundle into a variant, promote B to A, roll A back to the bundle it
+served before, change split and shadow share, append labels and instances to a variant's memory.
 
 Every route needs ``X-Admin-Token`` (or ``Authorization: Bearer``) equal to
 ``XMCSERVE_ADMIN_TOKEN``, compared in constant time: missing → 401, wrong → 403, and with no
 token configured the admin API is off (403). A bundle is loaded, verified (checksums, shapes) and
 warmed beside the one serving, then swapped in atomically; one that fails is refused with the
 reason and the old one keeps serving. Bundle paths must resolve inside ``XMCSERVE_BUNDLE_ROOT``.
-Loads, promotes and appends are serialised (one at a time); none of them stops /predict.
+Loads, promotes, rollbacks and appends are serialised (one at a time); none of them stops /predict.
+A promote or a rollback first applies to the incoming bundle what its lineage logged since it was
+loaded (docs/operations.md, "Lineage model"), so no acknowledged append is missing from the new A.
 """
 
 # No `from __future__ import annotations` here: FastAPI must resolve the locally built append
@@ -19,7 +21,15 @@ import anyio
 from fastapi import Depends, FastAPI, HTTPException, Request
 
 from service.api.schemas import ConfigUpdate, ReloadRequest, build_append_request
-from service.engine import AppendIdReused, AppendLogError, AppendRefused, BundleError
+from service.engine import (
+    AppendIdReused,
+    AppendLogError,
+    AppendLogHeld,
+    AppendRefused,
+    BundleError,
+    LineageDiverged,
+    Predictor,
+)
 from service.http.state import ServingState, load_for_serving, refused_fields
 
 log = logging.getLogger("xmcserve.admin")
@@ -104,10 +114,20 @@ def add_admin_routes(app: FastAPI) -> None:
             "previous_bundle_id": previous.bundle.bundle_id if previous else None,
         }
 
+    async def caught_up(predictor: Predictor | None) -> None:
+        """Apply what the incoming A's lineage logged since it was loaded (another slot's appends)."""
+        if predictor is None:
+            return
+        try:
+            await anyio.to_thread.run_sync(predictor.memory.catch_up)
+        except (AppendLogError, LineageDiverged) as exc:
+            raise HTTPException(503, f"nothing changed: cannot catch up its append log: {exc}") from None
+
     @app.post("/admin/promote", dependencies=guarded)
     async def promote(request: Request) -> dict:
         state = serving_state(request)
         async with state.reload_lock:
+            await caught_up(state.variants["B"].predictor)
             try:
                 previous = state.variants.promote()
             except LookupError as exc:
@@ -125,6 +145,26 @@ def add_admin_routes(app: FastAPI) -> None:
             "previous_bundle_id": previous.bundle.bundle_id,
             **state.describe(),
         }
+
+    @app.post("/admin/rollback", dependencies=guarded)
+    async def rollback(request: Request) -> dict:
+        """A's previous bundle (the one a promote or a reload of A replaced, kept loaded) serves A
+        again; a second rollback undoes the first."""
+        state = serving_state(request)
+        async with state.reload_lock:
+            if state.variants.previous is None:
+                raise HTTPException(409, "no previous A bundle to roll back to (A has not changed since start-up)")
+            await caught_up(state.variants.previous.predictor)
+            replaced = state.variants.rollback()
+            state.publish_bundle_info()
+        restored = state.variants["A"].bundle_id
+        log.info(
+            "rolled A back to %s (was %s)",
+            restored,
+            replaced.bundle.bundle_id,
+            extra={"event": "rollback", "bundle_id": restored, "previous_bundle_id": replaced.bundle.bundle_id},
+        )
+        return {"restored_bundle_id": restored, "previous_bundle_id": replaced.bundle.bundle_id, **state.describe()}
 
     @app.post("/admin/append", dependencies=guarded)
     async def append(body: AppendRequest, request: Request) -> dict:  # type: ignore[valid-type]
@@ -158,7 +198,16 @@ def add_admin_routes(app: FastAPI) -> None:
             )
             status = 409 if isinstance(exc, AppendIdReused) else 422
             raise HTTPException(status, f"nothing appended: {exc}") from None
-        except AppendLogError as exc:
+        except AppendLogHeld as exc:  # another process writes this lineage: one writer, one order
+            state.metrics.appends.labels(variant=body.variant, outcome="refused").inc()
+            log.warning(
+                "append to %s refused: %s",
+                body.variant,
+                exc,
+                extra={"event": "append_refused", "variant": body.variant, "reason": str(exc)},
+            )
+            raise HTTPException(409, f"nothing appended: {exc}") from None
+        except (AppendLogError, LineageDiverged) as exc:
             state.metrics.appends.labels(variant=body.variant, outcome="failed").inc()
             log.error(
                 "append to %s failed, nothing appended: %s",

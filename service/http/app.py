@@ -160,10 +160,11 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
                 extra=refused_fields(PRIMARY, settings.bundle_dir, exc),
             )
             raise
-        state.install(PRIMARY, predictor, str(settings.bundle_dir))
+        # sources are absolute: /admin/state turns them into paths /admin/reload takes
+        state.install(PRIMARY, predictor, str(settings.bundle_dir.resolve()))
         if candidate_dir := settings.rollout.candidate_bundle_dir:
             try:
-                state.install(CANDIDATE, await load_for_serving(candidate_dir, settings), str(candidate_dir))
+                state.install(CANDIDATE, await load_for_serving(candidate_dir, settings), str(candidate_dir.resolve()))
             except BundleError as exc:
                 log.error(
                     "candidate bundle refused, serving A only: %s",

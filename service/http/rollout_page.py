@@ -14,7 +14,8 @@ script keeps it in the tab's memory and sends it as ``X-Admin-Token`` to the adm
   A's and B's bundles, and the Grafana dashboards' links when ``XMCSERVE_GRAFANA_URL`` is set;
 - ``GET /admin/live``: each variant's /predict QPS, p50/p99 and failed share over a window, from
   the server's own request histogram (:mod:`service.rollout.live`);
-- and the existing ``/admin/state``, ``/admin/config``, ``/admin/reload``, ``/admin/promote``.
+- and the existing ``/admin/state``, ``/admin/config``, ``/admin/reload``, ``/admin/promote``,
+  ``/admin/rollback``.
 
 With no admin token configured the page is not served (404), as the admin API is off. The page
 costs /predict nothing: it only calls admin endpoints, and only while it is open.

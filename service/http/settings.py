@@ -119,8 +119,9 @@ class AdminSettings(BaseSettings):
     append_log_dir: Path | None = Field(
         None,
         validation_alias=AliasChoices("XMCSERVE_APPEND_LOG_DIR", "append_log_dir"),
-        description="where appended memory is logged (a log per bundle id, replayed at load); "
-        "unset: <bundle dir>.appends/ beside each bundle",
+        description="where appended memory is logged (a log per lineage: a bundle and its compactions, "
+        "replayed at load, created by the first append); unset: <bundle dir>.appends/ beside the lineage's "
+        "first bundle",
     )
 
     replay_skip_refused: bool = Field(

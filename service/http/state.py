@@ -95,10 +95,21 @@ class ServingState:
                 }
             )
 
+    def reloadable(self, source: str | None) -> str | None:
+        """``source`` as ``/admin/reload`` takes it (relative to the bundle root), None when the
+        bundle lies outside the root (only a restart serves it again)."""
+        if not source:
+            return None
+        root, path = self.settings.admin.bundle_root.resolve(), Path(source).resolve()
+        return str(path.relative_to(root)) if path.is_relative_to(root) else None
+
     def describe(self) -> dict:
         shadow = self.shadow
+        routing = self.variants.describe()
+        for slot in [*routing["variants"].values(), routing["previous"]]:
+            slot["bundle"] = self.reloadable(slot["source"])
         return {
-            **self.variants.describe(),
+            **routing,
             "shadow": {
                 "target": shadow.target if shadow else None,
                 "fraction": shadow.config.fraction if shadow else 0.0,

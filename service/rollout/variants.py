@@ -1,4 +1,5 @@
-"""Variants: a primary bundle (A), an optional candidate (B), sticky A/B routing, atomic swaps.
+"""Variants: a primary bundle (A), an optional candidate (B), sticky A/B routing, atomic swaps,
+and the bundle A served before its last change, kept loaded so that a rollback is one more swap.
 
 Each variant slot owns a micro-batcher that reads the slot's predictor once per batch, so
 swapping a slot's predictor is atomic: a batch already computing finishes on the old bundle, the
@@ -64,13 +65,23 @@ class VariantSlot:
         return self.predictor.bundle.bundle_id if self.predictor else None
 
 
+@dataclass(frozen=True)
+class Retired:
+    """The bundle A served before a promote or a reload of A, and where it was loaded from."""
+
+    predictor: Predictor
+    source: str
+
+
 @dataclass
 class Variants:
-    """The live serving state: slots A and B, the split, and the counters of swaps."""
+    """The live serving state: slots A and B, the split, the counters of swaps, and A's previous
+    bundle (kept loaded until A changes again: it costs its memory, and makes a rollback instant)."""
 
     slots: dict[str, VariantSlot] = field(default_factory=dict)
     split_b: float = 0.0
     swaps: int = 0
+    previous: Retired | None = None
 
     @classmethod
     def create(
@@ -98,6 +109,8 @@ class Variants:
     def install(self, name: str, predictor: Predictor, source: str) -> Predictor | None:
         """Swap ``predictor`` into slot ``name``; returns the one it replaced."""
         slot = self.slots[name]
+        if name == PRIMARY and slot.predictor is not None:
+            self.previous = Retired(slot.predictor, slot.source or "")
         previous, slot.predictor, slot.source = slot.predictor, predictor, source
         self.swaps += 1
         return previous
@@ -111,6 +124,14 @@ class Variants:
         candidate.predictor, candidate.source = None, None
         self.split_b = 0.0
         return previous
+
+    def rollback(self) -> Predictor:
+        """A's previous bundle becomes A again; the one it replaces becomes the previous (a second
+        rollback undoes the first). B and the split are left as they are. Returns the one replaced."""
+        if self.previous is None:
+            raise LookupError("no previous A bundle to roll back to (A has not changed since start-up)")
+        back = self.previous
+        return self.install(PRIMARY, back.predictor, back.source)
 
     def choose(self, key: str | None, forced: str | None = None) -> VariantSlot:
         if forced is not None:
@@ -132,5 +153,9 @@ class Variants:
                     "memory": slot.predictor.view.describe() if slot.predictor else None,
                 }
                 for name, slot in self.slots.items()
+            },
+            "previous": {
+                "bundle_id": self.previous.predictor.bundle.bundle_id if self.previous else None,
+                "source": self.previous.source if self.previous else None,
             },
         }

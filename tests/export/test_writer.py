@@ -110,6 +110,33 @@ def test_an_existing_bundle_is_refused_before_anything_is_written(tmp_path):
     assert json.loads((tmp_path / "b" / MANIFEST_FILE).read_text())["bundle_id"] == old.bundle_id
 
 
+def test_of_two_writers_racing_to_one_target_without_force_the_second_is_refused_at_the_rename(tmp_path):
+    """Issue 43, case 3: both found the target missing at the start; the one finishing last
+    replaced the other's bundle. Now the final rename refuses an existing target."""
+    first: list = []
+
+    def slow(stage: Path) -> dict:
+        first.append(write_bundle(tmp_path / "b", writing(FILES)))  # the other writer finishes meanwhile
+        return writing({"encoder.onnx": b"the slower writer's"})(stage)
+
+    with pytest.raises(FileExistsError, match="created by another writer"):
+        write_bundle(tmp_path / "b", slow)
+    assert json.loads((tmp_path / "b" / MANIFEST_FILE).read_text())["bundle_id"] == first[0].bundle_id
+    assert [p.name for p in tmp_path.iterdir()] == ["b"]  # the refused writer's staging dir is gone
+
+
+def test_without_renameat2_the_rename_still_refuses_an_existing_bundle(tmp_path, monkeypatch):
+    from export import writer
+
+    monkeypatch.setattr(writer, "_renameat2", lambda a, b, flags: False)  # a file system without it
+    write_bundle(tmp_path / "b", writing(FILES))
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    (stage / "x").write_text("x")
+    with pytest.raises(FileExistsError, match="no renameat2"):
+        writer.rename_no_replace(stage, tmp_path / "b")
+
+
 def test_force_replaces_a_bundle_and_a_failed_replacement_keeps_the_old_one(tmp_path):
     write_bundle(tmp_path / "b", writing(FILES))
     with pytest.raises(RuntimeError, match="killed"):

@@ -100,6 +100,7 @@
     if (document.activeElement !== $("split")) $("split").value = state.split_b;
     if (document.activeElement !== $("fraction")) $("fraction").value = shadow.fraction;
     $("promote").disabled = !state.variants.B.bundle_id;
+    $("rollback").disabled = !state.previous.bundle_id;
   }
 
   // ------------------------------------------------------------------ bundles side by side
@@ -279,6 +280,23 @@
       show("action-result", `promoted: A now serves ${r.promoted_bundle_id} (was ${r.previous_bundle_id})`);
       await refreshState();
       refreshManifests();
+    } catch (err) {
+      show("action-result", err.message, true);
+    }
+  }
+
+  function askRollback() {
+    const a = state.variants.A.bundle_id, back = state.previous.bundle_id;
+    $("rollback-text").textContent = `Roll A back to ${back}? A's bundle ${a} stops serving and is kept as the previous one; B and the split are unchanged.`;
+    $("rollback-dialog").showModal();
+  }
+
+  async function rollback() {
+    if ($("rollback-dialog").returnValue !== "confirm") return;
+    try {
+      const r = await api("POST", "/admin/rollback");
+      show("action-result", `rolled back: A now serves ${r.restored_bundle_id} (was ${r.previous_bundle_id})`);
+      await refreshState();
     } catch (err) {
       show("action-result", err.message, true);
     }
@@ -476,6 +494,8 @@
     $("reload-form").addEventListener("submit", reloadB);
     $("promote").addEventListener("click", askPromote);
     $("promote-dialog").addEventListener("close", promote);
+    $("rollback").addEventListener("click", askRollback);
+    $("rollback-dialog").addEventListener("close", rollback);
     $("compare-form").addEventListener("submit", runCompare);
     $("window").addEventListener("change", refreshAgreement);
     $("live-window").addEventListener("change", refreshLive);

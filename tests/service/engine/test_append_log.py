@@ -1,5 +1,5 @@
-"""The append log: one writer per log enforced by the OS, readers that never write, log names only
-from checked bundle ids."""
+"""The append log: one writer per lineage enforced by the OS from the first append on, loads and
+readers that never write or lock, log names only from checked bundle ids."""
 
 import gc
 import subprocess
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from export.compact import compact_bundle
-from service.engine import AppendBatch, AppendLog, AppendLogError, BundleError, load_predictor
+from service.engine import AppendBatch, AppendLog, AppendLogError, AppendLogHeld, load_predictor
 from service.engine.append_log import check_bundle_id
 
 LABEL = ("zz-log-label", "zz-log-label: a label appended in a log test")
@@ -27,10 +27,10 @@ def rae(tiny_rae_bundle, tmp_path):
     return load_predictor(tiny_rae_bundle, appends_dir=tmp_path / "appends")
 
 
-def test_a_second_process_cannot_open_a_held_log_for_writing_but_can_read_it(tiny_rae_bundle, tmp_path):
-    """Another process holds the log's lock (a second server on the same directory): loading the
-    bundle for writing fails naming the log; compaction, a reader, still works; once the holder is
-    gone the load succeeds."""
+def test_a_second_process_cannot_append_to_a_held_log_but_can_load_and_read_it(tiny_rae_bundle, tmp_path):
+    """Another process holds the log's lock (a second server on the same directory that appended):
+    this one loads the bundle and serves it, but its append is refused naming the log; compaction,
+    a reader, still works; once the holder is gone the append succeeds."""
     first = load_predictor(tiny_rae_bundle, appends_dir=tmp_path / "appends")
     first.append(AppendBatch(labels=[LABEL]))
     log_path = first.memory.log.path
@@ -39,9 +39,11 @@ def test_a_second_process_cannot_open_a_held_log_for_writing_but_can_read_it(tin
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(log_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(BundleError, match="held for writing by another process") as refused:
-            load_predictor(tiny_rae_bundle, appends_dir=tmp_path / "appends")
-        assert str(log_path) in str(refused.value)
+        second = load_predictor(tiny_rae_bundle, appends_dir=tmp_path / "appends")
+        assert second.view.label_id(LABEL[0]) is not None  # loaded, the log replayed
+        with pytest.raises(AppendLogHeld, match="held for writing by another process") as refused:
+            second.append(AppendBatch(labels=[("zz-second", "zz-second: refused")]))
+        assert str(log_path) in str(refused.value) and second.view.version == 1
         before = log_path.read_bytes()
         out = compact_bundle(tiny_rae_bundle, tmp_path / "compacted", appends_dir=tmp_path / "appends")
         assert out.counts.labels == load_predictor(tiny_rae_bundle).view.num_labels + 1
@@ -49,12 +51,17 @@ def test_a_second_process_cannot_open_a_held_log_for_writing_but_can_read_it(tin
     finally:
         holder.kill()
         holder.wait(30)
-    assert load_predictor(tiny_rae_bundle, appends_dir=tmp_path / "appends").view.label_id(LABEL[0]) is not None
+    second.append(AppendBatch(labels=[("zz-second", "zz-second: appended once the holder is gone")]))
+    assert load_predictor(tiny_rae_bundle, appends_dir=tmp_path / "appends").view.version == 2
 
 
 def test_predictors_of_one_process_share_the_lock(rae, tiny_rae_bundle, tmp_path):
-    """A and B of one server on one bundle, or a reload of the bundle serving: not another process."""
+    """A and B of one server on one bundle, or a reload of the bundle serving: not another process.
+    Neither holds the log before its first append."""
     again = load_predictor(tiny_rae_bundle, appends_dir=tmp_path / "appends")
+    assert not again.memory.log.writing and not rae.memory.log.writing
+    rae.append(AppendBatch(labels=[LABEL]))
+    again.append(AppendBatch(labels=[("zz-again", "zz-again: appended by the other predictor")]))
     assert again.memory.log.writing and rae.memory.log.writing
 
 

@@ -204,17 +204,27 @@ def test_a_full_disk_refuses_appends_with_503_and_keeps_every_acknowledged_one(t
         stop_server(server)
 
 
-def test_a_second_process_on_the_same_log_fails_to_start_and_the_first_keeps_appending(tiny_rae_bundle, tmp_path):
+def test_a_second_process_on_the_same_log_serves_but_only_the_first_appends(tiny_rae_bundle, tmp_path):
+    """One writer per lineage: a second server on the same log directory starts (a shadow, a
+    replica that only answers queries) and its appends get 409 while the first one writes."""
     appends = tmp_path / "appends"
     first = serve(tiny_rae_bundle, tmp_path / "first.log", appends)
+    second = None
     try:
-        with pytest.raises(RuntimeError, match="held for writing by another process") as refused:
-            serve(tiny_rae_bundle, tmp_path / "second.log", appends)
-        assert str(appends) in str(refused.value)
         with httpx.Client(base_url=first.url, timeout=30) as client:
             assert resend(client, 0).status_code == 200 and memory(client)["version"] == 1
+        second = serve(tiny_rae_bundle, tmp_path / "second.log", appends)
+        with httpx.Client(base_url=second.url, timeout=30) as client:
+            assert memory(client)["version"] == 1  # it replayed the first one's append
+            refused = resend(client, 1)
+            assert refused.status_code == 409 and "held for writing by another process" in refused.text
+            assert str(appends) in refused.text and memory(client)["version"] == 1
+        with httpx.Client(base_url=first.url, timeout=30) as client:
+            assert resend(client, 1).status_code == 200 and memory(client)["version"] == 2
     finally:
         stop_server(first)
+        if second is not None:
+            stop_server(second)
 
 
 def test_a_logged_append_that_no_longer_applies_stops_the_load_unless_the_operator_skips_it(tiny_rae_bundle, tmp_path):

@@ -311,6 +311,14 @@ def test_an_operator_compares_watches_and_promotes_in_the_browser(servers, evalu
     assert httpx.get(f"{primary.url}/readyz").json()["bundle_id"] == b_id
     wait.until(lambda d: find(By.ID, "a-bundle").text == b_id and find(By.ID, "b-bundle").text == "no bundle loaded")
     assert find(By.ID, "promote").get_attribute("disabled")
+    # and back: a rollback, after the same kind of confirmation naming both bundles
+    find(By.ID, "rollback").click()
+    wait.until(lambda d: find(By.ID, "rollback-dialog").is_displayed())
+    question = find(By.ID, "rollback-text").text
+    assert a_id in question and b_id in question
+    find(By.ID, "rollback-confirm").click()
+    wait.until(lambda d: find(By.ID, "action-result").text.startswith(f"rolled back: A now serves {a_id}"))
+    assert httpx.get(f"{primary.url}/readyz").json()["bundle_id"] == a_id
     assert all((shots / f"rollout-{name}.png").stat().st_size > 0 for name in ("compare", "agreement", "promote"))
     # no script error, no blocked request; the refusals above (403, 422) are the only failed loads
     console = [entry["message"] for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]

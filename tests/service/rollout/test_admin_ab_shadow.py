@@ -130,11 +130,27 @@ def test_reload_ab_split_promote_flow(server):
         seen[key] = variants.pop()
     assert 0.1 < list(seen.values()).count("B") / len(seen) < 0.55
 
+    nothing_to_undo = post(server, "/admin/rollback", headers=ADMIN)
+    assert nothing_to_undo.status_code == 409 and "no previous A bundle" in nothing_to_undo.text
+
     promoted = post(server, "/admin/promote", headers=ADMIN).json()
     assert promoted["promoted_bundle_id"] == b_id and promoted["split_b"] == 0.0
     after = post(server, "/predict", TEXT).json()
     assert after["bundle_id"] == b_id and after["variant"] == "A"
     assert post(server, "/predict", {**TEXT, "variant": "B"}, ADMIN).status_code == 409  # B is empty now
+
+    # every slot shows a path /admin/reload takes; the previous A is kept loaded for a rollback
+    state = httpx.get(f"{server.url}/admin/state", headers=ADMIN).json()
+    assert state["variants"]["A"]["bundle"] == "tiny-labels" and state["variants"]["B"]["bundle"] is None
+    assert state["previous"] == {"bundle_id": a_id, "source": state["previous"]["source"], "bundle": "tiny-rae"}
+    back = post(server, "/admin/rollback", headers=ADMIN)
+    assert back.status_code == 200, back.text
+    assert back.json()["restored_bundle_id"] == a_id and back.json()["previous"]["bundle_id"] == b_id
+    assert post(server, "/predict", TEXT).json()["bundle_id"] == a_id
+    again = post(server, "/admin/rollback", headers=ADMIN).json()  # a second rollback undoes the first
+    assert again["restored_bundle_id"] == b_id and post(server, "/predict", TEXT).json()["bundle_id"] == b_id
+    reloaded = post(server, "/admin/reload", {"variant": "A", "bundle": again["previous"]["bundle"]}, ADMIN)
+    assert reloaded.status_code == 200 and reloaded.json()["bundle_id"] == a_id  # reloadable by that path
     metrics = httpx.get(f"{server.url}/metrics").text
     assert 'xmcserve_reloads_total{outcome="refused",variant="A"} 1.0' in metrics
     assert 'variant="B"' in metrics

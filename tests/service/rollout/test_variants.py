@@ -56,3 +56,22 @@ def test_requests_queued_for_b_when_it_is_promoted_are_served_by_the_new_a():
     assert variants[PRIMARY].current_predictor() is candidate
     # B is empty now, but whatever was still queued for it runs on B's bundle, now A's
     assert not variants[CANDIDATE].ready and variants[CANDIDATE].current_predictor() is candidate
+
+
+def test_a_rollback_puts_back_the_a_that_a_promote_or_reload_replaced_and_a_second_undoes_it():
+    from service.engine.batcher import BatcherConfig
+    from service.rollout.variants import Variants
+
+    variants = Variants.create(BatcherConfig(), lambda name: lambda n, t, s, tags: None)
+    old_a, candidate, reloaded = object(), object(), object()
+    variants.install(PRIMARY, old_a, "/bundles/a")
+    with pytest.raises(LookupError, match="no previous A bundle"):
+        variants.rollback()  # nothing replaced A yet
+    variants.install(CANDIDATE, candidate, "/bundles/b")
+    variants.promote()
+    assert variants.rollback() is candidate and variants[PRIMARY].predictor is old_a
+    assert variants[PRIMARY].source == "/bundles/a" and variants.previous.source == "/bundles/b"
+    assert variants.rollback() is old_a and variants[PRIMARY].predictor is candidate  # undone
+    variants.install(PRIMARY, reloaded, "/bundles/c")  # a reload of A can be rolled back too
+    assert variants.rollback() is reloaded and variants[PRIMARY].predictor is candidate
+    assert not variants[CANDIDATE].ready  # B untouched throughout

@@ -1,0 +1,176 @@
+"""One lineage per memory (docs/operations.md, "Lineage model"): a bundle and the bundles compacted
+from it go on in one log, in one order, so an acknowledged label id names the same label in all of
+them forever and every acknowledged append is applied exactly once; loading takes no lock and
+creates nothing; a compaction with nothing to fold writes nothing; a bundle never replays one file
+twice. Each case of issue 43 found on the engine is one test here."""
+
+import gc
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from export.compact import compact_bundle, main
+from service.engine import AppendBatch, AppendRefused, appends_dir_beside, load_predictor
+from service.engine.manifest import MANIFEST_FILE
+
+HOLD_LOCK = """
+import fcntl, os, sys, time
+os.makedirs(os.path.dirname(sys.argv[1]), exist_ok=True)
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def label(name: str) -> tuple[str, str]:
+    return (f"zz-{name}", f"zz-{name}: a label appended in a lineage test")
+
+
+def add_label(predictor, name: str, append_id: str | None = None) -> int:
+    return predictor.append(AppendBatch(labels=[label(name)], append_id=append_id)).label_ids[f"zz-{name}"]
+
+
+def add_instance(predictor, name: str, uid: str = "libc6", append_id: str | None = None):
+    text = f"zz-{name}: an instance appended in a lineage test"
+    return predictor.append(AppendBatch(instances=[(text, [uid])], append_id=append_id))
+
+
+@pytest.fixture
+def own_bundle(tiny_rae_bundle, tmp_path):
+    """A copy, so that its default log directory (beside it) is this test's."""
+    shutil.copytree(tiny_rae_bundle, tmp_path / "bundles" / "live")
+    return tmp_path / "bundles" / "live"
+
+
+@pytest.mark.parametrize("shared_dir", [True, False], ids=["XMCSERVE_APPEND_LOG_DIR", "default-dir"])
+def test_a_compaction_with_nothing_to_fold_writes_nothing_and_every_append_stays_applied_once(
+    own_bundle, tmp_path, shared_dir
+):
+    """Issue 43, case 1: compacting a bundle that was just compacted wrote a bundle with the
+    source's id whose log was its own recorded source log, replayed twice at load."""
+    appends = tmp_path / "appends" if shared_dir else None
+    live = load_predictor(own_bundle, appends_dir=appends or appends_dir_beside(own_bundle))
+    add_instance(live, "i1", append_id="i1")
+    first = compact_bundle(own_bundle, tmp_path / "bundles" / "c1", appends_dir=appends)
+    assert first.bundle_id != live.bundle.bundle_id
+    with pytest.raises(RuntimeError, match="nothing to fold"):
+        compact_bundle(tmp_path / "bundles" / "c1", tmp_path / "bundles" / "c2", appends_dir=appends)
+    assert not (tmp_path / "bundles" / "c2").exists()
+    c1_dir = appends or appends_dir_beside(tmp_path / "bundles" / "c1")
+    c1 = load_predictor(tmp_path / "bundles" / "c1", appends_dir=c1_dir)
+    add_label(c1, "l1")
+    del c1
+    gc.collect()
+    restarted = load_predictor(tmp_path / "bundles" / "c1", appends_dir=c1_dir)
+    assert restarted.view.appended_instances == 0 and restarted.view.appended_labels == 1  # i1 folded, once
+    assert restarted.bundle.manifest.counts.train_instances == live.bundle.manifest.counts.train_instances + 1
+
+
+def test_the_compaction_cli_says_there_is_nothing_to_fold_and_exits_non_zero(own_bundle, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--bundle", str(own_bundle), "--out", str(tmp_path / "empty"), "--appends-dir", str(tmp_path / "a")])
+    assert exited.value.code not in (0, None) and "nothing to fold" in str(exited.value.code)
+    assert not (tmp_path / "empty").exists()
+
+
+def test_a_compacted_bundle_s_id_hashes_its_lineage(own_bundle, tmp_path):
+    """The same files at another point of the log are another bundle: two compactions folding
+    different prefixes never share an id, and neither shares its source's."""
+    appends = tmp_path / "appends"
+    live = load_predictor(own_bundle, appends_dir=appends)
+    add_label(live, "x1")
+    one = compact_bundle(own_bundle, tmp_path / "one", appends_dir=appends)
+    manifest = json.loads((tmp_path / "one" / MANIFEST_FILE).read_text())
+    manifest["lineage"]["offset"] += 1  # the same files, claiming another point of the log
+    (tmp_path / "one" / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(Exception, match="is not its content's"):
+        load_predictor(tmp_path / "one", appends_dir=appends)
+    assert one.bundle_id != live.bundle.bundle_id and one.lineage.offset == live.memory.log.size
+
+
+def test_a_label_id_acknowledged_by_either_bundle_of_a_lineage_names_that_label_forever(own_bundle, tmp_path):
+    """Issue 43, case 2: the source A kept acknowledging appends while its compaction C served as
+    B; A gave p an id and C gave q the same id, and C's next load renumbered q."""
+    appends = tmp_path / "appends"
+    a = load_predictor(own_bundle, appends_dir=appends)
+    add_label(a, "x0")
+    compact_bundle(own_bundle, tmp_path / "c", appends_dir=appends)
+    c = load_predictor(tmp_path / "c", appends_dir=appends)
+    acked = {"p": add_label(a, "p"), "q": add_label(c, "q"), "r": add_label(a, "r"), "s": add_label(c, "s")}
+    assert len(set(acked.values())) == 4, acked  # no id handed out twice
+    for bundle in (tmp_path / "c", own_bundle, tmp_path / "c", own_bundle):  # reloads, in any order
+        reloaded = load_predictor(bundle, appends_dir=appends)
+        assert {name: reloaded.view.label_id(f"zz-{name}") for name in acked} == acked
+        assert reloaded.view.num_labels == max(acked.values()) + 1
+
+
+def test_one_uid_sent_to_both_bundles_of_a_lineage_is_refused_by_the_second(own_bundle, tmp_path):
+    """Issue 43, case 2: the same uid sent to A and to C without an append_id made C unloadable."""
+    appends = tmp_path / "appends"
+    a = load_predictor(own_bundle, appends_dir=appends)
+    add_label(a, "x0")
+    compact_bundle(own_bundle, tmp_path / "c", appends_dir=appends)
+    c = load_predictor(tmp_path / "c", appends_dir=appends)
+    acked = add_label(a, "u")
+    with pytest.raises(AppendRefused, match="already exists"):
+        add_label(c, "u")
+    assert c.view.label_id("zz-u") == acked  # C applied A's append before refusing its own
+    assert load_predictor(tmp_path / "c", appends_dir=appends).view.label_id("zz-u") == acked
+    # with an append_id, a retry that reaches the other bundle is the same append, once
+    first = add_instance(a, "retried", append_id="once")
+    again = add_instance(c, "retried", append_id="once")
+    assert again.repeated and not first.repeated
+    assert load_predictor(own_bundle, appends_dir=appends).view.appended_instances == 1
+
+
+def test_loading_takes_no_lock_and_creates_no_directory(own_bundle, tmp_path):
+    """Issue 43, case 4: merely serving a bundle created ``<bundle>.appends/`` and took its log's
+    lock, so a second process serving it (a shadow) made B's load fail."""
+    beside = appends_dir_beside(own_bundle)
+    served = load_predictor(own_bundle, appends_dir=beside)
+    deep = load_predictor(own_bundle, appends_dir=tmp_path / "not" / "yet")
+    assert not beside.exists() and not (tmp_path / "not").exists()
+    log_path = beside / f"{served.bundle.bundle_id}.appends.log"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(log_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"  # another process writes this lineage
+        shadow = load_predictor(own_bundle, appends_dir=beside)  # loads all the same
+        with pytest.raises(Exception, match="held for writing by another process") as refused:
+            add_label(shadow, "x1")
+        assert type(refused.value).__name__ == "AppendLogHeld" and shadow.view.version == 0
+    finally:
+        holder.kill()
+        holder.wait(30)
+    add_label(deep, "x1")  # the first append creates the directory
+    assert (tmp_path / "not" / "yet" / f"{served.bundle.bundle_id}.appends.log").is_file()
+
+
+@pytest.mark.parametrize("alias", ["same-path", "hard-link"])
+def test_a_bundle_never_replays_one_file_twice(own_bundle, tmp_path, alias):
+    """A bundle compacted before lineages whose recorded source log is its own log (issue 43,
+    case 1, as written by the old compaction), under the same name or another name of the same
+    inode: replayed once."""
+    appends = tmp_path / "appends"
+    live = load_predictor(own_bundle, appends_dir=appends)
+    add_instance(live, "i1")  # no append_id: nothing but the file's identity tells a second replay
+    log_path = live.memory.log.path
+    name = log_path.name
+    if alias == "hard-link":
+        (tmp_path / "other").mkdir()
+        os.link(log_path, tmp_path / "other" / name)
+        name = f"../other/{name}"
+    manifest = json.loads((own_bundle / MANIFEST_FILE).read_text())
+    empty = hashlib.sha256(b"").hexdigest()
+    entry = {"bundle_id": live.bundle.bundle_id, "log": name, "offset": 0, "sha256": empty}
+    manifest["params"]["source_logs"] = [entry]  # params are not part of the id
+    (own_bundle / MANIFEST_FILE).write_text(json.dumps(manifest))
+    del live
+    gc.collect()
+    reloaded = load_predictor(own_bundle, appends_dir=appends)
+    assert reloaded.view.appended_instances == 1 and reloaded.view.version == 1
