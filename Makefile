@@ -45,9 +45,10 @@ $(VENV)/.installed-%: pyproject.toml
 
 install: $(STAMP)
 
-# The default bundle: sample data, pretrained all-MiniLM-L6-v2, RAE memory, 64-d, int8 encoder
-# weights (dev P@5 cost measured at 0.14 points on the full dev split, within the 0.5 allowed;
-# 1.3-1.5x the fp32 throughput here: bench/results/README.md). QUANTIZE=none for fp32.
+# The default bundle: sample data, pretrained all-MiniLM-L6-v2, RAE memory, 64-d, dynamic int8
+# encoder, which the CPU server runs one text per call like every graph (batch-invariant): P@5
+# cost 0.04 points on the full dev split, 1.9x fp32's throughput (bench/results/int8-methods.json;
+# int8-static, calibrated, is as accurate as fp32 but no faster here). QUANTIZE=none for fp32.
 QUANTIZE ?= int8
 $(BUNDLE)/manifest.json: | $(SERVE_STAMP)
 	$(PY) -m export.build --data $(DATA) --out $(BUNDLE) --index-kind rae_memory --dim 64 --quantize $(QUANTIZE)
