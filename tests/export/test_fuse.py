@@ -51,8 +51,9 @@ from service.engine.manifest import (
     sha256_file,
 )
 from service.engine.memory import AppendBatch, base_view, fetch_and_ef
-from service.engine.search import RankedSearch, merged_neighbours
+from service.engine.search import Predictor, RankedSearch, merged_neighbours
 from service.engine.shards import ShardQuery
+from tests.invariance import assert_batch_invariant
 from tests.service.engine.test_fusion import random_sklearn_tree, tree_from
 from training.data import label_frequencies, load_jsonl_split, rows_of_uids
 from training.params import HOLDOUT_FILE
@@ -507,3 +508,10 @@ def test_lightgbm_s_double_thresholds_convert_exactly_on_float32_features(kind, 
     monkeypatch.setattr("export.fuse.float32_thresholds", lambda booster: booster)  # the converter alone
     with pytest.raises(SystemExit, match="bound"):
         onnx_fusion_model(fitted, X)
+
+
+def test_a_fused_bundle_scores_a_query_the_same_alone_and_in_any_batch(fused, sample_dir):
+    """The lexical fusion's features (similarities, ranks, candidates' counts) and its model read
+    each query's own rows only: batching stays invisible behind a fusion too."""
+    texts = load_jsonl_split(sample_dir, "dev").texts[:120]
+    assert assert_batch_invariant(Predictor(load_bundle(fused)), texts, batches=15) > 200
