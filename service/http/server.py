@@ -38,6 +38,12 @@ HEADERS_TOO_LARGE = (
 )
 
 
+def cancelled(timer) -> None:
+    """Cancel a pending ``call_later`` handle (None: nothing pending); returns None to store."""
+    if timer is not None:
+        timer.cancel()
+
+
 class HeadersTooLarge(Exception):
     """Raised from a parser callback: the parser stops there, and the protocol answers 431."""
 
@@ -101,9 +107,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_late)
 
     def _stop_waiting(self) -> None:
-        if getattr(self, "_header_deadline", None) is not None:
-            self._header_deadline.cancel()
-            self._header_deadline = None
+        self._header_deadline = cancelled(getattr(self, "_header_deadline", None))
 
     def _headers_late(self) -> None:
         self._header_deadline = None
@@ -128,9 +132,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._stop_write_deadline()
 
     def _stop_write_deadline(self) -> None:
-        if getattr(self, "_write_deadline", None) is not None:
-            self._write_deadline.cancel()
-            self._write_deadline = None
+        self._write_deadline = cancelled(getattr(self, "_write_deadline", None))
 
     def _write_late(self) -> None:
         self._write_deadline = None

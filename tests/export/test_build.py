@@ -138,7 +138,7 @@ def test_every_cli_option_has_a_help():
 def test_cli_choices_come_from_the_params_types():
     by_flag = {a.option_strings[0]: a for a in options(build_parser())}
     assert tuple(by_flag["--index-kind"].choices) == get_args(IndexKind)
-    assert tuple(by_flag["--quantize"].choices) == ("none", "int8")
+    assert tuple(by_flag["--quantize"].choices) == ("none", "int8", "int8-static")
     assert tuple(by_flag["--rae-mode"].choices) == ("joint", "split")
     for bad in (["--quantize", "int4"], ["--index-kind", "ivf"], ["--optimize", "maybe"]):
         with pytest.raises(SystemExit):

@@ -35,7 +35,7 @@ def test_choices_come_from_the_literal_types():
     assert choices() == {
         "index_kind": get_args(IndexKind),
         "rae_mode": ("joint", "split"),
-        "quantize": ("none", "int8"),
+        "quantize": ("none", "int8", "int8-static"),
         "encode_device": ("auto", "cpu", "cuda"),
     }
 
