@@ -45,15 +45,25 @@ def server_cpu_s(url: str) -> float:
     raise RuntimeError("no process_cpu_seconds_total in /metrics")
 
 
+# This tree's app under granian (a Rust HTTP server for ASGI apps), one worker on uvloop, with
+# its own header-read timeout and buffer cap standing in for the protocol's guards (it has no
+# write timeout): a comparison, not a deployment.
+GRANIAN = "granian"
+
+
 def start_null_server(tree: Path, bundle: Path, vectors: Path, log_path: Path, extra_env: dict):
     """``tree``'s server (its own ``service`` package) with the null encoder, and an append log
-    directory of its own (two servers of one bundle cannot share its log)."""
+    directory of its own (two servers of one bundle cannot share its log). ``tree`` may be
+    :data:`GRANIAN`: this tree's app under granian."""
     appends = log_path.with_suffix(".appends")
     shutil.rmtree(appends, ignore_errors=True)
-    env = {**extra_env, VECTORS_ENV: str(vectors), "PYTHONPATH": str(tree), "XMCSERVE_APPEND_LOG_DIR": str(appends)}
-    return start_server(
-        bundle.resolve(), log_path, extra_env=env, command=[sys.executable, str(NULL_SERVER)], cwd=tree, timeout_s=180
-    )
+    source = ROOT if tree == GRANIAN else tree
+    env = {**extra_env, VECTORS_ENV: str(vectors), "PYTHONPATH": str(source), "XMCSERVE_APPEND_LOG_DIR": str(appends)}
+    command = [sys.executable, str(NULL_SERVER)]
+    if tree == GRANIAN:
+        command = [str(Path(sys.executable).parent / "granian"), "--interface", "asgi", "--factory", "--loop", "uvloop"]
+        command += ["--http1-header-read-timeout", "10000", "--no-ws", "bench.null_encoder:create_app"]
+    return start_server(bundle.resolve(), log_path, extra_env=env, command=command, cwd=source, timeout_s=180)
 
 
 def cpu_per_request_us(url: str, bodies: list[bytes], rps: float, seconds: float) -> tuple[float, dict]:
@@ -66,7 +76,7 @@ def profile(server, bodies: list[bytes], rps: float, seconds: float, collapsed: 
     """py-spy over ``server`` held at ``rps``: the shares of its CPU samples by stage."""
     py_spy = Path(sys.executable).parent / "py-spy"
     command = [str(py_spy), "record", "--pid", str(server.process.pid), "--duration", str(int(seconds))]
-    command += ["--rate", "250", "--format", "raw", "--threads", "--nonblocking", "--output", str(collapsed)]
+    command += ["--rate", "250", "--format", "raw", "--threads", "--nonblocking", "--subprocesses", "--output", str(collapsed)]
     spy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     asyncio.run(open_loop(server.url, bodies, rps, seconds))
     _, err = spy.communicate(timeout=seconds + 60)
@@ -134,6 +144,9 @@ def measure(
 def add_arguments(parser: argparse.ArgumentParser, rounds: bool = True) -> None:
     """The options of this measurement (``rounds``: also ``--rounds``, which bench.serving has)."""
     parser.add_argument("--baseline-tree", type=Path, default=None, help="a checkout of the code to compare with")
+    parser.add_argument(
+        "--granian", action="store_true", help="also serve this tree's app under granian (a comparison)"
+    )
     parser.add_argument("--rps", type=float, default=150.0, help="the fixed open-loop rate the CPU is measured at")
     parser.add_argument("--null-seconds", type=float, default=10.0, help="seconds of each load")
     parser.add_argument(
@@ -149,6 +162,8 @@ def run(args: argparse.Namespace, bundle: Path, data: Path) -> dict:
     trees = {"this": ROOT}
     if args.baseline_tree is not None:
         trees["baseline"] = args.baseline_tree.resolve()
+    if args.granian:
+        trees["granian"] = GRANIAN
     return {
         "what": "the server with its ONNX call replaced by a vector lookup (bench.null_encoder)",
         "trees": {name: str(tree) for name, tree in trees.items()},

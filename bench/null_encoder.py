@@ -54,6 +54,20 @@ def install(path: Path) -> None:
     OnnxEncoder.run = run
 
 
+def create_app():
+    """The app with the null encoder, for another ASGI server (``granian --factory
+    bench.null_encoder:create_app``): the vector file from ``$XMCSERVE_BENCH_NULL_VECTORS`` and
+    the logging ``python -m service.http`` configures, so both servers write the same lines."""
+    from service.http.app import create_app as create
+    from service.http.settings import LogSettings
+    from service.observability.logs import configure_logging
+
+    install(Path(os.environ[VECTORS_ENV]))
+    logs = LogSettings()
+    configure_logging(logs.format, logs.level)
+    return create()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vectors", type=Path, default=None, help=f"vector file (default: ${VECTORS_ENV})")
