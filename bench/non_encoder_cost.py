@@ -76,7 +76,8 @@ def profile(server, bodies: list[bytes], rps: float, seconds: float, collapsed: 
     """py-spy over ``server`` held at ``rps``: the shares of its CPU samples by stage."""
     py_spy = Path(sys.executable).parent / "py-spy"
     command = [str(py_spy), "record", "--pid", str(server.process.pid), "--duration", str(int(seconds))]
-    command += ["--rate", "250", "--format", "raw", "--threads", "--nonblocking", "--subprocesses", "--output", str(collapsed)]
+    command += ["--rate", "250", "--format", "raw", "--threads", "--nonblocking", "--subprocesses"]
+    command += ["--output", str(collapsed)]
     spy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     asyncio.run(open_loop(server.url, bodies, rps, seconds))
     _, err = spy.communicate(timeout=seconds + 60)
