@@ -29,7 +29,7 @@ from pathlib import Path
 from bench.loadgen import closed_loop, open_loop
 from bench.localserver import ROOT, start_server, stop_server
 from bench.null_encoder import VECTORS_ENV, write_vectors
-from bench.profile_server import fold
+from bench.profile_server import fold, record
 from training.data import load_jsonl_split
 
 NULL_SERVER = ROOT / "bench" / "null_encoder.py"
@@ -74,15 +74,7 @@ def cpu_per_request_us(url: str, bodies: list[bytes], rps: float, seconds: float
 
 def profile(server, bodies: list[bytes], rps: float, seconds: float, collapsed: Path) -> dict:
     """py-spy over ``server`` held at ``rps``: the shares of its CPU samples by stage."""
-    py_spy = Path(sys.executable).parent / "py-spy"
-    command = [str(py_spy), "record", "--pid", str(server.process.pid), "--duration", str(int(seconds))]
-    command += ["--rate", "250", "--format", "raw", "--threads", "--nonblocking", "--subprocesses"]
-    command += ["--output", str(collapsed)]
-    spy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    asyncio.run(open_loop(server.url, bodies, rps, seconds))
-    _, err = spy.communicate(timeout=seconds + 60)
-    if spy.returncode != 0:
-        raise RuntimeError(f"py-spy failed: {err.decode()[-2000:]}")
+    record(server, bodies, rps, seconds, 250, collapsed, subprocesses=True)
     return fold(collapsed)
 
 

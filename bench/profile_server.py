@@ -71,6 +71,25 @@ def fold(collapsed: Path) -> dict:
     }
 
 
+def record(
+    server, bodies: list[bytes], rps: float, seconds: float, rate: int, collapsed: Path, subprocesses: bool = False
+) -> dict:
+    """py-spy's collapsed stacks of ``server`` into ``collapsed`` while an open loop holds it at
+    ``rps`` for ``seconds`` (whole seconds for py-spy); returns the load's summary. Raises
+    ``RuntimeError`` when py-spy fails. ``subprocesses``: its child processes too (a server whose
+    app runs in a worker process)."""
+    py_spy = Path(sys.executable).parent / "py-spy"
+    command = [str(py_spy), "record", "--pid", str(server.process.pid), "--duration", str(int(seconds))]
+    command += ["--rate", str(rate), "--format", "raw", "--threads", "--nonblocking"]
+    command += ["--subprocesses"] if subprocesses else []
+    spy = subprocess.Popen([*command, "--output", str(collapsed)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    load = asyncio.run(open_loop(server.url, bodies, rps, seconds)).summary()
+    _, err = spy.communicate(timeout=seconds + 60)
+    if spy.returncode != 0:
+        raise RuntimeError(f"py-spy failed: {err.decode()[-2000:]}")
+    return load
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -103,17 +122,10 @@ def main() -> int:
     )
     try:
         asyncio.run(closed_loop(server.url, bodies, 4, 3.0))  # warm-up
-        py_spy = Path(sys.executable).parent / "py-spy"
-        command = [str(py_spy), "record", "--pid", str(server.process.pid), "--duration", str(int(args.seconds))]
-        command += ["--rate", str(args.rate), "--format", "raw", "--threads", "--nonblocking"]
-        spy = subprocess.Popen(
-            [*command, "--output", str(collapsed)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
-        load = asyncio.run(open_loop(server.url, bodies, args.rps, args.seconds)).summary()
-        _, err = spy.communicate(timeout=args.seconds + 60)
-        if spy.returncode != 0:
-            print(err.decode(), file=sys.stderr)
-            return 1
+        load = record(server, bodies, args.rps, args.seconds, args.rate, collapsed)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     finally:
         stop_server(server)
     result = {"rps": args.rps, "load": load, "settings": args.env, **fold(collapsed)}

@@ -47,6 +47,7 @@ from onnx import TensorProto, helper, numpy_helper
 from bench import non_encoder_cost
 from bench.loadgen import closed_loop, open_loop
 from bench.localserver import free_port, start_server, stop_server
+from bench.non_encoder_cost import server_cpu_s
 from bench.recall import ann_recall
 from service.engine.bundle import load_bundle
 from service.engine.encoder import EncoderOptions
@@ -178,16 +179,6 @@ OBSERVABILITY = {
     "json_logs": {"XMCSERVE_LOG_FORMAT": "json"},
     "json_logs_and_tracing": {"XMCSERVE_LOG_FORMAT": "json", "OTEL_EXPORTER_OTLP_ENDPOINT": None},  # the receiver
 }
-
-
-def server_cpu_s(url: str) -> float:
-    """The server process's CPU seconds so far (its ``process_cpu_seconds_total``)."""
-    import httpx
-
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("process_cpu_seconds_total "):
-            return float(line.split()[1])
-    raise RuntimeError("no process_cpu_seconds_total in /metrics")
 
 
 def observability_cost(
