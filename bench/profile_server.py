@@ -34,7 +34,7 @@ STAGES = (
     ("metrics", ("prometheus_client",)),
     ("batcher", ("service/engine/batcher.py",)),
     ("http_protocol", ("httptools_impl.py", "h11_impl.py", "/h11/", "protocols/http/")),
-    ("middleware", ("service/observability/", "guards.py", "RequestMetricsMiddleware", "starlette/")),
+    ("middleware", ("service/observability/", "front_door.py", "guards.py", "RequestObserver", "starlette/")),
     ("endpoint", ("service/http/app.py",)),
 )
 

@@ -1,17 +1,17 @@
 """Refusals every front end makes before any work: bodies too large or too slow, invalid input.
 
-:class:`BodyLimitMiddleware` wraps every route (admin included, before its token is checked): a
-``Content-Length`` over the cap is answered ``413`` without reading a byte, a chunked body is
-counted while it is read and refused at the first byte over the cap, and a body that does not
-arrive within the read deadline is answered ``408`` — so a 300 MB upload costs the server at
-most the cap in memory, and a stalled upload cannot hold a request (or its metrics) forever.
+The body cap and read deadline are enforced by :class:`~service.api.front_door.FrontDoorMiddleware`
+on every route (admin included, before its token is checked): a ``Content-Length`` over the cap is
+answered ``413`` without reading a byte, a chunked body is counted while it is read and refused at
+the first byte over the cap (:class:`BodyRefused`), and a body that does not arrive within the
+read deadline is answered ``408`` — so a 300 MB upload costs the server at most the cap in memory,
+and a stalled upload cannot hold a request (or its metrics) forever. This module holds the
+refusal itself, the JSON error answer, and the one-pass body decoding of ``/predict``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from typing import TypeVar
 
 from fastapi import Request, Response
@@ -42,58 +42,6 @@ async def send_json(send, status: int, body: dict, headers: list[tuple[bytes, by
         }
     )
     await send({"type": "http.response.body", "body": payload})
-
-
-class BodyLimitMiddleware:
-    """Caps every request body at ``max_bytes`` and its arrival at ``read_timeout_s``."""
-
-    def __init__(self, app, max_bytes: int, read_timeout_s: float):
-        self.app = app
-        self.max_bytes = max_bytes
-        self.read_timeout_s = read_timeout_s
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await send_json(send, 413, {"detail": self._too_large()})
-            return
-        started = body_done = False
-        deadline = time.monotonic() + self.read_timeout_s
-        received = 0
-
-        async def guarded_receive():
-            nonlocal received, body_done
-            if body_done:  # later receives wait for a disconnect, not for bytes: no deadline
-                return await receive()
-            try:
-                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
-            except asyncio.TimeoutError:
-                raise BodyRefused(408, f"request body not received within {self.read_timeout_s:g} s") from None
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise BodyRefused(413, self._too_large())
-                body_done = not message.get("more_body", False)
-            return message
-
-        async def tracking_send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, guarded_receive, tracking_send)
-        except BodyRefused as refused:
-            if started:
-                raise
-            await send_json(send, refused.status_code, {"detail": refused.detail})
-
-    def _too_large(self) -> str:
-        return f"request body over the {self.max_bytes} byte limit (XMCSERVE_MAX_BODY_BYTES)"
 
 
 def is_json(content_type: str | None) -> bool:

@@ -23,7 +23,8 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from service.api.docs import add_api_docs
-from service.api.guards import BodyLimitMiddleware, decode_body, validation_error
+from service.api.front_door import FrontDoorMiddleware
+from service.api.guards import decode_body, validation_error
 from service.api.schemas import (
     SERVICE_VERSION,
     PredictResponse,
@@ -35,13 +36,13 @@ from service.api.schemas import (
 from service.engine.batcher import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
 from service.engine.bundle import BundleError
 from service.http.admin import add_admin_routes, require_admin
-from service.http.guards import ShedBeforeParsingMiddleware, method_label
-from service.http.metrics import Metrics
+from service.http.guards import LoadShed
+from service.http.metrics import Metrics, RequestObserver
 from service.http.rollout_page import add_rollout_routes
 from service.http.settings import Settings
 from service.http.state import ServingState, load_for_serving, refused_fields
 from service.observability.logs import resolved_format
-from service.observability.requests import RequestContextMiddleware
+from service.observability.requests import AccessLog
 from service.observability.tracing import Tracing
 from service.rollout.live import LiveTraffic
 from service.rollout.shadow import ShadowMirror, ShadowRequest, ranked
@@ -49,42 +50,6 @@ from service.rollout.shadow_worker import ShadowWorker
 from service.rollout.variants import CANDIDATE, PRIMARY, Variants
 
 log = logging.getLogger("xmcserve")
-
-
-class RequestMetricsMiddleware:
-    """Latency histogram by route template (not raw path: bounded label cardinality), status and
-    the variant that answered (``-`` for endpoints that do not predict)."""
-
-    def __init__(self, app, metrics: Metrics, endpoints):
-        self.app = app
-        self.metrics = metrics
-        self.endpoints = endpoints  # () -> the app's route paths: a request refused before routing keeps its path
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = 500
-
-        async def send_with_status(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        start = time.perf_counter()
-        self.metrics.in_flight.inc()
-        try:
-            await self.app(scope, receive, send_with_status)
-        finally:
-            self.metrics.in_flight.dec()
-            endpoint = getattr(scope.get("route"), "path", None)
-            if endpoint is None:
-                endpoint = scope["path"] if scope["path"] in self.endpoints() else "unmatched"
-            variant = scope.get("state", {}).get("variant", "-")
-            self.metrics.request_seconds.labels(
-                endpoint=endpoint, method=method_label(scope["method"]), status=str(status), variant=variant
-            ).observe(time.perf_counter() - start)
 
 
 async def to_response(answer: BatchAnswer, variant: str, k: int) -> Response:
@@ -216,21 +181,19 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
     app.state.metrics = metrics
     app.state.serving = None
     limits = settings.limits
-    app.add_middleware(
-        ShedBeforeParsingMiddleware,
-        expected_wait=lambda: least_wait(app),
-        deadline_s=limits.request_timeout_ms / 1000,
-        on_shed=lambda: metrics.dropped_requests.labels(variant="-", reason="deadline").inc(),
-    )
-    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, read_timeout_s=limits.body_timeout_s)
     paths = functools.cache(lambda: frozenset(route.path for route in app.routes))
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics, endpoints=paths)  # counts refusals too
-    # outermost: every answer carries the request id, every refusal gets its access line
     app.add_middleware(
-        RequestContextMiddleware,
-        access_log=settings.log.access,
-        readable=resolved_format(settings.log.format) == "text",
+        FrontDoorMiddleware,
+        max_body_bytes=limits.max_body_bytes,
+        body_timeout_s=limits.body_timeout_s,
+        access_log=AccessLog(readable=resolved_format(settings.log.format) == "text") if settings.log.access else None,
         tracing=tracing,
+        shed=LoadShed(
+            expected_wait=lambda: least_wait(app),
+            deadline_s=limits.request_timeout_ms / 1000,
+            on_shed=lambda: metrics.dropped_requests.labels(variant="-", reason="deadline").inc(),
+        ),
+        observer=RequestObserver(metrics, endpoints=paths),  # counts refusals too
     )
     tracing.instrument(app)  # the instrumentation's span wraps everything, the middlewares above included
 

@@ -12,6 +12,8 @@ from prometheus_client import (
     ProcessCollector,
 )
 
+from service.http.guards import method_label
+
 # Request latencies span ~2 ms (idle, one text) to seconds (overload); stages start lower.
 REQUEST_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2, 5)
 STAGE_BUCKETS = (0.0001, 0.0003, 0.0005, 0.001, 0.002, 0.004, 0.006, 0.01, 0.02, 0.05, 0.1, 0.5, 1)
@@ -167,3 +169,26 @@ class Metrics:
                 self.stage_seconds.labels(stage=stage, variant=variant).observe(seconds)
 
         return observe
+
+
+class RequestObserver:
+    """The front door's request metrics: requests in flight, and the latency histogram by route
+    template (not raw path: bounded label cardinality), status and the variant that answered
+    (``-`` for endpoints that do not predict)."""
+
+    def __init__(self, metrics: Metrics, endpoints):
+        self.metrics = metrics
+        self.endpoints = endpoints  # () -> the app's route paths: a request refused before routing keeps its path
+
+    def started(self) -> None:
+        self.metrics.in_flight.inc()
+
+    def finished(self, scope: dict, status: int, seconds: float) -> None:
+        self.metrics.in_flight.dec()
+        endpoint = getattr(scope.get("route"), "path", None)
+        if endpoint is None:
+            endpoint = scope["path"] if scope["path"] in self.endpoints() else "unmatched"
+        variant = scope.get("state", {}).get("variant", "-")
+        self.metrics.request_seconds.labels(
+            endpoint=endpoint, method=method_label(scope["method"]), status=str(status), variant=variant
+        ).observe(seconds)

@@ -40,7 +40,8 @@ from ray.serve.handle import DeploymentHandle
 from ray.util import metrics as ray_metrics
 
 from service.api.docs import add_api_docs
-from service.api.guards import BodyLimitMiddleware, validation_error
+from service.api.front_door import FrontDoorMiddleware
+from service.api.guards import validation_error
 from service.api.limits import LimitSettings
 from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response_off_loop
 from service.engine.bundle import BundleError, load_encoder, load_fusion, load_labels, load_shard, read_manifest
@@ -50,7 +51,7 @@ from service.engine.memory import base_view, fetch_and_ef
 from service.engine.search import RankedSearch, Ranking, excluded_label_ids, merged_neighbours
 from service.engine.shards import ShardAnswer, ShardQuery
 from service.observability.logs import REQUEST_ID
-from service.observability.requests import RequestContextMiddleware
+from service.observability.requests import AccessLog
 from service.observability.tracing import Tracing
 from service.ray_serve.calls import HEDGE_FRACTION, CallContext, PartCaller, PartUnavailable, split_expired, time_left
 
@@ -399,9 +400,14 @@ def ingress_app(ingress: Ingress) -> FastAPI:
         redoc_url=None,
     )
     add_api_docs(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, read_timeout_s=limits.body_timeout_s)
     # Ray's workers log through Ray's own handlers: the access line takes their format
-    app.add_middleware(RequestContextMiddleware, tracing=ingress.tracing)
+    app.add_middleware(
+        FrontDoorMiddleware,
+        max_body_bytes=limits.max_body_bytes,
+        body_timeout_s=limits.body_timeout_s,
+        access_log=AccessLog(),
+        tracing=ingress.tracing,
+    )
     ingress.tracing.instrument(app)
 
     @app.post("/predict", response_model=PredictResponse)

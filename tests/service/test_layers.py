@@ -12,8 +12,9 @@ HTTP_PACKAGES = ("fastapi", "starlette", "uvicorn", "httpx")
 ALLOWED = {
     "service.engine": ("service.engine",),
     "service.rollout": ("service.engine", "service.rollout"),
-    # the API both front ends serve (schemas, limits, guards), owned by neither
-    "service.api": ("service.engine", "service.api"),
+    # the API both front ends serve (schemas, limits, guards, the front door), owned by neither;
+    # the front door gives each request its id and access line from observability
+    "service.api": ("service.engine", "service.api", "service.observability"),
     # logs, request ids and tracing: shared by both front ends, importing nothing of service/
     "service.observability": ("service.observability",),
     "service.http": ("service.engine", "service.api", "service.rollout", "service.http", "service.observability"),

@@ -1,5 +1,5 @@
-"""RequestContextMiddleware on a bare app: ids accepted, generated, returned on every answer
-(errors included), and the access line's fields."""
+"""Request ids and the access line, on a bare app behind the front door: ids accepted, generated,
+returned on every answer (errors included), and the access line's fields."""
 
 import logging
 
@@ -7,11 +7,12 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
+from service.api.front_door import FrontDoorMiddleware
 from service.observability.logs import RequestIdFilter
-from service.observability.requests import RequestContextMiddleware, accepted_request_id, refusal_reason
+from service.observability.requests import AccessLog, accepted_request_id, refusal_reason
 
 
-def app_with(**options) -> FastAPI:
+def app_with(access_log: AccessLog | None = AccessLog()) -> FastAPI:
     app = FastAPI()
 
     @app.get("/ok")
@@ -24,7 +25,7 @@ def app_with(**options) -> FastAPI:
     async def boom() -> dict:
         raise RuntimeError("a bug")
 
-    app.add_middleware(RequestContextMiddleware, **options)
+    app.add_middleware(FrontDoorMiddleware, max_body_bytes=1000, body_timeout_s=5, access_log=access_log)
     return app
 
 
@@ -59,14 +60,14 @@ def test_the_id_comes_back_on_answers_refusals_and_errors_and_is_on_every_line(c
 
 def test_readable_access_lines_spell_out_the_fields(caplog):
     with caplog.at_level(logging.INFO):
-        TestClient(app_with(readable=True)).get("/ok", headers={"X-Request-Id": "r-9"})
+        TestClient(app_with(AccessLog(readable=True))).get("/ok", headers={"X-Request-Id": "r-9"})
     (line,) = [r.getMessage() for r in caplog.records if r.name == "xmcserve.access"]
     assert line.startswith("GET /ok 200 total_ms=") and "variant=A texts=2" in line
 
 
 def test_no_access_line_when_turned_off(caplog):
     with caplog.at_level(logging.INFO):
-        TestClient(app_with(access_log=False)).get("/ok")
+        TestClient(app_with(None)).get("/ok")
     assert not [r for r in caplog.records if r.name == "xmcserve.access"]
 
 
