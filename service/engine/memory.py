@@ -345,7 +345,10 @@ class Memory:
             newer = self._view.num_keys - view.num_keys
             fetch, ef = fetch_and_ef(n + newer, ef, self._view.num_keys)
             self.index.set_ef(ef)
-            keys, distances = self.index.knn_query(vectors, k=fetch)
+            # One thread: the search runs on the batcher's own thread beside the encode threads.
+            # hnswlib's default (every core) starts and joins a thread per core on each call of
+            # over 4 rows per core.
+            keys, distances = self.index.knn_query(vectors, k=fetch, num_threads=1)
         keys, distances = by_distance_then_key(keys.astype(np.int64), distances)
         sims = (1.0 - distances).astype(np.float32)
         if newer:

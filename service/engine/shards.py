@@ -54,12 +54,12 @@ class ShardedIndex:
     def get_current_count(self) -> int:
         return sum(shard.get_current_count() for shard in self.shards)
 
-    def knn_query(self, vectors: np.ndarray, k: int):
+    def knn_query(self, vectors: np.ndarray, k: int, num_threads: int = 1):
         keys, distances = [], []
         for i, shard in enumerate(self.shards):
             live = shard.get_current_count() - (len(self._deleted) if i == len(self.shards) - 1 else 0)
             if live > 0:
-                shard_keys, shard_distances = shard.knn_query(vectors, k=min(k, live))
+                shard_keys, shard_distances = shard.knn_query(vectors, k=min(k, live), num_threads=num_threads)
                 keys.append(shard_keys.astype(np.int64))
                 distances.append(shard_distances)
         return merge_top_k(keys, distances, k)
