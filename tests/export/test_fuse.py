@@ -12,6 +12,7 @@ import onnx
 import pytest
 from onnx import helper
 
+from bench.batch_invariance import assert_batch_invariant
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
@@ -53,7 +54,6 @@ from service.engine.manifest import (
 from service.engine.memory import AppendBatch, base_view, fetch_and_ef
 from service.engine.search import Predictor, RankedSearch, merged_neighbours
 from service.engine.shards import ShardQuery
-from tests.invariance import assert_batch_invariant
 from tests.service.engine.test_fusion import random_sklearn_tree, tree_from
 from training.data import label_frequencies, load_jsonl_split, rows_of_uids
 from training.params import HOLDOUT_FILE
