@@ -71,7 +71,7 @@ serve-ray: $(STAMP) $(RAY_BUNDLE)/manifest.json
 	RAY_USAGE_STATS_ENABLED=0 $(VENV)/bin/serve run deploy/ray/serve-config.yaml
 
 evaluate: $(SERVE_STAMP) $(BUNDLE)/manifest.json
-	$(PY) -m training.evaluate --bundle $(BUNDLE) --data $(DATA) --split dev --out $(BUNDLE)-eval-dev.json
+	$(PY) -m export.evaluate --bundle $(BUNDLE) --data $(DATA) --split dev --out $(BUNDLE)-eval-dev.json
 
 # Benchmarks write JSON (and PNG) under bench/results/; run one at a time (they share 2 cores).
 # With BASELINE_REF (a commit), the CPU per request of everything but the encoder is measured for

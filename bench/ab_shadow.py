@@ -34,8 +34,8 @@ import httpx
 import numpy as np
 
 from bench.loadgen import closed_loop, open_loop
-from bench.localserver import parse_cpus, start_server, stop_server
-from training.data import load_jsonl_split
+from loadtest.localserver import parse_cpus, start_server, stop_server
+from xmc.data import load_jsonl_split
 
 TOKEN = "bench-admin-token"
 SHADOW_COUNTERS = ("xmcserve_shadow_compared_texts_total", "xmcserve_shadow_dropped_total")

@@ -25,7 +25,7 @@ import numpy as np
 
 from service.engine.bundle import load_bundle
 from service.engine.search import Predictor
-from training.data import load_jsonl_split
+from xmc.data import load_jsonl_split
 
 TOLERANCE = 1e-6
 

@@ -30,8 +30,7 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file
 
-from training.checkpoint import default_encoder_dir
-from training.trainer import LOG_FILE
+from xmc.checkpoint import LOG_FILE, default_encoder_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "training" / "configs" / "smoke.yaml"

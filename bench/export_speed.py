@@ -25,8 +25,8 @@ import torch
 from export.encode import encode_pooled, torch_pooled
 from export.model import load_encoder, load_fast_tokenizer
 from export.params import ExportParams
-from training.checkpoint import default_encoder_dir, fit_pca_head
-from training.data import load_jsonl_split
+from xmc.checkpoint import default_encoder_dir, fit_pca_head
+from xmc.data import load_jsonl_split
 
 
 def timed(fn):

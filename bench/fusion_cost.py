@@ -8,7 +8,7 @@ the RAE features and with the lexical features too, measured in alternating roun
 Each round serves every bundle in turn (a real uvicorn process on 127.0.0.1, one client, single
 texts of the dev split, k 10, as :mod:`bench.idle_latency`) and times the service's stages in
 process on the same texts, then evaluates it on the whole dev split as ``bench.quality`` does
-(:func:`training.evaluate.evaluate_bundle`: batched search, k 100), whose queries per second are the
+(:func:`export.evaluate.evaluate_bundle`: batched search, k 100), whose queries per second are the
 batched cost. Alternating rounds keep a slow minute of this shared VM from landing on one bundle only.
 """
 
@@ -23,9 +23,9 @@ from datetime import date
 from pathlib import Path
 
 from bench.idle_latency import measure
+from export.evaluate import evaluate_bundle
 from service.engine.bundle import load_bundle
-from training.data import load_jsonl_split
-from training.evaluate import evaluate_bundle
+from xmc.data import load_jsonl_split
 
 SERVER_LOG = Path("/tmp/xmcserve-bench-fusion-cost.log")
 

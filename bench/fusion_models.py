@@ -32,7 +32,7 @@ bundle; these figures say which candidates can meet it.
 
 ``--curve`` fits the chosen candidate on a growing share of the training folds' instances (does a
 bigger holdout help?); ``--dev`` fits it on every pair and evaluates the dev split through the
-service's code path (``training.evaluate``), the model in ONNX Runtime as served.
+service's code path (``export.evaluate``), the model in ONNX Runtime as served.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
+from export.evaluate import evaluate_bundle
 from export.fuse import (
     DEFAULT_HELD_OUT_MEMORY,
     DEFAULT_PARAMS,
@@ -64,10 +65,9 @@ from export.fuse import (
 from service.engine.fusion import FEATURE_GROUPS, OPTIONAL_GROUPS, ScoreFusion, features_of_groups
 from service.engine.lexical import KeyTerms
 from service.engine.loading import load_predictor
-from training.data import label_frequencies, load_jsonl_split, rows_of_uids
-from training.evaluate import evaluate_bundle
-from training.metrics import HEADLINE, compute_all
-from training.params import HOLDOUT_FILE
+from xmc.checkpoint import HOLDOUT_FILE
+from xmc.data import label_frequencies, load_jsonl_split, rows_of_uids
+from xmc.metrics import HEADLINE, compute_all
 
 VALIDATION_METRICS = HEADLINE
 DEV_METRICS = ("P@1", "P@3", "P@5", "PSP@5", "R@100")
@@ -431,7 +431,7 @@ def evaluate_choice(chosen: Candidate, predictor, pairs, unfitted: ScoreFusion, 
 
 
 def dev_figures(evaluation: dict) -> dict:
-    """What the result keeps of a ``training.evaluate`` dev evaluation."""
+    """What the result keeps of a ``export.evaluate`` dev evaluation."""
     return {
         "queries_per_second": evaluation["queries_per_second"],
         "filter_after": {m: evaluation["metrics"][m] for m in DEV_METRICS},

@@ -28,7 +28,7 @@ import numpy as np
 from bench.fusion_models import DEFAULT_GROUPS, held_out_instances
 from export.fuse import HeldOutPairs, HeldOutSearch, add_held_out_memory_option, pairs_of, unfitted_fusion
 from service.engine.lexical import KeyTerms
-from training.data import load_jsonl_split
+from xmc.data import load_jsonl_split
 
 
 def shift(held: HeldOutPairs, dev: HeldOutPairs, relevant: bool, features: tuple[str, ...], seed: int = 0) -> dict:

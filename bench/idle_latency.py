@@ -20,10 +20,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.localserver import start_server, stop_server
+from loadtest.localserver import start_server, stop_server
 from service.engine.bundle import load_bundle
 from service.engine.search import Predictor
-from training.data import load_jsonl_split
+from xmc.data import load_jsonl_split
 
 
 def percentiles(samples_ms: list[float]) -> dict[str, float]:

@@ -40,8 +40,8 @@ from service.engine.bundle import load_bundle
 from service.engine.encoder import MAX_CHUNK, EncoderOptions, OnnxEncoder
 from service.engine.manifest import ENCODER_FILE, TOKENIZER_FILE
 from service.engine.search import Predictor
-from training.data import load_jsonl_split
-from training.evaluate import evaluate_predictor
+from xmc.data import load_jsonl_split
+from xmc.evaluate import evaluate_predictor
 
 HEADLINE = ("P@1", "P@3", "P@5", "PSP@5", "R@100")
 

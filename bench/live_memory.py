@@ -31,14 +31,14 @@ import httpx
 import numpy as np
 
 from bench.loadgen import closed_loop, open_loop
-from bench.localserver import start_server, stop_server
 from bench.recall import key_recall_at_10
 from export.compact import compact_bundle
+from loadtest.localserver import start_server, stop_server
 from service.engine import AppendBatch, load_predictor
 from service.engine.bundle import load_labels
-from training.data import XMCDataset, load_jsonl_split
-from training.evaluate import evaluate_predictor
-from training.metrics import HEADLINE
+from xmc.data import XMCDataset, load_jsonl_split
+from xmc.evaluate import evaluate_predictor
+from xmc.metrics import HEADLINE
 
 TOKEN = "bench-live-memory"
 

@@ -14,7 +14,7 @@ wall seconds and peak memory (RSS) of every stage.
 * **export**: a label index of every label's vector, in ``--shards`` shards, built on all cores.
 * **serve**: ``python -m service.http`` on the bundle: seconds to ready, the server's peak RSS,
   and the latency of single-text ``/predict`` calls sent one at a time.
-* **evaluate**: ``training.evaluate`` on the held-out ``tst`` split, both protocols.
+* **evaluate**: ``export.evaluate`` on the held-out ``tst`` split, both protocols.
 
 Each stage runs as its own process; its peak RSS is the kernel's (``wait4``), children included.
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.localserver import start_server, stop_server
+from loadtest.localserver import start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "training" / "configs" / "synthetic-1m.yaml"
@@ -60,7 +60,7 @@ def small_encoder(out: Path, seed: int) -> Path:
     import torch
     from transformers import BertConfig, BertModel
 
-    from training.checkpoint import default_encoder_dir
+    from xmc.checkpoint import default_encoder_dir
 
     torch.manual_seed(seed)
     config = BertConfig(
@@ -134,7 +134,7 @@ def main() -> None:
     export += ["--index-kind", "labels", "--shards", str(args.shards), "--build-threads", "0"]
     stages["export"] = run_stage("export", export, logs)
     stages["serve"] = serve_stage(bundle, tst_titles(data, args.requests), logs)
-    evaluate = [py, "-m", "training.evaluate", "--bundle", str(bundle), "--data", str(data), "--split", "tst"]
+    evaluate = [py, "-m", "export.evaluate", "--bundle", str(bundle), "--data", str(data), "--split", "tst"]
     stages["evaluate"] = run_stage("evaluate", [*evaluate, "--out", str(work / "eval-tst.json")], logs)
 
     train_log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]

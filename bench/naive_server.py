@@ -18,7 +18,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from service.engine.bundle import load_bundle
 from service.engine.rae import ValueRows, aggregate, labels_of_keys, top_k_of_row
-from training.checkpoint import ServingHead, default_encoder_dir
+from xmc.checkpoint import ServingHead, default_encoder_dir
 
 
 class Query(BaseModel):

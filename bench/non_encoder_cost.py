@@ -27,10 +27,10 @@ import sys
 from pathlib import Path
 
 from bench.loadgen import closed_loop, open_loop
-from bench.localserver import ROOT, start_server, stop_server
 from bench.null_encoder import VECTORS_ENV, write_vectors
 from bench.profile_server import fold, record
-from training.data import load_jsonl_split
+from loadtest.localserver import ROOT, start_server, stop_server
+from xmc.data import load_jsonl_split
 
 NULL_SERVER = ROOT / "bench" / "null_encoder.py"
 

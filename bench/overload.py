@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.loadgen import closed_loop, open_loop
-from bench.localserver import start_server, stop_server
-from training.data import load_jsonl_split
+from loadtest.localserver import start_server, stop_server
+from xmc.data import load_jsonl_split
 
 REFUSALS = (429, 503)
 

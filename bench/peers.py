@@ -14,7 +14,7 @@ which the serving/training environment does not. Systems:
 
 The others use scikit-learn TF-IDF of word 1–2-grams (min_df 2, sublinear tf) fitted on the
 training texts. Each model ranks ``k`` + (the largest filter list) labels, the split's filter pairs are
-removed, the top ``k`` kept, and the metrics come from :mod:`training.metrics`, as for xmcserve.
+removed, the top ``k`` kept, and the metrics come from :mod:`xmc.metrics`, as for xmcserve.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import numpy as np
 import scipy.sparse as sp
 from sklearn.feature_extraction.text import TfidfVectorizer
 
-from training.data import XMCDataset, load_jsonl_split
-from training.embedding_eval import drop_excluded, score_ranking
+from xmc.data import XMCDataset, load_jsonl_split
+from xmc.metrics import drop_excluded, score_ranking
 
 
 def sklearn_tfidf(train: XMCDataset, dev: XMCDataset) -> tuple[sp.csr_matrix, sp.csr_matrix]:

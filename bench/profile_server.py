@@ -20,8 +20,8 @@ from collections import Counter
 from pathlib import Path
 
 from bench.loadgen import closed_loop, open_loop
-from bench.localserver import start_server, stop_server
-from training.data import load_jsonl_split
+from loadtest.localserver import start_server, stop_server
+from xmc.data import load_jsonl_split
 
 # A sample is charged to the first stage whose marker appears in its stack (innermost first).
 STAGES = (

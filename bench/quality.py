@@ -4,7 +4,7 @@
         [--peers-python .venv-peers/bin/python] [--out bench/results/quality-debian-dev.json]
 
 Every xmcserve row is a real bundle evaluated through the service's search path (ONNX encoder,
-HNSW, RAE aggregation; :func:`training.evaluate.evaluate_bundle`) with the dev filter file
+HNSW, RAE aggregation; :func:`export.evaluate.evaluate_bundle`) with the dev filter file
 applied under the peers' protocol (filter after ranking: the headline columns, what every
 comparison uses) and, beside it, as a caller's ``exclude`` before aggregation
 (``exclude_before``); the peers run in their own environment (:mod:`bench.peers`). Rows:
@@ -38,6 +38,7 @@ import yaml
 
 from export.build import ExportParams, build_bundle
 from export.derive import derive_rae_bundle
+from export.evaluate import evaluate_bundle
 from export.fuse import (
     DEFAULT_EXTRA_FEATURES,
     DEFAULT_HELD_OUT_MEMORY,
@@ -48,12 +49,9 @@ from export.fuse import (
     fuse_bundle,
 )
 from service.engine.bundle import load_bundle
-from training.checkpoint import ServingHead
-from training.data import load_jsonl_split
-from training.evaluate import evaluate_bundle
-from training.metrics import HEADLINE
-from training.params import HOLDOUT_FILE, PARAMS_FILE
-from training.trainer import LOG_FILE
+from xmc.checkpoint import HOLDOUT_FILE, LOG_FILE, PARAMS_FILE, ServingHead
+from xmc.data import load_jsonl_split
+from xmc.metrics import HEADLINE
 
 LAMBDAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 

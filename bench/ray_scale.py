@@ -31,8 +31,8 @@ import numpy as np
 
 from bench.ann_scale import clustered_vectors, draw, exact_top10
 from bench.loadgen import closed_loop
-from bench.localserver import free_port, start_server, stop_server
 from bench.recall import recall_at_k
+from loadtest.localserver import free_port, start_server, stop_server
 from service.engine.manifest import (
     ENCODER_FILE,
     LABELS_FILE,
@@ -43,7 +43,7 @@ from service.engine.manifest import (
     shard_list,
 )
 from service.engine.memory import fetch_and_ef
-from training.data import LabelSpace, load_jsonl_split
+from xmc.data import LabelSpace, load_jsonl_split
 
 M, EF_CONSTRUCTION, EF_SEARCH = 32, 200, 300
 DIM = 64

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from bench.browser import LAPTOP, headless_chromium
-from bench.localserver import start_server, stop_server
+from loadtest.localserver import start_server, stop_server
 
 TOKEN = "screenshots"
 ADMIN = {"X-Admin-Token": TOKEN}

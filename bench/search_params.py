@@ -21,11 +21,11 @@ import numpy as np
 
 from bench.recall import key_recall_at_10
 from export.derive import derive_rae_bundle
+from export.evaluate import evaluate_bundle
 from service.engine.bundle import load_bundle
 from service.engine.search import Predictor
-from training.data import load_jsonl_split
-from training.evaluate import evaluate_bundle
-from training.metrics import HEADLINE
+from xmc.data import load_jsonl_split
+from xmc.metrics import HEADLINE
 
 
 def search_ms_per_query(predictor: Predictor, vectors: np.ndarray, ef: int) -> float:

@@ -46,14 +46,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bench import non_encoder_cost
 from bench.loadgen import closed_loop, open_loop
-from bench.localserver import free_port, start_server, stop_server
 from bench.non_encoder_cost import server_cpu_s
 from bench.recall import ann_recall
+from loadtest.localserver import free_port, start_server, stop_server
 from service.engine.bundle import load_bundle
 from service.engine.encoder import EncoderOptions
 from service.http.settings import Settings
-from training.checkpoint import default_encoder_dir
-from training.data import load_jsonl_split
+from xmc.checkpoint import default_encoder_dir
+from xmc.data import load_jsonl_split
 
 CONCURRENCY = (1, 4, 16, 64, 128)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, os.getcwd())
-from bench.localserver import start_server, stop_server  # noqa: E402
+from loadtest.localserver import start_server, stop_server  # noqa: E402
 
 
 def hwm(pid: int) -> int:

@@ -49,7 +49,7 @@ from service.engine.manifest import (
     TokenizerInfo,
     utc_now,
 )
-from training.checkpoint import (
+from xmc.checkpoint import (
     Checkpoint,
     ServingHead,
     default_encoder_dir,
@@ -57,7 +57,7 @@ from training.checkpoint import (
     load_checkpoint,
     uses_sentence_normalize,
 )
-from training.data import LabelSpace, XMCDataset, load_jsonl_split
+from xmc.data import LabelSpace, XMCDataset, load_jsonl_split
 
 log = logging.getLogger("xmcserve.export")
 

@@ -48,7 +48,7 @@ from service.engine.manifest import (
     utc_now,
 )
 from service.engine.memory import MemoryView
-from training.data import LabelSpace
+from xmc.data import LabelSpace
 
 
 class NothingToFold(RuntimeError):

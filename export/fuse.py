@@ -78,8 +78,8 @@ from service.engine.manifest import (
 )
 from service.engine.rae import aggregate_kept, keep_keys
 from service.engine.search import Predictor
-from training.data import XMCDataset, load_jsonl_split, rows_of_uids
-from training.params import HOLDOUT_FILE
+from xmc.checkpoint import HOLDOUT_FILE
+from xmc.data import XMCDataset, load_jsonl_split, rows_of_uids
 
 log = logging.getLogger("xmcserve.fuse")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from training.checkpoint import ServingHead
 from training.model import linear_from_block, load_encoder, load_fast_tokenizer, mean_pool, tokenize_batch
+from xmc.checkpoint import ServingHead
 
 __all__ = ["PooledEncoder", "ServingEncoder", "load_encoder", "load_fast_tokenizer", "tokenize_batch"]
 

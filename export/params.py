@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Literal, get_args, get_origin, get_type_hints
 
 from service.engine.manifest import IndexKind, RaeMode, RaeParams
-from training.params import parse_bool
+from xmc.options import parse_bool
 
 Quantize = Literal["none", "int8", "int8-static"]
 EncodeDevice = Literal["auto", "cpu", "cuda"]

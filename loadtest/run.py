@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     host = args.host
     if host is None:
         # imported here: the load generator's image (deploy/Dockerfile.loadtest) holds no server
-        from bench.localserver import start_server
+        from loadtest.localserver import start_server
 
         server = start_server(args.bundle, Path("/tmp/xmcserve-loadtest-server.log"))
         host = server.url
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         if server:
-            from bench.localserver import stop_server
+            from loadtest.localserver import stop_server
 
             stop_server(server)
     if not stats.exists():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.localserver import Server, start_server, stop_server
+from loadtest.localserver import Server, start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_DIR = ROOT / "data" / "debian-sample"
@@ -46,7 +46,7 @@ def sample_dir() -> Path:
 def sample_bundle(tmp_path_factory) -> Path:
     """The default bundle (pretrained MiniLM, RAE memory, 64-d) built from the shipped sample."""
     from export.build import ExportParams, build_bundle
-    from training.data import load_jsonl_split
+    from xmc.data import load_jsonl_split
 
     out = tmp_path_factory.mktemp("bundles") / "sample-rae"
     train = load_jsonl_split(SAMPLE_DIR, "trn")
@@ -65,7 +65,7 @@ def distilbert_dir(tmp_path_factory) -> Path:
     import torch
     from transformers import DistilBertConfig, DistilBertModel
 
-    from training.checkpoint import default_encoder_dir
+    from xmc.checkpoint import default_encoder_dir
 
     torch.manual_seed(0)
     config = DistilBertConfig(
@@ -82,7 +82,7 @@ def distilbert_dir(tmp_path_factory) -> Path:
 def tiny_rae_bundle(distilbert_dir, tmp_path_factory) -> Path:
     """A small rae_memory bundle (tiny DistilBERT, 300 sample instances): fast to copy and corrupt."""
     from export.build import ExportParams, build_bundle
-    from training.data import load_jsonl_split
+    from xmc.data import load_jsonl_split
 
     train = load_jsonl_split(SAMPLE_DIR, "trn")
     out = tmp_path_factory.mktemp("bundles") / "tiny-rae"
@@ -106,7 +106,7 @@ def bundle_root(tmp_path_factory, tiny_rae_bundle, distilbert_dir) -> Path:
 
     from export.build import ExportParams, build_bundle
     from service.engine.manifest import LABELS_FILE
-    from training.data import load_jsonl_split
+    from xmc.data import load_jsonl_split
 
     root = tmp_path_factory.mktemp("bundle-root")
     shutil.copytree(tiny_rae_bundle, root / "tiny-rae")

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.localserver import free_port
+from loadtest.localserver import free_port
 from service.engine.manifest import LABELS_FILE
 from tests.conftest import wait_for
 

@@ -3,7 +3,7 @@ exported bundle serves.
 
 The pooled vector Φ(x) comes from the frozen-prefix cache (:mod:`training.cache`) when the run
 freezes layers, else from token ids through the whole encoder; the serving vector is the
-model's :class:`~training.checkpoint.ServingHead` applied to it, the same head export writes
+model's :class:`~xmc.checkpoint.ServingHead` applied to it, the same head export writes
 into the ONNX graph. Training (mining, the loss's pooled batches), the per-epoch dev check and
 :mod:`training.sweep` all embed through an :class:`Embedder`, so none of them can drift from
 what the service searches.
@@ -19,12 +19,12 @@ import torch
 from tokenizers import Tokenizer
 
 from training.cache import TokenStateCache, cached_states, length_sorted_batches
-from training.checkpoint import load_checkpoint
 from training.distributed import World
 from training.embedding_eval import DevVectors
 from training.encoder_layers import hidden_size
 from training.model import UniDEC, load_encoder, load_fast_tokenizer
 from training.params import TrainParams
+from xmc.checkpoint import load_checkpoint
 
 
 def pick_device(name: str) -> torch.device:

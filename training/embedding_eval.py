@@ -1,7 +1,7 @@
 """Exact-search evaluation of embeddings during training (the per-epoch dev check).
 
 The numbers a run reports as final come from its exported bundle through the service's search
-path (:mod:`training.evaluate`); this module scores the same vectors by exact search so a
+path (:mod:`xmc.evaluate`); this module scores the same vectors by exact search so a
 training run can track DE⊕CLF, DE, CLF and RAE quality every epoch in seconds.
 """
 
@@ -14,8 +14,8 @@ import numpy as np
 import scipy.sparse as sp
 
 from service.engine.rae import ValueRows, aggregate, labels_of_keys, top_k_of_row
-from training.data import XMCDataset, label_frequencies
-from training.metrics import DETAILED, compute_all
+from xmc.data import XMCDataset
+from xmc.metrics import drop_excluded, score_ranking
 
 # Scores held at once by the brute-force search: queries go in blocks of at most this many
 # (query, key) pairs, so 10^6 keys take ~16 queries a block instead of a 1,024 × 10^6 matrix.
@@ -48,16 +48,6 @@ def rank_labels(
     return drop_excluded(ids, exclude, k)
 
 
-def drop_excluded(candidates, exclude: list[set[int]], k: int) -> np.ndarray:
-    """The first ``k`` of each row's best-first ``candidates`` that are not in its ``exclude``
-    set, as a [rows, k] array padded with −1 (what the metrics read)."""
-    ranked = np.full((len(candidates), k), -1, dtype=np.int64)
-    for i, row in enumerate(candidates):
-        kept = [lab for lab in row if lab not in exclude[i]][:k] if exclude[i] else list(row[:k])
-        ranked[i, : len(kept)] = kept
-    return ranked
-
-
 def rank_rae(
     queries: np.ndarray,
     memory_keys: np.ndarray,
@@ -82,11 +72,6 @@ def rank_rae(
             ids, _ = top_k_of_row(scores, i, k)
             ranked[start + i, : len(ids)] = ids
     return ranked
-
-
-def score_ranking(ranked: np.ndarray, dev: XMCDataset, train: XMCDataset) -> dict[str, float]:
-    metrics = compute_all(ranked, dev.Y, label_frequencies(train.Y), len(train), recall_ks=(10, 100))
-    return {name: round(metrics[name], 2) for name in DETAILED if name in metrics}
 
 
 @dataclass

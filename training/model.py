@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from transformers import AutoModel, AutoTokenizer
 
-from training.checkpoint import ENCODER_SUBDIR, HeadBlock, ServingHead, fit_pca_head
 from training.encoder_layers import num_layers, prefix_states, run_layers
+from xmc.checkpoint import ENCODER_SUBDIR, HeadBlock, ServingHead, fit_pca_head
 
 TOKENIZER_FILES = (
     "tokenizer.json",

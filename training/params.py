@@ -13,16 +13,13 @@ from pathlib import Path
 
 import yaml
 
-from training.metrics import DETAILED
+from xmc.metrics import DETAILED
+from xmc.options import parse_bool
 
 # the systems ranked on dev after every epoch (training.embedding_eval.score_dev_systems)
 DEV_SYSTEMS = ("de+clf", "de", "clf", "rae")
 # how the q→l and l→q losses of a head combine (training.objective.symmetric_loss)
 SYMMETRIC_FORMS = ("additive", "convex")
-# the resolved parameters, written into the run directory (training.sweep reads them back)
-PARAMS_FILE = "params.yaml"
-# the uids of the training instances a run kept out (TrainParams.holdout), one per line
-HOLDOUT_FILE = "holdout.txt"
 
 
 @dataclass
@@ -186,14 +183,6 @@ class TrainParams:
 
     def save(self, path: Path) -> None:
         path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-
-
-def parse_bool(text: str) -> bool:
-    """``true/false/1/0/yes/no`` (argparse's ``type=bool`` would take ``False`` as true)."""
-    lowered = text.strip().lower()
-    if lowered not in ("true", "false", "1", "0", "yes", "no"):
-        raise ValueError(f"expected a boolean, got {text!r}")
-    return lowered in ("true", "1", "yes")
 
 
 def _coerce(name: str, value, kind):

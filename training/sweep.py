@@ -7,7 +7,7 @@ Loads the run's exported checkpoint (``checkpoint/``, the last epoch, as ``--res
 continue from; or ``best/``) through :class:`training.embedder.Embedder` with the run's own
 params and prefix caches, computes the dev, label and memory vectors once, and ranks every
 combination by exact search (seconds each). For choosing what to export; the numbers to report
-come from the exported bundle through ``training.evaluate``.
+come from the exported bundle through ``export.evaluate``.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import sys
 from pathlib import Path
 
 from service.engine.rae import build_values
-from training.checkpoint import default_encoder_dir
-from training.data import XMCDataset, load_train_and_dev
 from training.embedder import Embedder, pick_device
-from training.embedding_eval import DevVectors, rank_rae, score_ranking
-from training.params import PARAMS_FILE, TrainParams, load_params
+from training.embedding_eval import DevVectors, rank_rae
+from training.params import TrainParams, load_params
+from xmc.checkpoint import PARAMS_FILE, default_encoder_dir
+from xmc.data import XMCDataset, load_train_and_dev
+from xmc.metrics import score_ranking
 
 
 def floats(text: str) -> list[float]:

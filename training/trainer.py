@@ -40,8 +40,6 @@ from training.batching import (
     curriculum_cluster_size,
     mine_hard_negatives,
 )
-from training.checkpoint import default_encoder_dir, uses_sentence_normalize
-from training.data import XMCDataset, load_train_and_dev, split_holdout
 from training.distributed import World
 from training.embedder import Embedder, TextSide, pick_device
 from training.embedding_eval import score_dev_systems
@@ -49,12 +47,13 @@ from training.encoder_layers import freeze_prefix, num_layers
 from training.gandalf import LabelPoints, label_points
 from training.model import UniDEC, load_encoder, load_fast_tokenizer
 from training.objective import BatchMasks, HeadOutputs, Objective
-from training.params import HOLDOUT_FILE, PARAMS_FILE, TrainParams
+from training.params import TrainParams
+from xmc.checkpoint import HOLDOUT_FILE, LOG_FILE, PARAMS_FILE, default_encoder_dir, uses_sentence_normalize
+from xmc.data import XMCDataset, load_train_and_dev, split_holdout
 
 log = logging.getLogger("xmcserve.train")
 
 STATE_FILE = "state.pt"
-LOG_FILE = "train_log.jsonl"
 
 
 def seed_everything(seed: int) -> None:

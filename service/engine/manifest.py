@@ -20,7 +20,7 @@ immutable directory::
                      its single regression tree here as arrays
     lexical.npz      a lexical fusion's unit term vectors of the keys, key id order (CSR, keys x
     lexical-<i>.npz  terms); a sharded bundle has one file per shard, its keys' rows
-    head.npz/.json   the linear head inside encoder.onnx (training.checkpoint format); not read
+    head.npz/.json   the linear head inside encoder.onnx (xmc.checkpoint format); not read
                      by the service, there for torch tools that rebuild the same vectors
 """
 

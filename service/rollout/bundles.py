@@ -6,7 +6,7 @@ label votes (0..1, summing over labels), a labels index's is the cosine of query
 embeddings, and a score fusion adds a learned term to p̂; a "mean |score Δ|" across those measures
 the scales, not the models (docs/rollout.md). Ranks compare across kinds: overlap@k, Kendall's τ.
 
-Offline quality is the JSON ``make evaluate`` (``training.evaluate --out``) writes beside a bundle
+Offline quality is the JSON ``make evaluate`` (``export.evaluate --out``) writes beside a bundle
 directory, ``<dir>-eval-<split>.json``: shown with its split and date, and marked stale when it
 measured another build than the one loaded (its ``bundle_id`` differs).
 """

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from export.build import ExportParams, build_bundle
-from training.data import load_jsonl_split
-from training.params import HOLDOUT_FILE
+from xmc.checkpoint import HOLDOUT_FILE
+from xmc.data import load_jsonl_split
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.data import load_jsonl_split
+from xmc.data import load_jsonl_split
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = ["--labels", "2000", "--trn", "4000", "--dev", "400", "--tst", "400"]

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.localserver import free_port, start_server, stop_server
+from loadtest.localserver import free_port, start_server, stop_server
 from service.http.metrics import Metrics
 from tests.conftest import need_tool
 

@@ -14,8 +14,8 @@ from export.onnx_export import ParityError
 from service.engine.bundle import load_bundle
 from service.engine.manifest import MANIFEST_FILE, IndexKind, sha256_file
 from service.engine.search import Predictor
-from training.checkpoint import HeadBlock, ServingHead
-from training.data import LabelSpace, load_jsonl_split
+from xmc.checkpoint import HeadBlock, ServingHead
+from xmc.data import LabelSpace, load_jsonl_split
 
 
 @pytest.fixture(scope="module")

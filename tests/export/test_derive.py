@@ -6,7 +6,7 @@ import scipy.sparse as sp
 
 from export.derive import derive_rae_bundle
 from service.engine.bundle import load_bundle
-from training.data import load_jsonl_split
+from xmc.data import load_jsonl_split
 
 
 @pytest.fixture(scope="module")

@@ -55,8 +55,8 @@ from service.engine.memory import AppendBatch, base_view, fetch_and_ef
 from service.engine.search import Predictor, RankedSearch, merged_neighbours
 from service.engine.shards import ShardQuery
 from tests.service.engine.test_fusion import random_sklearn_tree, tree_from
-from training.data import label_frequencies, load_jsonl_split, rows_of_uids
-from training.params import HOLDOUT_FILE
+from xmc.checkpoint import HOLDOUT_FILE
+from xmc.data import label_frequencies, load_jsonl_split, rows_of_uids
 
 
 @pytest.fixture(scope="module")

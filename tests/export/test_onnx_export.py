@@ -7,7 +7,7 @@ from transformers import AutoConfig
 
 from export.model import ServingEncoder, load_encoder, load_fast_tokenizer
 from export.onnx_export import ParityError, attention_shape, check_parity, export_onnx, fuse_or_keep, random_texts
-from training.checkpoint import fit_pca_head
+from xmc.checkpoint import fit_pca_head
 
 
 def test_parity_check_fails_when_onnx_and_torch_disagree(distilbert_dir, tmp_path):

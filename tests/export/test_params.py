@@ -18,7 +18,7 @@ from export.params import (
 )
 from service.engine.manifest import IndexKind, RaeParams
 from service.engine.rae import RAE_MODES
-from training.params import parse_bool
+from xmc.options import parse_bool
 
 
 def test_every_attribute_is_documented_with_its_actual_default():

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from bench.localserver import start_server, stop_server
 from bench.recall import exact_top_k, recall_at_k
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
+from loadtest.localserver import start_server, stop_server
 from service.engine import AppendBatch, load_predictor
 from service.engine.manifest import Manifest
 from service.engine.shards import ShardedIndex
-from training.data import load_jsonl_split
+from xmc.data import load_jsonl_split
 
 TINY_RAE = {"dim": 16, "max_train": 300, "rae_top_b": 50}
 

@@ -15,7 +15,7 @@ import pytest
 tomllib = pytest.importorskip("tomllib")
 
 ROOT = Path(__file__).resolve().parents[2]
-OWN = {"service", "training", "export"}
+OWN = {"xmc", "service", "training", "export"}
 
 
 def imported_top_level(paths) -> set[str]:

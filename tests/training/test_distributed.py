@@ -17,7 +17,8 @@ from safetensors.numpy import load_file
 from training.batching import cluster_batches
 from training.distributed import World, close_world, init_world
 from training.params import load_params
-from training.trainer import LOG_FILE, Trainer
+from training.trainer import Trainer
+from xmc.checkpoint import LOG_FILE
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,7 +88,7 @@ def tiny_run_inputs(tmp_path_factory) -> tuple[Path, Path]:
     same samples as one process, so with dropout off the two runs compute the same thing."""
     from transformers import DistilBertConfig, DistilBertModel
 
-    from training.checkpoint import default_encoder_dir
+    from xmc.checkpoint import default_encoder_dir
 
     tmp = tmp_path_factory.mktemp("ddp-inputs")
     command = [sys.executable, str(ROOT / "data" / "make_sample.py"), "--src", str(ROOT / "data" / "debian-sample")]

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from training.checkpoint import ServingHead
 from training.embedder import Embedder, TextSide
 from training.model import UniDEC, load_encoder, load_fast_tokenizer
 from training.params import TrainParams
+from xmc.checkpoint import ServingHead
 
 TEXTS = [
     "python3-numpy: Fast array facility to the Python 3 language",

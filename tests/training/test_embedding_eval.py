@@ -1,6 +1,6 @@
 import numpy as np
 
-from training.embedding_eval import drop_excluded, exact_top, rank_labels
+from training.embedding_eval import exact_top, rank_labels
 
 
 def test_exact_top_is_best_first():
@@ -17,8 +17,3 @@ def test_rank_labels_removes_each_querys_excluded_labels_before_the_cut():
     ranked = rank_labels(queries, labels, k=2, exclude=[{0}, set()])
     # query 0 loses its best label 0: its next two move up
     assert ranked.tolist() == [[2, 1], [1, 2]]
-
-
-def test_drop_excluded_pads_short_rows_with_minus_one():
-    ranked = drop_excluded([[4, 7], [1, 2, 3]], [{7}, {2}], k=3)
-    assert ranked.tolist() == [[4, -1, -1], [1, 3, -1]]

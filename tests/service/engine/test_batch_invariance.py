@@ -9,7 +9,7 @@ from export.derive import derive_quantized_bundle
 from service.engine.bundle import load_bundle
 from service.engine.encoder import MAX_CHUNK
 from service.engine.search import Predictor
-from training.data import load_jsonl_split
+from xmc.data import load_jsonl_split
 
 
 @pytest.fixture(scope="module")

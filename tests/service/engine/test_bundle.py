@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from bench.localserver import start_server
+from loadtest.localserver import start_server
 from service.engine.bundle import BundleError, load_bundle
 from service.engine.manifest import INDEX_FILE, LABELS_FILE, MANIFEST_FILE, VALUES_FILE
 

@@ -30,7 +30,7 @@ from service.engine.fusion import (
 from service.engine.lexical import Lexicon
 from service.engine.manifest import FUSION_FILE, FUSION_MODEL_FILE, FusionParams
 from service.engine.rae import KeptKeys, ValueRows, aggregate, aggregate_kept, keep_keys, softmax
-from training.checkpoint import default_encoder_dir
+from xmc.checkpoint import default_encoder_dir
 
 
 def tree_from(model: DecisionTreeRegressor) -> RegressionTree:

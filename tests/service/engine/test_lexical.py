@@ -17,7 +17,7 @@ from service.engine.lexical import (
     save_key_terms,
     term_rows,
 )
-from training.checkpoint import default_encoder_dir
+from xmc.checkpoint import default_encoder_dir
 
 TOKENIZER = default_encoder_dir() / "tokenizer.json"
 MEMORY = [

@@ -17,7 +17,7 @@ from service.engine.memory import Memory, base_view, fetch_and_ef
 from service.engine.search import Neighbours, RankedSearch, merged_neighbours
 from service.engine.shards import ShardAnswer, ShardedIndex, ShardQuery, ShardSearcher
 from tests.service.engine.test_fusion import random_onnx_tree
-from training.checkpoint import default_encoder_dir
+from xmc.checkpoint import default_encoder_dir
 
 DIM, RAE_LABELS = 8, 30
 

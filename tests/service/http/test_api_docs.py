@@ -7,7 +7,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from bench.localserver import start_server, stop_server
+from loadtest.localserver import start_server, stop_server
 from service.http.app import create_app
 from service.http.settings import Settings
 

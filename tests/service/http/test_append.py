@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from bench.localserver import start_server, stop_server
+from loadtest.localserver import start_server, stop_server
 
 TOKEN = "append-token"
 ADMIN = {"X-Admin-Token": TOKEN}

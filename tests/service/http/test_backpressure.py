@@ -5,7 +5,7 @@ import asyncio
 import httpx
 import pytest
 
-from bench.localserver import start_server, stop_server
+from loadtest.localserver import start_server, stop_server
 
 
 @pytest.fixture(scope="module")

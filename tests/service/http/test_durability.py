@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
-from bench.localserver import start_server, stop_server
 from export.compact import compact_bundle
+from loadtest.localserver import start_server, stop_server
 
 TOKEN = "durability-token"
 ADMIN = {"X-Admin-Token": TOKEN}

@@ -6,7 +6,7 @@ from httpx import Client
 from bench.recall import exact_top_k, recall_at_k
 from service.api.schemas import PredictResponse
 from service.engine.bundle import load_bundle
-from training.data import load_jsonl_split
+from xmc.data import load_jsonl_split
 
 pytestmark = pytest.mark.slow
 

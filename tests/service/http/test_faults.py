@@ -9,7 +9,7 @@ import socket
 import httpx
 import pytest
 
-from bench.localserver import start_server, stop_server
+from loadtest.localserver import start_server, stop_server
 from service.engine.manifest import INDEX_FILE, LABELS_FILE
 
 TOKEN = "faults-token"

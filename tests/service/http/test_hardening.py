@@ -8,7 +8,7 @@ import socket
 import httpx
 import pytest
 
-from bench.localserver import start_server, stop_server
+from loadtest.localserver import start_server, stop_server
 
 TOKEN = "hardening-token"
 TEXT = "libc6: GNU C Library: Shared libraries"

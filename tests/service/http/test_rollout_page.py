@@ -13,7 +13,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from bench.localserver import start_server, stop_server
+from loadtest.localserver import start_server, stop_server
 from service.http.app import create_app
 from service.http.settings import Settings
 from tests.conftest import SAMPLE_DIR, wait_for
@@ -30,7 +30,7 @@ TEXTS = [
 @pytest.fixture(scope="module")
 def evaluation(bundle_root) -> dict:
     """tiny-rae's dev-split evaluation, stored beside it as ``make evaluate`` stores one."""
-    from training.evaluate import main as evaluate
+    from export.evaluate import main as evaluate
 
     out = bundle_root / "tiny-rae-eval-dev.json"
     evaluate(["--bundle", str(bundle_root / "tiny-rae"), "--data", str(SAMPLE_DIR), "--k", "10", "--out", str(out)])

@@ -6,7 +6,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error, response_schema_conformance
 
-from bench.localserver import start_server, stop_server
+from loadtest.localserver import start_server, stop_server
 
 TOKEN = "schemathesis-token"
 EXAMPLES_PER_OPERATION = 40

@@ -29,8 +29,8 @@ from export.fuse import fuse_bundle
 from service.engine import load_predictor
 from service.engine.fusion import FEATURE_GROUPS
 from service.ray_serve import build_app
-from training.data import load_jsonl_split
-from training.params import HOLDOUT_FILE
+from xmc.checkpoint import HOLDOUT_FILE
+from xmc.data import load_jsonl_split
 
 HOST = "127.0.0.1"
 SHARDS = 2

@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from bench.localserver import free_port, start_server, stop_server
+from loadtest.localserver import free_port, start_server, stop_server
 from tests.conftest import wait_for
 
 TOKEN = "s3cret-token"

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from bench.localserver import free_port
+from loadtest.localserver import free_port
 from service.http.metrics import Metrics
 from service.rollout.shadow import Copy, ShadowConfig, ShadowMirror, ShadowRequest
 from service.rollout.shadow_worker import ShadowWorker, split_answers, take_batch

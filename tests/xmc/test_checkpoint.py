@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from training.checkpoint import HeadBlock, ServingHead, fit_pca_head, load_checkpoint, uses_sentence_normalize
+from xmc.checkpoint import HeadBlock, ServingHead, fit_pca_head, load_checkpoint, uses_sentence_normalize
 
 
 def test_pca_head_projects_onto_principal_components():

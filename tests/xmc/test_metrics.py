@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from training.metrics import (
+from xmc.metrics import (
     Segments,
     compute_all,
+    drop_excluded,
     hits_matrix,
     inverse_propensity,
     macro_f1_at_k,
@@ -85,3 +86,8 @@ def test_compute_all_reports_percentages():
     assert out["P@1"] == pytest.approx(50.0)
     assert out["R@3"] == pytest.approx(100.0)
     assert set(out) >= {"P@1", "P@3", "nDCG@1", "PSP@3", "R@3", "F1@5/head", "F1@5/tail"}
+
+
+def test_drop_excluded_pads_short_rows_with_minus_one():
+    ranked = drop_excluded([[4, 7], [1, 2, 3]], [{7}, {2}], k=3)
+    assert ranked.tolist() == [[4, -1, -1], [1, 3, -1]]

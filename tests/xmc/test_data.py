@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from training.data import (
+from xmc.data import (
     DataFormatError,
     label_frequencies,
     load_jsonl_split,

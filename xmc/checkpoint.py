@@ -28,6 +28,15 @@ from pathlib import Path
 
 import numpy as np
 
+# A training run directory (``runs/<name>``) holds the checkpoint under ``best/`` and these files,
+# which export (the held-out instances of a score fusion) and bench read back.
+# the resolved parameters (training.sweep reads them back)
+PARAMS_FILE = "params.yaml"
+# the uids of the training instances a run kept out (TrainParams.holdout), one per line
+HOLDOUT_FILE = "holdout.txt"
+# one JSON line per epoch: losses and dev metrics (training.trainer)
+LOG_FILE = "train_log.jsonl"
+
 HEAD_ARRAYS = "head.npz"
 HEAD_CONFIG = "head.json"
 ENCODER_SUBDIR = "encoder"

@@ -1,11 +1,10 @@
-"""Evaluate a bundle on a data split through the service's own search path.
+"""Evaluate a predictor on a data split: ranking through the service's own search path, and the
+metrics of :mod:`xmc.metrics`, under both filter protocols.
 
-    python -m training.evaluate --bundle bundles/default --data data/debian-sample --split dev \\
-        [--out results.json] [--k 100] [--ef 300] [--propensity default|amazon|wikipedia]
-
-Queries go through :class:`service.engine.search.Predictor` (ONNX encoder, HNSW, RAE aggregation)
-and metrics come from :mod:`training.metrics`. The split's filter file (same-item pairs) is
-applied under two protocols, both reported:
+The predictor is passed in (:class:`service.engine.Predictor`, or anything with its ``view``,
+``encode``, ``predict`` and ``search``), so this core imports no stage; ``python -m export.evaluate``
+opens a bundle directory and calls :func:`evaluate_predictor`. The split's filter file (same-item
+pairs) is applied under two protocols, both reported:
 
 * ``filter_after`` — the XMC repository's protocol, the one the classical peers are measured
   under and the one every comparison with them uses (``metrics``): the model ranks without
@@ -20,28 +19,43 @@ label frequencies for PSP@k and the head/torso/tail segments.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import sys
 import time
-from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from service.engine.bundle import Bundle, load_bundle
-from service.engine.lexical import QueryTerms
-from service.engine.memory import MemoryView
-from service.engine.search import Predictor
-from training.data import XMCDataset, label_frequencies, load_jsonl_split
-from training.metrics import HEADLINE, PROPENSITY_PRESETS, Segments, compute_all
+from xmc.data import XMCDataset, label_frequencies
+from xmc.metrics import HEADLINE, PROPENSITY_PRESETS, Segments, compute_all
 
-Protocol = Literal["filter_after", "exclude_before"]
-PROTOCOLS: tuple[Protocol, ...] = ("filter_after", "exclude_before")
+FilterProtocol = Literal["filter_after", "exclude_before"]
+PROTOCOLS: tuple[FilterProtocol, ...] = ("filter_after", "exclude_before")
 
 
-def label_id_map(view: MemoryView, dataset: XMCDataset) -> np.ndarray:
+class ServedLabels(Protocol):
+    """The label side of a served memory (:class:`service.engine.MemoryView`)."""
+
+    label_uids: list[str]
+    num_labels: int
+
+    def label_id(self, uid: str) -> int | None: ...
+
+
+class Searcher(Protocol):
+    """What an evaluation calls (:class:`service.engine.Predictor`): typed here, not imported, so
+    the core stays below the service."""
+
+    view: ServedLabels
+    bundle: Any
+    default_ef: int
+
+    def encode(self, texts: list[str]) -> tuple: ...
+
+    def predict(self, texts, k, ef, exclude, view) -> Any: ...
+
+    def search(self, vectors, k, ef, exclude, view, texts, terms) -> Any: ...
+
+
+def label_id_map(view: ServedLabels, dataset: XMCDataset) -> np.ndarray:
     """Dataset label id → served label id (−1 when the memory lacks it), matched by uid."""
     if view.label_uids[: view.num_labels] == dataset.labels.uids:
         return np.arange(dataset.num_labels)
@@ -49,14 +63,14 @@ def label_id_map(view: MemoryView, dataset: XMCDataset) -> np.ndarray:
 
 
 def rank_split(
-    predictor: Predictor,
+    predictor: Searcher,
     dataset: XMCDataset,
     k: int,
     ef: int | None,
     batch_size: int = 64,
     vectors: np.ndarray | None = None,
-    protocol: Protocol = "exclude_before",
-    terms: list[QueryTerms] | None = None,
+    protocol: FilterProtocol = "exclude_before",
+    terms: list | None = None,
 ) -> tuple[np.ndarray, float]:
     """Ranked dataset label ids (``n x k``, −1 padded) and the wall seconds spent predicting.
 
@@ -94,13 +108,8 @@ def rank_split(
     return ranked, time.perf_counter() - started
 
 
-def evaluate_bundle(bundle: Bundle, dataset: XMCDataset, train: XMCDataset, **options) -> dict:
-    """:func:`evaluate_predictor` over the bundle as built."""
-    return evaluate_predictor(Predictor(bundle), dataset, train, **options)
-
-
 def evaluate_predictor(
-    predictor: Predictor,
+    predictor: Searcher,
     dataset: XMCDataset,
     train: XMCDataset,
     k: int = 100,
@@ -167,40 +176,3 @@ def format_table(result: dict) -> str:
     lines += [f"  {name:<{width}}  {after[name]:6.2f}{'':33}{before[name]:6.2f}" for name in names]
     lines.append(f"  {'queries/s':<{width}}  {result['queries_per_second']:6.1f}")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bundle", type=Path, required=True, help="bundle directory to evaluate")
-    parser.add_argument("--data", type=Path, required=True, help="data set directory (JSON-lines layout)")
-    parser.add_argument("--split", default="dev", help="split to evaluate, with its filter file (default: dev)")
-    parser.add_argument("--train-split", default="trn", help="split for label frequencies (PSP, segments)")
-    parser.add_argument("--k", type=int, default=100, help="ranking depth (R@k up to it)")
-    parser.add_argument("--ef", type=int, default=None, help="HNSW ef (default: the bundle's)")
-    parser.add_argument(
-        "--propensity", choices=sorted(PROPENSITY_PRESETS), default="default", help="PSP propensity constants A, B"
-    )
-    parser.add_argument("--segments", default="10,100", help="tail max, torso max training frequency")
-    parser.add_argument("--out", type=Path, default=None, help="JSON result file")
-    args = parser.parse_args(argv)
-    tail_max, torso_max = (int(x) for x in args.segments.split(","))
-    dataset = load_jsonl_split(args.data, args.split)
-    train = load_jsonl_split(args.data, args.train_split, labels=dataset.labels)
-    bundle = load_bundle(args.bundle)
-    segments = Segments(tail_max, torso_max)
-    result = evaluate_bundle(
-        bundle, dataset, train, k=args.k, ef=args.ef, propensity=args.propensity, segments=segments
-    )
-    # when, beside what on which split: the rollout page shows a stored evaluation with its split and date
-    evaluated_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    result.update({"data": str(args.data), "split": args.split, "evaluated_at": evaluated_at})
-    print(format_table(result))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

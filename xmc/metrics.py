@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
+from xmc.data import XMCDataset, label_frequencies
+
 # The four figures every quality comparison leads with (the peers' tables report these), and the
 # wider set an embedding evaluation and a training run's model selection read.
 HEADLINE = ("P@1", "P@5", "PSP@5", "R@100")
@@ -156,3 +158,20 @@ def compute_all(
     for name, value in macro_f1_at_k(ranked, hits, Y, train_freq, f1_k, segments or Segments()).items():
         out[f"F1@{f1_k}/{name}"] = 100 * value
     return out
+
+
+def drop_excluded(candidates, exclude: list[set[int]], k: int) -> np.ndarray:
+    """The first ``k`` of each row's best-first ``candidates`` that are not in its ``exclude``
+    set, as a [rows, k] array padded with −1 (what the metrics read): the "filter after ranking"
+    protocol, the peers' (:mod:`xmc.evaluate`)."""
+    ranked = np.full((len(candidates), k), -1, dtype=np.int64)
+    for i, row in enumerate(candidates):
+        kept = [lab for lab in row if lab not in exclude[i]][:k] if exclude[i] else list(row[:k])
+        ranked[i, : len(kept)] = kept
+    return ranked
+
+
+def score_ranking(ranked: np.ndarray, dev: XMCDataset, train: XMCDataset) -> dict[str, float]:
+    """The :data:`DETAILED` metrics of a ranking of ``dev``, rounded; PSP's propensities from ``train``."""
+    metrics = compute_all(ranked, dev.Y, label_frequencies(train.Y), len(train), recall_ks=(10, 100))
+    return {name: round(metrics[name], 2) for name in DETAILED if name in metrics}

@@ -1,0 +1,72 @@
+"""The stages' layers: xmc ← service ← training ← export ← bench, each importing only what lies
+below it (training imports the engine's RAE values; export the torch model code it exports), and
+the core xmc importable without torch, transformers or any stage."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = ("xmc", "service", "training", "export", "bench", "loadtest")
+# What each top-level package may import of the others (itself included).
+ALLOWED = {
+    "xmc": {"xmc"},
+    "service": {"xmc", "service"},
+    "training": {"xmc", "service", "training"},
+    "export": {"xmc", "service", "training", "export"},
+    "bench": {"xmc", "service", "training", "export", "loadtest", "bench"},
+    # the load test runs from its own image: it starts a server, never reaches into bench/
+    "loadtest": {"xmc", "service", "loadtest"},
+}
+
+
+def stages_imported(path: Path) -> set[str]:
+    """The stages an import statement anywhere in the file (functions included) names."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found & set(STAGES)
+
+
+def test_each_stage_imports_only_the_stages_below_it():
+    wrong = [
+        f"{path.relative_to(ROOT)} imports {sorted(stages_imported(path) - ALLOWED[stage])}"
+        for stage in STAGES
+        for path in (ROOT / stage).rglob("*.py")
+        if stages_imported(path) - ALLOWED[stage]
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_layer_check_sees_an_import_inside_a_function(tmp_path):
+    module = tmp_path / "late.py"
+    module.write_text("def f():\n    from training.trainer import Trainer\n")
+    assert stages_imported(module) == {"training"}
+
+
+PROBE = r"""
+import importlib, importlib.abc, pkgutil, sys
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers", "service", "training", "export", "bench"):
+            raise ImportError(f"blocked import of {name}")
+        return None
+
+sys.meta_path.insert(0, Block())
+import xmc
+names = [m.name for m in pkgutil.walk_packages(xmc.__path__, "xmc.")]
+for name in names:
+    importlib.import_module(name)
+print(" ".join(names))
+"""
+
+
+def test_xmc_imports_without_torch_or_any_stage():
+    result = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "xmc.metrics" in result.stdout and "xmc.evaluate" in result.stdout
