@@ -6,7 +6,7 @@
 One process, the engine directly (no HTTP). Two predictors of the bundle, each with a log
 directory of its own under ``--workdir`` (the filesystem whose fsync is measured): ``durable``
 (the served code) and ``no-fsync``, whose rounds run with ``os.fsync`` replaced by a no-op in
-:mod:`service.engine.append_log` — a measurement-only switch in this script, not a setting: without
+this process (the append log's among them) — a measurement-only switch in this script, not a setting: without
 the fsync an acknowledged append can be lost to a power failure. Per round each variant makes
 ``--appends`` appends (a new label and an instance of it), one at a time, as a client waiting for
 each acknowledgement does; the variants alternate, their order swapped every round. Reported per
@@ -27,30 +27,20 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from service.engine import AppendBatch, load_predictor
-from service.engine import append_log as append_log_module
 
 VARIANTS = ("durable", "no-fsync")
 
 
-class _OsWithoutFsync:
-    """``os`` with ``fsync`` a no-op (for the no-fsync rounds only)."""
-
-    def __getattr__(self, name):
-        return getattr(os, name)
-
-    @staticmethod
-    def fsync(fd: int) -> None:
-        return None
-
-
 @contextmanager
 def without_fsync():
-    real = append_log_module.os
-    append_log_module.os = _OsWithoutFsync()
+    """``os.fsync`` a no-op in this process for the block (the no-fsync rounds only): the append
+    log calls it through ``os``, so no engine module is reached into."""
+    real = os.fsync
+    os.fsync = lambda fd: None
     try:
         yield
     finally:
-        append_log_module.os = real
+        os.fsync = real
 
 
 def one_round(predictor, variant: str, first: int, appends: int) -> dict:

@@ -5,7 +5,7 @@ split of the held-out training instances, never on dev; dev is measured once, fo
         [--folds 5] [--dev] [--curve]
 
 The pairs are ``export.fuse``'s (both kinds of search of the run's held-out instances, every
-feature group of :data:`service.engine.fusion.FEATURE_GROUPS` computed once). The held-out
+feature group of :data:`service.engine.FEATURE_GROUPS` computed once). The held-out
 instances are cut into ``--folds`` folds (an instance's two searches in the same fold); each
 candidate is fitted ``--folds`` times on the other folds' pairs and ranks its fold's searches by
 p̂ + T(φ), so every held-out instance is ranked by a model that never saw it. Its validation
@@ -62,9 +62,7 @@ from export.fuse import (
     onnx_fusion_model,
     unfitted_fusion,
 )
-from service.engine.fusion import FEATURE_GROUPS, OPTIONAL_GROUPS, ScoreFusion, features_of_groups
-from service.engine.lexical import KeyTerms
-from service.engine.loading import load_predictor
+from service.engine import FEATURE_GROUPS, OPTIONAL_GROUPS, KeyTerms, ScoreFusion, features_of_groups, load_predictor
 from xmc.checkpoint import HOLDOUT_FILE
 from xmc.data import label_frequencies, load_jsonl_split, rows_of_uids
 from xmc.metrics import HEADLINE, compute_all

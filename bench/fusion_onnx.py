@@ -27,7 +27,7 @@ import numpy as np
 
 from bench.fusion_models import held_out_features, held_out_instances
 from export.fuse import fit_model, onnx_fusion_model
-from service.engine.fusion import RegressionTree
+from service.engine import RegressionTree
 from xmc.checkpoint import HOLDOUT_FILE
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from bench.fusion_models import DEFAULT_GROUPS, held_out_instances
 from export.fuse import HeldOutPairs, HeldOutSearch, add_held_out_memory_option, pairs_of, unfitted_fusion
-from service.engine.lexical import KeyTerms
+from service.engine import KeyTerms
 from xmc.data import load_jsonl_split
 
 

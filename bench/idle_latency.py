@@ -21,8 +21,7 @@ import httpx
 import numpy as np
 
 from loadtest.localserver import start_server, stop_server
-from service.engine.bundle import load_bundle
-from service.engine.search import Predictor
+from service.engine import Predictor, load_bundle
 from xmc.data import load_jsonl_split
 
 

@@ -36,10 +36,7 @@ from tokenizers import Tokenizer
 
 from bench.serving import encoder_alone
 from export.onnx_export import quantize_int8, quantize_int8_static
-from service.engine.bundle import load_bundle
-from service.engine.encoder import MAX_CHUNK, EncoderOptions, OnnxEncoder
-from service.engine.manifest import ENCODER_FILE, TOKENIZER_FILE
-from service.engine.search import Predictor
+from service.engine import ENCODER_FILE, MAX_CHUNK, TOKENIZER_FILE, EncoderOptions, OnnxEncoder, Predictor, load_bundle
 from xmc.data import load_jsonl_split
 from xmc.evaluate import evaluate_predictor
 

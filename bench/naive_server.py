@@ -16,8 +16,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from transformers import AutoModel, AutoTokenizer
 
-from service.engine.bundle import load_bundle
-from service.engine.rae import ValueRows, aggregate, labels_of_keys, top_k_of_row
+from service.engine import Neighbours, Predictor, load_bundle, rank_batch
 from xmc.checkpoint import ServingHead, default_encoder_dir
 
 
@@ -34,6 +33,7 @@ def create_app() -> FastAPI:
     tokenizer = AutoTokenizer.from_pretrained(str(checkpoint))
     model = AutoModel.from_pretrained(str(checkpoint)).eval()
     rae = bundle.manifest.rae
+    view = Predictor(bundle).view  # the keys' labels and value rows, as the bundle was built
     app = FastAPI(title="naive baseline")
 
     @app.get("/readyz")
@@ -53,17 +53,9 @@ def create_app() -> FastAPI:
         keys, distances = bundle.index.knn_query(vector, k=rae.top_b if rae else query.k)
         if rae:
             keys = keys.astype(np.int64)
-            scores = aggregate(
-                keys,
-                1 - distances,
-                labels_of_keys(keys, bundle.manifest.counts.train_instances),
-                ValueRows(bundle.values),
-                rae.tau,
-                rae.top_b,
-                [()],
-                rae.mode,
-            )
-            ids, values = top_k_of_row(scores, 0, query.k)
+            found = Neighbours(keys, 1 - distances, view.labels_of_keys(keys), view.values, None, ef=0)
+            (ranking,) = rank_batch(bundle.manifest, found, [query.k], [()])
+            ids, values = ranking.ids, ranking.scores
         else:
             ids, values = keys[0][: query.k], 1 - distances[0][: query.k]
         return {

@@ -32,7 +32,7 @@ def token_key(ids) -> int:
 
 def write_vectors(bundle_dir: Path, texts: list[str], path: Path) -> None:
     """The bundle encoder's vectors of ``texts``, keyed by their token ids, to ``path``."""
-    from service.engine.bundle import load_bundle
+    from service.engine import load_bundle
 
     encoder = load_bundle(bundle_dir).encoder
     vectors, _ = encoder.encode(texts)
@@ -42,7 +42,7 @@ def write_vectors(bundle_dir: Path, texts: list[str], path: Path) -> None:
 
 def install(path: Path) -> None:
     """Replace every ``OnnxEncoder``'s session call in this process by a lookup in ``path``."""
-    from service.engine.encoder import OnnxEncoder
+    from service.engine import OnnxEncoder
 
     data = np.load(path)
     rows = {int(key): row for row, key in enumerate(data["keys"])}

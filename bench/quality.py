@@ -48,7 +48,7 @@ from export.fuse import (
     add_held_out_memory_option,
     fuse_bundle,
 )
-from service.engine.bundle import load_bundle
+from service.engine import load_bundle
 from xmc.checkpoint import HOLDOUT_FILE, LOG_FILE, PARAMS_FILE, ServingHead
 from xmc.data import load_jsonl_split
 from xmc.metrics import HEADLINE

@@ -10,7 +10,7 @@ ef_construction 200 (the export defaults), shards built one after another and ti
 Bundles already built are kept (a build of 1M labels takes minutes on 2 cores).
 
 ``measure``, in one run, for each bundle: recall@10 of the sharded search (every shard searched,
-merged by :func:`~service.engine.shards.merge_answers`) against exact search, on queries drawn from
+merged by :func:`service.engine.merge_answers`) against exact search, on queries drawn from
 the same mixture; bytes per label per shard; then over HTTP on 127.0.0.1 with the dev texts, k 10:
 the single uvicorn server on the unsharded bundle, and Ray Serve (a local cluster, ``build_app``)
 on each sharded one — p50/p99 at one request at a time, and QPS and p99 at ``--concurrency``.
@@ -33,16 +33,16 @@ from bench.ann_scale import clustered_vectors, draw, exact_top10
 from bench.loadgen import closed_loop
 from bench.recall import recall_at_k
 from loadtest.localserver import free_port, start_server, stop_server
-from service.engine.manifest import (
+from service.engine import (
     ENCODER_FILE,
     LABELS_FILE,
     TOKENIZER_FILE,
     Counts,
     HnswParams,
     Shard,
+    fetch_and_ef,
     shard_list,
 )
-from service.engine.memory import fetch_and_ef
 from xmc.data import LabelSpace, load_jsonl_split
 
 M, EF_CONSTRUCTION, EF_SEARCH = 32, 200, 300
@@ -57,7 +57,7 @@ def build(labels: int, shards: int, workdir: Path, encoder_bundle: Path, seed: i
     """One labels-index bundle over ``labels`` synthetic vectors in ``shards`` shards."""
     from export.build import ExportParams, build_hnsw, write_labels
     from export.writer import write_bundle
-    from service.engine.bundle import read_manifest
+    from service.engine import read_manifest
 
     out = bundle_path(workdir, labels, shards)
     if (out / "manifest.json").is_file():
@@ -97,8 +97,7 @@ def build(labels: int, shards: int, workdir: Path, encoder_bundle: Path, seed: i
 
 def sharded_recall(bundle: Path, labels: int, queries: int, seed: int) -> dict:
     """Recall@10 of every shard searched at the default ef and merged, against exact search."""
-    from service.engine.bundle import load_shard, read_manifest
-    from service.engine.shards import merge_answers
+    from service.engine import load_shard, merge_answers, read_manifest
 
     rng = np.random.default_rng(seed)
     vectors, (centres, weights, spread) = clustered_vectors(labels, rng)

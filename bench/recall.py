@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.engine.bundle import Bundle
-from service.engine.rae import ValueRows, aggregate, labels_of_keys, top_k_of_row
-from service.engine.search import Predictor
+from service.engine import Bundle, Neighbours, Predictor, rank_batch
 
 
 def bundle_keys(bundle: Bundle) -> np.ndarray:
@@ -24,10 +22,10 @@ def exact_top_k(bundle: Bundle, vectors: np.ndarray, k: int, keys: np.ndarray | 
     top_sims = np.take_along_axis(sims, top, axis=1)
     if rae is None:
         return [set(row.tolist()) for row in top]
-    excluded = [()] * len(vectors)
-    key_labels = labels_of_keys(top, bundle.manifest.counts.train_instances)
-    scores = aggregate(top, top_sims, key_labels, ValueRows(bundle.values), rae.tau, rae.top_b, excluded, rae.mode)
-    return [set(top_k_of_row(scores, i, k)[0].tolist()) for i in range(len(vectors))]
+    view = Predictor(bundle).view  # the bundle as built: its keys' labels and value rows
+    found = Neighbours(top, top_sims, view.labels_of_keys(top), view.values, None, ef=0)
+    rankings = rank_batch(bundle.manifest, found, [k] * len(vectors), [()] * len(vectors))
+    return [set(ranking.ids.tolist()) for ranking in rankings]
 
 
 def recall_at_k(truth: list[set[int]], served: list[list[int]]) -> float:

@@ -49,8 +49,7 @@ from bench.loadgen import closed_loop, open_loop
 from bench.non_encoder_cost import server_cpu_s
 from bench.recall import ann_recall
 from loadtest.localserver import free_port, start_server, stop_server
-from service.engine.bundle import load_bundle
-from service.engine.encoder import EncoderOptions
+from service.engine import EncoderOptions, load_bundle
 from service.http.settings import Settings
 from xmc.checkpoint import default_encoder_dir
 from xmc.data import load_jsonl_split

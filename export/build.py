@@ -36,7 +36,7 @@ from export.model import ServingEncoder, load_encoder, load_fast_tokenizer
 from export.onnx_export import export_serving_graph, random_texts
 from export.params import ExportParams, add_arguments, from_arguments
 from export.writer import refuse_existing, write_bundle, write_values
-from service.engine.manifest import (
+from service.engine import (
     ENCODER_FILE,
     INDEX_FILE,
     LABELS_FILE,

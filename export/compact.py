@@ -1,6 +1,6 @@
 """Fold a bundle's append log into a fresh bundle: ``python -m export.compact``.
 
-A live memory (:mod:`service.engine.memory`) grows its HNSW graph by insertion and keeps the
+A live memory (`service/engine/memory.py`) grows its HNSW graph by insertion and keeps the
 appended value rows apart; compaction writes what it serves as an ordinary bundle, with the graph
 rebuilt over every key, the memory laid out [instances ; labels] again and the labels file
 extended. Label ids do not change, so clients' stored ids stay valid. The encoder, tokenizer and
@@ -33,21 +33,22 @@ from export.build import write_index, write_labels
 from export.derive import fusion_files, link_or_copy, write_key_terms
 from export.params import ExportParams
 from export.writer import refuse_existing, write_bundle
-from service.engine.append_log import appends_dir_beside
-from service.engine.fusion import ScoreFusion
-from service.engine.loading import SOURCE_LOGS, load_for_reading
-from service.engine.manifest import (
+from service.engine import (
     INDEX_FILE,
     LABELS_FILE,
     MANIFEST_FILE,
+    SOURCE_LOGS,
     Counts,
     Lineage,
     Manifest,
+    MemoryView,
+    ScoreFusion,
     Shard,
+    appends_dir_beside,
+    load_for_reading,
     shard_list,
     utc_now,
 )
-from service.engine.memory import MemoryView
 from xmc.data import LabelSpace
 
 

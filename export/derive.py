@@ -18,16 +18,16 @@ from tokenizers import Tokenizer
 from export.onnx_export import quantize_checked, random_texts
 from export.params import RAE_ATTRIBUTES, Quantize, RaeMode
 from export.writer import write_bundle, write_values
-from service.engine.fusion import ScoreFusion
-from service.engine.lexical import save_key_terms
-from service.engine.manifest import (
+from service.engine import (
     ENCODER_FILE,
     MANIFEST_FILE,
     TOKENIZER_FILE,
     FusionParams,
     Manifest,
     RaeParams,
+    ScoreFusion,
     Shard,
+    save_key_terms,
     shard_list,
     utc_now,
 )

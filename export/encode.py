@@ -27,8 +27,7 @@ from tqdm import tqdm
 from export.model import PooledEncoder, tokenize_batch
 from export.onnx_export import ParityError, export_checked_graph
 from export.params import ExportParams
-from service.engine.encoder import MAX_CHUNK, EncoderOptions, OnnxEncoder
-from service.engine.manifest import TOKENIZER_FILE
+from service.engine import MAX_CHUNK, TOKENIZER_FILE, EncoderOptions, OnnxEncoder
 
 log = logging.getLogger("xmcserve.export")
 

@@ -1,4 +1,4 @@
-"""Fit an RAE bundle's score fusion (:mod:`service.engine.fusion`) on a training run's held-out
+"""Fit an RAE bundle's score fusion ((`service/engine/fusion.py`)) on a training run's held-out
 instances, and write it as a derived bundle.
 
     python -m export.fuse --bundle bundles/debian-unidec --run runs/debian-unidec \\
@@ -32,10 +32,10 @@ label key retrieved and taking its share of the softmax (the filter labels are t
 the pairs, as an evaluation that filters after ranking drops them). A tree fitted on both kinds of
 pairs ranks both kinds of call (``--fit-on``).
 
-By default the fusion is lexical (:mod:`service.engine.lexical`): the idf of the memory's texts
+By default the fusion is lexical (`service/engine/lexical.py`): the idf of the memory's texts
 (its training instances and labels) is fitted here, every key's term vector is written beside the
 fusion (one file per shard) and φ gains the lexical features. ``--extra-features`` adds the
-cheap optional groups of :data:`service.engine.fusion.FEATURE_GROUPS`; ``bench.fusion_models``
+cheap optional groups of :data:`service.engine.FEATURE_GROUPS`; ``bench.fusion_models``
 says, on a validation split of the held-out instances, which of them and which model to use.
 
 ``--rerank-depth M`` makes the fusion a two-stage ranking: T is fitted on, and at serving time
@@ -58,26 +58,26 @@ import scipy.sparse as sp
 
 from export.derive import derive_fused_bundle
 from export.writer import refuse_existing
-from service.engine.fusion import (
-    OPTIONAL_GROUPS,
-    OnnxTreeEnsemble,
-    ScoreFusion,
-    features_of_groups,
-    memory_log_frequency,
-)
-from service.engine.lexical import KeyTerms, Lexicon
-from service.engine.loading import load_predictor
-from service.engine.manifest import (
+from service.engine import (
     FUSION_MODEL_FILE,
+    OPTIONAL_GROUPS,
     TOKENIZER_FILE,
     FusionModelKind,
     FusionParams,
+    KeyTerms,
+    Lexicon,
     Manifest,
+    Neighbours,
+    OnnxTreeEnsemble,
+    Predictor,
+    ScoreFusion,
+    features_of_groups,
     lexical_file_names,
+    load_predictor,
+    memory_log_frequency,
+    rank_batch,
     shard_list,
 )
-from service.engine.rae import aggregate_kept, keep_keys
-from service.engine.search import Predictor
 from xmc.checkpoint import HOLDOUT_FILE
 from xmc.data import XMCDataset, load_jsonl_split, rows_of_uids
 
@@ -228,10 +228,10 @@ def pairs_of(
         lexical = None
         if unfitted.lexicon is not None:
             lexical = key_terms.similarities(unfitted.lexicon.query_terms(texts), keys)
-        kept = keep_keys(keys, sims, view.labels_of_keys(keys), excluded, rae.top_b, lexical)
-        # the candidates T will rescore when served: the top rerank depth by p̂, or all
-        scores = unfitted.candidates(aggregate_kept(kept, view.values, rae.tau, excluded, rae.mode))
-        X = unfitted.features_of(scores, kept, view.values, rae.tau)
+        found = Neighbours(keys, sims, view.labels_of_keys(keys), view.values, lexical, ef=0)
+        # the candidates T will rescore when served (the top rerank depth by p̂, or all) and their φ
+        rows_of_block = rank_batch(manifest, found, None, excluded, unfitted, feature_rows=True)
+        scores, X = rows_of_block.candidates, rows_of_block.features
         offset = 0
         for i, row in enumerate(block):
             candidates = scores.indices[scores.indptr[i] : scores.indptr[i + 1]]
@@ -538,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         choices=[group for group in OPTIONAL_GROUPS if group != "lexical"],
         default=list(DEFAULT_EXTRA_FEATURES),
-        help="optional cheap feature groups to add to φ (service.engine.fusion.FEATURE_GROUPS); default "
+        help="optional cheap feature groups to add to φ (service.engine.FEATURE_GROUPS); default "
         f"{' '.join(DEFAULT_EXTRA_FEATURES) or 'none'}",
     )
     parser.add_argument(

@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, get_args, get_origin, get_type_hints
 
-from service.engine.manifest import IndexKind, RaeMode, RaeParams
+from service.engine import IndexKind, RaeMode, RaeParams
 from xmc.options import parse_bool
 
 Quantize = Literal["none", "int8", "int8-static"]
@@ -51,7 +51,7 @@ class ExportParams:
         rae_tau: softmax temperature τ; 0.04 in the paper for unit vectors (default: 0.04)
         rae_top_b: keys retrieved per query, b; 200 in the paper (default: 200)
         rae_mode: ``joint``: one softmax over all top-b keys, the paper; ``split``: instance and
-            label keys normalised separately, see service.engine.rae (default: joint)
+            label keys normalised separately, see service/engine/rae.py (default: joint)
         batch_size: least texts per encoding block; each block is length-sorted and chunked (default: 128)
         encode_device: where the memory and label texts are encoded: ``auto`` = torch on CUDA when
             a GPU is present (fp16 autocast), else the fused ONNX graph on every CPU core; ``cpu``;

@@ -26,14 +26,61 @@ The public surface:
 * A sharded bundle (``manifest.shards``) loads as one :class:`~service.engine.shards.ShardedIndex`:
   every shard searched, the per-shard top-n merged exactly; nothing else changes.
 
+* :func:`rank_batch` — the one ranking of a batch's fetched nearest keys (:class:`Neighbours`) into
+  each query's top-k labels, which :class:`Predictor` and the Ray ingress call; with
+  ``feature_rows=True`` it returns instead the score fusion's candidates and φ (:class:`FusionRows`),
+  which ``export.fuse`` fits a fusion on.
+* What export writes and bench inspects: the bundle format (:class:`Manifest` and its parts, the
+  file names, :func:`sha256_file`, :func:`content_id`), the score fusion (:class:`ScoreFusion`, its
+  models and feature groups), the lexical terms (:class:`Lexicon`, :class:`KeyTerms`), the RAE
+  values (:func:`build_values`) and the parts a distributed deployment loads apart
+  (:func:`load_labels`, :func:`load_shard`, :func:`merge_answers`). Nothing outside
+  ``service/engine`` imports its submodules (``tests/service/test_engine_surface.py``).
+
 Everything is thread-safe for concurrent ``predict`` calls on one predictor.
 """
 
-from service.engine.append_log import AppendLog, AppendLogError, AppendLogHeld, appends_dir_beside
+from service.engine.append_log import AppendLog, AppendLogError, AppendLogHeld, appends_dir_beside, sync_directory
 from service.engine.batcher import BatchAnswer, BatcherConfig, BatcherStoppedError, MicroBatcher, QueueFullError
-from service.engine.bundle import Bundle, BundleError, load_bundle
-from service.engine.encoder import EncoderOptions, OnnxEncoder
-from service.engine.loading import load_predictor, vet_in_child
+from service.engine.bundle import Bundle, BundleError, load_bundle, load_labels, load_shard, read_manifest
+from service.engine.encoder import MAX_CHUNK, EncoderOptions, OnnxEncoder
+from service.engine.fusion import (
+    FEATURE_GROUPS,
+    OPTIONAL_GROUPS,
+    OnnxTreeEnsemble,
+    RegressionTree,
+    ScoreFusion,
+    features_of_groups,
+    memory_log_frequency,
+)
+from service.engine.lexical import KeyTerms, Lexicon, save_key_terms
+from service.engine.loading import SOURCE_LOGS, load_for_reading, load_predictor, vet_in_child
+from service.engine.manifest import (
+    ENCODER_FILE,
+    FUSION_MODEL_FILE,
+    INDEX_FILE,
+    LABELS_FILE,
+    MANIFEST_FILE,
+    TOKENIZER_FILE,
+    VALUES_FILE,
+    Counts,
+    FusionModelKind,
+    FusionParams,
+    HnswParams,
+    IndexKind,
+    Lineage,
+    Manifest,
+    RaeMode,
+    RaeParams,
+    Shard,
+    SourceInfo,
+    TokenizerInfo,
+    content_id,
+    lexical_file_names,
+    sha256_file,
+    shard_list,
+    utc_now,
+)
 from service.engine.memory import (
     AppendBatch,
     AppendIdReused,
@@ -41,8 +88,11 @@ from service.engine.memory import (
     AppendRefused,
     LineageDiverged,
     MemoryView,
+    fetch_and_ef,
 )
-from service.engine.search import Prediction, Predictor, Ranking, StageTimes
+from service.engine.rae import build_values
+from service.engine.search import FusionRows, Neighbours, Prediction, Predictor, Ranking, StageTimes, rank_batch
+from service.engine.shards import merge_answers
 
 __all__ = [
     "AppendBatch",
@@ -52,23 +102,70 @@ __all__ = [
     "AppendLogHeld",
     "AppendOutcome",
     "AppendRefused",
-    "LineageDiverged",
-    "MemoryView",
     "appends_dir_beside",
     "BatchAnswer",
     "BatcherConfig",
     "BatcherStoppedError",
+    "build_values",
     "Bundle",
     "BundleError",
+    "content_id",
+    "Counts",
+    "ENCODER_FILE",
     "EncoderOptions",
+    "FEATURE_GROUPS",
+    "features_of_groups",
+    "fetch_and_ef",
+    "FUSION_MODEL_FILE",
+    "FusionModelKind",
+    "FusionParams",
+    "FusionRows",
+    "HnswParams",
+    "INDEX_FILE",
+    "IndexKind",
+    "KeyTerms",
+    "LABELS_FILE",
+    "lexical_file_names",
+    "Lexicon",
+    "Lineage",
+    "LineageDiverged",
+    "load_bundle",
+    "load_for_reading",
+    "load_labels",
+    "load_predictor",
+    "load_shard",
+    "Manifest",
+    "MANIFEST_FILE",
+    "MAX_CHUNK",
+    "memory_log_frequency",
+    "MemoryView",
+    "merge_answers",
     "MicroBatcher",
+    "Neighbours",
     "OnnxEncoder",
+    "OnnxTreeEnsemble",
+    "OPTIONAL_GROUPS",
     "Prediction",
     "Predictor",
     "QueueFullError",
+    "RaeMode",
+    "RaeParams",
+    "rank_batch",
     "Ranking",
+    "read_manifest",
+    "RegressionTree",
+    "save_key_terms",
+    "ScoreFusion",
+    "sha256_file",
+    "Shard",
+    "shard_list",
+    "SOURCE_LOGS",
+    "SourceInfo",
     "StageTimes",
-    "load_bundle",
-    "load_predictor",
+    "sync_directory",
+    "TOKENIZER_FILE",
+    "TokenizerInfo",
+    "utc_now",
+    "VALUES_FILE",
     "vet_in_child",
 ]

@@ -12,6 +12,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import scipy.sparse as sp
 
 from service.engine.append_log import AppendLog
 from service.engine.bundle import Bundle
@@ -282,24 +283,61 @@ class RankedSearch:
         self.neighbours = max(self.needed)  # the batch's widest
 
     def rank(self, found: Neighbours) -> list[Ranking]:
-        """Each query's top-k labels. A label index ranks the labels of the keys; an RAE memory
-        weighs the value rows of the keys; with the bundle's fusion, by fused score
-        (:mod:`service.engine.fusion`), whose lexical features read ``found.lexical``."""
-        manifest, ks, exclude = self.manifest, self.ks, self.exclude
-        if manifest.index_kind != "rae_memory":
-            rankings = []
-            for i, (k, excluded) in enumerate(zip(ks, exclude, strict=True)):
-                keep = found.labels[i] >= 0
-                if excluded:
-                    keep &= ~np.isin(found.labels[i], np.fromiter(excluded, dtype=np.int64))
-                rankings.append(Ranking(ids=found.labels[i][keep][:k], scores=found.sims[i][keep][:k]))
-            return rankings
-        rae = manifest.rae
-        kept = keep_keys(found.rows, found.sims, found.labels, exclude, rae.top_b, found.lexical)
-        scores = aggregate_kept(kept, found.values, rae.tau, exclude, rae.mode)
-        if self.fusion is not None:
-            scores = self.fusion.rescore(scores, kept, found.values, rae.tau, ks)
-        return [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
+        """Each query's top-k labels (:func:`rank_batch`)."""
+        return rank_batch(self.manifest, found, self.ks, self.exclude, self.fusion)
+
+
+@dataclass
+class FusionRows:
+    """What a score fusion reads of a batch: ``candidates``, the labels it rescores per query (a
+    queries × labels CSR of p̂: each query's top rerank depth by p̂, or every aggregated label), and
+    ``features``, φ of each stored candidate in ``candidates``' storage order."""
+
+    candidates: sp.csr_matrix
+    features: np.ndarray
+
+
+def rank_batch(
+    manifest: Manifest,
+    found: Neighbours,
+    ks: Sequence[int] | None,
+    exclude: Sequence[Collection[int]],
+    fusion: ScoreFusion | None = None,
+    feature_rows: bool = False,
+) -> list[Ranking] | FusionRows:
+    """The one ranking of a batch's fetched nearest keys: each query's top ``ks`` labels, its
+    ``exclude`` label ids left out. A label index ranks the labels of the keys; an RAE memory
+    weighs the value rows of the keys; with ``fusion``, by fused score (:mod:`service.engine.fusion`),
+    whose lexical features read ``found.lexical``.
+
+    ``feature_rows``: instead of rankings, the :class:`FusionRows` ``fusion`` would rescore (an
+    RAE memory only; ``fusion`` may have no model yet): what a fusion is fitted on, computed as
+    the served ranking computes it; ``ks`` may then be None (the candidates do not depend on k)."""
+    if ks is None and not feature_rows:
+        raise ValueError("rankings need each query's k")
+    if ks is not None and len(exclude) != len(ks):
+        raise ValueError("k and exclude must have one entry per query")
+    if manifest.index_kind != "rae_memory":
+        if feature_rows:
+            raise ValueError("a score fusion ranks an RAE memory: a label index has no feature rows")
+        rankings = []
+        for i, (k, excluded) in enumerate(zip(ks, exclude, strict=True)):
+            keep = found.labels[i] >= 0
+            if excluded:
+                keep &= ~np.isin(found.labels[i], np.fromiter(excluded, dtype=np.int64))
+            rankings.append(Ranking(ids=found.labels[i][keep][:k], scores=found.sims[i][keep][:k]))
+        return rankings
+    rae = manifest.rae
+    kept = keep_keys(found.rows, found.sims, found.labels, exclude, rae.top_b, found.lexical)
+    scores = aggregate_kept(kept, found.values, rae.tau, exclude, rae.mode)
+    if feature_rows:
+        if fusion is None:
+            raise ValueError("feature rows are a score fusion's: pass the fusion")
+        candidates = fusion.candidates(scores)  # the fit's: each query's top rerank depth, whatever its k
+        return FusionRows(candidates, fusion.features_of(candidates, kept, found.values, rae.tau))
+    if fusion is not None:
+        scores = fusion.rescore(scores, kept, found.values, rae.tau, ks)
+    return [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
 
 
 def excluded_label_ids(

@@ -1,7 +1,17 @@
-"""service.engine.search: the exclusions both front ends map to label ids."""
+"""service.engine.search: the exclusions both front ends map to label ids, and the one ranking
+entry (rank_batch) whose feature rows are what its fused ranking scores."""
 
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from service.engine.fusion import FEATURES, ScoreFusion
+from service.engine.manifest import RaeParams
 from service.engine.memory import base_view
-from service.engine.search import excluded_label_ids
+from service.engine.rae import ValueRows
+from service.engine.search import FusionRows, Neighbours, excluded_label_ids, rank_batch
 
 VIEW = base_view(["a", "b", "c"], ["A", "B", "C"], 3, None)
 
@@ -18,3 +28,44 @@ def test_one_list_per_text_maps_each():
 
 def test_no_exclusions_exclude_nothing():
     assert excluded_label_ids(VIEW, [], 2) == [set(), set()]
+
+
+def rae_memory():
+    """Two instances (labels {0, 1} and {1, 2}) then four label keys, as a bundle's manifest and
+    value rows would give them to rank_batch."""
+    Y = sp.csr_matrix(np.array([[1, 1, 0, 0], [0, 1, 1, 0]], dtype=np.float32))
+    V = sp.vstack([0.6 * Y, 0.4 * sp.identity(4, dtype=np.float32, format="csr")]).tocsr()
+    manifest = SimpleNamespace(index_kind="rae_memory", rae=RaeParams(lam=0.6, tau=0.1, top_b=4, mode="joint"))
+    keys = np.array([[0, 3, 1, 5], [2, 1, 4, 0]])
+    sims = np.array([[0.9, 0.8, 0.7, 0.2], [0.95, 0.6, 0.5, 0.4]], dtype=np.float32)
+    labels = np.array([[-1, 1, -1, 3], [0, -1, 2, -1]])
+    return manifest, Neighbours(keys, sims, labels, ValueRows(V), None, ef=0)
+
+
+def test_the_feature_rows_are_what_the_fused_ranking_scores():
+    """rank_batch's feature rows (what export.fuse fits on), scored by a model and added to p̂,
+    are the fused ranking's scores: the fit and the service compute φ alike."""
+    manifest, found = rae_memory()
+    exclude = [(), {2}]
+    log_frequency = np.log1p(np.array([1.0, 2.0, 1.0, 0.0]))
+    rows = rank_batch(manifest, found, None, exclude, ScoreFusion(None, log_frequency), feature_rows=True)
+    assert isinstance(rows, FusionRows) and rows.features.shape == (rows.candidates.nnz, len(FEATURES))
+    assert 2 not in rows.candidates[1].indices  # an excluded label is no candidate
+    model = SimpleNamespace(predict=lambda X: 10.0 * X[:, FEATURES.index("label_retrieved")])
+    rankings = rank_batch(manifest, found, [3, 3], exclude, ScoreFusion(model, log_frequency))
+    expected = rows.candidates.copy()
+    expected.data = expected.data + model.predict(rows.features)
+    for i, ranking in enumerate(rankings):
+        row = expected[i]
+        best = np.argsort(-row.data, kind="stable")[:3]
+        assert sorted(ranking.ids.tolist()) == sorted(row.indices[best].tolist())
+        np.testing.assert_allclose(np.sort(ranking.scores), np.sort(row.data[best]), rtol=1e-6)
+
+
+def test_a_label_index_ranks_the_keys_labels_and_has_no_feature_rows():
+    manifest = SimpleNamespace(index_kind="labels", rae=None)
+    found = Neighbours(np.array([[2, 0, 1]]), np.array([[0.9, 0.5, 0.1]]), np.array([[2, 0, 1]]), None, None, ef=0)
+    (ranking,) = rank_batch(manifest, found, [2], [{0}])
+    assert ranking.ids.tolist() == [2, 1]
+    with pytest.raises(ValueError, match="no feature rows"):
+        rank_batch(manifest, found, None, [()], feature_rows=True)
