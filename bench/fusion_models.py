@@ -50,16 +50,15 @@ import numpy as np
 import scipy.sparse as sp
 
 from export.evaluate import evaluate_bundle
-from export.fuse import (
+from export.fuse import check_memory
+from export.fusion_fit import BASE_GROUPS, DEFAULT_PARAMS, FusionChoice, depth_name, fit_model
+from export.fusion_to_onnx import onnx_fusion_model
+from export.held_out import (
     DEFAULT_HELD_OUT_MEMORY,
-    DEFAULT_PARAMS,
     HeldOutMemory,
     HeldOutPairs,
     HeldOutSearch,
     add_held_out_memory_option,
-    check_memory,
-    fit_model,
-    onnx_fusion_model,
     unfitted_fusion,
 )
 from service.engine import FEATURE_GROUPS, OPTIONAL_GROUPS, KeyTerms, ScoreFusion, features_of_groups, load_predictor
@@ -69,7 +68,6 @@ from xmc.metrics import HEADLINE, compute_all
 
 VALIDATION_METRICS = HEADLINE
 DEV_METRICS = ("P@1", "P@3", "P@5", "PSP@5", "R@100")
-DEFAULT_GROUPS = ("rae", "lexical")
 # The model's share of the fusion's bill (batched q/s >= 0.85x the unfused memory's, idle aggregate
 # stage <= 2 ms) on the project's 2-core VM, with a margin for its noise: there, a model of 0.14 ms
 # a query made the fused bundle 0.91x, one of 0.28 ms 0.84x (bench/results/README.md).
@@ -80,27 +78,6 @@ DEFAULT_RERANK_DEPTHS = (0, 200)
 MODELS = ("tree", "gbdt", "lambdarank")
 # the two searches of each held-out instance, in the order held_out_pairs joins them
 PROTOCOL_OF_SEARCH = ("exclude_before", "filter_after")
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    model: str
-    groups: tuple[str, ...]
-    params: dict
-    rerank_depth: int | None = None  # None: T rescores every candidate
-
-    @property
-    def name(self) -> str:
-        extra = "+".join(group for group in self.groups if group not in DEFAULT_GROUPS)
-        size = f"-{self.params['trees']}x{self.params['leaves']}" if "trees" in self.params else ""
-        depth = f"@{depth_name(self.rerank_depth)}"
-        groups = "+".join(g for g in self.groups if g in DEFAULT_GROUPS) + ("+" + extra if extra else "")
-        return f"{self.model}{size}{depth}[{groups}]"
-
-
-def depth_name(rerank_depth: int | None) -> str:
-    """How results name a rerank depth: its value, or ``all`` for every candidate."""
-    return str(rerank_depth or "all")
 
 
 def ensemble_size(value: str) -> dict:
@@ -150,7 +127,7 @@ def relevant_matrix(pairs: HeldOutPairs, labels: int) -> sp.csr_matrix:
 
 
 def validate(
-    candidate: Candidate,
+    candidate: FusionChoice,
     pairs: HeldOutPairs,
     fold: np.ndarray,
     frequencies: np.ndarray,
@@ -193,25 +170,25 @@ def validate(
     }
 
 
-def first_candidates(depths: list[int | None], sizes: list[dict]) -> list[Candidate]:
+def first_candidates(depths: list[int | None], sizes: list[dict]) -> list[FusionChoice]:
     """Step 1's candidates: the tree, and each ensemble at each size, at each rerank depth."""
     candidates = []
     for depth in depths:
-        candidates.append(Candidate("tree", DEFAULT_GROUPS, DEFAULT_PARAMS["tree"], depth))
+        candidates.append(FusionChoice("tree", BASE_GROUPS, DEFAULT_PARAMS["tree"], depth))
         for model in ("gbdt", "lambdarank"):
             for size in sizes:
-                candidates.append(Candidate(model, DEFAULT_GROUPS, DEFAULT_PARAMS[model] | size, depth))
+                candidates.append(FusionChoice(model, BASE_GROUPS, DEFAULT_PARAMS[model] | size, depth))
     return candidates
 
 
 # the fusion every other candidate must not fall below on the guarded metrics: NGAME's single tree
 # over every candidate, the default before this comparison
-REFERENCE = Candidate("tree", DEFAULT_GROUPS, DEFAULT_PARAMS["tree"], None)
+REFERENCE = FusionChoice("tree", BASE_GROUPS, DEFAULT_PARAMS["tree"], None)
 
 
 def choose(
     pairs_at: dict, fold, frequencies, num_train, candidates, min_gain, max_model_ms, guarded, report
-) -> tuple[Candidate, dict]:
+) -> tuple[FusionChoice, dict]:
     """The two-step choice of the module docstring (groups added greedily, each kept only when it
     raises the current choice's validation score by more than ``min_gain``); a candidate is never
     chosen when its model costs more than ``max_model_ms`` a query, or when one of the ``guarded``
@@ -220,7 +197,7 @@ def choose(
     results: dict[str, dict] = {}
     floor: dict[str, float] = {}
 
-    def run(candidate: Candidate) -> float:
+    def run(candidate: FusionChoice) -> float:
         result = validate(candidate, pairs_at[candidate.rerank_depth], fold, frequencies, num_train)
         figures = result["validation"]["filter_after"]
         why = [f"{metric} below {REFERENCE.name}'s" for metric in guarded if figures[metric] < floor.get(metric, -1)]
@@ -251,7 +228,7 @@ def choose(
             f"bench.fusion_models: no candidate's model costs at most {max_model_ms} ms a query with "
             f"{list(guarded)} not below {REFERENCE.name}'s"
         )
-    for group in (g for g in OPTIONAL_GROUPS if g not in DEFAULT_GROUPS):
+    for group in (g for g in OPTIONAL_GROUPS if g not in BASE_GROUPS):
         trial = dataclasses.replace(chosen, groups=tuple(g for g in FEATURE_GROUPS if g in chosen.groups + (group,)))
         score = run(trial)
         if score > best + min_gain:
@@ -417,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def evaluate_choice(chosen: Candidate, predictor, pairs, unfitted: ScoreFusion, key_terms, data: Path, train) -> dict:
+def evaluate_choice(
+    chosen: FusionChoice, predictor, pairs, unfitted: ScoreFusion, key_terms, data: Path, train
+) -> dict:
     """The chosen candidate fitted on every pair, served as ONNX in the bundle's place, on dev."""
     features = features_of_groups(chosen.groups)
     fitting = with_columns(pairs, columns_of(chosen.groups))

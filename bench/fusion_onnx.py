@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.fusion_models import held_out_features, held_out_instances
-from export.fuse import fit_model, onnx_fusion_model
+from export.fusion_fit import fit_model
+from export.fusion_to_onnx import onnx_fusion_model
 from service.engine import RegressionTree
 from xmc.checkpoint import HOLDOUT_FILE
 

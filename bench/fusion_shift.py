@@ -25,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.fusion_models import DEFAULT_GROUPS, held_out_instances
-from export.fuse import HeldOutPairs, HeldOutSearch, add_held_out_memory_option, pairs_of, unfitted_fusion
+from bench.fusion_models import held_out_instances
+from export.fusion_fit import DEFAULT_FUSION
+from export.held_out import HeldOutPairs, HeldOutSearch, add_held_out_memory_option, pairs_of, unfitted_fusion
 from service.engine import KeyTerms
 from xmc.data import load_jsonl_split
 
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = load_jsonl_split(args.data, "dev", labels=train.labels)
     depth = args.rerank_depth or None
     # the held-out queries searched as export.fuse searches them; dev as the service does
-    served, key_rows = unfitted_fusion(predictor, train, DEFAULT_GROUPS, depth)
+    served, key_rows = unfitted_fusion(predictor, train, DEFAULT_FUSION.groups, depth)
     search = HeldOutSearch.of(predictor, train, rows, (served, key_rows), args.held_out_memory)
     held = pairs_of(
         predictor, train, rows[: args.queries], search.unfitted, search.key_terms, excluding=False, hidden=search.hidden

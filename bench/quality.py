@@ -39,15 +39,9 @@ import yaml
 from export.build import ExportParams, build_bundle
 from export.derive import derive_rae_bundle
 from export.evaluate import evaluate_bundle
-from export.fuse import (
-    DEFAULT_EXTRA_FEATURES,
-    DEFAULT_HELD_OUT_MEMORY,
-    DEFAULT_MODEL,
-    DEFAULT_PARAMS,
-    DEFAULT_RERANK_DEPTH,
-    add_held_out_memory_option,
-    fuse_bundle,
-)
+from export.fuse import fuse_bundle
+from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS
+from export.held_out import DEFAULT_HELD_OUT_MEMORY, add_held_out_memory_option
 from service.engine import load_bundle
 from xmc.checkpoint import HOLDOUT_FILE, LOG_FILE, PARAMS_FILE, ServingHead
 from xmc.data import load_jsonl_split
@@ -194,13 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fusion-model",
         choices=("tree", "gbdt", "lambdarank"),
-        default=DEFAULT_MODEL,
+        default=DEFAULT_FUSION.model,
         help="the fused rows' model (export.fuse --model, whose default it is: bench.fusion_models' choice)",
     )
     parser.add_argument(
         "--fusion-extra-features",
         nargs="*",
-        default=list(DEFAULT_EXTRA_FEATURES),
+        default=list(DEFAULT_FUSION.extra_groups),
         help="optional feature groups of the fused rows (export.fuse --extra-features)",
     )
     parser.add_argument(
@@ -212,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fusion-rerank-depth",
         type=int,
-        default=DEFAULT_RERANK_DEPTH or 0,
+        default=DEFAULT_FUSION.rerank_depth or 0,
         help="the fused rows' rerank depth (export.fuse --rerank-depth, whose default it is; 0: every candidate)",
     )
     add_held_out_memory_option(parser, "--fusion-held-out-memory")

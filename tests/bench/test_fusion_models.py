@@ -2,12 +2,14 @@
 protocols, optional feature groups are tried on the best, and dev is measured only for the choice."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bench.fusion_models import MODELS, fold_of_instances, main, ranked_by
-from export.fuse import HeldOutPairs
+from export.fusion_fit import DEFAULT_FUSION, FusionChoice
+from export.held_out import HeldOutPairs
 from service.engine.fusion import OPTIONAL_GROUPS
 
 
@@ -81,3 +83,10 @@ def test_rerank_depths_and_sizes_are_compared_and_the_budget_rules_out_dear_mode
     assert max(c["validation"]["filter_after"]["R@100"] for c in deep) <= max(
         c["validation"]["filter_after"]["R@100"] for c in shallow
     )
+
+
+def test_the_default_fusion_is_the_choice_bench_fusion_models_recorded():
+    """export.fusion_fit.DEFAULT_FUSION is defined once; the run that chose it recorded its name."""
+    recorded = json.loads((Path(__file__).resolve().parents[2] / "bench/results/fusion-models.json").read_text())
+    assert DEFAULT_FUSION.name == recorded["chosen"] == "lambdarank-60x15@200[rae+lexical]"
+    assert FusionChoice("tree", ("rae", "lexical", "rank"), {"depth": 7}, None).name == "tree@all[rae+lexical+rank]"

@@ -4,7 +4,7 @@ scikit-learn, and a per-batch time for each variant, on the same held-out featur
 import json
 
 from bench.fusion_onnx import main
-from export.fuse import PARITY_BOUND
+from export.fusion_to_onnx import PARITY_BOUND
 
 
 def test_parity_and_per_batch_cost_of_each_variant(memory_and_run, sample_dir, tmp_path):

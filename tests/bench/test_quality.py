@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from bench.quality import fused_bundle_name, fusion_model_markdown, fusion_model_table, fusion_of_row
-from export.fuse import DEFAULT_PARAMS
+from export.fusion_fit import DEFAULT_PARAMS
 
 
 def given(**overrides) -> argparse.Namespace:

@@ -16,21 +16,10 @@ from bench.batch_invariance import assert_batch_invariant
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
-from export.fuse import (
-    DEFAULT_MODEL,
-    DEFAULT_PARAMS,
-    DEFAULT_RERANK_DEPTH,
-    PARITY_BOUND,
-    FittedModel,
-    HeldOutPairs,
-    HeldOutSearch,
-    fit_model,
-    leave_one_out,
-    main,
-    onnx_fusion_model,
-    search_without,
-    unfitted_fusion,
-)
+from export.fuse import main
+from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS, FittedModel, fit_model
+from export.fusion_to_onnx import PARITY_BOUND, onnx_fusion_model
+from export.held_out import HeldOutPairs, HeldOutSearch, leave_one_out, search_without, unfitted_fusion
 from service.engine.bundle import BundleError, load_bundle, load_fusion, load_labels, load_shard
 from service.engine.fusion import (
     FEATURE_GROUPS,
@@ -309,7 +298,9 @@ def test_the_default_fusion_is_the_validation_s_choice_lambdamart_over_the_top_2
 ):
     out = fuse(tiny_memory, sample_dir, run_dir, tmp_path / "default")
     params = load_bundle(out).manifest.fusion
-    assert (params.kind, params.rerank_depth) == (DEFAULT_MODEL, DEFAULT_RERANK_DEPTH) == ("lambdarank", 200)
+    assert (
+        (params.kind, params.rerank_depth) == (DEFAULT_FUSION.model, DEFAULT_FUSION.rerank_depth) == ("lambdarank", 200)
+    )
     assert params.model_params == DEFAULT_PARAMS["lambdarank"]
     assert params.features == list(FEATURES + LEXICAL_FEATURES)
     assert (params.model_params["trees"], params.model_params["leaves"]) == (60, 15)

@@ -9,7 +9,8 @@ import pytest
 import scipy.sparse as sp
 from sklearn.tree import DecisionTreeRegressor
 
-from export.fuse import FittedModel, to_onnx
+from export.fusion_fit import FittedModel
+from export.fusion_to_onnx import to_onnx
 from service.engine.fusion import (
     FEATURES,
     LEXICAL_FEATURES,
