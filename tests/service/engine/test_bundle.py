@@ -81,7 +81,7 @@ def test_server_refuses_to_start_on_a_corrupt_bundle(bundle_copy, tmp_path):
 def rewrite_index_header(path, **fields):
     """Change header fields of the bundle's HNSW file and re-sign it, as a careless or hostile
     exporter would: the checksums match, only the header lies."""
-    from service.engine.bundle import HNSW_HEADER
+    from service.engine.hnsw_file import HNSW_HEADER
     from service.engine.manifest import sha256_file
 
     names = ("level0", "max_elements", "count", "per_element", "label_offset", "data_offset", "max_level",

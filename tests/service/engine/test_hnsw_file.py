@@ -1,0 +1,37 @@
+"""service.engine.hnsw_file: hnswlib's format checked on its own (the bundle tests corrupt whole
+bundles; here a file is written by hnswlib and checked against what a manifest would say)."""
+
+import hnswlib
+import numpy as np
+import pytest
+
+from service.engine.hnsw_file import HnswFileRefused, check_index_body, check_index_header
+
+
+@pytest.fixture
+def index_file(tmp_path):
+    index = hnswlib.Index(space="ip", dim=8)
+    index.init_index(max_elements=20, M=4, ef_construction=20, random_seed=0)
+    index.add_items(np.random.default_rng(0).normal(size=(20, 8)).astype(np.float32), np.arange(20))
+    path = tmp_path / "index.hnsw"
+    index.save_index(str(path))
+    return path
+
+
+def test_a_file_hnswlib_wrote_passes(index_file):
+    check_index_header(index_file, dim=8, expected_m=4, keys=20)
+    check_index_body(index_file, first_key=0, keys=20)
+
+
+@pytest.mark.parametrize(
+    ("dim", "m", "keys", "problem"),
+    [(16, 4, 20, "not 16-d float32"), (8, 8, 20, "not 8"), (8, 4, 21, "holds 20 keys, manifest says 21")],
+)
+def test_a_header_that_disagrees_with_the_manifest_is_refused(index_file, dim, m, keys, problem):
+    with pytest.raises(HnswFileRefused, match=problem):
+        check_index_header(index_file, dim=dim, expected_m=m, keys=keys)
+
+
+def test_labels_other_than_the_key_ids_are_refused(index_file):
+    with pytest.raises(HnswFileRefused, match="not the key ids 5..24"):
+        check_index_body(index_file, first_key=5, keys=20)
