@@ -98,7 +98,7 @@ def test_the_engine_imports_no_http_framework():
 def test_the_shadow_worker_child_starts_without_the_engine():
     """The child is spawned fresh: importing ONNX Runtime and the engine there would delay the
     first copies past their deadline."""
-    probe = "import sys, service.rollout.shadow_worker; print(sorted(m for m in sys.modules if m.startswith(%r)))"
-    heavy = ("onnxruntime", "hnswlib", "tokenizers", "service.engine")
+    probe = "import sys, service.rollout.shadow_child; print(sorted(m for m in sys.modules if m.startswith(%r)))"
+    heavy = ("onnxruntime", "hnswlib", "tokenizers", "service.engine", "service.rollout.shadow_worker")
     out = subprocess.run([sys.executable, "-c", probe % (heavy,)], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

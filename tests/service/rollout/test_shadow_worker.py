@@ -14,7 +14,8 @@ import pytest
 from loadtest.localserver import free_port
 from service.http.metrics import Metrics
 from service.rollout.shadow import Copy, ShadowConfig, ShadowMirror, ShadowRequest
-from service.rollout.shadow_worker import ShadowWorker, split_answers, take_batch
+from service.rollout.shadow_child import split_answers, take_batch
+from service.rollout.shadow_worker import ShadowWorker
 
 
 def request(texts, k=2) -> ShadowRequest:
