@@ -22,9 +22,9 @@ import hnswlib
 import numpy as np
 import torch
 
-from export.encode import encode_pooled, torch_pooled
-from export.model import load_encoder, load_fast_tokenizer
-from export.params import ExportParams
+from export.export_params import ExportParams
+from export.pooled_vectors import encode_pooled, torch_pooled
+from export.serving_graph import load_encoder, load_fast_tokenizer
 from xmc.checkpoint import default_encoder_dir, fit_pca_head
 from xmc.data import load_jsonl_split
 

@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     bodies = [json.dumps({"text": t, "k": 10}).encode() for t in load_jsonl_split(args.data, "dev").texts]
     logs = args.workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    from export.params import ExportParams
+    from export.export_params import ExportParams
 
     result = {
         "labels": args.labels,

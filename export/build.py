@@ -10,7 +10,7 @@ write labels, the RAE value matrix and a manifest with sha256 of every file. The
 written to a temporary sibling directory and renamed into place, so a reader never sees a
 half-written bundle.
 
-Modules: export.params (these options), export.onnx_export (graphs, fusion, int8, parity),
+Modules: export.export_params (these options), export.onnx_export (graphs, fusion, int8, parity),
 export.writer (staging, checksums, bundle id, rename), export.derive (bundles derived from
 another without re-encoding, e.g. an RAE memory with another λ).
 """
@@ -31,10 +31,10 @@ import scipy.sparse as sp
 import torch
 from tokenizers import Tokenizer
 
-from export.encode import EncodeReport, encode_pooled
-from export.model import ServingEncoder, load_encoder, load_fast_tokenizer
+from export.export_params import ExportParams, add_arguments, from_arguments
 from export.onnx_export import export_serving_graph, random_texts
-from export.params import ExportParams, add_arguments, from_arguments
+from export.pooled_vectors import EncodeReport, encode_pooled
+from export.serving_graph import ServingEncoder, load_encoder, load_fast_tokenizer
 from export.writer import refuse_existing, write_bundle, write_values
 from service.engine import (
     ENCODER_FILE,

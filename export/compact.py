@@ -31,7 +31,7 @@ import scipy.sparse as sp
 
 from export.build import write_index, write_labels
 from export.derive import fusion_files, link_or_copy, write_key_terms
-from export.params import ExportParams
+from export.export_params import ExportParams
 from export.writer import refuse_existing, write_bundle
 from service.engine import (
     INDEX_FILE,

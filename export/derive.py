@@ -15,8 +15,8 @@ from pathlib import Path
 import scipy.sparse as sp
 from tokenizers import Tokenizer
 
+from export.export_params import RAE_ATTRIBUTES, Quantize, RaeMode
 from export.onnx_export import quantize_checked, random_texts
-from export.params import RAE_ATTRIBUTES, Quantize, RaeMode
 from export.writer import write_bundle, write_values
 from service.engine import (
     ENCODER_FILE,

@@ -19,8 +19,8 @@ import onnxruntime as ort
 import torch
 from tokenizers import Tokenizer
 
-from export.model import ServingEncoder, tokenize_batch
-from export.params import Quantize
+from export.export_params import Quantize
+from export.serving_graph import ServingEncoder, tokenize_batch
 
 log = logging.getLogger("xmcserve.export")
 

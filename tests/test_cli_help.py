@@ -1,7 +1,7 @@
 """Every CLI option has a help string (project rule): ``--help`` is the scripts' documentation.
 
 Walks every tracked ``*.py`` file and flags each ``*.add_argument(...)`` call without ``help=``.
-Calls whose only keywords come from a ``**mapping`` are skipped: export/params.py builds its
+Calls whose only keywords come from a ``**mapping`` are skipped: export/export_params.py builds its
 options from a dataclass, and its own test checks their help.
 """
 

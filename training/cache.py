@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from training.encoder_layers import hidden_size, num_layers, prefix_states
-from training.model import mean_pool
+from training.unidec import mean_pool
 
 log = logging.getLogger("xmcserve.train.cache")
 

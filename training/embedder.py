@@ -22,8 +22,8 @@ from training.cache import TokenStateCache, cached_states, length_sorted_batches
 from training.distributed import World
 from training.embedding_eval import DevVectors
 from training.encoder_layers import hidden_size
-from training.model import UniDEC, load_encoder, load_fast_tokenizer
-from training.params import TrainParams
+from training.train_params import TrainParams
+from training.unidec import UniDEC, load_encoder, load_fast_tokenizer
 from xmc.checkpoint import load_checkpoint
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from training.batching import Batch
 from training.losses import LOSSES, BinaryCrossEntropyLoss, RaeContrastiveLoss, SoftTopKLoss
-from training.params import TrainParams
+from training.train_params import TrainParams
 
 
 def direction_weights(weight: float, form: str) -> tuple[float, float]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from service.engine.rae import build_values
 from training.embedder import Embedder, pick_device
 from training.embedding_eval import DevVectors, rank_rae
-from training.params import TrainParams, load_params
+from training.train_params import TrainParams, load_params
 from xmc.checkpoint import PARAMS_FILE, default_encoder_dir
 from xmc.data import XMCDataset, load_train_and_dev
 from xmc.metrics import score_ranking

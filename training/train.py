@@ -21,7 +21,7 @@ from pathlib import Path
 
 from training.distributed import close_world, init_world
 from training.embedder import pick_device
-from training.params import load_params
+from training.train_params import load_params
 from training.trainer import Trainer
 
 

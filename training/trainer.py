@@ -45,9 +45,9 @@ from training.embedder import Embedder, TextSide, pick_device
 from training.embedding_eval import score_dev_systems
 from training.encoder_layers import freeze_prefix, num_layers
 from training.gandalf import LabelPoints, label_points
-from training.model import UniDEC, load_encoder, load_fast_tokenizer
 from training.objective import BatchMasks, HeadOutputs, Objective
-from training.params import TrainParams
+from training.train_params import TrainParams
+from training.unidec import UniDEC, load_encoder, load_fast_tokenizer
 from xmc.checkpoint import HOLDOUT_FILE, LOG_FILE, PARAMS_FILE, default_encoder_dir, uses_sentence_normalize
 from xmc.data import XMCDataset, load_train_and_dev, split_holdout
 

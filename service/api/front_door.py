@@ -23,7 +23,7 @@ import json
 import time
 from typing import Protocol
 
-from service.api.guards import BodyRefused, send_json
+from service.api.body_guards import BodyRefused, send_json
 from service.observability.logs import REQUEST_ID
 from service.observability.requests import HEADER, AccessLog, accepted_request_id
 

@@ -190,7 +190,7 @@ def build_predict_request(limits: LimitSettings) -> type[PredictRequestBase]:
 
 def request_body_openapi(model: type[BaseModel]) -> dict:
     """A route's ``openapi_extra`` documenting ``model`` as its JSON body, for a route that
-    decodes the body itself (:func:`service.api.guards.decode_body`); the schema goes into the
+    decodes the body itself (:func:`service.api.body_guards.decode_body`); the schema goes into the
     components with :func:`document_models`."""
     schema = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}

@@ -277,7 +277,7 @@ def open_encoder(path: Path, manifest: Manifest, options: EncoderOptions | None)
 
 def load_bundle(path: Path | str, options: EncoderOptions | None = None, verify: bool = True) -> Bundle:
     """Load and verify a bundle; raises :class:`BundleError` with the reason on any problem."""
-    return _refusing(path, lambda path: _load_bundle(path, options, verify))
+    return _refusing(path, lambda path: _read_bundle(path, options, verify))
 
 
 def _refusing(path: Path | str, load):
@@ -354,7 +354,7 @@ def load_shard(
     return _refusing(path, load)
 
 
-def _load_bundle(path: Path, options: EncoderOptions | None, verify: bool) -> Bundle:
+def _read_bundle(path: Path, options: EncoderOptions | None, verify: bool) -> Bundle:
     manifest = read_manifest(path)
     if verify:
         verify_checksums(path, manifest)

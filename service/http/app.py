@@ -22,9 +22,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from service.api.body_guards import decode_body, validation_error
 from service.api.docs import add_api_docs
 from service.api.front_door import FrontDoorMiddleware
-from service.api.guards import decode_body, validation_error
 from service.api.schemas import (
     SERVICE_VERSION,
     PredictResponse,

@@ -1,6 +1,6 @@
 """Refusals the single server makes before any work: load shed before parsing, and the
 bounded method label of its request metrics (the body limit and validation errors every front
-end shares are in :mod:`service.api.guards` and :mod:`service.api.front_door`).
+end shares are in :mod:`service.api.body_guards` and :mod:`service.api.front_door`).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ and sends nothing, or a header a byte a minute, would hold descriptors until the
 everyone else, and one endless header would grow the parser's buffer. :class:`GuardedProtocol`
 answers ``431`` to headers over ``XMCSERVE_MAX_HEADER_BYTES`` and closes a connection whose next
 request's headers have not arrived within ``XMCSERVE_HEADER_TIMEOUT_S`` (the body has its own
-deadline, :mod:`service.api.guards`).
+deadline, :mod:`service.api.body_guards`).
 
 Nor does uvicorn bound a response's sending: a client that asks for a large answer and never
 reads it keeps the answer in the transport's buffer for as long as it keeps the connection open

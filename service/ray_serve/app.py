@@ -39,9 +39,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.util import metrics as ray_metrics
 
+from service.api.body_guards import validation_error
 from service.api.docs import add_api_docs
 from service.api.front_door import FrontDoorMiddleware
-from service.api.guards import validation_error
 from service.api.limits import LimitSettings
 from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response_off_loop
 from service.engine.bundle import BundleError, load_encoder, load_fusion, load_labels, load_shard, read_manifest

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from export.model import ServingEncoder, load_encoder, load_fast_tokenizer
 from export.onnx_export import ParityError, attention_shape, check_parity, export_onnx, fuse_or_keep, random_texts
+from export.serving_graph import ServingEncoder, load_encoder, load_fast_tokenizer
 from xmc.checkpoint import fit_pca_head
 
 

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 
 from training.batching import cluster_batches
 from training.distributed import World, close_world, init_world
-from training.params import load_params
+from training.train_params import load_params
 from training.trainer import Trainer
 from xmc.checkpoint import LOG_FILE
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from training.embedder import Embedder, TextSide
-from training.model import UniDEC, load_encoder, load_fast_tokenizer
-from training.params import TrainParams
+from training.train_params import TrainParams
+from training.unidec import UniDEC, load_encoder, load_fast_tokenizer
 from xmc.checkpoint import ServingHead
 
 TEXTS = [

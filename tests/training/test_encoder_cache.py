@@ -6,7 +6,7 @@ import torch
 
 from training.cache import TokenStateCache, build_cache, cached_states, length_sorted_batches, token_lengths
 from training.encoder_layers import freeze_prefix, num_layers, prefix_states, run_layers
-from training.model import load_encoder, load_fast_tokenizer, mean_pool, tokenize_batch
+from training.unidec import load_encoder, load_fast_tokenizer, mean_pool, tokenize_batch
 from xmc.checkpoint import default_encoder_dir
 
 TEXTS = [

@@ -11,7 +11,7 @@ import scipy.sparse as sp
 
 from training.batching import PslBatcher
 from training.gandalf import label_points
-from training.params import load_params
+from training.train_params import load_params
 from training.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from training.batching import PslBatcher
 from training.objective import BatchMasks, HeadOutputs, Objective, direction_weights, symmetric_loss
-from training.params import TrainParams
+from training.train_params import TrainParams
 
 
 def test_convex_form_is_lambda_times_q2l_plus_its_complement_times_l2q():

@@ -14,10 +14,10 @@ from export.build import ExportParams, build_bundle
 from service.engine.bundle import load_bundle
 from service.engine.search import Predictor
 from training.embedder import TextSide
-from training.params import load_params
 from training.sweep import main as sweep_main
 from training.sweep import run_vectors
 from training.train import main as train_main
+from training.train_params import load_params
 from training.trainer import STATE_FILE, Trainer
 from xmc.checkpoint import HOLDOUT_FILE, LOG_FILE, ServingHead, load_checkpoint
 from xmc.data import LabelSpace, load_jsonl_split

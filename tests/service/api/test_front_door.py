@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from service.api.body_guards import BodyRefused
 from service.api.front_door import FrontDoorMiddleware
-from service.api.guards import BodyRefused
 from service.http.guards import LoadShed
 
 

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from training.params import TrainParams, load_params
+from training.train_params import TrainParams, load_params
 
 
 def test_defaults_config_and_overrides(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from training.model import linear_from_block, load_encoder, load_fast_tokenizer, mean_pool, tokenize_batch
+from training.unidec import linear_from_block, load_encoder, load_fast_tokenizer, mean_pool, tokenize_batch
 from xmc.checkpoint import ServingHead
 
 __all__ = ["PooledEncoder", "ServingEncoder", "load_encoder", "load_fast_tokenizer", "tokenize_batch"]

@@ -24,9 +24,9 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from export.model import PooledEncoder, tokenize_batch
+from export.export_params import ExportParams
 from export.onnx_export import ParityError, export_checked_graph
-from export.params import ExportParams
+from export.serving_graph import PooledEncoder, tokenize_batch
 from service.engine import MAX_CHUNK, TOKENIZER_FILE, EncoderOptions, OnnxEncoder
 
 log = logging.getLogger("xmcserve.export")

@@ -1,4 +1,4 @@
-"""export.params: option types, documented defaults, the CLI options derived from them."""
+"""export.export_params: option types, documented defaults, the CLI options derived from them."""
 
 import argparse
 import re
@@ -7,7 +7,7 @@ from typing import get_args
 
 import pytest
 
-from export.params import (
+from export.export_params import (
     RAE_ATTRIBUTES,
     ExportParams,
     RaeMode,

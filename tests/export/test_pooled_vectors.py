@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from export.encode import encode_pooled, resolve_device, torch_pooled
-from export.model import load_encoder, load_fast_tokenizer
+from export.export_params import ExportParams
 from export.onnx_export import ParityError
-from export.params import ExportParams
+from export.pooled_vectors import encode_pooled, resolve_device, torch_pooled
+from export.serving_graph import load_encoder, load_fast_tokenizer
 
 TEXTS = ["libc6: GNU C Library", "python3-numpy: fast arrays for Python 3", "x", "vim " * 30] * 5
 
@@ -42,7 +42,7 @@ def test_cuda_asked_for_without_a_gpu_fails_before_encoding(monkeypatch):
 
 
 def test_device_vectors_that_drift_fail_the_export(tiny, monkeypatch):
-    import export.encode as encode
+    import export.pooled_vectors as encode
 
     encoder, tokenizer = tiny
     monkeypatch.setattr(encode, "resolve_device", lambda requested: "cpu-torch")
