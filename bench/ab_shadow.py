@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.loadgen import closed_loop, open_loop
+from bench.lib.loadgen import closed_loop, open_loop
 from loadtest.localserver import parse_cpus, start_server, stop_server
 from xmc.data import load_jsonl_split
 

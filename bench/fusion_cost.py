@@ -22,7 +22,7 @@ import statistics
 from datetime import date
 from pathlib import Path
 
-from bench.idle_latency import measure
+from bench.lib.latency import measure
 from export.evaluate import evaluate_bundle
 from service.engine import load_bundle
 from xmc.data import load_jsonl_split

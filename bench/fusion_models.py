@@ -49,21 +49,17 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
+from bench.lib.held_out import held_out_features, held_out_instances
 from export.evaluate import evaluate_bundle
-from export.fuse import check_memory
 from export.fusion_fit import BASE_GROUPS, DEFAULT_PARAMS, FusionChoice, depth_name, fit_model
 from export.fusion_to_onnx import onnx_fusion_model
 from export.held_out import (
-    DEFAULT_HELD_OUT_MEMORY,
-    HeldOutMemory,
     HeldOutPairs,
-    HeldOutSearch,
     add_held_out_memory_option,
-    unfitted_fusion,
 )
-from service.engine import FEATURE_GROUPS, OPTIONAL_GROUPS, KeyTerms, ScoreFusion, features_of_groups, load_predictor
+from service.engine import FEATURE_GROUPS, OPTIONAL_GROUPS, ScoreFusion, features_of_groups
 from xmc.checkpoint import HOLDOUT_FILE
-from xmc.data import label_frequencies, load_jsonl_split, rows_of_uids
+from xmc.data import label_frequencies, load_jsonl_split
 from xmc.metrics import HEADLINE, compute_all
 
 VALIDATION_METRICS = HEADLINE
@@ -234,27 +230,6 @@ def choose(
         if score > best + min_gain:
             chosen, best = trial, score
     return chosen, results
-
-
-def held_out_instances(bundle: Path, run: Path, data: Path):
-    """(train, predictor, rows): the training split, the bundle's predictor (its memory checked
-    against that split) and the rows of the run's held-out instances."""
-    train = load_jsonl_split(data, "trn")
-    predictor = load_predictor(bundle)
-    check_memory(predictor, train)
-    return train, predictor, rows_of_uids(train, (run / HOLDOUT_FILE).read_text().split())
-
-
-def held_out_features(
-    predictor, train, rows, rerank_depth: int | None = None, memory: HeldOutMemory = DEFAULT_HELD_OUT_MEMORY
-) -> tuple[ScoreFusion, KeyTerms, HeldOutPairs]:
-    """(served, key_terms, pairs): the fusion with every feature group as it would be served (the
-    whole memory's counts and lexicon), not fitted yet, its key terms, and the held-out instances'
-    candidate pairs from both searches against ``memory`` (each search's top ``rerank_depth`` by
-    p̂; None: all)."""
-    served, key_rows = unfitted_fusion(predictor, train, tuple(FEATURE_GROUPS), rerank_depth)
-    search = HeldOutSearch.of(predictor, train, rows, (served, key_rows), memory)
-    return served, KeyTerms(key_rows), search.pairs(predictor, train, "both")
 
 
 def validation_metrics(pairs: HeldOutPairs, scores: np.ndarray, frequencies: np.ndarray, num_train: int) -> dict:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.fusion_models import held_out_features, held_out_instances
+from bench.lib.held_out import held_out_features, held_out_instances
 from export.fusion_fit import fit_model
 from export.fusion_to_onnx import onnx_fusion_model
 from service.engine import RegressionTree

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.fusion_models import held_out_instances
+from bench.lib.held_out import held_out_instances
 from export.fusion_fit import DEFAULT_FUSION
 from export.held_out import HeldOutPairs, HeldOutSearch, add_held_out_memory_option, pairs_of, unfitted_fusion
 from service.engine import KeyTerms

@@ -34,7 +34,7 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from bench.serving import encoder_alone
+from bench.lib.encoder_alone import encoder_alone
 from export.onnx_export import quantize_int8, quantize_int8_static
 from service.engine import ENCODER_FILE, MAX_CHUNK, TOKENIZER_FILE, EncoderOptions, OnnxEncoder, Predictor, load_bundle
 from xmc.data import load_jsonl_split

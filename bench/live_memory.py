@@ -30,8 +30,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.loadgen import closed_loop, open_loop
-from bench.recall import key_recall_at_10
+from bench.lib.loadgen import closed_loop, open_loop
+from bench.lib.recall import key_recall_at_10
 from export.compact import compact_bundle
 from loadtest.localserver import start_server, stop_server
 from service.engine import AppendBatch, load_labels, load_predictor

@@ -1,5 +1,5 @@
 """What a request costs besides the encoder: the real server with a null encoder
-(:mod:`bench.null_encoder`), this tree's code against another checkout's in the same run.
+(:mod:`bench.lib.null_encoder`), this tree's code against another checkout's in the same run.
 
     python -m bench.non_encoder_cost [--bundle bundles/default] [--baseline-tree DIR]
         [--rps 150] [--seconds 10] [--rounds 3] [--out bench/results/serving-null-encoder.json]
@@ -26,23 +26,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.loadgen import closed_loop, open_loop
-from bench.null_encoder import VECTORS_ENV, write_vectors
-from bench.profile_server import fold, record
+from bench.lib.loadgen import closed_loop, open_loop
+from bench.lib.null_encoder import VECTORS_ENV, write_vectors
+from bench.lib.profiling import fold, record, server_cpu_s
 from loadtest.localserver import ROOT, start_server, stop_server
 from xmc.data import load_jsonl_split
 
-NULL_SERVER = ROOT / "bench" / "null_encoder.py"
-
-
-def server_cpu_s(url: str) -> float:
-    """The server process's CPU seconds so far (its ``process_cpu_seconds_total``)."""
-    import httpx
-
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("process_cpu_seconds_total "):
-            return float(line.split()[1])
-    raise RuntimeError("no process_cpu_seconds_total in /metrics")
+NULL_SERVER = ROOT / "bench" / "lib" / "null_encoder.py"
 
 
 # This tree's app under granian (a Rust HTTP server for ASGI apps), one worker on uvloop, with
@@ -62,7 +52,7 @@ def start_null_server(tree: Path, bundle: Path, vectors: Path, log_path: Path, e
     command = [sys.executable, str(NULL_SERVER)]
     if tree == GRANIAN:
         command = [str(Path(sys.executable).parent / "granian"), "--interface", "asgi", "--factory", "--loop", "uvloop"]
-        command += ["--http1-header-read-timeout", "10000", "--no-ws", "bench.null_encoder:create_app"]
+        command += ["--http1-header-read-timeout", "10000", "--no-ws", "bench.lib.null_encoder:create_app"]
     return start_server(bundle.resolve(), log_path, extra_env=env, command=command, cwd=source, timeout_s=180)
 
 
@@ -158,7 +148,7 @@ def run(args: argparse.Namespace, bundle: Path, data: Path) -> dict:
     if args.granian:
         trees["granian"] = GRANIAN
     return {
-        "what": "the server with its ONNX call replaced by a vector lookup (bench.null_encoder)",
+        "what": "the server with its ONNX call replaced by a vector lookup (bench.lib.null_encoder)",
         "trees": {name: str(tree) for name, tree in trees.items()},
         "baseline_commit": git_head(args.baseline_tree) if args.baseline_tree else None,
         "rps": args.rps,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.loadgen import closed_loop, open_loop
+from bench.lib.loadgen import closed_loop, open_loop
 from loadtest.localserver import start_server, stop_server
 from xmc.data import load_jsonl_split
 

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.ann_scale import clustered_vectors, draw, exact_top10
-from bench.loadgen import closed_loop
-from bench.recall import recall_at_k
+from bench.lib.loadgen import closed_loop
+from bench.lib.recall import recall_at_k
+from bench.lib.synthetic import clustered_vectors, draw, exact_top10
 from loadtest.localserver import free_port, start_server, stop_server
 from service.engine import (
     ENCODER_FILE,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.browser import LAPTOP, headless_chromium
+from bench.lib.browser import LAPTOP, headless_chromium
 from loadtest.localserver import start_server, stop_server
 
 TOKEN = "screenshots"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.recall import key_recall_at_10
+from bench.lib.recall import key_recall_at_10
 from export.derive import derive_rae_bundle
 from export.evaluate import evaluate_bundle
 from service.engine import Predictor, load_bundle

@@ -36,7 +36,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -45,9 +44,10 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 from bench import non_encoder_cost
-from bench.loadgen import closed_loop, open_loop
-from bench.non_encoder_cost import server_cpu_s
-from bench.recall import ann_recall
+from bench.lib.encoder_alone import encoder_alone
+from bench.lib.loadgen import closed_loop, open_loop
+from bench.lib.profiling import server_cpu_s
+from bench.lib.recall import ann_recall
 from loadtest.localserver import free_port, start_server, stop_server
 from service.engine import EncoderOptions, load_bundle
 from service.http.settings import Settings
@@ -93,31 +93,6 @@ def encoder_flops_per_token(config: dict, mean_tokens: float, head_dim: int) -> 
 
 
 ENCODER_BATCHES = (1, 8, 32)
-
-
-def encoder_alone(encoder, texts: list[str], batch: int, seconds: float, workers: int = 1) -> float:
-    """Texts/s of ``encoder.encode`` (tokenize + one ONNX call per length-sorted chunk) on
-    consecutive batches of the dev texts, ``workers`` threads each calling it one batch at a time,
-    as the server's encode stage runs."""
-    for i in range(3):
-        encoder.encode(texts[i * batch : (i + 1) * batch])
-    done = [0] * workers
-    start = time.perf_counter()
-
-    def work(worker: int) -> None:
-        offset = worker * batch * 7  # workers on different texts
-        while time.perf_counter() - start < seconds:
-            chunk = [texts[(offset + j) % len(texts)] for j in range(batch)]
-            encoder.encode(chunk)
-            done[worker] += batch
-            offset += batch * workers
-
-    threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return sum(done) / (time.perf_counter() - start)
 
 
 def served_layout(extra_env: dict) -> tuple[int, int]:
@@ -192,7 +167,7 @@ def observability_cost(
     logs.mkdir(exist_ok=True)
     port = free_port()
     receiver = subprocess.Popen(
-        [sys.executable, "-m", "bench.otlp_receiver", "--port", str(port)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "bench.lib.otlp_receiver", "--port", str(port)], stdout=subprocess.PIPE, text=True
     )
     servers = {}
     try:
@@ -360,7 +335,7 @@ def main() -> None:
     logs.mkdir(exist_ok=True)
 
     if not args.skip_naive:
-        server = start_server(args.bundle, logs / "naive.log", app="bench.naive_server:create_app", timeout_s=180)
+        server = start_server(args.bundle, logs / "naive.log", app="bench.lib.naive_server:create_app", timeout_s=180)
         try:
             result["naive"] = run_levels(server.url, bodies, args.seconds, levels)
         finally:

@@ -1,6 +1,6 @@
 """Server memory held by clients that ask for a large answer and never read it.
 
-    python bench/unread_answers.py [OUT.json]
+    python -m bench.unread_answers [--out bench/results/unread-answers.json]
 
 A uvicorn server with ``python -m service.http``'s protocol answers each of 16 clients (receive
 buffer 4 KiB, reading nothing) 8 MiB, with the write timeout at 1 s and at 10^6 s (in effect none,
@@ -9,20 +9,18 @@ to the kernel) and the open connections are sampled 1 s and 4 s after the reques
 checkout's root.
 """
 
+import argparse
 import asyncio
 import json
-import os
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
 
 import uvicorn
 
-sys.path.insert(0, os.getcwd())
-from service.http.server import uvicorn_options  # noqa: E402
-from service.http.settings import ServerSettings  # noqa: E402
+from service.http.server import uvicorn_options
+from service.http.settings import ServerSettings
 
 CLIENTS, ANSWER_BYTES = 16, 8 << 20
 
@@ -67,8 +65,15 @@ def run(write_timeout_s: float) -> dict:
     return {"write_timeout_s": write_timeout_s, "after_s": samples}
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=None, help="JSON result file (default: print only)")
+    args = parser.parse_args(argv)
     results = {"clients": CLIENTS, "answer_bytes": ANSWER_BYTES, "runs": [run(1e6), run(1.0), run(1e6), run(1.0)]}
     print(json.dumps(results, indent=1))
-    if len(sys.argv) > 1:
-        Path(sys.argv[1]).write_text(json.dumps(results, indent=1) + "\n")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

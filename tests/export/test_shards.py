@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from bench.recall import exact_top_k, recall_at_k
+from bench.lib.recall import exact_top_k, recall_at_k
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from export.derive import derive_rae_bundle

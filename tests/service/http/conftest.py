@@ -4,7 +4,7 @@ import importlib.util
 
 import pytest
 
-from bench.browser import headless_chromium, installed
+from bench.lib.browser import headless_chromium, installed
 from tests.conftest import need_tool
 
 

@@ -3,7 +3,7 @@
 import pytest
 from httpx import Client
 
-from bench.recall import exact_top_k, recall_at_k
+from bench.lib.recall import exact_top_k, recall_at_k
 from service.api.schemas import PredictResponse
 from service.engine.bundle import load_bundle
 from xmc.data import load_jsonl_split

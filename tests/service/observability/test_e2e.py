@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from bench.otlp_receiver import OtlpReceiver
+from bench.lib.otlp_receiver import OtlpReceiver
 from loadtest.localserver import start_server, stop_server
 
 TEXT = {"text": "libc6: GNU C Library: Shared libraries", "k": 5}

@@ -1,7 +1,7 @@
 """The baseline a user would write first: per-request transformers + torch encoding in a
 FastAPI endpoint, hnswlib search over the same bundle's index, the same RAE aggregation.
 
-    XMCSERVE_BUNDLE_DIR=bundles/default uvicorn bench.naive_server:create_app --factory
+    XMCSERVE_BUNDLE_DIR=bundles/default uvicorn bench.lib.naive_server:create_app --factory
 
 It reproduces the bundle's query vectors (encoder from the checkpoint, the bundle's head.npz),
 so the two servers answer the same question with the same index; only the serving path differs.

@@ -1,7 +1,7 @@
 """The real server with its encoder's ONNX call replaced by a lookup: what everything but the
 encoder costs (HTTP, validation, batching, tokenizing, search, RAE, fusion, serialisation).
 
-    python -m bench.null_encoder --vectors VECTORS.npz [--host 127.0.0.1] [--port 8000]
+    python -m bench.lib.null_encoder --vectors VECTORS.npz [--host 127.0.0.1] [--port 8000]
 
 ``VECTORS.npz`` holds the query vectors the bundle's own encoder gives the texts a benchmark will
 send (:func:`write_vectors`), keyed by their token ids, so the search, aggregation and fusion do
@@ -56,7 +56,7 @@ def install(path: Path) -> None:
 
 def create_app():
     """The app with the null encoder, for another ASGI server (``granian --factory
-    bench.null_encoder:create_app``): the vector file from ``$XMCSERVE_BENCH_NULL_VECTORS`` and
+    bench.lib.null_encoder:create_app``): the vector file from ``$XMCSERVE_BENCH_NULL_VECTORS`` and
     the logging ``python -m service.http`` configures, so both servers write the same lines."""
     from service.http.app import create_app as create
     from service.http.settings import LogSettings

@@ -82,7 +82,7 @@ class OtlpReceiver:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m bench.otlp_receiver --port N``: a receiver in a process of its own (so that a
+    """``python -m bench.lib.otlp_receiver --port N``: a receiver in a process of its own (so that a
     benchmark's load generator does not share its interpreter); it answers every export and
     counts them, without decoding (a collector's work is not the server's cost)."""
     import argparse

@@ -1,0 +1,40 @@
+"""A training run's held-out instances of a bundle's memory split, and their fusion features as
+export.held_out computes them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from export.fuse import check_memory
+from export.held_out import (
+    DEFAULT_HELD_OUT_MEMORY,
+    HeldOutMemory,
+    HeldOutPairs,
+    HeldOutSearch,
+    unfitted_fusion,
+)
+from service.engine import FEATURE_GROUPS, KeyTerms, ScoreFusion, load_predictor
+from xmc.checkpoint import HOLDOUT_FILE
+from xmc.data import load_jsonl_split, rows_of_uids
+
+
+def held_out_instances(bundle: Path, run: Path, data: Path):
+    """(train, predictor, rows): the training split, the bundle's predictor (its memory checked
+    against that split) and the rows of the run's held-out instances."""
+    train = load_jsonl_split(data, "trn")
+    predictor = load_predictor(bundle)
+    check_memory(predictor, train)
+    return train, predictor, rows_of_uids(train, (run / HOLDOUT_FILE).read_text().split())
+
+
+def held_out_features(
+    predictor, train, rows, rerank_depth: int | None = None, memory: HeldOutMemory = DEFAULT_HELD_OUT_MEMORY
+) -> tuple[ScoreFusion, KeyTerms, HeldOutPairs]:
+    """(served, key_terms, pairs): the fusion with every feature group as it would be served (the
+    whole memory's counts and lexicon), not fitted yet, its key terms, and the held-out instances'
+    candidate pairs from both searches against ``memory`` (each search's top ``rerank_depth`` by
+    p̂; None: all)."""
+    served, key_rows = unfitted_fusion(predictor, train, tuple(FEATURE_GROUPS), rerank_depth)
+    search = HeldOutSearch.of(predictor, train, rows, (served, key_rows), memory)
+    return served, KeyTerms(key_rows), search.pairs(predictor, train, "both")

@@ -1,0 +1,90 @@
+"""What a server process costs: its CPU seconds (from its /metrics) and a py-spy profile of it
+under load, folded by stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+from bench.lib.loadgen import open_loop
+
+
+def server_cpu_s(url: str) -> float:
+    """The server process's CPU seconds so far (its ``process_cpu_seconds_total``)."""
+    import httpx
+
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("process_cpu_seconds_total "):
+            return float(line.split()[1])
+    raise RuntimeError("no process_cpu_seconds_total in /metrics")
+
+
+def stage_of(stack: str) -> str:
+    frames = stack.split(";")[::-1]
+    for frame in frames:
+        for stage, markers in STAGES:
+            if any(m in frame for m in markers):
+                return stage
+    return "http_asyncio_other"
+
+
+def fold(collapsed: Path) -> dict:
+    leaves, stages, threads, total = Counter(), Counter(), Counter(), 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        total += n
+        leaves[stack.split(";")[-1]] += n
+        stages[stage_of(stack)] += n
+        threads[stack.split(";")[0]] += n
+
+    def shares(counter: Counter, top: int) -> dict:
+        return {k: round(v / max(total, 1), 4) for k, v in counter.most_common(top)}
+
+    return {
+        "samples": total,
+        "stages": shares(stages, 20),
+        "threads": shares(threads, 10),
+        "leaves": shares(leaves, 25),
+    }
+
+
+def record(
+    server, bodies: list[bytes], rps: float, seconds: float, rate: int, collapsed: Path, subprocesses: bool = False
+) -> dict:
+    """py-spy's collapsed stacks of ``server`` into ``collapsed`` while an open loop holds it at
+    ``rps`` for ``seconds`` (whole seconds for py-spy); returns the load's summary. Raises
+    ``RuntimeError`` when py-spy fails. ``subprocesses``: its child processes too (a server whose
+    app runs in a worker process)."""
+    py_spy = Path(sys.executable).parent / "py-spy"
+    command = [str(py_spy), "record", "--pid", str(server.process.pid), "--duration", str(int(seconds))]
+    command += ["--rate", str(rate), "--format", "raw", "--threads", "--nonblocking"]
+    command += ["--subprocesses"] if subprocesses else []
+    spy = subprocess.Popen([*command, "--output", str(collapsed)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    load = asyncio.run(open_loop(server.url, bodies, rps, seconds)).summary()
+    _, err = spy.communicate(timeout=seconds + 60)
+    if spy.returncode != 0:
+        raise RuntimeError(f"py-spy failed: {err.decode()[-2000:]}")
+    return load
+
+
+# A sample is charged to the first stage whose marker appears in its stack (innermost first).
+STAGES = (
+    ("onnx_run", ("Session.run (",)),
+    ("hnsw_search", ("knn_query", "Predictor.knn (")),
+    ("rae_aggregate", ("rank (service/engine/search.py", "rae.py")),
+    ("tokenize", ("encode_batch", "tokenize (service/engine/encoder.py")),
+    ("response_json", ("to_response", "json/encoder.py", "predict_response")),
+    ("request_parse", ("pydantic", "fastapi/routing.py", "fastapi/dependencies")),
+    ("metrics", ("prometheus_client",)),
+    ("batcher", ("service/engine/batcher.py",)),
+    ("http_protocol", ("httptools_impl.py", "h11_impl.py", "/h11/", "protocols/http/")),
+    ("middleware", ("service/observability/", "front_door.py", "guards.py", "RequestObserver", "starlette/")),
+    ("endpoint", ("service/http/app.py",)),
+)
