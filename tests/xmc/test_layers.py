@@ -1,6 +1,7 @@
 """The stages' layers: xmc ← service ← training ← export ← bench, each importing only what lies
-below it (training imports the engine's RAE values; export the torch model code it exports), and
-the core xmc importable without torch, transformers or any stage."""
+below it, and the core xmc importable without torch, transformers or any stage. Training imports
+the engine's RAE values; export imports of training only the torch model code it exports
+(export/serving_graph.py); bench imports nothing of training (what it reads of a run is in xmc)."""
 
 import ast
 import subprocess
@@ -15,7 +16,7 @@ ALLOWED = {
     "service": {"xmc", "service"},
     "training": {"xmc", "service", "training"},
     "export": {"xmc", "service", "training", "export"},
-    "bench": {"xmc", "service", "training", "export", "loadtest", "bench"},
+    "bench": {"xmc", "service", "export", "loadtest", "bench"},
     # the load test runs from its own image: it starts a server, never reaches into bench/
     "loadtest": {"xmc", "service", "loadtest"},
 }
@@ -40,6 +41,13 @@ def test_each_stage_imports_only_the_stages_below_it():
         if stages_imported(path) - ALLOWED[stage]
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def test_export_imports_of_training_only_the_model_code_it_exports():
+    importers = sorted(
+        str(path.relative_to(ROOT)) for path in (ROOT / "export").rglob("*.py") if "training" in stages_imported(path)
+    )
+    assert importers == ["export/serving_graph.py"]
 
 
 def test_the_layer_check_sees_an_import_inside_a_function(tmp_path):
