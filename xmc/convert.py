@@ -110,28 +110,49 @@ def text_of(record: dict, column: str, path: Path, row: int, problems: Problems)
 
 
 @dataclass
-class Labels:
-    uids: list[str]
-    texts: list[str]
-    ids: dict[str, int]
+class Records:
+    """The rows kept of one input file: uids and texts in order, each uid's position among them
+    (``ids``), and the input row each uid was first seen on (a later row with it is a duplicate)."""
+
+    uids: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    ids: dict[str, int] = field(default_factory=dict)
+    first_row: dict[str, int] = field(default_factory=dict)
+
+    def first_time(self, uid: str, path: Path, row: int, problems: Problems) -> bool:
+        """Whether ``uid`` is new here; a duplicate is refused, naming the row it was first seen on."""
+        if uid in self.first_row:
+            problems.add(path, row, f"duplicate uid {uid!r} (first at row {self.first_row[uid]})")
+            return False
+        self.first_row[uid] = row
+        return True
+
+    def keep(self, uid: str, text: str) -> None:
+        self.ids[uid] = len(self.uids)
+        self.uids.append(uid)
+        self.texts.append(text)
+
+
+Labels = Records  # the label table: a label's id is its position
+
+
+@dataclass
+class Split(Records):
+    """A split's instances, each with its label ids."""
+
+    targets: list[list[int]] = field(default_factory=list)
 
 
 def read_labels(path: Path, problems: Problems) -> Labels:
     """The label table: ``uid`` and ``text`` per row; a duplicate uid or an empty text is refused."""
-    uids, texts, ids, first_row = [], [], {}, {}
+    labels = Labels()
     for row, record in read_records(path):
         uid, text = text_of(record, "uid", path, row, problems), text_of(record, "text", path, row, problems)
-        if uid is None or text is None:
-            continue
-        if uid in ids:
-            problems.add(path, row, f"duplicate uid {uid!r} (first at row {first_row[uid]})")
-            continue
-        ids[uid], first_row[uid] = len(uids), row
-        uids.append(uid)
-        texts.append(text)
-    if not uids and not problems.found:
+        if uid is not None and labels.first_time(uid, path, row, problems) and text is not None:
+            labels.keep(uid, text)
+    if not labels.uids and not problems.found:
         problems.add(path, None, "no labels")
-    return Labels(uids, texts, ids)
+    return labels
 
 
 def label_names(value, separator: str) -> list:
@@ -163,18 +184,8 @@ def label_id(name, labels: Labels, labels_by: str, path: Path, row: int, problem
     return number
 
 
-@dataclass
-class Split:
-    uids: list[str]
-    texts: list[str]
-    targets: list[list[int]]
-    # uid → position among the kept instances, and uid → the input row it came from
-    rows: dict[str, int]
-    input_rows: dict[str, int]
-
-
 def read_split(path: Path, labels: Labels, labels_by: str, separator: str, problems: Problems) -> Split:
-    split = Split([], [], [], {}, {})
+    split = Split()
     for row, record in read_records(path):
         text = text_of(record, "text", path, row, problems)
         uid = str(record["uid"]).strip() if record.get("uid") not in (None, "") else str(row - 1)
@@ -183,16 +194,9 @@ def read_split(path: Path, labels: Labels, labels_by: str, separator: str, probl
             continue
         names = label_names(record["labels"], separator)
         targets = [label_id(name, labels, labels_by, path, row, problems) for name in names]
-        if uid in split.input_rows:
-            problems.add(path, row, f"duplicate uid {uid!r} (first at row {split.input_rows[uid]})")
-            continue
-        split.input_rows[uid] = row
-        if text is None or None in targets:
-            continue
-        split.rows[uid] = len(split.uids)
-        split.uids.append(uid)
-        split.texts.append(text)
-        split.targets.append(sorted(set(targets)))
+        if split.first_time(uid, path, row, problems) and text is not None and None not in targets:
+            split.keep(uid, text)
+            split.targets.append(sorted(set(targets)))
     return split
 
 
@@ -205,7 +209,7 @@ def read_filter_pairs(
         if uid in (None, "") or label in (None, ""):
             problems.add(path, row, "a filter pair needs 'uid' and 'label'")
             continue
-        instance = split.rows.get(str(uid).strip())
+        instance = split.ids.get(str(uid).strip())
         if instance is None:
             problems.add(path, row, f"unknown instance uid {str(uid)!r}")
         found = label_id(label, labels, labels_by, path, row, problems)

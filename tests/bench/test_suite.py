@@ -2,12 +2,13 @@
 without running, is named by a Makefile target or a line of bench/results/README.md, edits no
 ``sys.path``, and imports no other benchmark (what they share lives in bench/lib)."""
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.service.test_layers import imports_of
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = sorted(path.stem for path in (ROOT / "bench").glob("*.py") if path.stem != "__init__")
@@ -29,20 +30,9 @@ def test_each_benchmark_is_named_where_it_is_run_from():
     assert not [name for name in BENCHMARKS if f"bench.{name}" not in named]
 
 
-def imported_modules(path: Path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return found
-
-
 def test_no_benchmark_edits_sys_path_or_imports_another():
     for path in (ROOT / "bench").rglob("*.py"):
         assert "sys.path" not in path.read_text(), path
-        others = {m for m in imported_modules(path) if m.startswith("bench.") and not m.startswith("bench.lib")}
+        others = {m for m in imports_of(path) if m.startswith("bench.") and not m.startswith("bench.lib")}
         others = {m for m in others if (path.stem, m) not in COMPOSED and m.removeprefix("bench.") in BENCHMARKS}
         assert not others, f"{path.relative_to(ROOT)} imports {sorted(others)}"
