@@ -23,8 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.engine.bundle import load_bundle
-from service.engine.search import Predictor
+from service.engine import Predictor, load_bundle
 from xmc.data import load_jsonl_split
 
 TOLERANCE = 1e-6
