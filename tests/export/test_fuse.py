@@ -496,7 +496,7 @@ def test_lightgbm_s_double_thresholds_convert_exactly_on_float32_features(kind, 
     fitted = fit_model(kind, pairs, features, {"trees": 30})
     _, parity = onnx_fusion_model(fitted, X)
     assert parity <= PARITY_BOUND
-    monkeypatch.setattr("export.fuse.float32_thresholds", lambda booster: booster)  # the converter alone
+    monkeypatch.setattr("export.fusion_to_onnx.float32_thresholds", lambda booster: booster)  # the converter alone
     with pytest.raises(SystemExit, match="bound"):
         onnx_fusion_model(fitted, X)
 
