@@ -2,7 +2,7 @@
 the open-loop generator holds it at a fixed rate, and the samples are folded into shares.
 
     python -m bench.profile_server [--bundle bundles/default] [--rps 100] [--seconds 12]
-        [--out bench/results/profile.json]
+        [--out bench/results/server-stage-profile.json]
 
 Writes the collapsed stacks (``.txt``, loadable in speedscope or flamegraph.pl) and a JSON of
 the leaf-function shares and of the shares per service stage (tokenize, ONNX run, HNSW, RAE,
@@ -43,7 +43,7 @@ def main() -> int:
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path("bench/results/profile.json"),
+        default=Path("bench/results/server-stage-profile.json"),
         help="result JSON file; the collapsed stacks are written beside it as .txt",
     )
     args = parser.parse_args()
