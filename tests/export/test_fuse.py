@@ -17,9 +17,9 @@ from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
 from export.fuse import main
-from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS, FittedModel, fit_model
-from export.fusion_to_onnx import PARITY_BOUND, onnx_fusion_model
-from export.held_out import HeldOutPairs, HeldOutSearch, leave_one_out, search_without, unfitted_fusion
+from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS
+from export.fusion_to_onnx import PARITY_BOUND
+from export.held_out import HeldOutSearch, search_without, unfitted_fusion
 from service.engine.bundle import BundleError, load_bundle, load_fusion, load_labels, load_shard
 from service.engine.fusion import (
     FEATURE_GROUPS,
@@ -141,34 +141,6 @@ def sharded_fused(tiny_memory, sample_dir, run_dir, tmp_path_factory):
     )
 
 
-class OrderedMemory:
-    """A stand-in predictor whose every query's nearest keys are 0, 1, 2, … of ``keys`` keys, and
-    which records how many it was asked for."""
-
-    def __init__(self, keys: int):
-        self.view = type("View", (), {"num_keys": keys})()
-        self.asked: list[int] = []
-
-    def knn(self, vectors, n, ef):
-        self.asked.append(n)
-        ids = np.arange(self.view.num_keys)[:n]
-        keys = np.tile(np.pad(ids, (0, n - len(ids)), constant_values=-1), (len(vectors), 1))
-        return keys, np.where(keys >= 0, 1.0 - keys / 1000, 0.0).astype(np.float32), 0
-
-
-def test_a_search_without_hidden_keys_returns_the_next_nearest_and_fetches_wider_when_short():
-    memory = OrderedMemory(200)
-    hidden = np.arange(0, 60, 2)  # every other one of the 60 nearest: many more than their share
-    keys, sims = search_without(memory, np.zeros((2, 4)), 20, np.array([1, 3]), hidden)
-    nearest = [k for k in range(200) if k % 2 or k >= 60]
-    assert keys.tolist() == [[k for k in nearest if k != 1][:20], [k for k in nearest if k != 3][:20]]
-    np.testing.assert_allclose(sims, 1.0 - keys / 1000, rtol=1e-6)
-    assert len(memory.asked) > 1 and memory.asked == sorted(memory.asked)  # fetched again, wider
-    few = OrderedMemory(25)  # fewer keys left than asked for: padded, after one fetch of the whole memory
-    keys, _ = search_without(few, np.zeros((1, 4)), 20, None, np.arange(10))
-    assert keys.tolist() == [list(range(10, 25)) + [-1] * 5] and few.asked[-1] == 25
-
-
 def test_held_out_instances_meet_the_memory_without_them(tiny_memory, train, run_dir):
     predictor = load_predictor(tiny_memory)
     rows = rows_of_uids(train, (run_dir / HOLDOUT_FILE).read_text().split())
@@ -196,14 +168,6 @@ def test_the_fused_bundle_serves_the_whole_memory_s_counts_and_says_how_it_was_f
     assert "searched against the memory without them" in bundle.manifest.fusion.fitted_on
     whole = memory_log_frequency(load_bundle(sample_bundle).values, bundle.manifest.counts.train_instances)
     np.testing.assert_array_equal(bundle.fusion.log_frequency, whole)
-
-
-def test_leave_one_out_drops_only_each_rows_own_key():
-    keys = np.array([[5, 7, 9, 11], [3, 4, 8, 6]])
-    sims = np.array([[0.9, 0.8, 0.7, 0.6], [0.5, 0.4, 0.3, 0.2]], dtype=np.float32)
-    kept_keys, kept_sims = leave_one_out(keys, sims, np.array([7, 1]))
-    assert kept_keys.tolist() == [[5, 9, 11], [3, 4, 8]]  # a row without its own key loses its last
-    np.testing.assert_allclose(kept_sims, [[0.9, 0.7, 0.6], [0.5, 0.4, 0.3]])
 
 
 def tree_ensemble(path) -> dict:
@@ -306,16 +270,6 @@ def test_the_default_fusion_is_the_validation_s_choice_lambdamart_over_the_top_2
     assert (params.model_params["trees"], params.model_params["leaves"]) == (60, 15)
     assert len(set(tree_ensemble(out)["nodes_treeids"])) == DEFAULT_PARAMS["lambdarank"]["trees"]
     assert "searched against the memory without them" in params.fitted_on
-
-
-def test_an_export_whose_onnx_model_differs_from_its_library_is_refused(monkeypatch):
-    X = np.random.default_rng(4).normal(size=(500, len(FEATURES))).astype(np.float32).astype(np.float64)
-    fitted = FittedModel("tree", {}, random_sklearn_tree(depth=4))
-    model, parity = onnx_fusion_model(fitted, X)
-    assert parity <= PARITY_BOUND and isinstance(model, OnnxTreeEnsemble)
-    monkeypatch.setattr(FittedModel, "predict", lambda self, X: self.library_model.predict(X) + 1e-3)
-    with pytest.raises(SystemExit, match="bound"):
-        onnx_fusion_model(fitted, X)
 
 
 def test_model_options_are_checked_against_the_model(tiny_memory, sample_dir, run_dir, tmp_path):
@@ -478,27 +432,6 @@ def test_a_run_without_holdout_or_a_partial_memory_is_refused(tiny_rae_bundle, s
             ]
         )
     assert not (tmp_path / "x").exists()
-
-
-@pytest.mark.parametrize("kind", ["gbdt", "lambdarank"])
-def test_lightgbm_s_double_thresholds_convert_exactly_on_float32_features(kind, monkeypatch):
-    """A feature whose values are adjacent float32s: LightGBM splits between them at a double the
-    converter alone rounds to the nearest float32, the upper value half the time, sending that
-    value the wrong way; floored thresholds route every row as LightGBM does."""
-    rng = np.random.default_rng(5)
-    low = rng.uniform(0.1, 0.9, size=8).astype(np.float32)
-    upper = rng.integers(0, 2, size=(4000, 8)).astype(bool)
-    X = np.where(upper, np.nextafter(low, np.float32(1)), low).astype(np.float64)
-    y = (upper @ rng.normal(size=8) + rng.normal(scale=0.3, size=4000) > 0).astype(np.float64)
-    pairs = HeldOutPairs(X, y, np.repeat(np.arange(100), 40), np.zeros(4000, dtype=np.int64), [], 1.0)
-    pairs.relevant = [np.zeros(0, dtype=np.int64)] * 100
-    features = tuple(f"f{i}" for i in range(7)) + ("rae_score",)  # fit_model boosts lambdarank from rae_score
-    fitted = fit_model(kind, pairs, features, {"trees": 30})
-    _, parity = onnx_fusion_model(fitted, X)
-    assert parity <= PARITY_BOUND
-    monkeypatch.setattr("export.fusion_to_onnx.float32_thresholds", lambda booster: booster)  # the converter alone
-    with pytest.raises(SystemExit, match="bound"):
-        onnx_fusion_model(fitted, X)
 
 
 def test_a_fused_bundle_scores_a_query_the_same_alone_and_in_any_batch(fused, sample_dir):

@@ -6,7 +6,6 @@ import json
 import os
 import threading
 import time
-from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -14,7 +13,6 @@ import pytest
 from loadtest.localserver import free_port
 from service.http.metrics import Metrics
 from service.rollout.shadow import Copy, ShadowConfig, ShadowMirror, ShadowRequest
-from service.rollout.shadow_child import split_answers, take_batch
 from service.rollout.shadow_worker import ShadowWorker
 
 
@@ -30,21 +28,6 @@ def copy(texts, k=2) -> Copy:
 def metric(metrics: Metrics, name: str, **labels) -> float:
     """A shadow metric's value; every one is labelled with the mirrored variant, A here."""
     return metrics.registry.get_sample_value(name, {"variant": "A", **labels}) or 0.0
-
-
-def test_take_batch_keeps_k_apart_and_the_rest_in_order():
-    pending = deque([copy(["a"]), copy(["b"], k=5), copy(["c", "d"]), copy(["e", "f"]), copy(["g"])])
-    batch = take_batch(pending, batch_texts=4)
-    assert [c.request.texts for c in batch] == [["a"], ["c", "d"], ["g"]]
-    assert [c.request.texts for c in pending] == [["b"], ["e", "f"]]
-    big = deque([copy([str(i) for i in range(9)]), copy(["z"])])
-    assert len(take_batch(big, batch_texts=4)) == 1  # a copy over the limit still goes, alone
-
-
-def test_split_answers_gives_each_copy_its_texts_answers():
-    batch = [copy(["a"]), copy(["b", "c"])]
-    answers = [[("A", 1.0)], [("B", 1.0)], [("C", 1.0)]]
-    assert split_answers(answers, batch) == [[[("A", 1.0)]], [[("B", 1.0)], [("C", 1.0)]]]
 
 
 def start_mirror(url: str, config: ShadowConfig):
