@@ -43,7 +43,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from bench import non_encoder_cost
+from bench.lib import non_encoder
 from bench.lib.encoder_alone import encoder_alone
 from bench.lib.loadgen import closed_loop, open_loop
 from bench.lib.profiling import server_cpu_s
@@ -280,7 +280,7 @@ def main() -> None:
     parser.add_argument(
         "--concurrency", type=int, default=64, help="--observability-cost: closed-loop concurrency (the peak's)"
     )
-    non_encoder_cost.add_arguments(parser, rounds=False)
+    non_encoder.add_arguments(parser, rounds=False)
     args = parser.parse_args()
     extra_env = dict(item.split("=", 1) for item in args.env)
     levels = [int(x) for x in args.levels.split(",")]
@@ -360,7 +360,7 @@ def main() -> None:
         **targets(result, Settings().batching.max_batch_size),
     }
     if args.null_encoder:  # what the server costs besides the encoder, against another checkout
-        result["non_encoder"] = non_encoder_cost.run(args, args.bundle, args.data)
+        result["non_encoder"] = non_encoder.run(args, args.bundle, args.data)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     if "naive" in result:

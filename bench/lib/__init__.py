@@ -4,6 +4,7 @@
 * :mod:`bench.lib.recall` — exact search over a bundle's keys, the reference of recall@k;
 * :mod:`bench.lib.latency` — one request at a time against an idle server, and its stage medians;
 * :mod:`bench.lib.profiling` — a server process's CPU seconds and its py-spy profile, folded by stage;
+* :mod:`bench.lib.non_encoder` — the null-encoder measurement (``bench.non_encoder_cost``, ``bench.serving``);
 * :mod:`bench.lib.encoder_alone` — the ONNX encoder timed on its own;
 * :mod:`bench.lib.synthetic` — clustered synthetic vectors and their exact neighbours;
 * :mod:`bench.lib.held_out` — a fused bundle's held-out instances and their features;

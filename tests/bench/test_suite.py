@@ -12,8 +12,6 @@ from tests.service.test_layers import imports_of
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = sorted(path.stem for path in (ROOT / "bench").glob("*.py") if path.stem != "__init__")
-# bench.serving's --null-encoder runs bench.non_encoder_cost's measurement as one part of its own
-COMPOSED = {("serving", "bench.non_encoder_cost")}
 
 
 @pytest.mark.parametrize("name", BENCHMARKS)
@@ -34,5 +32,5 @@ def test_no_benchmark_edits_sys_path_or_imports_another():
     for path in (ROOT / "bench").rglob("*.py"):
         assert "sys.path" not in path.read_text(), path
         others = {m for m in imports_of(path) if m.startswith("bench.") and not m.startswith("bench.lib")}
-        others = {m for m in others if (path.stem, m) not in COMPOSED and m.removeprefix("bench.") in BENCHMARKS}
+        others = {m for m in others if m.removeprefix("bench.") in BENCHMARKS}
         assert not others, f"{path.relative_to(ROOT)} imports {sorted(others)}"
