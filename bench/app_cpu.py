@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.null_encoder import install, write_vectors
-from training.data import load_jsonl_split
+from bench.lib.null_encoder import install, write_vectors
+from xmc.data import load_jsonl_split
 
 
 async def post(app, body: bytes) -> int:
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
         "bundle": str(args.bundle),
-        "what": "POST /predict through the ASGI app in process, null encoder (bench.null_encoder), logging off",
+        "what": "POST /predict through the ASGI app in process, null encoder (bench.lib.null_encoder), logging off",
         "requests": args.requests,
         "by_concurrency": levels,
     }
