@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.lib.null_encoder import install, write_vectors
+from bench.lib.null_encoder import installed, write_vectors
 from xmc.data import load_jsonl_split
 
 
@@ -97,10 +97,13 @@ def main(argv: list[str] | None = None) -> None:
     texts = load_jsonl_split(args.data, "dev").texts[:500]
     vectors = Path(tempfile.mkdtemp(prefix="app-cpu-")) / "vectors.npz"
     write_vectors(args.bundle, texts, vectors)
-    install(vectors)
-    logging.disable(logging.CRITICAL)  # the access lines' cost is measured by --observability-cost of bench.serving
     bodies = [json.dumps({"text": text, "k": 10}).encode() for text in texts]
-    levels = asyncio.run(measure(args.bundle, bodies, args.requests, args.concurrency))
+    logging.disable(logging.CRITICAL)  # the access lines' cost is measured by --observability-cost of bench.serving
+    try:
+        with installed(vectors):
+            levels = asyncio.run(measure(args.bundle, bodies, args.requests, args.concurrency))
+    finally:  # the tests call main in their own process: its logging as it was
+        logging.disable(logging.NOTSET)
     result = {
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
         "bundle": str(args.bundle),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +53,20 @@ def install(path: Path) -> None:
         return vectors[[rows.get(token_key(ids), 0) for ids in token_ids]]
 
     OnnxEncoder.run = run
+
+
+@contextmanager
+def installed(path: Path):
+    """:func:`install` for the block, then every ``OnnxEncoder`` as it was (a measurement run in
+    another program's process, a test's, leaves its encoders real)."""
+    from service.engine import OnnxEncoder
+
+    real = OnnxEncoder.run
+    install(path)
+    try:
+        yield
+    finally:
+        OnnxEncoder.run = real
 
 
 def create_app():
