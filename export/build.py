@@ -32,21 +32,24 @@ import torch
 from tokenizers import Tokenizer
 
 from export.encode import EncodeReport, encode_pooled
+from export.ivfpq import build_ivfpq
 from export.model import ServingEncoder, load_encoder, load_fast_tokenizer
 from export.onnx_export import export_serving_graph, random_texts
 from export.params import ExportParams, add_arguments, from_arguments
 from export.writer import refuse_existing, write_bundle, write_values
 from service.engine.manifest import (
     ENCODER_FILE,
-    INDEX_FILE,
     LABELS_FILE,
     TOKENIZER_FILE,
+    VALUES_FILE,
     Counts,
     HnswParams,
+    IvfPqParams,
     Manifest,
     Shard,
     SourceInfo,
     TokenizerInfo,
+    shard_file_names,
     utc_now,
 )
 from training.checkpoint import (
@@ -106,9 +109,10 @@ def build_bundle(
     prepared = prepare(labels, train, checkpoint, params)
 
     def populate(stage: Path) -> dict:
-        graph, shards = write_payload(stage, prepared, labels, params)
+        graph, (shards, ivfpq) = write_payload(stage, prepared, labels, params)
         seconds = time.perf_counter() - started
-        return manifest_fields(prepared, labels, params, graph, checkpoint, data_name, seconds) | {"shards": shards}
+        fields = manifest_fields(prepared, labels, params, graph, checkpoint, data_name, seconds)
+        return fields | {"shards": shards, "ann": params.index, "ivfpq": ivfpq}
 
     manifest = write_bundle(out, populate, force)
     log.info("bundle %s written to %s in %.1fs", manifest.bundle_id, out, time.perf_counter() - started)
@@ -149,9 +153,9 @@ def memory_instances(train: XMCDataset | None, params: ExportParams) -> XMCDatas
 
 def write_payload(
     stage: Path, prepared: Prepared, labels: LabelSpace, params: ExportParams
-) -> tuple[dict, list | None]:
-    """Every bundle file but the manifest, into ``stage``; returns the serving graph's report
-    and the shard list."""
+) -> tuple[dict, tuple[list | None, IvfPqParams | None]]:
+    """Every bundle file but the manifest, into ``stage``; returns the serving graph's report,
+    the shard list and the compressed index's parameters (:func:`write_index`)."""
     tokenizer = prepared.tokenizer
     parity_texts = random_texts(tokenizer, params.parity_texts, params.seed) + labels.texts[:PARITY_LABEL_TEXTS]
     graph = export_serving_graph(
@@ -187,26 +191,37 @@ def calibration_texts(prepared: Prepared, labels: LabelSpace, params: ExportPara
 
 def write_index(
     stage: Path, keys: np.ndarray, memory_Y: sp.csr_matrix | None, params: ExportParams
-) -> list[Shard] | None:
+) -> tuple[list[Shard] | None, IvfPqParams | None]:
     """``index.hnsw`` (+ ``values.npz`` for an RAE memory, whose label matrix is ``memory_Y``),
     or with ``params.shards`` > 1 one ``index-<i>.hnsw`` (+ ``values-<i>.npz``) per contiguous
-    range of key ids; returns the manifest's shard list (None: unsharded)."""
-    if params.shards == 1:
-        build_hnsw(keys, params, stage / INDEX_FILE)
-        if memory_Y is not None:
-            write_values(stage, memory_Y, params.rae_lambda)
-        return None
+    range of key ids; for ``params.index`` ivfpq, ``index.faiss`` and ``rerank.npy`` (or one of
+    each per shard) instead of the HNSW file. Returns the manifest's shard list (None:
+    unsharded) and the compressed index's parameters (None: hnswlib)."""
     if params.shards > len(keys):
         raise ValueError(f"{params.shards} shards for {len(keys)} keys")
+    # one cell count for every shard: the manifest records one (a shard's keys, the largest's)
+    ivfpq = params.ivfpq(-(-len(keys) // params.shards)) if params.index == "ivfpq" else None
     shards = []
     for i, ids in enumerate(np.array_split(np.arange(len(keys)), params.shards)):
         first = int(ids[0])
-        build_hnsw(keys[first : first + len(ids)], params, stage / f"index-{i}.hnsw", first_id=first)
-        values = f"values-{i}.npz" if memory_Y is not None else None
-        shards.append(Shard(index=f"index-{i}.hnsw", values=values, first_key=first, keys=len(ids)))
+        index_name, rerank_name = shard_file_names(params.index, params.shards, i)
+        if ivfpq is not None:
+            build_ivfpq(
+                keys[first : first + len(ids)],
+                ivfpq.nlist,
+                ivfpq.pq_m,
+                stage / index_name,
+                stage / rerank_name,
+                params.seed,
+                params.build_threads,
+            )
+        else:
+            build_hnsw(keys[first : first + len(ids)], params, stage / index_name, first_id=first)
+        values = (f"values-{i}.npz" if params.shards > 1 else VALUES_FILE) if memory_Y is not None else None
+        shards.append(Shard(index=index_name, values=values, rerank=rerank_name, first_key=first, keys=len(ids)))
     if memory_Y is not None:
-        write_values(stage, memory_Y, params.rae_lambda, shards)
-    return shards
+        write_values(stage, memory_Y, params.rae_lambda, shards if params.shards > 1 else None)
+    return (shards if params.shards > 1 else None), ivfpq
 
 
 def manifest_fields(

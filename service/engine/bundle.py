@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from service.engine.encoder import EncoderOptions, OnnxEncoder
 from service.engine.fusion import FEATURE_GROUPS, ScoreFusion, groups_of
+from service.engine.ivfpq import IndexRefused, IvfPqIndex
 from service.engine.lexical import KeyTerms, key_terms_of
 from service.engine.manifest import (
     ENCODER_FILE,
@@ -51,7 +52,7 @@ class Bundle:
     path: Path
     manifest: Manifest
     encoder: OnnxEncoder
-    index: hnswlib.Index | ShardedIndex
+    index: hnswlib.Index | IvfPqIndex | ShardedIndex
     label_uids: list[str]
     label_texts: list[str]
     values: sp.csr_matrix | None
@@ -239,9 +240,24 @@ def check_upper_levels(data: np.ndarray, offset: int, count: int, max_m: int, re
     return levels
 
 
-def load_shard_index(path: Path, manifest: Manifest, shard: Shard) -> hnswlib.Index:
-    """One shard's HNSW index, its header and body checked before hnswlib reads them."""
+def load_shard_index(path: Path, manifest: Manifest, shard: Shard) -> hnswlib.Index | IvfPqIndex:
+    """One shard's HNSW index, its header and body checked before hnswlib reads them; or its
+    compressed index (``ann`` ivfpq), the inverted lists and re-rank vectors checked before faiss
+    reads them (:mod:`service.engine.ivfpq`)."""
     file = path / shard.index
+    if manifest.ann == "ivfpq":
+        try:
+            return IvfPqIndex.load(
+                file,
+                path / shard.rerank,
+                manifest.dim,
+                manifest.ivfpq,
+                shard.first_key,
+                shard.keys,
+                manifest.hnsw.ef_search,
+            )
+        except IndexRefused as exc:
+            raise BundleError(f"{file}: IVF-PQ index refused: {exc}") from None
     check_index_header(file, manifest, shard.keys)
     check_index_body(file, manifest, shard)
     index = hnswlib.Index(space=manifest.hnsw.space, dim=manifest.dim)
@@ -253,7 +269,7 @@ def load_shard_index(path: Path, manifest: Manifest, shard: Shard) -> hnswlib.In
     return index
 
 
-def load_index(path: Path, manifest: Manifest) -> hnswlib.Index | ShardedIndex:
+def load_index(path: Path, manifest: Manifest) -> hnswlib.Index | IvfPqIndex | ShardedIndex:
     """The bundle's HNSW index; a sharded bundle's shards behind one :class:`ShardedIndex`."""
     indexes = [load_shard_index(path, manifest, shard) for shard in shard_list(manifest)]
     return indexes[0] if len(indexes) == 1 else ShardedIndex(indexes)
@@ -457,7 +473,7 @@ def load_shard(
         shard = shards[number]
         lexical = manifest.fusion.lexical[number] if manifest.fusion and manifest.fusion.lexical else None
         if verify:
-            verify_checksums(path, manifest, [name for name in (shard.index, shard.values, lexical) if name])
+            verify_checksums(path, manifest, [n for n in (shard.index, shard.values, shard.rerank, lexical) if n])
         values = None
         if manifest.index_kind == "rae_memory":
             check_rae_counts(path, manifest)
