@@ -37,6 +37,7 @@ from export.model import ServingEncoder, load_encoder, load_fast_tokenizer
 from export.onnx_export import export_serving_graph, random_texts
 from export.params import ExportParams, add_arguments, from_arguments
 from export.writer import refuse_existing, write_bundle, write_values
+from service.engine.labels import write_label_arrays
 from service.engine.manifest import (
     ENCODER_FILE,
     LABELS_FILE,
@@ -112,7 +113,7 @@ def build_bundle(
         graph, (shards, ivfpq) = write_payload(stage, prepared, labels, params)
         seconds = time.perf_counter() - started
         fields = manifest_fields(prepared, labels, params, graph, checkpoint, data_name, seconds)
-        return fields | {"shards": shards, "ann": params.index, "ivfpq": ivfpq}
+        return fields | {"shards": shards, "ann": params.index, "ivfpq": ivfpq, "labels_format": params.labels_format}
 
     manifest = write_bundle(out, populate, force)
     log.info("bundle %s written to %s in %.1fs", manifest.bundle_id, out, time.perf_counter() - started)
@@ -174,7 +175,7 @@ def write_payload(
     # The head inside encoder.onnx, as numpy: lets torch tools (the naive benchmark baseline, a
     # re-export) rebuild the same vectors. The service does not read it.
     prepared.head.save(stage)
-    write_labels(labels, stage / LABELS_FILE)
+    write_label_files(stage, labels, params.labels_format)
     memory_Y = prepared.memory.Y if prepared.memory is not None else None
     return graph, write_index(stage, prepared.keys, memory_Y, params)
 
@@ -275,6 +276,14 @@ def build_hnsw(keys: np.ndarray, params: ExportParams, path: Path, first_id: int
     index.add_items(keys, first_id + np.arange(len(keys)), num_threads=params.build_threads or -1)
     index.set_ef(params.ef_search)
     index.save_index(str(path))
+
+
+def write_label_files(stage: Path, labels: LabelSpace, labels_format: str) -> None:
+    """The bundle's labels: ``labels.jsonl``, or the memory-mapped label arrays (service.engine.labels)."""
+    if labels_format == "arrays":
+        write_label_arrays(stage, labels.uids, labels.texts)
+    else:
+        write_labels(labels, stage / LABELS_FILE)
 
 
 def write_labels(labels: LabelSpace, path: Path) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
-from export.build import write_index, write_labels
+from export.build import write_index, write_label_files
 from export.derive import fusion_files, link_or_copy, write_key_terms
 from export.params import ExportParams
 from export.writer import refuse_existing, write_bundle
@@ -37,11 +37,11 @@ from service.engine.append_log import appends_dir_beside
 from service.engine.fusion import ScoreFusion
 from service.engine.loading import SOURCE_LOGS, load_for_reading
 from service.engine.manifest import (
-    LABELS_FILE,
     MANIFEST_FILE,
     Counts,
     Lineage,
     Manifest,
+    label_files,
     shard_list,
     utc_now,
 )
@@ -81,7 +81,7 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
     src = bundle.manifest
     keys = np.asarray(bundle.index.get_items(np.arange(view.num_keys)), dtype=np.float32)
     order, instance_rows = canonical_order(view)
-    rebuilt = {MANIFEST_FILE, LABELS_FILE}
+    rebuilt = {MANIFEST_FILE, *label_files(src.labels_format)}
     rebuilt |= {name for shard in shard_list(src) for name in (shard.index, shard.values, shard.rerank)}
     rebuilt |= fusion_files(src)
     params = ExportParams(
@@ -104,7 +104,7 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
             if name not in rebuilt:
                 link_or_copy(source / name, stage / name)
         labels = LabelSpace(uids=view.label_uids[: view.num_labels], texts=view.label_texts[: view.num_labels])
-        write_labels(labels, stage / LABELS_FILE)
+        write_label_files(stage, labels, src.labels_format)
         memory_Y = instance_labels(view, instance_rows) if view.values is not None else None
         counts = Counts(labels=view.num_labels, memory_rows=view.num_keys, train_instances=len(instance_rows))
         shards, _ = write_index(stage, keys[order], memory_Y, params)

@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, get_args, get_origin, get_type_hints
 
-from service.engine.manifest import AnnKind, IndexKind, IvfPqParams, RaeMode, RaeParams
+from service.engine.manifest import AnnKind, IndexKind, IvfPqParams, LabelsFormat, RaeMode, RaeParams
 from training.params import parse_bool
 
 Quantize = Literal["none", "int8", "int8-static"]
@@ -45,6 +45,9 @@ class ExportParams:
             ``labels``: label vectors only, pure dual-encoder retrieval (default: rae_memory)
         dim: serving dimension of the PCA head, ignored when the checkpoint has a trained head (default: 64)
         max_length: tokenizer truncation, in tokens; Debian titles average ~21 (default: 128)
+        labels_format: ``jsonl``: labels.jsonl, parsed at every load; ``arrays``: the uids and
+            texts as memory-mapped arrays with a sorted uid hash array, which a server opens
+            without parsing or a Python object per label (10^6 labels and more) (default: jsonl)
         index: how the keys are searched: ``hnswlib``, a graph over float32 vectors, best for small
             label sets; ``ivfpq``, compressed: faiss IVF with 4-bit PQ fast-scan codes whose
             candidates are re-ranked exactly from float16 vectors, about a third of hnswlib's
@@ -96,6 +99,7 @@ class ExportParams:
     index_kind: IndexKind = "rae_memory"
     dim: int = 64
     max_length: int = 128
+    labels_format: LabelsFormat = "jsonl"
     index: AnnKind = "hnswlib"
     ivf_nlist: int = 0
     ivf_nprobe: int = 64

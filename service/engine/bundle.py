@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from service.engine.encoder import EncoderOptions, OnnxEncoder
 from service.engine.fusion import FEATURE_GROUPS, ScoreFusion, groups_of
 from service.engine.ivfpq import IndexRefused, IvfPqIndex
+from service.engine.labels import LabelsRefused, StringColumn, UidLookup, load_label_arrays
 from service.engine.lexical import KeyTerms, key_terms_of
 from service.engine.manifest import (
     ENCODER_FILE,
@@ -34,6 +35,7 @@ from service.engine.manifest import (
     TOKENIZER_FILE,
     Manifest,
     Shard,
+    label_files,
     required_files,
     sha256_file,
     shard_list,
@@ -53,11 +55,12 @@ class Bundle:
     manifest: Manifest
     encoder: OnnxEncoder
     index: hnswlib.Index | IvfPqIndex | ShardedIndex
-    label_uids: list[str]
-    label_texts: list[str]
+    label_uids: StringColumn
+    label_texts: StringColumn
     values: sp.csr_matrix | None
     fusion: ScoreFusion | None = None
     key_terms: KeyTerms | None = None  # the keys' term vectors, for a lexical fusion
+    uid_lookup: UidLookup | None = None  # uid → label id (None: made from label_uids)
 
     @property
     def bundle_id(self) -> str:
@@ -106,8 +109,15 @@ def verify_checksums(path: Path, manifest: Manifest, names: list[str] | None = N
             raise BundleError(f"{path}: checksum mismatch for {name} (manifest {expected[:12]}…, file {actual[:12]}…)")
 
 
-def read_labels(path: Path, manifest: Manifest) -> tuple[list[str], list[str]]:
-    """Label uids and texts, as many as the manifest counts."""
+def read_labels(path: Path, manifest: Manifest) -> tuple[StringColumn, StringColumn, UidLookup]:
+    """Label uids and texts, as many as the manifest counts, and the uid → id lookup: the
+    bundle's memory-mapped label arrays, checked (:mod:`service.engine.labels`), or ``labels.jsonl``
+    read into the same arrays."""
+    if manifest.labels_format == "arrays":
+        try:
+            return load_label_arrays(path, manifest.counts.labels)
+        except LabelsRefused as exc:
+            raise BundleError(f"{path}: label arrays refused: {exc}") from None
     uids, texts = [], []
     with open(path / LABELS_FILE, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):
@@ -119,7 +129,8 @@ def read_labels(path: Path, manifest: Manifest) -> tuple[list[str], list[str]]:
                 raise BundleError(f"{path / LABELS_FILE}:{lineno}: bad label line ({exc})") from None
     if len(uids) != manifest.counts.labels:
         raise BundleError(f"{path}: {len(uids)} labels in {LABELS_FILE}, manifest says {manifest.counts.labels}")
-    return uids, texts
+    uid_column = StringColumn.of(uids)
+    return uid_column, StringColumn.of(texts), UidLookup.of(uid_column)
 
 
 # hnswlib's saveIndex header (hnswalg.h): offsetLevel0, max_elements, cur_element_count,
@@ -444,14 +455,14 @@ def load_encoder(
     return _refusing(path, load)
 
 
-def load_labels(path: Path | str, verify: bool = True) -> tuple[Manifest, list[str], list[str]]:
-    """The manifest and the label uids and texts (line number = label id)."""
+def load_labels(path: Path | str, verify: bool = True) -> tuple[Manifest, StringColumn, StringColumn]:
+    """The manifest and the label uids and texts (index = label id)."""
 
-    def load(path: Path) -> tuple[Manifest, list[str], list[str]]:
+    def load(path: Path) -> tuple[Manifest, StringColumn, StringColumn]:
         manifest = read_manifest(path)
         if verify:
-            verify_checksums(path, manifest, [LABELS_FILE])
-        uids, texts = read_labels(path, manifest)
+            verify_checksums(path, manifest, label_files(manifest.labels_format))
+        uids, texts, _ = read_labels(path, manifest)
         if manifest.index_kind == "rae_memory":
             check_rae_counts(path, manifest)
         return manifest, uids, texts
@@ -489,7 +500,7 @@ def _load_bundle(path: Path, options: EncoderOptions | None, verify: bool) -> Bu
     manifest = read_manifest(path)
     if verify:
         verify_checksums(path, manifest)
-    label_uids, label_texts = read_labels(path, manifest)
+    label_uids, label_texts, uid_lookup = read_labels(path, manifest)
     index = load_index(path, manifest)
     values = load_values(path, manifest)
     fusion = load_fusion(path, manifest, verify=False)  # its checksum is among those verified above
@@ -510,6 +521,7 @@ def _load_bundle(path: Path, options: EncoderOptions | None, verify: bool) -> Bu
         index=index,
         label_uids=label_uids,
         label_texts=label_texts,
+        uid_lookup=uid_lookup,
         values=values,
         fusion=fusion,
         key_terms=key_terms,

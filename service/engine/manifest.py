@@ -6,7 +6,9 @@ immutable directory::
     manifest.json    this schema
     encoder.onnx     input_ids, attention_mask [batch, seq] int64 -> embedding [batch, dim] float32
     tokenizer.json   HF tokenizers file (truncation set, padding to the batch's longest)
-    labels.jsonl     one {"uid", "text"} per line; line number = label id
+    labels.jsonl     one {"uid", "text"} per line; line number = label id; or, ``labels_format``
+    label-*.npy      arrays, the uids and texts as memory-mapped UTF-8 bytes + offsets and a
+                     sorted uid hash array for uid → id (service.engine.labels)
     index.hnsw       hnswlib index over the keys (labels, or instances + labels for RAE)
     index.faiss      instead of index.hnsw in a compressed bundle (``ann`` ivfpq): a faiss IVF
     rerank.npy       index of 4-bit PQ fast-scan codes, and the keys as float16 (keys x dim), from
@@ -43,6 +45,16 @@ MANIFEST_FILE = "manifest.json"
 ENCODER_FILE = "encoder.onnx"
 TOKENIZER_FILE = "tokenizer.json"
 LABELS_FILE = "labels.jsonl"
+# labels_format arrays, instead of labels.jsonl: uid bytes, uid offsets, text bytes, text offsets,
+# sorted uid hashes, the label id of each sorted hash (service.engine.labels)
+LABEL_ARRAY_FILES = (
+    "label-uids.npy",
+    "label-uid-offsets.npy",
+    "label-texts.npy",
+    "label-text-offsets.npy",
+    "label-uid-hashes.npy",
+    "label-uid-order.npy",
+)
 INDEX_FILE = "index.hnsw"
 IVF_INDEX_FILE = "index.faiss"
 RERANK_FILE = "rerank.npy"
@@ -52,6 +64,9 @@ FUSION_MODEL_FILE = "fusion.onnx"
 LEXICAL_FILE = "lexical.npz"
 
 IndexKind = Literal["labels", "rae_memory"]
+# how the labels are stored: labels.jsonl, read into arrays at load; or those arrays themselves,
+# memory-mapped (LABEL_ARRAY_FILES): no parsing at start, no Python object per label
+LabelsFormat = Literal["jsonl", "arrays"]
 # how the keys are searched: an hnswlib graph over float32 vectors, or compressed (faiss IVF-PQ
 # fast-scan codes, the candidates re-ranked exactly from float16 vectors)
 AnnKind = Literal["hnswlib", "ivfpq"]
@@ -188,6 +203,7 @@ class Manifest(_Strict):
     tokenizer: TokenizerInfo
     dim: int = Field(gt=0)
     index_kind: IndexKind
+    labels_format: LabelsFormat = Field("jsonl", description="labels.jsonl, or memory-mapped label arrays")
     ann: AnnKind = Field("hnswlib", description="how the keys are searched: hnswlib | ivfpq (compressed)")
     hnsw: HnswParams = Field(description="hnswlib's parameters; for ivfpq only ef_search, the re-rank depth, counts")
     ivfpq: IvfPqParams | None = Field(None, description="the compressed index's parameters (``ann`` ivfpq)")
@@ -292,13 +308,18 @@ def shard_list(manifest: Manifest) -> list[Shard]:
 
 
 def required_files(manifest: Manifest) -> list[str]:
-    files = [ENCODER_FILE, TOKENIZER_FILE, LABELS_FILE]
+    files = [ENCODER_FILE, TOKENIZER_FILE, *label_files(manifest.labels_format)]
     for shard in shard_list(manifest):
         files += [name for name in (shard.index, shard.values, shard.rerank) if name]
     if manifest.fusion is not None:
         fusion = manifest.fusion
         files += [fusion.file, *([fusion.model] if fusion.model else []), *(fusion.lexical or [])]
     return files
+
+
+def label_files(labels_format: LabelsFormat) -> list[str]:
+    """The files that hold a bundle's labels."""
+    return [LABELS_FILE] if labels_format == "jsonl" else list(LABEL_ARRAY_FILES)
 
 
 def shard_file_names(ann: AnnKind, shards: int, i: int) -> tuple[str, str | None]:

@@ -32,9 +32,9 @@ def queries(sample_dir):
 
 @pytest.fixture(scope="module")
 def compressed_rae(sample_train, distilbert_dir, tmp_path_factory):
-    """The tiny_rae_bundle's inputs with the compressed index."""
+    """The tiny_rae_bundle's inputs with the compressed index, and its labels as arrays."""
     out = tmp_path_factory.mktemp("ivfpq") / "rae"
-    params = ExportParams(**COMPRESSED, max_train=300, rae_top_b=50)
+    params = ExportParams(**COMPRESSED, max_train=300, rae_top_b=50, labels_format="arrays")
     build_bundle(out, sample_train.labels, sample_train, distilbert_dir, params)
     return out
 
@@ -54,6 +54,12 @@ def test_an_rae_memory_with_the_compressed_index_answers_as_the_hnswlib_one(comp
     assert {IVF_INDEX_FILE, RERANK_FILE} <= set(manifest.files) and "index.hnsw" not in manifest.files
     assert isinstance(compressed.bundle.index, IvfPqIndex)
     assert manifest.counts.memory_rows == graph.bundle.manifest.counts.memory_rows  # the instance keys too
+    # the label arrays hold what labels.jsonl holds: the same uids, texts and uid → id
+    assert manifest.labels_format == "arrays" and "labels.jsonl" not in manifest.files
+    assert compressed.bundle.label_uids == graph.bundle.label_uids
+    assert compressed.bundle.label_texts == graph.bundle.label_texts
+    some = [graph.bundle.label_uids[i] for i in (0, 17, len(graph.bundle.label_uids) - 1)]
+    assert compressed.view.label_ids(some) == graph.view.label_ids(some) == {0, 17, len(graph.bundle.label_uids) - 1}
     # the labels served are those of exact search over the same keys, aggregated alike
     vectors, _ = compressed.bundle.encoder.encode(queries)
     served = [r.ids.tolist() for r in compressed.search(vectors, 10).rankings]
@@ -94,11 +100,13 @@ def test_appends_go_into_the_compressed_index_and_compaction_rebuilds_it(compres
 
     manifest = compact_bundle(tmp_path / "source", tmp_path / "compacted", appends_dir=appends)
     assert manifest.ann == "ivfpq" and manifest.ivfpq == live.bundle.manifest.ivfpq
+    assert manifest.labels_format == "arrays"
     assert manifest.counts.memory_rows == keys_before + 2
     compacted = load_predictor(tmp_path / "compacted", appends_dir=appends)
     assert compacted.bundle.index.get_current_count() == keys_before + 2  # in the trained index, not appended
     assert compacted.bundle.index.added == 0
     assert compacted.predict([text], 5).rankings[0].ids[0] == label
+    assert compacted.view.label_id("zebra-stripes") == label and compacted.bundle.label_texts[label] == text
 
 
 def resign(path, name):
