@@ -152,3 +152,19 @@ def test_ivfpq_parameters_are_checked_before_the_build():
         ExportParams(index="ivfpq", dim=16, pq_m=6)
     with pytest.raises(ValueError, match="even"):
         ExportParams(index="ivfpq", dim=15, pq_m=5)
+
+
+def test_reindex_gives_the_same_bundle_with_the_compressed_index(tiny_rae_bundle, tmp_path, queries):
+    from export.reindex import reindex_bundle
+
+    manifest = reindex_bundle(tiny_rae_bundle, tmp_path / "ivfpq", ExportParams(index="ivfpq", pq_m=8, ivf_nprobe=64))
+    source = load_predictor(tiny_rae_bundle)
+    assert manifest.ann == "ivfpq" and manifest.params["reindexed_from"] == source.bundle.bundle_id
+    assert manifest.files["encoder.onnx"] == source.bundle.manifest.files["encoder.onnx"]
+    assert manifest.files["values.npz"] == source.bundle.manifest.files["values.npz"]
+    reindexed = load_predictor(tmp_path / "ivfpq")
+    keys = source.bundle.index.get_items(np.arange(manifest.counts.memory_rows))
+    np.testing.assert_allclose(reindexed.bundle.index.get_items(np.arange(len(keys))), keys, atol=1e-3)
+    vectors, _ = reindexed.bundle.encoder.encode(queries)
+    served = [r.ids.tolist() for r in reindexed.search(vectors, 10).rankings]
+    assert recall_at_k(exact_top_k(reindexed.bundle, vectors, 10), served) >= 0.99
