@@ -159,3 +159,28 @@ def test_an_index_of_other_parameters_than_the_manifests_is_refused(built):
         IvfPqIndex.load(out / "index.faiss", out / "rerank.npy", DIM, params.model_copy(update={"pq_m": 8}), 0, KEYS, 5)
     with pytest.raises(IndexRefused, match="not the shard's keys"):
         IvfPqIndex.load(out / "index.faiss", out / "rerank.npy", DIM, params, 0, KEYS - 1, 5)
+
+
+def test_keys_with_equal_vectors_come_in_key_order():
+    """Identical keys (an instance whose text is a label's) tie exactly: the smaller key id first,
+    whether the candidates are few (sorted whole) or many (partitioned first)."""
+    from service.engine.ivfpq import best_first
+
+    sims = np.array([[0.5, 0.9, 0.9, 0.1, 0.9, 0.2] * 10], dtype=np.float32)
+    keys = np.arange(60)[::-1].reshape(1, 60).copy()
+    for k in (3, 5, 25):
+        order = best_first(keys, sims, k)
+        expected = np.lexsort((keys[0], -sims[0]))[:k]
+        np.testing.assert_array_equal(order[0], expected)
+
+
+def test_a_shard_gives_an_empty_value_row_where_it_found_no_key():
+    import scipy.sparse as sp
+
+    from service.engine.manifest import Shard
+    from service.engine.shards import ShardSearcher
+
+    values = sp.csr_matrix(np.arange(1, 13, dtype=np.float32).reshape(4, 3))
+    searcher = ShardSearcher(None, values, Shard(index="i", values="v", rerank="r", first_key=10, keys=4))
+    rows = searcher.value_rows(np.array([[13, -1], [10, 11]]))
+    np.testing.assert_array_equal(rows.toarray(), [[10, 11, 12], [0, 0, 0], [1, 2, 3], [4, 5, 6]])
