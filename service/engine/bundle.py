@@ -455,17 +455,18 @@ def load_encoder(
     return _refusing(path, load)
 
 
-def load_labels(path: Path | str, verify: bool = True) -> tuple[Manifest, StringColumn, StringColumn]:
-    """The manifest and the label uids and texts (index = label id)."""
+def load_labels(path: Path | str, verify: bool = True) -> tuple[Manifest, StringColumn, StringColumn, UidLookup]:
+    """The manifest, the label uids and texts (index = label id) and the uid → id lookup (the
+    bundle's own for label arrays: made at 10^8 labels, it would cost minutes and gigabytes)."""
 
-    def load(path: Path) -> tuple[Manifest, StringColumn, StringColumn]:
+    def load(path: Path) -> tuple[Manifest, StringColumn, StringColumn, UidLookup]:
         manifest = read_manifest(path)
         if verify:
             verify_checksums(path, manifest, label_files(manifest.labels_format))
-        uids, texts, _ = read_labels(path, manifest)
+        uids, texts, lookup = read_labels(path, manifest)
         if manifest.index_kind == "rae_memory":
             check_rae_counts(path, manifest)
-        return manifest, uids, texts
+        return manifest, uids, texts, lookup
 
     return _refusing(path, load)
 
