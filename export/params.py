@@ -54,7 +54,7 @@ class ExportParams:
             bytes a key and minutes to build at 10^7 keys (bench/results/ann-compressed.json)
             (default: hnswlib)
         ivf_nlist: ivfpq cells; 0 = the power of two at or below min(4·sqrt(keys), keys / 39) (default: 0)
-        ivf_nprobe: ivfpq cells scanned per query (default: 64)
+        ivf_nprobe: ivfpq cells scanned per query (default: 128)
         pq_m: ivfpq PQ sub-quantizers of 4 bits, an even divisor of dim: pq_m / 2 bytes of code a key (default: 32)
         hnsw_m: HNSW graph degree M (default: 32)
         ef_construction: HNSW build breadth (default: 200)
@@ -102,7 +102,7 @@ class ExportParams:
     labels_format: LabelsFormat = "jsonl"
     index: AnnKind = "hnswlib"
     ivf_nlist: int = 0
-    ivf_nprobe: int = 64
+    ivf_nprobe: int = 128
     pq_m: int = 32
     hnsw_m: int = 32
     ef_construction: int = 200
