@@ -108,8 +108,10 @@ bench-ann-compressed:
 	$(MAKE) EXTRAS=cpu,train,dev,bench install bundle
 	$(PY) -m bench.ann_compressed --real-bundle $(REAL_BUNDLE) --real-data $(REAL_DATA)
 
-# Ten million labels end to end: generate, build (--index ivfpq, label arrays), serve over HTTP with
-# appends, recall against brute force (bench/results/ten-million.json; scratch in /tmp/xmcserve-ten-million).
+# Ten million labels end to end: label keys drawn around the sample's label vectors (no 10^7 texts
+# encoded; --vectors encoder generates and encodes them, hours here), build (--index ivfpq, label
+# arrays), serve over HTTP with appends, recall against brute force (bench/results/ten-million.json;
+# scratch in /tmp/xmcserve-ten-million).
 bench-ten-million:
 	$(MAKE) EXTRAS=cpu,train,dev,bench install
 	$(PY) -m bench.ten_million

@@ -268,7 +268,7 @@ def synthetic_path(args, work: Path, bundle: Path, logs: Path, py: str) -> tuple
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--labels", type=int, default=10_000_000, help="labels of the synthetic data set")
-    parser.add_argument("--vectors", choices=["encoder", "synthetic"], default="encoder", help=VECTORS_HELP)
+    parser.add_argument("--vectors", choices=["encoder", "synthetic"], default="synthetic", help=VECTORS_HELP)
     parser.add_argument("--trn", type=int, default=20_000, help="trn instances (a label index uses none)")
     parser.add_argument("--tst", type=int, default=2_000, help="held-out instances: their titles are the queries")
     parser.add_argument("--queries", type=int, default=1000, help="single-text /predict calls timed and checked")
