@@ -1,10 +1,15 @@
-"""Ten million labels end to end on this machine: generate → build (compressed index, label
+"""Ten million labels end to end on this machine: label keys → build (compressed index, label
 arrays) → serve over HTTP → measure, against the targets of issue 42.
 
-    python -m bench.ten_million [--labels 10000000] [--work /tmp/xmcserve-ten-million]
-        [--out bench/results/ten-million.json]
+    python -m bench.ten_million [--vectors synthetic|encoder] [--labels 10000000]
+        [--work /tmp/xmcserve-ten-million] [--out bench/results/ten-million.json]
 
-* **generate**: ``data/make_synthetic.py`` (Debian-Related's shape, as ``bench.million_e2e``),
+Where the 10^7 label vectors come from (``--vectors``): encoding 10^7 texts takes hours on these 2
+cores even with the cheapest encoder (below), so by default (``synthetic``) they are drawn around
+real encoded vectors and only the queries and appends go through the encoder; ``encoder`` runs
+the whole path (generate the data set, encode every label) for a machine that has the time.
+
+* **generate** (``encoder``): ``data/make_synthetic.py`` (Debian-Related's shape, as ``bench.million_e2e``),
   ``--labels`` labels and a small trn split (a label index needs no memory instances).
 * **encoder**: a BERT of ``--layers`` layers (default 0: token, position and type embeddings,
   layer norm, mean pooling), 64 wide, random weights, the MiniLM tokenizer, and a PCA head fitted
@@ -13,15 +18,15 @@ arrays) → serve over HTTP → measure, against the targets of issue 42.
   served encoder gives the same texts, so the cheapest encoder the export path takes is used
   (on 20,000 titles beside other work: 4,441 texts/s with 0 layers, 2,243 with 1). Quality (P@k)
   is not measured: a random encoder has none to report.
-* **build**: ``export.build --index-kind labels --index ivfpq --labels-format arrays``, on every core.
-  With ``--vectors synthetic`` instead: the label keys are drawn from bench.ann_scale's mixture
+* **build** (``encoder``): ``export.build --index-kind labels --index ivfpq --labels-format
+  arrays``, on every core. With ``--vectors synthetic`` instead: the label keys are drawn from bench.ann_scale's mixture
   (heavy-tailed clusters, spread 0.55) around the vectors of the sample's 12,078 label texts as the
   tiny encoder (exported on the sample) encodes them, the labels are ``synthetic-<i>``, and the
   bundle is written as ``bench.shard_replica`` writes a shard (label arrays, IVF-PQ); no label
   text of the 10^7 is encoded, so the build is the index's and the arrays' alone. The queries are
   the sample's dev texts, encoded by the server: they land among the keys as on real data.
 * **serve**: ``python -m service.http`` on the bundle: seconds to ready, resident memory, the
-  latency of single-text ``/predict`` calls one at a time (the query texts: tst titles), then the
+  latency of single-text ``/predict`` calls one at a time (the query texts: tst or dev titles), then the
   same while ``/admin/append`` adds labels from another thread (the live memory on the compressed
   index: no rebuild), and whether each appended label is then found by its own text.
 * **recall**: the served top-10 against exact search (faiss ``IndexFlatIP``, brute force) over the
