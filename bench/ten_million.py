@@ -29,8 +29,12 @@ the whole path (generate the data set, encode every label) for a machine that ha
   latency of single-text ``/predict`` calls one at a time (the query texts: tst or dev titles), then the
   same while ``/admin/append`` adds labels from another thread (the live memory on the compressed
   index: no rebuild), and whether each appended label is then found by its own text.
+* **nprobe**: before serving, the index is searched in process at each of ``--nprobes`` cells
+  scanned; the served bundle is the built one with the smallest reaching recall@10 0.99 (its
+  files linked, only the manifest's ``nprobe`` set: ``export.reindex.retune_bundle``).
 * **recall**: the served top-10 against exact search (faiss ``IndexFlatIP``, brute force) over the
-  bundle's stored keys for the same query texts, encoded here by the bundle's encoder.
+  bundle's stored keys for the same query texts, encoded here by the bundle's encoder; a label
+  counts when its exact similarity reaches the 10th (ties, bench.recall).
 
 Each stage's peak RSS is the kernel's (``wait4``; the server's from ``/proc``).
 """
@@ -45,6 +49,7 @@ import shutil
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -178,34 +183,66 @@ def serve_stage(bundle: Path, queries: list[str], log_dir: Path, append_batches:
     }
 
 
-def exact_recall(bundle: Path, queries: list[str], served: list[list[int]]) -> dict:
-    """Recall@10 of the served ids against brute force over the bundle's stored keys."""
+@dataclass
+class Exact:
+    """Exact search (faiss brute force) over the bundle's stored keys for the query texts."""
+
+    vectors: np.ndarray
+    stored: np.ndarray
+    sims: np.ndarray
+    ids: np.ndarray
+    seconds: float
+
+    def recall(self, found: np.ndarray) -> dict:
+        """Recall@10 of ``found`` (nq x 10 ids, −1: none): ties counted (bench.recall), and the
+        plain overlap with exact search's ids."""
+        overlap = np.mean([len(set(f.tolist()) & set(t.tolist())) / 10 for f, t in zip(found, self.ids, strict=True)])
+        return {
+            "recall_at_10": round(recall_with_ties(found, self.vectors, self.stored, self.sims[:, -1]), 4),
+            "recall_at_10_ids": round(float(overlap), 4),
+        }
+
+
+def exact_search(bundle: Path, queries: list[str]) -> Exact:
     import faiss
 
-    from service.engine.bundle import load_encoder, read_manifest
+    from service.engine.bundle import load_encoder
 
-    manifest = read_manifest(bundle)
     _, encoder = load_encoder(bundle)
     vectors = np.concatenate([encoder.encode(queries[i : i + 64])[0] for i in range(0, len(queries), 64)])
-    flat = faiss.IndexFlatIP(manifest.dim)
-    stored = np.load(bundle / manifest.shards[0].rerank if manifest.shards else bundle / "rerank.npy", mmap_mode="r")
+    stored = np.load(bundle / "rerank.npy", mmap_mode="r")
+    flat = faiss.IndexFlatIP(stored.shape[1])
     step = 1 << 20
     for start in range(0, len(stored), step):  # float16 → float32 a block at a time
         flat.add(np.asarray(stored[start : start + step], dtype=np.float32))
     started = time.perf_counter()
-    sims, truth = flat.search(vectors, 10)
-    seconds = time.perf_counter() - started
-    found = np.full((len(served), 10), -1, dtype=np.int64)
-    for row, ids in enumerate(served):
-        found[row, : len(ids)] = ids
-    overlap = np.mean([len(set(s) & set(t.tolist())) / 10 for s, t in zip(served, truth, strict=True)])
-    return {
-        "queries": len(queries),
-        # a served label counts when its exact similarity reaches the 10th (ties: bench.recall)
-        "recall_at_10": round(recall_with_ties(found, vectors, stored, sims[:, -1]), 4),
-        "recall_at_10_ids": round(float(overlap), 4),
-        "exact_search_s": round(seconds, 1),
-    }
+    sims, ids = flat.search(vectors, 10)
+    return Exact(vectors, stored, sims, ids, round(time.perf_counter() - started, 1))
+
+
+def tune_nprobe(bundle: Path, exact: Exact, nprobes: list[int], target: float) -> tuple[int, dict]:
+    """Recall and search time of the bundle's index at each ``nprobe`` (in process, one thread,
+    the neighbours a /predict of k 10 fetches at the default ef); the smallest reaching ``target``
+    (else the best)."""
+    from service.engine.bundle import load_shard_index, read_manifest
+    from service.engine.manifest import shard_list
+    from service.engine.memory import fetch_and_ef
+
+    manifest = read_manifest(bundle)
+    index = load_shard_index(bundle, manifest, shard_list(manifest)[0])
+    fetch, ef = fetch_and_ef(10, manifest.hnsw.ef_search, manifest.counts.memory_rows)
+    index.set_ef(ef)
+    rows = {}
+    for nprobe in nprobes:
+        index.nprobe = nprobe
+        started = time.perf_counter()
+        found = np.concatenate([index.knn_query(v[None, :], fetch)[0][:, :10] for v in exact.vectors])
+        ms = 1000 * (time.perf_counter() - started) / len(exact.vectors)
+        rows[str(nprobe)] = {**exact.recall(found), "search_ms_per_query": round(ms, 3)}
+        print("nprobe", nprobe, rows[str(nprobe)], flush=True)
+    reaching = [n for n in nprobes if rows[str(n)]["recall_at_10"] >= target]
+    chosen = reaching[0] if reaching else max(nprobes, key=lambda n: rows[str(n)]["recall_at_10"])
+    return chosen, rows
 
 
 def check_targets(measured: dict) -> dict:
@@ -278,6 +315,12 @@ def main() -> None:
     parser.add_argument("--tst", type=int, default=2_000, help="held-out instances: their titles are the queries")
     parser.add_argument("--queries", type=int, default=1000, help="single-text /predict calls timed and checked")
     parser.add_argument("--layers", type=int, default=0, help="transformer layers of the random 64-wide encoder")
+    parser.add_argument(
+        "--nprobes",
+        default="128,256,512,1024",
+        help="IVF cells scanned, tried in process; the served bundle gets "
+        "the smallest whose recall@10 reaches the target (its files linked, the manifest's nprobe set)",
+    )
     parser.add_argument("--append-batches", type=int, default=20, help="/admin/append calls while /predict runs")
     parser.add_argument("--append-size", type=int, default=50, help="new labels per append call")
     parser.add_argument("--work", type=Path, default=Path("/tmp/xmcserve-ten-million"), help="scratch directory")
@@ -292,10 +335,21 @@ def main() -> None:
         stages, queries, shape = encoder_path(args, work, data, bundle, logs, py)
     else:
         stages, queries, shape = synthetic_path(args, work, bundle, logs, py)
-    manifest = json.loads((bundle / "manifest.json").read_text())
-    serve = serve_stage(bundle, queries, logs, args.append_batches, args.append_size)
+    exact = exact_search(bundle, queries)
+    nprobes = [int(n) for n in args.nprobes.split(",")]
+    nprobe, sweep = tune_nprobe(bundle, exact, nprobes, TARGETS["recall_at_10"][1])
+    from export.reindex import retune_bundle
+
+    served_bundle = work / "bundle-served"
+    retune_bundle(bundle, served_bundle, nprobe=nprobe)  # the files linked, the manifest's nprobe chosen
+    manifest = json.loads((served_bundle / "manifest.json").read_text())
+    serve = serve_stage(served_bundle, queries, logs, args.append_batches, args.append_size)
     served = serve.pop("_served")
-    recall = exact_recall(bundle, queries, served)
+    found = np.full((len(served), 10), -1, dtype=np.int64)
+    for row, ids in enumerate(served):
+        found[row, : len(ids)] = ids
+    recall = {"queries": len(queries), **exact.recall(found), "exact_search_s": exact.seconds}
+    bundle = served_bundle
     labels = manifest["counts"]["labels"]
     index_files = {name for name in manifest["files"] if name.endswith(".faiss") or name.startswith("rerank")}
     index_bytes = sum((bundle / name).stat().st_size for name in index_files)
@@ -327,6 +381,7 @@ def main() -> None:
             "encode_texts_per_s": manifest["params"].get("encode_texts_per_s"),
             "build_seconds": manifest["params"].get("build_seconds"),
         },
+        "nprobe_sweep": {"chosen": nprobe, "by_nprobe": sweep},
         "serve": serve,
         "recall": recall,
     }

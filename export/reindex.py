@@ -77,6 +77,28 @@ def reindex_bundle(source: Path, out: Path, params: ExportParams, force: bool = 
     return write_bundle(out, populate, force)
 
 
+def retune_bundle(source: Path, out: Path, nprobe: int | None = None, ef_search: int | None = None) -> Manifest:
+    """``source`` (an ivfpq bundle) scanning ``nprobe`` cells and re-ranking ``ef_search``
+    candidates by default: every file linked, only the manifest's search parameters new (the
+    index does not depend on them)."""
+    source = Path(source).resolve()
+    src = read_manifest(source)
+    if src.ivfpq is None:
+        raise ValueError(f"{source}: not an ivfpq bundle")
+
+    def populate(stage: Path) -> dict:
+        for name in src.files:
+            link_or_copy(source / name, stage / name)
+        return src.model_dump(exclude={"bundle_id", "files"}) | {
+            "created_at": utc_now(),
+            "ivfpq": src.ivfpq.model_copy(update={"nprobe": nprobe or src.ivfpq.nprobe}),
+            "hnsw": src.hnsw.model_copy(update={"ef_search": ef_search or src.hnsw.ef_search}),
+            "params": {**src.params, "retuned_from": src.bundle_id},
+        }
+
+    return write_bundle(out, populate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m export.reindex", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -242,7 +242,8 @@ class IvfPqIndex:
         queries = np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1, self.dim)
         depth = max(self.ef, k) + len(self._hidden)
         with threads(num_threads):
-            _, candidates = self.index.search(queries, depth, params=faiss.SearchParametersIVF(nprobe=self.nprobe))
+            nprobe = min(self.nprobe, self.index.nlist)
+            _, candidates = self.index.search(queries, depth, params=faiss.SearchParametersIVF(nprobe=nprobe))
         return self.rerank(queries, candidates, k)
 
     def rerank(self, queries: np.ndarray, candidates: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -168,3 +168,14 @@ def test_reindex_gives_the_same_bundle_with_the_compressed_index(tiny_rae_bundle
     vectors, _ = reindexed.bundle.encoder.encode(queries)
     served = [r.ids.tolist() for r in reindexed.search(vectors, 10).rankings]
     assert recall_at_k(exact_top_k(reindexed.bundle, vectors, 10), served) >= 0.99
+
+
+def test_retune_changes_only_the_search_parameters(compressed_labels, tmp_path):
+    from export.reindex import retune_bundle
+
+    source = load_predictor(compressed_labels).bundle.manifest
+    manifest = retune_bundle(compressed_labels, tmp_path / "retuned", nprobe=3, ef_search=50)
+    assert manifest.files == source.files and manifest.bundle_id == source.bundle_id  # the same content
+    assert (manifest.ivfpq.nprobe, manifest.hnsw.ef_search) == (3, 50)
+    retuned = load_predictor(tmp_path / "retuned")
+    assert [shard.nprobe for shard in retuned.bundle.index.shards] == [3, 3]
