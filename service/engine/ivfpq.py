@@ -71,42 +71,51 @@ def lists_offset(dim: int, nlist: int, pq_m: int) -> int:
 
 
 def check_index_file(file: Path, dim: int, nlist: int, pq_m: int, first_key: int, keys: int) -> None:
-    """The written index's inverted lists, before faiss reads them (see the module docstring)."""
-    data = np.fromfile(file, dtype=np.uint8)
+    """The written index's inverted lists, before faiss reads them (see the module docstring).
+    Read through the file, a list at a time, not into memory: at 10^7 keys a copy of the file
+    would be a quarter of a gigabyte of the server's peak memory."""
+    size = file.stat().st_size
     offset = lists_offset(dim, nlist, pq_m)
-    if len(data) < offset + _LISTS_HEADER.size:
-        raise IndexRefused(f"{len(data)} bytes, shorter than an IVF{nlist},PQ{pq_m}x4fs index's header")
-    tag, lists, code_size, per_block, block_size = _LISTS_HEADER.unpack_from(data, offset)
-    expected = (b"ilbl", nlist, _NO_CODE_SIZE, FAST_SCAN_BLOCK, FAST_SCAN_BLOCK * pq_m // 2)
-    if (tag, lists, code_size, per_block, block_size) != expected:
+    if size < offset + _LISTS_HEADER.size:
+        raise IndexRefused(f"{size} bytes, shorter than an IVF{nlist},PQ{pq_m}x4fs index's header")
+    seen = np.zeros(keys, dtype=bool)
+    with open(file, "rb") as fh:
+        fh.seek(offset)
+        tag, lists, code_size, per_block, block_size = _LISTS_HEADER.unpack(fh.read(_LISTS_HEADER.size))
+        expected = (b"ilbl", nlist, _NO_CODE_SIZE, FAST_SCAN_BLOCK, FAST_SCAN_BLOCK * pq_m // 2)
+        if (tag, lists, code_size, per_block, block_size) != expected:
+            raise IndexRefused(
+                f"inverted lists {tag!r} of {lists} lists in blocks of {per_block} keys ({block_size} bytes): "
+                f"not the fast-scan lists of IVF{nlist},PQ{pq_m}x4fs"
+            )
+        offset += _LISTS_HEADER.size
+        for number in range(nlist):
+            if offset + _COUNT.size > size:
+                raise IndexRefused(f"the file ends inside list {number}")
+            (count,) = _COUNT.unpack(fh.read(_COUNT.size))
+            offset += _COUNT.size
+            if count > keys or offset + 8 * count + _COUNT.size > size:
+                raise IndexRefused(f"list {number} declares {count} ids, beyond the file or the shard's {keys} keys")
+            ids = np.frombuffer(fh.read(8 * count), dtype=np.int64)
+            offset += 8 * count
+            if count and (ids.min() < 0 or ids.max() >= keys or seen[ids].any() or len(np.unique(ids)) != count):
+                raise IndexRefused(f"list {number}: its ids are not the shard's keys 0..{keys - 1}, once each")
+            seen[ids] = True
+            (code_bytes,) = _COUNT.unpack(fh.read(_COUNT.size))
+            offset += _COUNT.size
+            blocks = -(-count // per_block)
+            if code_bytes != blocks * block_size or offset + code_bytes > size:
+                raise IndexRefused(
+                    f"list {number} holds {code_bytes} bytes of codes for {count} keys, not {blocks} blocks"
+                )
+            offset += code_bytes
+            fh.seek(offset)
+    if offset != size:
+        raise IndexRefused(f"{size - offset} bytes after the last inverted list")
+    if not seen.all():
         raise IndexRefused(
-            f"inverted lists {tag!r} of {lists} lists in blocks of {per_block} keys ({block_size} bytes): "
-            f"not the fast-scan lists of IVF{nlist},PQ{pq_m}x4fs"
+            f"its ids are not the shard's keys 0..{keys - 1} (key {first_key} onwards): some are missing"
         )
-    offset += _LISTS_HEADER.size
-    ids = []
-    for number in range(nlist):
-        if offset + _COUNT.size > len(data):
-            raise IndexRefused(f"the file ends inside list {number}")
-        (count,) = _COUNT.unpack_from(data, offset)
-        offset += _COUNT.size
-        if count > keys or offset + 8 * count > len(data):
-            raise IndexRefused(f"list {number} declares {count} ids, beyond the file or the shard's {keys} keys")
-        ids.append(data[offset : offset + 8 * count])
-        offset += 8 * count
-        if offset + _COUNT.size > len(data):
-            raise IndexRefused(f"the file ends inside list {number}")
-        (code_bytes,) = _COUNT.unpack_from(data, offset)
-        offset += _COUNT.size
-        blocks = -(-count // per_block)
-        if code_bytes != blocks * block_size or offset + code_bytes > len(data):
-            raise IndexRefused(f"list {number} holds {code_bytes} bytes of codes for {count} keys, not {blocks} blocks")
-        offset += code_bytes
-    if offset != len(data):
-        raise IndexRefused(f"{len(data) - offset} bytes after the last inverted list")
-    stored = np.sort(np.concatenate(ids).view(np.int64)) if ids else np.zeros(0, np.int64)
-    if not np.array_equal(stored, np.arange(keys, dtype=np.int64)):
-        raise IndexRefused(f"its ids are not the shard's keys 0..{keys - 1} (key {first_key} onwards), once each")
 
 
 def check_loaded(index: faiss.Index, dim: int, nlist: int, pq_m: int, keys: int) -> None:
@@ -137,11 +146,26 @@ def load_rerank_vectors(file: Path, dim: int, keys: int) -> np.ndarray:
         raise IndexRefused(f"cannot read the re-rank vectors ({exc})") from None
     if vectors.dtype != np.float16 or vectors.shape != (keys, dim):
         raise IndexRefused(f"re-rank vectors {vectors.dtype} {vectors.shape}, expected float16 {(keys, dim)}")
-    step = 1 << 20
-    for start in range(0, keys, step):  # in blocks: the whole file as a boolean array would double it in memory
-        if not np.all(np.isfinite(vectors[start : start + step])):
+    # read through the file in blocks, not through the mapping: pages read by the mapping would
+    # stay in the server's resident memory, all of them, where queries touch only some
+    for block in file_blocks(vectors, 1 << 24):
+        if not np.all(np.isfinite(block)):
             raise IndexRefused("a re-rank vector is not finite")
     return vectors
+
+
+def file_blocks(mapped: np.memmap, items: int):
+    """The values of a memory-mapped 1- or 2-d ``.npy`` array, ``items`` scalars at a time, read
+    from its file (the page cache) rather than through the mapping."""
+    with open(mapped.filename, "rb") as fh:
+        fh.seek(mapped.offset)
+        left = mapped.size
+        while left:
+            block = np.fromfile(fh, dtype=mapped.dtype, count=min(items, left))
+            if not len(block):
+                raise IndexRefused(f"{mapped.filename}: shorter than its header says")
+            left -= len(block)
+            yield block
 
 
 class IvfPqIndex:

@@ -160,30 +160,56 @@ def load_label_arrays(directory: Path, labels: int) -> tuple[StringColumn, Strin
             raise LabelsRefused(f"{name}: {values.dtype} {values.shape}, expected {np.dtype(dtype)} of {length}")
         return values
 
+    # Checked through the files (the page cache), not the mappings: a page read through a mapping
+    # stays in the server's resident memory, and answers touch only the labels they return.
     columns = []
     for data_name, offsets_name in ((UIDS, UID_OFFSETS), (TEXTS, TEXT_OFFSETS)):
         data, offsets = array(data_name, np.uint8, None), array(offsets_name, np.int64, labels + 1)
-        if offsets[0] != 0 or offsets[-1] != len(data) or np.any(np.diff(offsets) < 0):
+        read = np.concatenate(list(file_blocks(offsets, BLOCK)))  # 8 bytes a label, freed after the checks
+        if read[0] != 0 or read[-1] != len(data) or np.any(read[1:] < read[:-1]):
             raise LabelsRefused(f"{offsets_name}: not {labels + 1} non-decreasing offsets from 0 to {len(data)}")
-        starts = offsets[:-1][np.diff(offsets) > 0]
-        if np.any((data[starts] & 0xC0) == 0x80):
-            raise LabelsRefused(f"{offsets_name}: an offset falls inside a UTF-8 character")
-        check_utf8(data, data_name)
+        starts = np.unique(read[:-1][read[1:] > read[:-1]])
+        del read
+        position, decoder = 0, codecs.getincrementaldecoder("utf-8")()
+        try:
+            for block in file_blocks(data, BLOCK):
+                inside = starts[np.searchsorted(starts, position) : np.searchsorted(starts, position + len(block))]
+                if np.any((block[inside - position] & 0xC0) == 0x80):
+                    raise LabelsRefused(f"{offsets_name}: an offset falls inside a UTF-8 character")
+                decoder.decode(block.tobytes())
+                position += len(block)
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError as exc:
+            raise LabelsRefused(f"{data_name}: not UTF-8 ({exc.reason})") from None
         columns.append(StringColumn(data, offsets))
     hashes, order = array(UID_HASHES, np.uint64, labels), array(UID_ORDER, np.int64, labels)
-    if np.any(hashes[1:] < hashes[:-1]):
-        raise LabelsRefused(f"{UID_HASHES}: not sorted")
-    if labels and (order.min() < 0 or order.max() >= labels or np.bincount(order, minlength=labels).max() != 1):
-        raise LabelsRefused(f"{UID_ORDER}: not a permutation of the label ids")
+    previous = None
+    for block in file_blocks(hashes, BLOCK):
+        if np.any(block[1:] < block[:-1]) or (previous is not None and len(block) and block[0] < previous):
+            raise LabelsRefused(f"{UID_HASHES}: not sorted")
+        previous = block[-1] if len(block) else previous
+    seen = np.zeros(labels, dtype=bool)
+    for block in file_blocks(order, BLOCK):
+        if len(block) and (
+            block.min() < 0 or block.max() >= labels or seen[block].any() or len(np.unique(block)) != len(block)
+        ):
+            raise LabelsRefused(f"{UID_ORDER}: not a permutation of the label ids")
+        seen[block] = True
     uids, texts = columns
     return uids, texts, UidLookup(uids, hashes, order)
 
 
-def check_utf8(data: np.ndarray, name: str, block: int = 1 << 24) -> None:
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    try:
-        for start in range(0, len(data), block):
-            decoder.decode(data[start : start + block].tobytes())
-        decoder.decode(b"", final=True)
-    except UnicodeDecodeError as exc:
-        raise LabelsRefused(f"{name}: not UTF-8 ({exc.reason})") from None
+BLOCK = 1 << 22  # values read at a time by the checks
+
+
+def file_blocks(mapped: np.memmap, items: int):
+    """A memory-mapped ``.npy`` array's values, ``items`` at a time, read from its file."""
+    with open(mapped.filename, "rb") as fh:
+        fh.seek(mapped.offset)
+        left = mapped.size
+        while left:
+            block = np.fromfile(fh, dtype=mapped.dtype, count=min(items, left))
+            if not len(block):
+                raise LabelsRefused(f"{Path(mapped.filename).name}: shorter than its header says")
+            left -= len(block)
+            yield block
