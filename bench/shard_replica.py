@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.ann_scale import clustered_vectors, draw
+from bench.ann_scale import DIM, draw
 from bench.recall import recall_with_ties
 from service.engine.manifest import ENCODER_FILE, TOKENIZER_FILE, Counts, HnswParams
 
@@ -39,7 +39,7 @@ def build(
 ) -> tuple[dict, np.ndarray, tuple]:
     """The shard's bundle at ``out``; returns its build report, the keys and the query model. The
     keys are bench.ann_scale's mixture, around ``centres`` (unit vectors) when given, random
-    centres otherwise."""
+    centres (40 labels a cluster, as its 10^6 set) otherwise."""
     from export.ivfpq import build_ivfpq
     from export.params import ExportParams
     from export.writer import write_bundle
@@ -47,12 +47,15 @@ def build(
     from service.engine.labels import write_label_arrays
 
     rng = np.random.default_rng(seed)
-    if centres is None:
-        vectors, model = clustered_vectors(labels, rng)
-    else:
-        weights = rng.lognormal(0.0, 1.0, len(centres))
-        model = (centres, weights / weights.sum(), SPREAD)
-        vectors = draw(*model[:2], labels, rng, SPREAD)
+    if centres is None:  # bench.ann_scale's random centres, 40 labels a cluster
+        centres = rng.standard_normal((max(1, labels // 40), DIM)).astype(np.float32)
+        centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    weights = rng.lognormal(0.0, 1.0, len(centres))
+    model = (centres, weights / weights.sum(), SPREAD)
+    vectors = np.empty((labels, centres.shape[1]), dtype=np.float32)
+    step = 1 << 20  # drawn a million at a time: at once, draw's float64 noise alone is 5 GB at 10^7
+    for start in range(0, labels, step):
+        vectors[start : start + step] = draw(*model[:2], min(step, labels - start), rng, SPREAD)
     source = read_manifest(encoder_bundle)
     params = ExportParams(index_kind="labels", index="ivfpq", labels_format="arrays", build_threads=threads)
     ivfpq = params.ivfpq(labels)
