@@ -168,7 +168,7 @@ def load_label_arrays(directory: Path, labels: int) -> tuple[StringColumn, Strin
         read = np.concatenate(list(file_blocks(offsets, BLOCK)))  # 8 bytes a label, freed after the checks
         if read[0] != 0 or read[-1] != len(data) or np.any(read[1:] < read[:-1]):
             raise LabelsRefused(f"{offsets_name}: not {labels + 1} non-decreasing offsets from 0 to {len(data)}")
-        starts = np.unique(read[:-1][read[1:] > read[:-1]])
+        starts = read[:-1][read[1:] > read[:-1]]  # sorted and distinct: the offsets never decrease
         del read
         position, decoder = 0, codecs.getincrementaldecoder("utf-8")()
         try:
@@ -188,13 +188,15 @@ def load_label_arrays(directory: Path, labels: int) -> tuple[StringColumn, Strin
         if np.any(block[1:] < block[:-1]) or (previous is not None and len(block) and block[0] < previous):
             raise LabelsRefused(f"{UID_HASHES}: not sorted")
         previous = block[-1] if len(block) else previous
-    seen = np.zeros(labels, dtype=bool)
+    # a permutation: every id in range and each marked once (np.unique hashed 10^7 ids for 56 s)
+    seen, marked = np.zeros(labels, dtype=bool), 0
     for block in file_blocks(order, BLOCK):
-        if len(block) and (
-            block.min() < 0 or block.max() >= labels or seen[block].any() or len(np.unique(block)) != len(block)
-        ):
+        if len(block) and (block.min() < 0 or block.max() >= labels):
             raise LabelsRefused(f"{UID_ORDER}: not a permutation of the label ids")
         seen[block] = True
+        if (now := int(np.count_nonzero(seen))) != marked + len(block):
+            raise LabelsRefused(f"{UID_ORDER}: not a permutation of the label ids")
+        marked = now
     uids, texts = columns
     return uids, texts, UidLookup(uids, hashes, order)
 
