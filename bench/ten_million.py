@@ -29,9 +29,10 @@ the whole path (generate the data set, encode every label) for a machine that ha
   latency of single-text ``/predict`` calls one at a time (the query texts: tst or dev titles), then the
   same while ``/admin/append`` adds labels from another thread (the live memory on the compressed
   index: no rebuild), and whether each appended label is then found by its own text.
-* **nprobe**: before serving, the index is searched in process at each of ``--nprobes`` cells
-  scanned; the served bundle is the built one with the smallest reaching recall@10 0.99 (its
-  files linked, only the manifest's ``nprobe`` set: ``export.reindex.retune_bundle``).
+* **search breadth**: before serving, the index is searched in process at each of ``--settings``
+  (cells scanned, candidates re-ranked); the served bundle is the built one with the first
+  reaching recall@10 0.99 (its files linked, only the manifest's ``nprobe`` and default ``ef``
+  set: ``export.reindex.retune_bundle``).
 * **recall**: the served top-10 against exact search (faiss ``IndexFlatIP``, brute force) over the
   bundle's stored keys for the same query texts, encoded here by the bundle's encoder; a label
   counts when its exact similarity reaches the 10th (ties, bench.recall).
@@ -220,28 +221,27 @@ def exact_search(bundle: Path, queries: list[str]) -> Exact:
     return Exact(vectors, stored, sims, ids, round(time.perf_counter() - started, 1))
 
 
-def tune_nprobe(bundle: Path, exact: Exact, nprobes: list[int], target: float) -> tuple[int, dict]:
-    """Recall and search time of the bundle's index at each ``nprobe`` (in process, one thread,
-    the neighbours a /predict of k 10 fetches at the default ef); the smallest reaching ``target``
-    (else the best)."""
+def tune_search(bundle: Path, exact: Exact, settings: list[tuple[int, int]], target: float) -> tuple[tuple, dict]:
+    """Recall and search time of the bundle's index at each (nprobe, ef) (in process, one thread,
+    the neighbours a /predict of k 10 fetches); the first reaching ``target`` (else the best)."""
     from service.engine.bundle import load_shard_index, read_manifest
     from service.engine.manifest import shard_list
     from service.engine.memory import fetch_and_ef
 
     manifest = read_manifest(bundle)
     index = load_shard_index(bundle, manifest, shard_list(manifest)[0])
-    fetch, ef = fetch_and_ef(10, manifest.hnsw.ef_search, manifest.counts.memory_rows)
-    index.set_ef(ef)
     rows = {}
-    for nprobe in nprobes:
+    for nprobe, ef in settings:
+        fetch, depth = fetch_and_ef(10, ef, manifest.counts.memory_rows)
         index.nprobe = nprobe
+        index.set_ef(depth)
         started = time.perf_counter()
         found = np.concatenate([index.knn_query(v[None, :], fetch)[0][:, :10] for v in exact.vectors])
         ms = 1000 * (time.perf_counter() - started) / len(exact.vectors)
-        rows[str(nprobe)] = {**exact.recall(found), "search_ms_per_query": round(ms, 3)}
-        print("nprobe", nprobe, rows[str(nprobe)], flush=True)
-    reaching = [n for n in nprobes if rows[str(n)]["recall_at_10"] >= target]
-    chosen = reaching[0] if reaching else max(nprobes, key=lambda n: rows[str(n)]["recall_at_10"])
+        rows[f"{nprobe},{ef}"] = {**exact.recall(found), "search_ms_per_query": round(ms, 3)}
+        print("nprobe, ef", nprobe, ef, rows[f"{nprobe},{ef}"], flush=True)
+    reaching = [s for s in settings if rows[f"{s[0]},{s[1]}"]["recall_at_10"] >= target]
+    chosen = reaching[0] if reaching else max(settings, key=lambda s: rows[f"{s[0]},{s[1]}"]["recall_at_10"])
     return chosen, rows
 
 
@@ -316,10 +316,11 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=1000, help="single-text /predict calls timed and checked")
     parser.add_argument("--layers", type=int, default=0, help="transformer layers of the random 64-wide encoder")
     parser.add_argument(
-        "--nprobes",
-        default="128,256,512,1024",
-        help="IVF cells scanned, tried in process; the served bundle gets "
-        "the smallest whose recall@10 reaches the target (its files linked, the manifest's nprobe set)",
+        "--settings",
+        default="128:300,128:1000,128:2000,256:2000",
+        help="nprobe:ef pairs (cells scanned, candidates re-ranked) tried in process, cheap to costly; the served "
+        "bundle gets the first whose recall@10 reaches the target (its files linked, only the manifest's search "
+        "parameters set)",
     )
     parser.add_argument("--append-batches", type=int, default=20, help="/admin/append calls while /predict runs")
     parser.add_argument("--append-size", type=int, default=50, help="new labels per append call")
@@ -336,12 +337,12 @@ def main() -> None:
     else:
         stages, queries, shape = synthetic_path(args, work, bundle, logs, py)
     exact = exact_search(bundle, queries)
-    nprobes = [int(n) for n in args.nprobes.split(",")]
-    nprobe, sweep = tune_nprobe(bundle, exact, nprobes, TARGETS["recall_at_10"][1])
+    settings = [tuple(int(n) for n in pair.split(":")) for pair in args.settings.split(",")]
+    (nprobe, ef), sweep = tune_search(bundle, exact, settings, TARGETS["recall_at_10"][1])
     from export.reindex import retune_bundle
 
     served_bundle = work / "bundle-served"
-    retune_bundle(bundle, served_bundle, nprobe=nprobe)  # the files linked, the manifest's nprobe chosen
+    retune_bundle(bundle, served_bundle, nprobe=nprobe, ef_search=ef)  # files linked, search parameters set
     manifest = json.loads((served_bundle / "manifest.json").read_text())
     serve = serve_stage(served_bundle, queries, logs, args.append_batches, args.append_size)
     served = serve.pop("_served")
@@ -381,7 +382,7 @@ def main() -> None:
             "encode_texts_per_s": manifest["params"].get("encode_texts_per_s"),
             "build_seconds": manifest["params"].get("build_seconds"),
         },
-        "nprobe_sweep": {"chosen": nprobe, "by_nprobe": sweep},
+        "search_sweep": {"chosen": {"nprobe": nprobe, "ef": ef}, "by_nprobe_ef": sweep},
         "serve": serve,
         "recall": recall,
     }
