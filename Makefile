@@ -23,7 +23,8 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 
 .PHONY: prereqs install images image-check compose-check serve serve-ray bundle test lint evaluate sample clean bench-serving bench-ann bench-ab loadtest \
-	train train-smoke trained-bundle bench-quality peers-venv bench-ab-own-cores bench-overload bench-ray-scale bench-million
+	train train-smoke trained-bundle bench-quality peers-venv bench-ab-own-cores bench-overload bench-ray-scale bench-million \
+	bench-ann-compressed bench-ten-million
 
 # What a fresh machine lacks, said before pip fails half-way through compiling hnswlib.
 PREREQS_HINT := see README.md, Prerequisites (Debian/Ubuntu: apt-get install python3-venv python3-dev g++)
@@ -97,6 +98,23 @@ bench-ray-scale:
 bench-million:
 	$(MAKE) EXTRAS=cpu,train,dev,bench install
 	$(PY) -m bench.million_e2e
+
+# The compressed key index (--index ivfpq) against hnswlib, faiss HNSW over SQ8/PQ codes and usearch
+# int8 HNSW on the same vectors: bytes a label, build time, recall@10, latency (bench/results/
+# ann-compressed.json). REAL_BUNDLE: a bundle whose keys make the real set, REAL_DATA its data.
+REAL_BUNDLE ?= bundles/default
+REAL_DATA ?= $(DATA)
+bench-ann-compressed:
+	$(MAKE) EXTRAS=cpu,train,dev,bench install bundle
+	$(PY) -m bench.ann_compressed --real-bundle $(REAL_BUNDLE) --real-data $(REAL_DATA)
+
+# Ten million labels end to end: label keys drawn around the sample's label vectors (no 10^7 texts
+# encoded; --vectors encoder generates and encodes them, hours here), build (--index ivfpq, label
+# arrays), serve over HTTP with appends, recall against brute force (bench/results/ten-million.json;
+# scratch in /tmp/xmcserve-ten-million).
+bench-ten-million:
+	$(MAKE) EXTRAS=cpu,train,dev,bench install
+	$(PY) -m bench.ten_million
 
 bench-ann:
 	$(MAKE) EXTRAS=cpu,train,dev,bench install

@@ -32,22 +32,26 @@ import torch
 from tokenizers import Tokenizer
 
 from export.export_params import ExportParams, add_arguments, from_arguments
+from export.ivfpq import build_ivfpq
 from export.onnx_export import export_serving_graph, random_texts
 from export.pooled_vectors import EncodeReport, encode_pooled
 from export.serving_graph import ServingEncoder, load_encoder, load_fast_tokenizer
 from export.writer import refuse_existing, write_bundle, write_values
 from service.engine import (
     ENCODER_FILE,
-    INDEX_FILE,
     LABELS_FILE,
     TOKENIZER_FILE,
+    VALUES_FILE,
     Counts,
     HnswParams,
+    IvfPqParams,
     Manifest,
     Shard,
     SourceInfo,
     TokenizerInfo,
+    shard_file_names,
     utc_now,
+    write_label_arrays,
 )
 from xmc.checkpoint import (
     Checkpoint,
@@ -106,9 +110,10 @@ def build_bundle(
     prepared = prepare(labels, train, checkpoint, params)
 
     def populate(stage: Path) -> dict:
-        graph, shards = write_payload(stage, prepared, labels, params)
+        graph, (shards, ivfpq) = write_payload(stage, prepared, labels, params)
         seconds = time.perf_counter() - started
-        return manifest_fields(prepared, labels, params, graph, checkpoint, data_name, seconds) | {"shards": shards}
+        fields = manifest_fields(prepared, labels, params, graph, checkpoint, data_name, seconds)
+        return fields | {"shards": shards, "ann": params.index, "ivfpq": ivfpq, "labels_format": params.labels_format}
 
     manifest = write_bundle(out, populate, force)
     log.info("bundle %s written to %s in %.1fs", manifest.bundle_id, out, time.perf_counter() - started)
@@ -149,9 +154,9 @@ def memory_instances(train: XMCDataset | None, params: ExportParams) -> XMCDatas
 
 def write_payload(
     stage: Path, prepared: Prepared, labels: LabelSpace, params: ExportParams
-) -> tuple[dict, list | None]:
-    """Every bundle file but the manifest, into ``stage``; returns the serving graph's report
-    and the shard list."""
+) -> tuple[dict, tuple[list | None, IvfPqParams | None]]:
+    """Every bundle file but the manifest, into ``stage``; returns the serving graph's report,
+    the shard list and the compressed index's parameters (:func:`write_index`)."""
     tokenizer = prepared.tokenizer
     parity_texts = random_texts(tokenizer, params.parity_texts, params.seed) + labels.texts[:PARITY_LABEL_TEXTS]
     graph = export_serving_graph(
@@ -170,7 +175,7 @@ def write_payload(
     # The head inside encoder.onnx, as numpy: lets torch tools (the naive benchmark baseline, a
     # re-export) rebuild the same vectors. The service does not read it.
     prepared.head.save(stage)
-    write_labels(labels, stage / LABELS_FILE)
+    write_label_files(stage, labels, params.labels_format)
     memory_Y = prepared.memory.Y if prepared.memory is not None else None
     return graph, write_index(stage, prepared.keys, memory_Y, params)
 
@@ -187,26 +192,37 @@ def calibration_texts(prepared: Prepared, labels: LabelSpace, params: ExportPara
 
 def write_index(
     stage: Path, keys: np.ndarray, memory_Y: sp.csr_matrix | None, params: ExportParams
-) -> list[Shard] | None:
+) -> tuple[list[Shard] | None, IvfPqParams | None]:
     """``index.hnsw`` (+ ``values.npz`` for an RAE memory, whose label matrix is ``memory_Y``),
     or with ``params.shards`` > 1 one ``index-<i>.hnsw`` (+ ``values-<i>.npz``) per contiguous
-    range of key ids; returns the manifest's shard list (None: unsharded)."""
-    if params.shards == 1:
-        build_hnsw(keys, params, stage / INDEX_FILE)
-        if memory_Y is not None:
-            write_values(stage, memory_Y, params.rae_lambda)
-        return None
+    range of key ids; for ``params.index`` ivfpq, ``index.faiss`` and ``rerank.npy`` (or one of
+    each per shard) instead of the HNSW file. Returns the manifest's shard list (None:
+    unsharded) and the compressed index's parameters (None: hnswlib)."""
     if params.shards > len(keys):
         raise ValueError(f"{params.shards} shards for {len(keys)} keys")
+    # one cell count for every shard: the manifest records one (a shard's keys, the largest's)
+    ivfpq = params.ivfpq(-(-len(keys) // params.shards)) if params.index == "ivfpq" else None
     shards = []
     for i, ids in enumerate(np.array_split(np.arange(len(keys)), params.shards)):
         first = int(ids[0])
-        build_hnsw(keys[first : first + len(ids)], params, stage / f"index-{i}.hnsw", first_id=first)
-        values = f"values-{i}.npz" if memory_Y is not None else None
-        shards.append(Shard(index=f"index-{i}.hnsw", values=values, first_key=first, keys=len(ids)))
+        index_name, rerank_name = shard_file_names(params.index, params.shards, i)
+        if ivfpq is not None:
+            build_ivfpq(
+                keys[first : first + len(ids)],
+                ivfpq.nlist,
+                ivfpq.pq_m,
+                stage / index_name,
+                stage / rerank_name,
+                params.seed,
+                params.build_threads,
+            )
+        else:
+            build_hnsw(keys[first : first + len(ids)], params, stage / index_name, first_id=first)
+        values = (f"values-{i}.npz" if params.shards > 1 else VALUES_FILE) if memory_Y is not None else None
+        shards.append(Shard(index=index_name, values=values, rerank=rerank_name, first_key=first, keys=len(ids)))
     if memory_Y is not None:
-        write_values(stage, memory_Y, params.rae_lambda, shards)
-    return shards
+        write_values(stage, memory_Y, params.rae_lambda, shards if params.shards > 1 else None)
+    return (shards if params.shards > 1 else None), ivfpq
 
 
 def manifest_fields(
@@ -260,6 +276,14 @@ def build_hnsw(keys: np.ndarray, params: ExportParams, path: Path, first_id: int
     index.add_items(keys, first_id + np.arange(len(keys)), num_threads=params.build_threads or -1)
     index.set_ef(params.ef_search)
     index.save_index(str(path))
+
+
+def write_label_files(stage: Path, labels: LabelSpace, labels_format: str) -> None:
+    """The bundle's labels: ``labels.jsonl``, or the memory-mapped label arrays (service.engine.labels)."""
+    if labels_format == "arrays":
+        write_label_arrays(stage, labels.uids, labels.texts)
+    else:
+        write_labels(labels, stage / LABELS_FILE)
 
 
 def write_labels(labels: LabelSpace, path: Path) -> None:

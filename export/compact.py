@@ -29,13 +29,11 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
-from export.build import write_index, write_labels
+from export.build import write_index, write_label_files
 from export.derive import fusion_files, link_or_copy, write_key_terms
 from export.export_params import ExportParams
 from export.writer import refuse_existing, write_bundle
 from service.engine import (
-    INDEX_FILE,
-    LABELS_FILE,
     MANIFEST_FILE,
     SOURCE_LOGS,
     Counts,
@@ -43,8 +41,8 @@ from service.engine import (
     Manifest,
     MemoryView,
     ScoreFusion,
-    Shard,
     appends_dir_beside,
+    label_files,
     load_for_reading,
     shard_list,
     utc_now,
@@ -84,9 +82,17 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
     src = bundle.manifest
     keys = np.asarray(bundle.index.get_items(np.arange(view.num_keys)), dtype=np.float32)
     order, instance_rows = canonical_order(view)
-    rebuilt = {MANIFEST_FILE, LABELS_FILE} | {name for shard in shard_list(src) for name in (shard.index, shard.values)}
+    rebuilt = {MANIFEST_FILE, *label_files(src.labels_format)}
+    rebuilt |= {name for shard in shard_list(src) for name in (shard.index, shard.values, shard.rerank)}
     rebuilt |= fusion_files(src)
     params = ExportParams(
+        index=src.ann,
+        # the same cells, codes and scan: a compaction changes the keys, not how they are searched
+        **(
+            {"ivf_nlist": src.ivfpq.nlist, "pq_m": src.ivfpq.pq_m, "ivf_nprobe": src.ivfpq.nprobe, "dim": src.dim}
+            if src.ivfpq
+            else {}
+        ),
         hnsw_m=src.hnsw.M,
         ef_construction=src.hnsw.ef_construction,
         ef_search=src.hnsw.ef_search,
@@ -99,18 +105,18 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
             if name not in rebuilt:
                 link_or_copy(source / name, stage / name)
         labels = LabelSpace(uids=view.label_uids[: view.num_labels], texts=view.label_texts[: view.num_labels])
-        write_labels(labels, stage / LABELS_FILE)
+        write_label_files(stage, labels, src.labels_format)
         memory_Y = instance_labels(view, instance_rows) if view.values is not None else None
-        shards = write_index(stage, keys[order], memory_Y, params)
+        counts = Counts(labels=view.num_labels, memory_rows=view.num_keys, train_instances=len(instance_rows))
+        shards, _ = write_index(stage, keys[order], memory_Y, params)
         if bundle.fusion is not None:
             carried_fusion(bundle.fusion, view.num_labels).save(stage, src.fusion)
         if bundle.key_terms is not None:  # a lexical fusion: the keys' term vectors in the new key order
             terms = bundle.key_terms.rows
             if view.appended_key_terms is not None:
                 terms = sp.vstack([terms, view.appended_key_terms], format="csr")
-            new_shards = shards or [Shard(index=INDEX_FILE, values=None, first_key=0, keys=view.num_keys)]
+            new_shards = shards or shard_list(src.model_copy(update={"counts": counts}))
             write_key_terms(stage, terms[order], src.fusion.lexical, new_shards)
-        counts = Counts(labels=view.num_labels, memory_rows=view.num_keys, train_instances=len(instance_rows))
         return src.model_dump(exclude={"bundle_id", "files"}) | {
             "created_at": utc_now(),
             "counts": counts,

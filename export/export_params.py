@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, get_args, get_origin, get_type_hints
 
-from service.engine import IndexKind, RaeMode, RaeParams
+from service.engine import AnnKind, IndexKind, IvfPqParams, LabelsFormat, RaeMode, RaeParams
 from xmc.options import parse_bool
 
 Quantize = Literal["none", "int8", "int8-static"]
@@ -26,6 +26,7 @@ RAE_ATTRIBUTES = {"lam": "rae_lambda", "tau": "rae_tau", "top_b": "rae_top_b", "
 __all__ = [
     "ALL_HEAD_BLOCKS",
     "RAE_ATTRIBUTES",
+    "AnnKind",
     "ExportParams",
     "IndexKind",
     "Quantize",
@@ -44,9 +45,21 @@ class ExportParams:
             ``labels``: label vectors only, pure dual-encoder retrieval (default: rae_memory)
         dim: serving dimension of the PCA head, ignored when the checkpoint has a trained head (default: 64)
         max_length: tokenizer truncation, in tokens; Debian titles average ~21 (default: 128)
+        labels_format: ``jsonl``: labels.jsonl, parsed at every load; ``arrays``: the uids and
+            texts as memory-mapped arrays with a sorted uid hash array, which a server opens
+            without parsing or a Python object per label (10^6 labels and more) (default: jsonl)
+        index: how the keys are searched: ``hnswlib``, a graph over float32 vectors, best for small
+            label sets; ``ivfpq``, compressed: faiss IVF with 4-bit PQ fast-scan codes whose
+            candidates are re-ranked exactly from float16 vectors, about a third of hnswlib's
+            bytes a key and minutes to build at 10^7 keys (bench/results/ann-compressed.json)
+            (default: hnswlib)
+        ivf_nlist: ivfpq cells; 0 = the power of two at or below min(4·sqrt(keys), keys / 39) (default: 0)
+        ivf_nprobe: ivfpq cells scanned per query (default: 128)
+        pq_m: ivfpq PQ sub-quantizers of 4 bits, an even divisor of dim: pq_m / 2 bytes of code a key (default: 32)
         hnsw_m: HNSW graph degree M (default: 32)
         ef_construction: HNSW build breadth (default: 200)
-        ef_search: default HNSW search breadth stored in the manifest; RAE-XMC uses 300 (default: 300)
+        ef_search: default HNSW search breadth stored in the manifest (for ivfpq: the candidates
+            re-ranked); RAE-XMC uses 300 (default: 300)
         rae_lambda: λ in V = [λY ; (1−λ)I], RAE-XMC §3.3; 0.5 in the paper (default: 0.5)
         rae_tau: softmax temperature τ; 0.04 in the paper for unit vectors (default: 0.04)
         rae_top_b: keys retrieved per query, b; 200 in the paper (default: 200)
@@ -86,6 +99,11 @@ class ExportParams:
     index_kind: IndexKind = "rae_memory"
     dim: int = 64
     max_length: int = 128
+    labels_format: LabelsFormat = "jsonl"
+    index: AnnKind = "hnswlib"
+    ivf_nlist: int = 0
+    ivf_nprobe: int = 128
+    pq_m: int = 32
     hnsw_m: int = 32
     ef_construction: int = 200
     ef_search: int = 300
@@ -116,6 +134,16 @@ class ExportParams:
                 raise ValueError(f"unknown {name} {getattr(self, name)!r} ({', '.join(allowed)})")
         if self.shards < 1:
             raise ValueError(f"shards must be at least 1, not {self.shards}")
+        if self.index == "ivfpq":
+            self.ivfpq(1)  # its parameters checked now: pq_m even and a divisor of dim, nprobe ≥ 1
+            if self.dim % self.pq_m:
+                raise ValueError(f"pq_m {self.pq_m} does not divide dim {self.dim}")
+
+    def ivfpq(self, keys: int) -> IvfPqParams:
+        """The compressed index's parameters as the manifest records them, for an index of ``keys`` keys."""
+        from export.ivfpq import auto_nlist
+
+        return IvfPqParams(nlist=self.ivf_nlist or auto_nlist(keys), pq_m=self.pq_m, nprobe=self.ivf_nprobe)
 
     def rae(self) -> RaeParams:
         """The RAE parameters as the manifest records them."""

@@ -49,3 +49,18 @@ def key_recall_at_10(predictor: Predictor, vectors: np.ndarray, ef: int | None =
         exact = np.argpartition(-(vectors[start : start + 512] @ keys.T), 10, axis=1)[:, :10]
         hits += sum(len(set(e) & set(f)) for e, f in zip(exact, found[start : start + 512], strict=True))
     return round(hits / (10 * len(vectors)), 4)
+
+
+# |exact similarity computed twice| of the same key differs by summation order (BLAS against einsum)
+SIMILARITY_ROUNDING = 1e-5
+
+
+def recall_with_ties(found: np.ndarray, queries: np.ndarray, keys, kth_sims: np.ndarray) -> float:
+    """Recall@k that counts a returned key as correct when its exact similarity reaches the
+    k-th exact similarity of its query (``kth_sims``): keys with identical vectors (an instance
+    whose text is a label's) tie, and exact search itself returns either. ``found``: nq x k key
+    ids (−1: none, a miss); ``keys``: the vectors exact search ran over (indexable by id)."""
+    valid = found >= 0
+    vectors = np.asarray(keys[np.where(valid, found, 0).ravel()], dtype=np.float32).reshape(*found.shape, -1)
+    sims = np.einsum("qkd,qd->qk", vectors, queries)
+    return float(np.mean(valid & (sims >= kth_sims[:, None] - SIMILARITY_ROUNDING)))

@@ -42,7 +42,16 @@ Everything is thread-safe for concurrent ``predict`` calls on one predictor.
 
 from service.engine.append_log import AppendLog, AppendLogError, AppendLogHeld, appends_dir_beside, sync_directory
 from service.engine.batcher import BatchAnswer, BatcherConfig, BatcherStoppedError, MicroBatcher, QueueFullError
-from service.engine.bundle import Bundle, BundleError, load_bundle, load_labels, load_shard, read_manifest
+from service.engine.bundle import (
+    Bundle,
+    BundleError,
+    load_bundle,
+    load_encoder,
+    load_labels,
+    load_shard,
+    load_shard_index,
+    read_manifest,
+)
 from service.engine.encoder import MAX_CHUNK, EncoderOptions, OnnxEncoder
 from service.engine.fusion import (
     FEATURE_GROUPS,
@@ -53,6 +62,8 @@ from service.engine.fusion import (
     features_of_groups,
     memory_log_frequency,
 )
+from service.engine.ivfpq import IvfPqIndex, empty_index, exact_rerank, faiss_threads
+from service.engine.labels import write_label_arrays
 from service.engine.lexical import KeyTerms, Lexicon, save_key_terms
 from service.engine.loading import SOURCE_LOGS, load_for_reading, load_predictor, vet_in_child
 from service.engine.manifest import (
@@ -63,11 +74,14 @@ from service.engine.manifest import (
     MANIFEST_FILE,
     TOKENIZER_FILE,
     VALUES_FILE,
+    AnnKind,
     Counts,
     FusionModelKind,
     FusionParams,
     HnswParams,
     IndexKind,
+    IvfPqParams,
+    LabelsFormat,
     Lineage,
     Manifest,
     RaeMode,
@@ -76,8 +90,10 @@ from service.engine.manifest import (
     SourceInfo,
     TokenizerInfo,
     content_id,
+    label_files,
     lexical_file_names,
     sha256_file,
+    shard_file_names,
     shard_list,
     utc_now,
 )
@@ -95,6 +111,7 @@ from service.engine.search import FusionRows, Neighbours, Prediction, Predictor,
 from service.engine.shards import merge_answers
 
 __all__ = [
+    "AnnKind",
     "AppendBatch",
     "AppendIdReused",
     "AppendLog",
@@ -111,8 +128,11 @@ __all__ = [
     "BundleError",
     "content_id",
     "Counts",
+    "empty_index",
     "ENCODER_FILE",
     "EncoderOptions",
+    "exact_rerank",
+    "faiss_threads",
     "FEATURE_GROUPS",
     "features_of_groups",
     "fetch_and_ef",
@@ -123,17 +143,23 @@ __all__ = [
     "HnswParams",
     "INDEX_FILE",
     "IndexKind",
+    "IvfPqIndex",
+    "IvfPqParams",
     "KeyTerms",
+    "label_files",
     "LABELS_FILE",
+    "LabelsFormat",
     "lexical_file_names",
     "Lexicon",
     "Lineage",
     "LineageDiverged",
     "load_bundle",
+    "load_encoder",
     "load_for_reading",
     "load_labels",
     "load_predictor",
     "load_shard",
+    "load_shard_index",
     "Manifest",
     "MANIFEST_FILE",
     "MAX_CHUNK",
@@ -158,6 +184,7 @@ __all__ = [
     "ScoreFusion",
     "sha256_file",
     "Shard",
+    "shard_file_names",
     "shard_list",
     "SOURCE_LOGS",
     "SourceInfo",
@@ -168,4 +195,5 @@ __all__ = [
     "utc_now",
     "VALUES_FILE",
     "vet_in_child",
+    "write_label_arrays",
 ]

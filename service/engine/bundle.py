@@ -24,6 +24,8 @@ from pydantic import ValidationError
 from service.engine.encoder import EncoderOptions, OnnxEncoder
 from service.engine.fusion import FEATURE_GROUPS, ScoreFusion, groups_of
 from service.engine.hnsw_file import HnswFileRefused, check_index_body, check_index_header
+from service.engine.ivfpq import IndexRefused, IvfPqIndex
+from service.engine.labels import LabelsRefused, StringColumn, UidLookup, load_label_arrays
 from service.engine.lexical import KeyTerms, key_terms_of
 from service.engine.manifest import (
     ENCODER_FILE,
@@ -33,6 +35,7 @@ from service.engine.manifest import (
     TOKENIZER_FILE,
     Manifest,
     Shard,
+    label_files,
     required_files,
     sha256_file,
     shard_list,
@@ -51,12 +54,13 @@ class Bundle:
     path: Path
     manifest: Manifest
     encoder: OnnxEncoder
-    index: hnswlib.Index | ShardedIndex
-    label_uids: list[str]
-    label_texts: list[str]
+    index: hnswlib.Index | IvfPqIndex | ShardedIndex
+    label_uids: StringColumn
+    label_texts: StringColumn
     values: sp.csr_matrix | None
     fusion: ScoreFusion | None = None
     key_terms: KeyTerms | None = None  # the keys' term vectors, for a lexical fusion
+    uid_lookup: UidLookup | None = None  # uid → label id (None: made from label_uids)
 
     @property
     def bundle_id(self) -> str:
@@ -105,8 +109,15 @@ def verify_checksums(path: Path, manifest: Manifest, names: list[str] | None = N
             raise BundleError(f"{path}: checksum mismatch for {name} (manifest {expected[:12]}…, file {actual[:12]}…)")
 
 
-def read_labels(path: Path, manifest: Manifest) -> tuple[list[str], list[str]]:
-    """Label uids and texts, as many as the manifest counts."""
+def read_labels(path: Path, manifest: Manifest) -> tuple[StringColumn, StringColumn, UidLookup]:
+    """Label uids and texts, as many as the manifest counts, and the uid → id lookup: the
+    bundle's memory-mapped label arrays, checked (:mod:`service.engine.labels`), or ``labels.jsonl``
+    read into the same arrays."""
+    if manifest.labels_format == "arrays":
+        try:
+            return load_label_arrays(path, manifest.counts.labels)
+        except LabelsRefused as exc:
+            raise BundleError(f"{path}: label arrays refused: {exc}") from None
     uids, texts = [], []
     with open(path / LABELS_FILE, encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, start=1):
@@ -118,12 +129,28 @@ def read_labels(path: Path, manifest: Manifest) -> tuple[list[str], list[str]]:
                 raise BundleError(f"{path / LABELS_FILE}:{lineno}: bad label line ({exc})") from None
     if len(uids) != manifest.counts.labels:
         raise BundleError(f"{path}: {len(uids)} labels in {LABELS_FILE}, manifest says {manifest.counts.labels}")
-    return uids, texts
+    uid_column = StringColumn.of(uids)
+    return uid_column, StringColumn.of(texts), UidLookup.of(uid_column)
 
 
-def load_shard_index(path: Path, manifest: Manifest, shard: Shard) -> hnswlib.Index:
-    """One shard's HNSW index, its header and body checked before hnswlib reads them."""
+def load_shard_index(path: Path, manifest: Manifest, shard: Shard) -> hnswlib.Index | IvfPqIndex:
+    """One shard's HNSW index, its header and body checked before hnswlib reads them; or its
+    compressed index (``ann`` ivfpq), the inverted lists and re-rank vectors checked before faiss
+    reads them (:mod:`service.engine.ivfpq`)."""
     file = path / shard.index
+    if manifest.ann == "ivfpq":
+        try:
+            return IvfPqIndex.load(
+                file,
+                path / shard.rerank,
+                manifest.dim,
+                manifest.ivfpq,
+                shard.first_key,
+                shard.keys,
+                manifest.hnsw.ef_search,
+            )
+        except IndexRefused as exc:
+            raise BundleError(f"{file}: IVF-PQ index refused: {exc}") from None
     try:
         check_index_header(file, manifest.dim, manifest.hnsw.M, shard.keys)
         check_index_body(file, shard.first_key, shard.keys)
@@ -138,7 +165,7 @@ def load_shard_index(path: Path, manifest: Manifest, shard: Shard) -> hnswlib.In
     return index
 
 
-def load_index(path: Path, manifest: Manifest) -> hnswlib.Index | ShardedIndex:
+def load_index(path: Path, manifest: Manifest) -> hnswlib.Index | IvfPqIndex | ShardedIndex:
     """The bundle's HNSW index; a sharded bundle's shards behind one :class:`ShardedIndex`."""
     indexes = [load_shard_index(path, manifest, shard) for shard in shard_list(manifest)]
     return indexes[0] if len(indexes) == 1 else ShardedIndex(indexes)
@@ -313,17 +340,18 @@ def load_encoder(
     return _refusing(path, load)
 
 
-def load_labels(path: Path | str, verify: bool = True) -> tuple[Manifest, list[str], list[str]]:
-    """The manifest and the label uids and texts (line number = label id)."""
+def load_labels(path: Path | str, verify: bool = True) -> tuple[Manifest, StringColumn, StringColumn, UidLookup]:
+    """The manifest, the label uids and texts (index = label id) and the uid → id lookup (the
+    bundle's own for label arrays: made at 10^8 labels, it would cost minutes and gigabytes)."""
 
-    def load(path: Path) -> tuple[Manifest, list[str], list[str]]:
+    def load(path: Path) -> tuple[Manifest, StringColumn, StringColumn, UidLookup]:
         manifest = read_manifest(path)
         if verify:
-            verify_checksums(path, manifest, [LABELS_FILE])
-        uids, texts = read_labels(path, manifest)
+            verify_checksums(path, manifest, label_files(manifest.labels_format))
+        uids, texts, lookup = read_labels(path, manifest)
         if manifest.index_kind == "rae_memory":
             check_rae_counts(path, manifest)
-        return manifest, uids, texts
+        return manifest, uids, texts, lookup
 
     return _refusing(path, load)
 
@@ -342,7 +370,7 @@ def load_shard(
         shard = shards[number]
         lexical = manifest.fusion.lexical[number] if manifest.fusion and manifest.fusion.lexical else None
         if verify:
-            verify_checksums(path, manifest, [name for name in (shard.index, shard.values, lexical) if name])
+            verify_checksums(path, manifest, [n for n in (shard.index, shard.values, shard.rerank, lexical) if n])
         values = None
         if manifest.index_kind == "rae_memory":
             check_rae_counts(path, manifest)
@@ -358,7 +386,7 @@ def _read_bundle(path: Path, options: EncoderOptions | None, verify: bool) -> Bu
     manifest = read_manifest(path)
     if verify:
         verify_checksums(path, manifest)
-    label_uids, label_texts = read_labels(path, manifest)
+    label_uids, label_texts, uid_lookup = read_labels(path, manifest)
     index = load_index(path, manifest)
     values = load_values(path, manifest)
     fusion = load_fusion(path, manifest, verify=False)  # its checksum is among those verified above
@@ -379,6 +407,7 @@ def _read_bundle(path: Path, options: EncoderOptions | None, verify: bool) -> Bu
         index=index,
         label_uids=label_uids,
         label_texts=label_texts,
+        uid_lookup=uid_lookup,
         values=values,
         fusion=fusion,
         key_terms=key_terms,

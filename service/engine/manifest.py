@@ -6,8 +6,14 @@ immutable directory::
     manifest.json    this schema
     encoder.onnx     input_ids, attention_mask [batch, seq] int64 -> embedding [batch, dim] float32
     tokenizer.json   HF tokenizers file (truncation set, padding to the batch's longest)
-    labels.jsonl     one {"uid", "text"} per line; line number = label id
+    labels.jsonl     one {"uid", "text"} per line; line number = label id; or, ``labels_format``
+    label-*.npy      arrays, the uids and texts as memory-mapped UTF-8 bytes + offsets and a
+                     sorted uid hash array for uid → id (service.engine.labels)
     index.hnsw       hnswlib index over the keys (labels, or instances + labels for RAE)
+    index.faiss      instead of index.hnsw in a compressed bundle (``ann`` ivfpq): a faiss IVF
+    rerank.npy       index of 4-bit PQ fast-scan codes, and the keys as float16 (keys x dim), from
+                     which the nearest candidates are re-ranked exactly (service.engine.ivfpq);
+                     a sharded one has ``index-<i>.faiss`` and ``rerank-<i>.npy`` per shard
     values.npz       RAE only: CSR value matrix V = [λ·Y_trn ; (1−λ)·I_L], (memory rows x labels)
     index-<i>.hnsw   a sharded bundle (``shards`` in the manifest) instead of the two above: one
     values-<i>.npz   index per contiguous range of key ids (the global ids are the HNSW labels)
@@ -39,13 +45,31 @@ MANIFEST_FILE = "manifest.json"
 ENCODER_FILE = "encoder.onnx"
 TOKENIZER_FILE = "tokenizer.json"
 LABELS_FILE = "labels.jsonl"
+# labels_format arrays, instead of labels.jsonl: uid bytes, uid offsets, text bytes, text offsets,
+# sorted uid hashes, the label id of each sorted hash (service.engine.labels)
+LABEL_ARRAY_FILES = (
+    "label-uids.npy",
+    "label-uid-offsets.npy",
+    "label-texts.npy",
+    "label-text-offsets.npy",
+    "label-uid-hashes.npy",
+    "label-uid-order.npy",
+)
 INDEX_FILE = "index.hnsw"
+IVF_INDEX_FILE = "index.faiss"
+RERANK_FILE = "rerank.npy"
 VALUES_FILE = "values.npz"
 FUSION_FILE = "fusion.npz"
 FUSION_MODEL_FILE = "fusion.onnx"
 LEXICAL_FILE = "lexical.npz"
 
 IndexKind = Literal["labels", "rae_memory"]
+# how the labels are stored: labels.jsonl, read into arrays at load; or those arrays themselves,
+# memory-mapped (LABEL_ARRAY_FILES): no parsing at start, no Python object per label
+LabelsFormat = Literal["jsonl", "arrays"]
+# how the keys are searched: an hnswlib graph over float32 vectors, or compressed (faiss IVF-PQ
+# fast-scan codes, the candidates re-ranked exactly from float16 vectors)
+AnnKind = Literal["hnswlib", "ivfpq"]
 RaeMode = Literal["joint", "split"]
 # the score fusion's model: one regression tree (NGAME App. C), gradient-boosted regression trees,
 # or LambdaMART (gradient-boosted trees with a ranking objective, each query a group)
@@ -77,6 +101,23 @@ class HnswParams(_Strict):
     M: int = Field(gt=1)
     ef_construction: int = Field(gt=0)
     ef_search: int = Field(gt=0, description="default ef at query time")
+
+
+class IvfPqParams(_Strict):
+    """A compressed index (``ann`` ivfpq): faiss IVF over 4-bit PQ fast-scan codes; a query scans
+    ``nprobe`` of ``nlist`` cells and re-ranks its best ``max(ef, fetched)`` candidates by the exact
+    inner product with their float16 vectors (``hnsw.ef_search`` is that default depth)."""
+
+    nlist: int = Field(ge=1, description="coarse cells (k-means centroids)")
+    pq_m: int = Field(ge=1, description="PQ sub-quantizers of 4 bits each: pq_m / 2 bytes of code per key")
+    nprobe: int = Field(ge=1, description="cells scanned per query")
+    rerank: Literal["float16"] = Field("float16", description="the stored vectors the candidates are re-ranked by")
+
+    @model_validator(mode="after")
+    def _fast_scan_layout(self) -> IvfPqParams:
+        if self.pq_m % 2:
+            raise ValueError(f"pq_m {self.pq_m}: 4-bit fast-scan codes pack two sub-quantizers a byte (even pq_m)")
+        return self
 
 
 class RaeParams(_Strict):
@@ -127,7 +168,10 @@ class FusionParams(_Strict):
 class Shard(_Strict):
     """One contiguous range of key ids, ``first_key`` .. ``first_key + keys − 1``."""
 
-    index: str = Field(description="its HNSW file; the elements' labels are the global key ids")
+    index: str = Field(
+        description="its HNSW file (or faiss IVF-PQ file, ``ann`` ivfpq); the elements' labels are the global key ids"
+    )
+    rerank: str | None = Field(None, description="ivfpq only: its keys' float16 vectors, (keys x dim)")
     values: str | None = Field(None, description="RAE only: its rows of V, (keys x labels)")
     first_key: int = Field(ge=0)
     keys: int = Field(ge=1)
@@ -159,7 +203,10 @@ class Manifest(_Strict):
     tokenizer: TokenizerInfo
     dim: int = Field(gt=0)
     index_kind: IndexKind
-    hnsw: HnswParams
+    labels_format: LabelsFormat = Field("jsonl", description="labels.jsonl, or memory-mapped label arrays")
+    ann: AnnKind = Field("hnswlib", description="how the keys are searched: hnswlib | ivfpq (compressed)")
+    hnsw: HnswParams = Field(description="hnswlib's parameters; for ivfpq only ef_search, the re-rank depth, counts")
+    ivfpq: IvfPqParams | None = Field(None, description="the compressed index's parameters (``ann`` ivfpq)")
     rae: RaeParams | None = None
     counts: Counts
     shards: list[Shard] | None = Field(None, description="a sharded index; None: index.hnsw (+ values.npz)")
@@ -195,6 +242,14 @@ class Manifest(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _compressed_index_has_its_parameters(self) -> Manifest:
+        if (self.ivfpq is not None) != (self.ann == "ivfpq"):
+            raise ValueError("ivfpq parameters go with an ivfpq index (ann), and only with one")
+        if self.ivfpq is not None and self.dim % self.ivfpq.pq_m:
+            raise ValueError(f"pq_m {self.ivfpq.pq_m} does not divide the dimension {self.dim}")
+        return self
+
+    @model_validator(mode="after")
     def _shards_cover_the_keys(self) -> Manifest:
         next_key = 0
         for i, shard in enumerate(self.shards or []):
@@ -202,8 +257,10 @@ class Manifest(_Strict):
                 raise ValueError(f"shard {i} starts at key {shard.first_key}, not {next_key} (ranges are contiguous)")
             if (shard.values is not None) != (self.index_kind == "rae_memory"):
                 raise ValueError(f"shard {i}: value rows go with an rae_memory bundle, and only with one")
+            if (shard.rerank is not None) != (self.ann == "ivfpq"):
+                raise ValueError(f"shard {i}: re-rank vectors go with an ivfpq index, and only with one")
             next_key += shard.keys
-        names = [name for shard in self.shards or [] for name in (shard.index, shard.values) if name]
+        names = [name for shard in self.shards or [] for name in (shard.index, shard.values, shard.rerank) if name]
         if len(names) != len(set(names)):
             raise ValueError("two shards name the same file")
         if self.shards and next_key != self.counts.memory_rows:
@@ -246,17 +303,30 @@ def shard_list(manifest: Manifest) -> list[Shard]:
     if manifest.shards:
         return list(manifest.shards)
     values = VALUES_FILE if manifest.index_kind == "rae_memory" else None
-    return [Shard(index=INDEX_FILE, values=values, first_key=0, keys=manifest.counts.memory_rows)]
+    index, rerank = shard_file_names(manifest.ann, 1, 0)
+    return [Shard(index=index, values=values, rerank=rerank, first_key=0, keys=manifest.counts.memory_rows)]
 
 
 def required_files(manifest: Manifest) -> list[str]:
-    files = [ENCODER_FILE, TOKENIZER_FILE, LABELS_FILE]
+    files = [ENCODER_FILE, TOKENIZER_FILE, *label_files(manifest.labels_format)]
     for shard in shard_list(manifest):
-        files += [shard.index] + ([shard.values] if shard.values else [])
+        files += [name for name in (shard.index, shard.values, shard.rerank) if name]
     if manifest.fusion is not None:
         fusion = manifest.fusion
         files += [fusion.file, *([fusion.model] if fusion.model else []), *(fusion.lexical or [])]
     return files
+
+
+def label_files(labels_format: LabelsFormat) -> list[str]:
+    """The files that hold a bundle's labels."""
+    return [LABELS_FILE] if labels_format == "jsonl" else list(LABEL_ARRAY_FILES)
+
+
+def shard_file_names(ann: AnnKind, shards: int, i: int) -> tuple[str, str | None]:
+    """Shard ``i``'s index file and (ivfpq) re-rank vector file, in a bundle of ``shards`` shards."""
+    if ann == "ivfpq":
+        return (IVF_INDEX_FILE, RERANK_FILE) if shards == 1 else (f"index-{i}.faiss", f"rerank-{i}.npy")
+    return (INDEX_FILE, None) if shards == 1 else (f"index-{i}.hnsw", None)
 
 
 def lexical_file_names(shards: int) -> list[str]:

@@ -31,7 +31,7 @@ import hashlib
 import json
 import logging
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -39,6 +39,7 @@ from typing import Protocol
 import numpy as np
 import scipy.sparse as sp
 
+from service.engine.labels import StringColumn, UidLookup
 from service.engine.rae import ValueRows, labels_of_keys
 
 log = logging.getLogger(__name__)
@@ -94,9 +95,9 @@ class MemoryView:
     append publishes a new one. ``label_uids``, ``label_texts`` and ``uid_to_id`` are shared
     append-only containers: a view owns their first ``num_labels`` entries."""
 
-    label_uids: list[str]
-    label_texts: list[str]
-    uid_to_id: dict[str, int]
+    label_uids: StringColumn
+    label_texts: StringColumn
+    uid_to_id: UidLookup
     num_labels: int
     num_keys: int
     base_keys: int
@@ -145,19 +146,25 @@ class MemoryView:
 
 
 def base_view(
-    label_uids: list[str],
-    label_texts: list[str],
+    label_uids: Sequence[str],
+    label_texts: Sequence[str],
     num_keys: int,
     values: sp.csr_matrix | None,
     append_ids: dict[str, tuple[int, str]] | None = None,
+    uid_lookup: UidLookup | None = None,
 ) -> MemoryView:
-    """The view of a bundle as built: its keys, labels and value matrix, and the append ids a
-    compaction folded into it."""
+    """The view of a bundle as built: its keys, labels (columns, or lists made into columns) and
+    value matrix, and the append ids a compaction folded into it. The columns become the view's
+    shared append-only containers; ``uid_lookup``: theirs (default: made from ``label_uids``)."""
     num_labels = len(label_uids)
+    uids = label_uids if isinstance(label_uids, StringColumn) else StringColumn.of(label_uids)
+    texts = label_texts if isinstance(label_texts, StringColumn) else StringColumn.of(label_texts)
+    if uid_lookup is None or uid_lookup.uids is not uids:
+        uid_lookup = UidLookup.of(uids)
     return MemoryView(
-        label_uids=list(label_uids),
-        label_texts=list(label_texts),
-        uid_to_id={uid: i for i, uid in enumerate(label_uids)},
+        label_uids=uids,
+        label_texts=texts,
+        uid_to_id=uid_lookup,
         num_labels=num_labels,
         num_keys=num_keys,
         base_keys=num_keys,

@@ -77,7 +77,12 @@ class Predictor:
         self.bundle = bundle
         manifest = bundle.manifest
         view = base_view(
-            bundle.label_uids, bundle.label_texts, manifest.counts.memory_rows, bundle.values, manifest.append_ids
+            bundle.label_uids,
+            bundle.label_texts,
+            manifest.counts.memory_rows,
+            bundle.values,
+            manifest.append_ids,
+            bundle.uid_lookup,
         )
         # a lexical score fusion's lexicon (None without one): the term vectors of queries and appended keys
         self.lexicon = bundle.fusion.lexicon if bundle.fusion is not None else None

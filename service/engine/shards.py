@@ -160,13 +160,22 @@ class ShardSearcher:
             self.index.set_ef(max(ef, k))
             keys, distances = self.index.knn_query(vectors, k=k, num_threads=self.search_threads)
         keys = keys.astype(np.int64)
-        rows = self.values[(keys - self.shard.first_key).ravel()] if self.values is not None else None
+        rows = self.value_rows(keys) if self.values is not None else None
         lexical = None
         if terms is not None:
             if self.key_terms is None:
                 raise ValueError("lexical similarities asked of a shard without key terms")
             lexical = self.key_terms.similarities(terms, keys)
         return ShardAnswer(keys, distances, rows, max(ef, k), lexical)
+
+    def value_rows(self, keys: np.ndarray) -> sp.csr_matrix:
+        """The value rows of ``keys`` (row-major), an empty row where there is no key (−1: a
+        compressed index's scan may find fewer keys than asked)."""
+        found = (keys >= 0).ravel()
+        rows = self.values[np.where(found, keys.ravel() - self.shard.first_key, 0)]
+        if found.all():
+            return rows
+        return sp.diags(found.astype(np.float32)) @ rows
 
     def search_many(self, queries: list[ShardQuery]) -> list[ShardAnswer]:
         """The answers to several requests, one HNSW call per distinct ef at the largest fetch of

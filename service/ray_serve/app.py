@@ -274,9 +274,9 @@ class Ingress:
         max_batch_texts: int,
         hedge_fraction: float = HEDGE_FRACTION,
     ):
-        self.manifest, uids, texts = load_labels(bundle_dir, verify)
+        self.manifest, uids, texts, lookup = load_labels(bundle_dir, verify)
         self.fusion = load_fusion(Path(bundle_dir), self.manifest, verify)
-        self.view = base_view(uids, texts, self.manifest.counts.memory_rows, None)
+        self.view = base_view(uids, texts, self.manifest.counts.memory_rows, None, uid_lookup=lookup)
         self.encoder, self.shards = encoder, shards
         self.bundle_dir = bundle_dir
         self.max_batch_texts = max_batch_texts

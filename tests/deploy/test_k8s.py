@@ -37,10 +37,10 @@ def pod_templates() -> dict[str, dict]:
         if d["kind"] in ("Deployment", "Job"):
             out[f"{d['kind']}/{d['metadata']['name']}"] = d["spec"]["template"]["spec"]
         elif d["kind"] == "RayService":
-            cluster = d["spec"]["rayClusterConfig"]
-            out["RayService/head"] = cluster["headGroupSpec"]["template"]["spec"]
+            cluster, name = d["spec"]["rayClusterConfig"], d["metadata"]["name"]
+            out[f"RayService/{name}/head"] = cluster["headGroupSpec"]["template"]["spec"]
             for group in cluster["workerGroupSpecs"]:
-                out[f"RayService/{group['groupName']}"] = group["template"]["spec"]
+                out[f"RayService/{name}/{group['groupName']}"] = group["template"]["spec"]
     return out
 
 
@@ -124,12 +124,14 @@ def test_each_deployment_serves_a_bundle_the_job_builds_and_waits_for_it(deploym
     assert wait["image"] == pod["containers"][0]["image"]
 
 
-def test_every_ray_pod_waits_for_the_sharded_bundle_before_the_app_deploys():
-    rayservice = find("RayService", "xmcserve-ray")
+@pytest.mark.parametrize("rayservice_name", ["xmcserve-ray", "xmcserve-ray-100m"])
+def test_every_ray_pod_waits_for_the_sharded_bundle_before_the_app_deploys(rayservice_name):
+    rayservice = find("RayService", rayservice_name)
     bundle = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["args"]["bundle_dir"]
-    assert bundle in job_outputs("xmcserve-build-sharded-bundle")
+    if rayservice_name == "xmcserve-ray":  # the 10^8 bundle is built where its catalogue is, not by a Job
+        assert bundle in job_outputs("xmcserve-build-sharded-bundle")
     for name, pod in pod_templates().items():
-        if name.startswith("RayService/"):
+        if name.startswith(f"RayService/{rayservice_name}/"):
             commands = [" ".join(c["command"]) for c in pod["initContainers"]]
             assert any(f"test -f {bundle}/manifest.json" in c for c in commands), name
 

@@ -270,3 +270,35 @@ def test_the_rayservice_matches_the_bundle_job_the_image_and_the_ray_pin():
             template["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"]
             == k8s("PersistentVolumeClaim")["metadata"]["name"]
         )
+
+
+def test_the_100m_rayservice_validates_and_holds_every_shard_replica_in_its_measured_memory():
+    """deploy/k8s/ray-100m: the 10^8-label plan of docs/architecture.md. Its pod templates pass
+    kubernetes-validate as the Pods KubeRay makes; its Serve config is a valid application of 16
+    shards x 2 replicas that fits the shard group; a shard pod's memory request covers what a
+    6.25 M-label shard replica was measured to hold here (bench/results/shard-replica.json)."""
+    import kubernetes_validate
+    from ray.serve.schema import ServeDeploySchema
+
+    from service.ray_serve import AppArgs
+
+    rayservice = k8s("RayService", "xmcserve-ray-100m")
+    for name, template in pod_templates(rayservice).items():
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {**template["metadata"], "name": name}}
+        kubernetes_validate.validate({**pod, "spec": template["spec"]}, K8S_VERSION, strict=True)
+    config = ServeDeploySchema.model_validate(yaml.safe_load(rayservice["spec"]["serveConfigV2"]))
+    args = AppArgs.model_validate(config.applications[0].args)
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    assert cluster["rayVersion"] == ray_pin()
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    shards = 16  # 10^8 / 6.25 M
+    assert groups["shards"]["replicas"] == groups["shards"]["minReplicas"] == shards * args.shard_replicas
+    assert args.shard_max_replicas_per_node == 1 and args.shard_resources == {"shard_host": 1}
+    encoders = groups["encoders"]
+    assert float(encoders["rayStartParams"]["num-cpus"]) * encoders["replicas"] >= (
+        args.encoder_replicas * args.encoder_cpus + args.ingress_replicas * args.ingress_cpus
+    )
+    measured = json.loads((ROOT / "bench" / "results" / "shard-replica.json").read_text())
+    assert measured["labels"] * shards == 100_000_000
+    request = groups["shards"]["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"]
+    assert int(request.removesuffix("Gi")) >= measured["replica"]["after_search"]["peak_rss_gib"] + 0.5

@@ -34,6 +34,8 @@ def test_every_attribute_is_documented_with_its_actual_default():
 def test_choices_come_from_the_literal_types():
     assert choices() == {
         "index_kind": get_args(IndexKind),
+        "labels_format": ("jsonl", "arrays"),
+        "index": ("hnswlib", "ivfpq"),
         "rae_mode": ("joint", "split"),
         "quantize": ("none", "int8", "int8-static"),
         "encode_device": ("auto", "cpu", "cuda"),
@@ -44,7 +46,7 @@ def test_rae_modes_agree_with_the_bundle_schema():
     assert get_args(RaeMode) == RAE_MODES == get_args(RaeParams.model_fields["mode"].annotation)
 
 
-@pytest.mark.parametrize("option", ["index_kind", "rae_mode", "quantize"])
+@pytest.mark.parametrize("option", ["index_kind", "rae_mode", "quantize", "index", "labels_format"])
 def test_an_unknown_choice_is_refused_when_the_params_are_made(option):
     with pytest.raises(ValueError, match=f"unknown {option} 'bogus'"):
         ExportParams(**{option: "bogus"})

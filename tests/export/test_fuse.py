@@ -319,7 +319,7 @@ def test_a_sharded_bundle_is_fused_with_a_key_term_file_per_shard_and_ranks_alik
     vectors, _, _ = predictor.encode(texts)
     expected = predictor.search(vectors, 10, None, None, None, texts).rankings
 
-    _, uids, label_texts = load_labels(sharded_fused)
+    _, uids, label_texts, _ = load_labels(sharded_fused)
     searchers = [load_shard(sharded_fused, i)[1] for i in range(3)]
     assert [s.key_terms.first_key for s in searchers] == [shard.first_key for shard in manifest.shards]
     ingress_fusion = load_fusion(sharded_fused, manifest)

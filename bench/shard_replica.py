@@ -1,0 +1,190 @@
+"""One shard of a 10^8-label deployment on this machine: 6.25 M labels (10^8 / 16) with the
+compressed index, built, loaded as a Ray shard replica loads it (``load_shard``), and searched.
+
+    python -m bench.shard_replica [--labels 6250000] [--encoder-bundle bundles/default]
+        [--work /tmp/xmcserve-shard-replica] [--out bench/results/shard-replica.json]
+
+The label vectors are bench.ann_scale's clustered 64-d mixture (no encoding: a shard replica
+never runs the encoder, and 6.25 M texts would take the encoder hours here); the bundle borrows
+the encoder and tokenizer of ``--encoder-bundle`` so that it is a complete, verifiable bundle.
+Measured: build seconds (IVF-PQ training and filling, label arrays), bytes a label, load seconds
+with checksums and body checks, the loading process's resident memory, and the shard search
+(``ShardSearcher.search``, one thread, the neighbours a label index fetches for k 10 at the
+bundle's ef) one query at a time and in batches of 32, with recall@10 against brute force.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.ann_scale import DIM, draw
+from bench.lib.recall import recall_with_ties
+from service.engine import ENCODER_FILE, TOKENIZER_FILE, Counts, HnswParams
+
+BATCH = 32
+SPREAD = 0.55  # bench.ann_scale's: a label's nearest neighbours at cosines of about 0.7–0.9
+
+
+def build(
+    labels: int, out: Path, encoder_bundle: Path, seed: int, threads: int, centres: np.ndarray | None = None
+) -> tuple[dict, np.ndarray, tuple]:
+    """The shard's bundle at ``out``; returns its build report, the keys and the query model. The
+    keys are bench.ann_scale's mixture, around ``centres`` (unit vectors) when given, random
+    centres (40 labels a cluster, as its 10^6 set) otherwise."""
+    from export.export_params import ExportParams
+    from export.ivfpq import build_ivfpq
+    from export.writer import write_bundle
+    from service.engine import read_manifest, write_label_arrays
+
+    rng = np.random.default_rng(seed)
+    if centres is None:  # bench.ann_scale's random centres, 40 labels a cluster
+        centres = rng.standard_normal((max(1, labels // 40), DIM)).astype(np.float32)
+        centres /= np.linalg.norm(centres, axis=1, keepdims=True)
+    weights = rng.lognormal(0.0, 1.0, len(centres))
+    model = (centres, weights / weights.sum(), SPREAD)
+    vectors = np.empty((labels, centres.shape[1]), dtype=np.float32)
+    step = 1 << 20  # drawn a million at a time: at once, draw's float64 noise alone is 5 GB at 10^7
+    for start in range(0, labels, step):
+        vectors[start : start + step] = draw(*model[:2], min(step, labels - start), rng, SPREAD)
+    source = read_manifest(encoder_bundle)
+    params = ExportParams(index_kind="labels", index="ivfpq", labels_format="arrays", build_threads=threads)
+    ivfpq = params.ivfpq(labels)
+    report: dict = {}
+
+    def populate(stage: Path) -> dict:
+        for name in (ENCODER_FILE, TOKENIZER_FILE):
+            shutil.copy(encoder_bundle / name, stage / name)
+        started = time.perf_counter()
+        uids = [f"synthetic-{i}" for i in range(labels)]
+        write_label_arrays(stage, uids, [f"synthetic label {i}" for i in range(labels)])
+        report["label_arrays_s"] = round(time.perf_counter() - started, 1)
+        started = time.perf_counter()
+        report.update(
+            build_ivfpq(vectors, ivfpq.nlist, ivfpq.pq_m, stage / "index.faiss", stage / "rerank.npy", seed, threads)
+        )
+        report["index_s"] = round(time.perf_counter() - started, 1)
+        return {
+            "created_at": source.created_at,
+            "source": source.source.model_copy(update={"data": f"synthetic clustered, seed {seed}"}),
+            "tokenizer": source.tokenizer,
+            "dim": vectors.shape[1],
+            "index_kind": "labels",
+            "labels_format": "arrays",
+            "ann": "ivfpq",
+            "ivfpq": ivfpq,
+            "hnsw": HnswParams(
+                space="ip", M=params.hnsw_m, ef_construction=params.ef_construction, ef_search=params.ef_search
+            ),
+            "counts": Counts(labels=labels, memory_rows=labels),
+            "params": {"seed": seed, "build_threads": threads},
+        }
+
+    started = time.perf_counter()
+    write_bundle(out, populate, force=True)
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    return report, vectors, model
+
+
+def percentiles(seconds: list[float]) -> dict:
+    ms = np.array(seconds) * 1000
+    return {"p50_ms": round(float(np.percentile(ms, 50)), 3), "p99_ms": round(float(np.percentile(ms, 99)), 3)}
+
+
+def rss_gib() -> dict:
+    status = Path("/proc/self/status").read_text()
+    fields = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if line.startswith("Vm")}
+    return {"rss_gib": round(fields["VmRSS"] / 2**20, 3), "peak_rss_gib": round(fields["VmHWM"] / 2**20, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--labels", type=int, default=6_250_000, help="labels of the shard (10^8 / 16)")
+    parser.add_argument("--encoder-bundle", type=Path, default=Path("bundles/default"), help="encoder and tokenizer")
+    parser.add_argument("--queries", type=int, default=2000, help="queries (recall, batches of 32)")
+    parser.add_argument("--single", type=int, default=1000, help="queries timed one at a time")
+    parser.add_argument("--build-threads", type=int, default=0, help="index build threads (0: every core)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the vectors and the index")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/xmcserve-shard-replica"), help="scratch directory")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/shard-replica.json"), help="JSON result")
+    args = parser.parse_args()
+    import faiss
+
+    from service.engine import fetch_and_ef, load_shard
+
+    bundle = args.work / "shard"
+    build_report, vectors, (centres, weights, spread) = build(
+        args.labels, bundle, args.encoder_bundle, args.seed, args.build_threads
+    )
+    queries = draw(centres, weights, args.queries, np.random.default_rng(args.seed + 1), spread)
+    del vectors
+    # what the replica process holds: measured in a fresh child, so the build's arrays do not count
+    read, write = os.pipe()
+    if (pid := os.fork()) == 0:
+        os.close(read)
+        started = time.perf_counter()
+        manifest, searcher = load_shard(bundle, 0, verify=True, search_threads=1)
+        loaded = {"load_s": round(time.perf_counter() - started, 1), **rss_gib()}
+        fetch, ef = fetch_and_ef(10, manifest.hnsw.ef_search, manifest.counts.memory_rows)
+        found, batch_s = [], []
+        for start in range(0, len(queries), BATCH):
+            t0 = time.perf_counter()
+            found.append(searcher.search(queries[start : start + BATCH], fetch, ef).keys[:, :10])
+            batch_s.append(time.perf_counter() - t0)
+        single_s = []
+        for q in queries[: args.single]:
+            t0 = time.perf_counter()
+            searcher.search(q[None, :], fetch, ef)
+            single_s.append(time.perf_counter() - t0)
+        report = {
+            "found": np.concatenate(found).tolist(),
+            **loaded,
+            "after_search": rss_gib(),
+            "fetch": fetch,
+            "ef": ef,
+            "single": percentiles(single_s),
+            "batch32": percentiles(batch_s),
+        }
+        os.write(write, json.dumps(report).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as fh:
+        replica = json.loads(fh.read())
+    os.waitpid(pid, 0)
+    # exact search over the stored keys the replica re-ranks by (bench.lib.recall: ties count)
+    stored = np.load(bundle / "rerank.npy", mmap_mode="r")
+    flat = faiss.IndexFlatIP(stored.shape[1])
+    for start in range(0, len(stored), 1 << 20):
+        flat.add(np.asarray(stored[start : start + (1 << 20)], dtype=np.float32))
+    sims, _ = flat.search(queries, 10)
+    found = np.array(replica.pop("found"), dtype=np.int64)
+    replica["recall_at_10"] = round(recall_with_ties(found, queries, stored, sims[:, -1]), 4)
+    del flat
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    index_bytes = sum((bundle / name).stat().st_size for name in ("index.faiss", "rerank.npy"))
+    result = {
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "labels": args.labels,
+        "ivfpq": manifest["ivfpq"],
+        "ef_search": manifest["hnsw"]["ef_search"],
+        "build": build_report,
+        "build_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "index_bytes_per_label": round(index_bytes / args.labels, 1),
+        "bundle_bytes": sum(f.stat().st_size for f in bundle.iterdir()),
+        "replica": replica,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""A bundle's keys under another index kind, without re-encoding: ``python -m export.reindex``.
+
+    python -m export.reindex --bundle bundles/debian-unidec --out bundles/debian-unidec-ivfpq --index ivfpq
+
+The keys are read back from the source's index (hnswlib keeps them as float32; an ivfpq bundle's
+are its float16 re-rank vectors) and indexed again in the same shards; the encoder, labels, value
+rows and fusion files are hard-linked (bundles are immutable), so the two bundles differ only in
+how their keys are searched: what a comparison of index kinds on a trained bundle needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from export.build import build_hnsw
+from export.derive import link_or_copy
+from export.export_params import ExportParams
+from export.ivfpq import build_ivfpq
+from export.writer import refuse_existing, write_bundle
+from service.engine import HnswParams, Manifest, load_shard_index, read_manifest, shard_file_names, shard_list, utc_now
+
+
+def reindex_bundle(source: Path, out: Path, params: ExportParams, force: bool = False) -> Manifest:
+    """``source`` with its keys indexed as ``params.index`` says (ivfpq: ``ivf_nlist``, ``pq_m``,
+    ``ivf_nprobe``; hnswlib: ``hnsw_m``, ``ef_construction``), ``ef_search`` from ``params``."""
+    refuse_existing(out, force)
+    source = Path(source).resolve()
+    src = read_manifest(source)
+    shards = shard_list(src)
+    params = replace(params, dim=src.dim, shards=len(shards))
+    keys = [
+        np.asarray(load_shard_index(source, src, s).get_items(np.arange(s.first_key, s.first_key + s.keys)))
+        for s in shards
+    ]
+    ivfpq = params.ivfpq(max(s.keys for s in shards)) if params.index == "ivfpq" else None
+    replaced = {name for s in shards for name in (s.index, s.rerank) if name}
+
+    def populate(stage: Path) -> dict:
+        for name in src.files:
+            if name not in replaced:
+                link_or_copy(source / name, stage / name)
+        new_shards = []
+        for i, (shard, shard_keys) in enumerate(zip(shards, keys, strict=True)):
+            index_name, rerank_name = shard_file_names(params.index, len(shards), i)
+            if ivfpq is not None:
+                build_ivfpq(
+                    shard_keys,
+                    ivfpq.nlist,
+                    ivfpq.pq_m,
+                    stage / index_name,
+                    stage / rerank_name,
+                    params.seed,
+                    params.build_threads,
+                )
+            else:
+                build_hnsw(shard_keys, params, stage / index_name, first_id=shard.first_key)
+            new_shards.append(shard.model_copy(update={"index": index_name, "rerank": rerank_name}))
+        hnsw = HnswParams(
+            space="ip", M=params.hnsw_m, ef_construction=params.ef_construction, ef_search=params.ef_search
+        )
+        return src.model_dump(exclude={"bundle_id", "files"}) | {
+            "created_at": utc_now(),
+            "ann": params.index,
+            "ivfpq": ivfpq,
+            "hnsw": hnsw if params.index == "hnswlib" else src.hnsw.model_copy(update={"ef_search": params.ef_search}),
+            "shards": new_shards if src.shards else None,
+            "params": {**src.params, "index": params.index, "reindexed_from": src.bundle_id},
+        }
+
+    return write_bundle(out, populate, force)
+
+
+def retune_bundle(source: Path, out: Path, nprobe: int | None = None, ef_search: int | None = None) -> Manifest:
+    """``source`` (an ivfpq bundle) scanning ``nprobe`` cells and re-ranking ``ef_search``
+    candidates by default: every file linked, only the manifest's search parameters new (the
+    index does not depend on them)."""
+    source = Path(source).resolve()
+    src = read_manifest(source)
+    if src.ivfpq is None:
+        raise ValueError(f"{source}: not an ivfpq bundle")
+
+    def populate(stage: Path) -> dict:
+        for name in src.files:
+            link_or_copy(source / name, stage / name)
+        return src.model_dump(exclude={"bundle_id", "files"}) | {
+            "created_at": utc_now(),
+            "ivfpq": src.ivfpq.model_copy(update={"nprobe": nprobe or src.ivfpq.nprobe}),
+            "hnsw": src.hnsw.model_copy(update={"ef_search": ef_search or src.hnsw.ef_search}),
+            "params": {**src.params, "retuned_from": src.bundle_id},
+        }
+
+    return write_bundle(out, populate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m export.reindex", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    defaults = ExportParams()
+    parser.add_argument("--bundle", type=Path, required=True, help="the source bundle")
+    parser.add_argument("--out", type=Path, required=True, help="bundle dir to create")
+    parser.add_argument("--index", choices=["hnswlib", "ivfpq"], default="ivfpq", help="the index kind to build")
+    parser.add_argument("--ivf-nlist", type=int, default=defaults.ivf_nlist, help="ivfpq cells (0: auto)")
+    parser.add_argument("--ivf-nprobe", type=int, default=defaults.ivf_nprobe, help="ivfpq cells scanned per query")
+    parser.add_argument("--pq-m", type=int, default=defaults.pq_m, help="ivfpq 4-bit PQ sub-quantizers")
+    parser.add_argument("--hnsw-m", type=int, default=defaults.hnsw_m, help="hnswlib graph degree M")
+    parser.add_argument("--ef-construction", type=int, default=defaults.ef_construction, help="hnswlib build breadth")
+    parser.add_argument(
+        "--ef-search", type=int, default=None, help="default search breadth / re-rank depth (default: the source's)"
+    )
+    parser.add_argument("--build-threads", type=int, default=1, help="index build threads (0: every core)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the index construction")
+    parser.add_argument("--force", action="store_true", help="replace an existing bundle at --out")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    src = read_manifest(Path(args.bundle).resolve())
+    params = ExportParams(
+        index=args.index,
+        dim=src.dim,
+        ivf_nlist=args.ivf_nlist,
+        ivf_nprobe=args.ivf_nprobe,
+        pq_m=args.pq_m,
+        hnsw_m=args.hnsw_m,
+        ef_construction=args.ef_construction,
+        ef_search=args.ef_search or src.hnsw.ef_search,
+        build_threads=args.build_threads,
+        seed=args.seed,
+    )
+    manifest = reindex_bundle(args.bundle, args.out, params, args.force)
+    print(json.dumps({"bundle_id": manifest.bundle_id, "out": str(args.out), "ann": manifest.ann}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,334 @@
+"""The compressed key index (``ann`` ivfpq): faiss IVF over 4-bit PQ fast-scan codes, its
+candidates re-ranked exactly from float16 vectors.
+
+A 64-d key costs 32 bytes of PQ code (``pq_m`` 64 → ``pq_m / 2`` bytes), 8 of id and 128 of
+float16 vector: about 170 bytes against hnswlib's 532 (a graph of M=32 links and the float32
+vector), and the index trains and fills in minutes at 10^7 keys where hnswlib's insertion takes
+hours (bench/results/ann-compressed.json). PQ codes alone saturate below 0.99 recall@10 (their
+error reorders near neighbours), so a query scans ``nprobe`` cells for its ``max(ef, n)`` best
+candidates by code and re-ranks them by the exact inner product with their stored vectors.
+
+:class:`IvfPqIndex` offers the part of ``hnswlib.Index`` the engine uses (``knn_query``,
+``set_ef``, ``add_items``, ``mark_deleted``, …), so the live memory (:mod:`service.engine.memory`),
+the shards and the search path treat both alike: appends are added to the IVF lists (their cell
+from the trained centroids, no rebuild) and their vectors kept beside the bundle's; compaction
+(``export.compact``) trains and fills a fresh index.
+
+Checks before faiss reads a file (:func:`check_index_file`): faiss's reader trusts every length
+in the file, and its scan reads the codes its list sizes say, so a file whose lists are
+inconsistent would be read out of bounds. The inverted lists (the tail of the file) are parsed
+here first: every list's ids and codes sized alike, the ids exactly the shard's keys, the file
+ending where the lists do; the re-rank vectors are checked for shape and finiteness.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+# faiss's OpenMP threads spin while they wait for each other by default: beside another busy
+# process on a 2-core machine a 2-thread build then ran 9x slower than on one thread (41 s against
+# 4.6 s to train 200k keys), passively waiting 5.8 s. Read when faiss's OpenMP starts, so set
+# before faiss is imported; an operator's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import faiss  # noqa: E402
+import numpy as np  # noqa: E402
+
+# fast-scan packs codes in blocks of this many keys (faiss's default bbs)
+FAST_SCAN_BLOCK = 32
+# the ids and codes of one inverted list, as faiss's BlockInvertedLists writes them: a uint64 count
+# then the elements (WRITEVECTOR)
+_COUNT = struct.Struct("<Q")
+# the inverted lists' header: fourcc "ilbl", nlist, code_size, n_per_block, block_size (size_t);
+# block lists record no per-key code size (faiss's InvertedLists::INVALID_CODE_SIZE)
+_LISTS_HEADER = struct.Struct("<4sQQQQ")
+_NO_CODE_SIZE = 2**64 - 1
+
+
+class IndexRefused(ValueError):
+    """The compressed index's file or vectors are inconsistent; the message says how."""
+
+
+def factory_string(nlist: int, pq_m: int) -> str:
+    return f"IVF{nlist},PQ{pq_m}x4fs"
+
+
+def empty_index(dim: int, nlist: int, pq_m: int) -> faiss.Index:
+    """An untrained IVF-PQ fast-scan index over inner products."""
+    return faiss.index_factory(dim, factory_string(nlist, pq_m), faiss.METRIC_INNER_PRODUCT)
+
+
+def lists_offset(dim: int, nlist: int, pq_m: int) -> int:
+    """Where the inverted lists start in a written index of these parameters: everything before
+    them (the IVF header, the ``nlist`` centroids, the PQ codebooks) has sizes fixed by the
+    parameters alone, so an index of the same shape with empty lists says how long it is."""
+    template = empty_index(dim, nlist, pq_m)
+    template.quantizer.add(np.zeros((nlist, dim), dtype=np.float32))
+    template.is_trained = True
+    return len(faiss.serialize_index(template)) - _LISTS_HEADER.size - nlist * 2 * _COUNT.size
+
+
+def check_index_file(file: Path, dim: int, nlist: int, pq_m: int, first_key: int, keys: int) -> None:
+    """The written index's inverted lists, before faiss reads them (see the module docstring).
+    Read through the file, a list at a time, not into memory: at 10^7 keys a copy of the file
+    would be a quarter of a gigabyte of the server's peak memory."""
+    size = file.stat().st_size
+    offset = lists_offset(dim, nlist, pq_m)
+    if size < offset + _LISTS_HEADER.size:
+        raise IndexRefused(f"{size} bytes, shorter than an IVF{nlist},PQ{pq_m}x4fs index's header")
+    seen = np.zeros(keys, dtype=bool)
+    with open(file, "rb") as fh:
+        fh.seek(offset)
+        tag, lists, code_size, per_block, block_size = _LISTS_HEADER.unpack(fh.read(_LISTS_HEADER.size))
+        expected = (b"ilbl", nlist, _NO_CODE_SIZE, FAST_SCAN_BLOCK, FAST_SCAN_BLOCK * pq_m // 2)
+        if (tag, lists, code_size, per_block, block_size) != expected:
+            raise IndexRefused(
+                f"inverted lists {tag!r} of {lists} lists in blocks of {per_block} keys ({block_size} bytes): "
+                f"not the fast-scan lists of IVF{nlist},PQ{pq_m}x4fs"
+            )
+        offset += _LISTS_HEADER.size
+        for number in range(nlist):
+            if offset + _COUNT.size > size:
+                raise IndexRefused(f"the file ends inside list {number}")
+            (count,) = _COUNT.unpack(fh.read(_COUNT.size))
+            offset += _COUNT.size
+            if count > keys or offset + 8 * count + _COUNT.size > size:
+                raise IndexRefused(f"list {number} declares {count} ids, beyond the file or the shard's {keys} keys")
+            ids = np.frombuffer(fh.read(8 * count), dtype=np.int64)
+            offset += 8 * count
+            ordered = np.sort(ids)
+            if count and (
+                ordered[0] < 0 or ordered[-1] >= keys or seen[ids].any() or np.any(ordered[1:] == ordered[:-1])
+            ):
+                raise IndexRefused(f"list {number}: its ids are not the shard's keys 0..{keys - 1}, once each")
+            seen[ids] = True
+            (code_bytes,) = _COUNT.unpack(fh.read(_COUNT.size))
+            offset += _COUNT.size
+            blocks = -(-count // per_block)
+            if code_bytes != blocks * block_size or offset + code_bytes > size:
+                raise IndexRefused(
+                    f"list {number} holds {code_bytes} bytes of codes for {count} keys, not {blocks} blocks"
+                )
+            offset += code_bytes
+            fh.seek(offset)
+    if offset != size:
+        raise IndexRefused(f"{size - offset} bytes after the last inverted list")
+    if not seen.all():
+        raise IndexRefused(
+            f"its ids are not the shard's keys 0..{keys - 1} (key {first_key} onwards): some are missing"
+        )
+
+
+def check_loaded(index: faiss.Index, dim: int, nlist: int, pq_m: int, keys: int) -> None:
+    """The read index against the manifest: its type, shape, metric and finite codebooks."""
+    if not isinstance(index, faiss.IndexIVFPQFastScan):
+        raise IndexRefused(f"a {type(index).__name__}, not an IVF-PQ fast-scan index")
+    shape = (index.d, index.nlist, index.pq.M, index.pq.nbits, index.bbs, index.ntotal, index.metric_type)
+    if shape != (dim, nlist, pq_m, 4, FAST_SCAN_BLOCK, keys, faiss.METRIC_INNER_PRODUCT) or not index.is_trained:
+        raise IndexRefused(
+            f"(dim, nlist, pq_m, bits, block, keys, metric) {shape}, expected "
+            f"{(dim, nlist, pq_m, 4, FAST_SCAN_BLOCK, keys, faiss.METRIC_INNER_PRODUCT)}"
+        )
+    quantizer = faiss.downcast_index(index.quantizer)
+    if quantizer.ntotal != nlist or quantizer.d != dim:
+        raise IndexRefused(f"{quantizer.ntotal} centroids of {quantizer.d} dimensions, expected {nlist} of {dim}")
+    centroids = quantizer.reconstruct_n(0, nlist)
+    codebooks = faiss.vector_to_array(index.pq.centroids)
+    if not (np.all(np.isfinite(centroids)) and np.all(np.isfinite(codebooks))):
+        raise IndexRefused("a centroid or codebook entry is not finite")
+
+
+def load_rerank_vectors(file: Path, dim: int, keys: int) -> np.ndarray:
+    """The float16 vectors of the shard's keys, memory-mapped (pages are read as queries touch
+    them, and shared between processes serving one bundle), refused unless (keys x dim) and finite."""
+    try:
+        vectors = np.load(file, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise IndexRefused(f"cannot read the re-rank vectors ({exc})") from None
+    if vectors.dtype != np.float16 or vectors.shape != (keys, dim):
+        raise IndexRefused(f"re-rank vectors {vectors.dtype} {vectors.shape}, expected float16 {(keys, dim)}")
+    # read through the file in blocks, not through the mapping: pages read by the mapping would
+    # stay in the server's resident memory, all of them, where queries touch only some
+    for block in file_blocks(vectors, 1 << 24):
+        if not np.all(np.isfinite(block)):
+            raise IndexRefused("a re-rank vector is not finite")
+    return vectors
+
+
+def file_blocks(mapped: np.memmap, items: int):
+    """The values of a memory-mapped 1- or 2-d ``.npy`` array, ``items`` scalars at a time, read
+    from its file (the page cache) rather than through the mapping."""
+    with open(mapped.filename, "rb") as fh:
+        fh.seek(mapped.offset)
+        left = mapped.size
+        while left:
+            block = np.fromfile(fh, dtype=mapped.dtype, count=min(items, left))
+            if not len(block):
+                raise IndexRefused(f"{mapped.filename}: shorter than its header says")
+            left -= len(block)
+            yield block
+
+
+class IvfPqIndex:
+    """The compressed index of one shard (keys ``first_key`` .. ``first_key + keys − 1``), with
+    the part of ``hnswlib.Index``'s interface the engine uses. ``ef`` is the re-rank depth. Not
+    thread-safe (neither is hnswlib's): the memory and the shard searcher hold a lock around it."""
+
+    def __init__(self, index: faiss.Index, vectors: np.ndarray, first_key: int, nprobe: int, ef: int):
+        self.index = index
+        self.dim = index.d
+        # the bundle's keys' vectors, float16, memory-mapped: a plain array over the mapping (a
+        # np.memmap's fancy indexing costs more per call)
+        self.base = np.asarray(vectors)
+        self.base_count = len(vectors)
+        self.appended = np.zeros((0, self.dim), dtype=np.float16)  # capacity rows; the first ``added`` used
+        self.added = 0
+        self.first_key = first_key
+        self.nprobe = min(nprobe, index.nlist)
+        self.ef = ef
+        self._hidden: set[int] = set()  # local ids marked deleted (an append being inserted)
+
+    @classmethod
+    def load(
+        cls, index_file: Path, rerank_file: Path, dim: int, params, first_key: int, keys: int, ef: int
+    ) -> IvfPqIndex:
+        """A shard's index from its files, each checked before it is used (:class:`IndexRefused`)."""
+        check_index_file(index_file, dim, params.nlist, params.pq_m, first_key, keys)
+        vectors = load_rerank_vectors(rerank_file, dim, keys)
+        try:
+            index = faiss.read_index(str(index_file))
+        except RuntimeError as exc:
+            raise IndexRefused(f"faiss cannot read it ({exc})") from None
+        check_loaded(index, dim, params.nlist, params.pq_m, keys)
+        return cls(index, vectors, first_key, params.nprobe, ef)
+
+    def set_ef(self, ef: int) -> None:
+        self.ef = ef
+
+    def get_current_count(self) -> int:
+        return self.base_count + self.added
+
+    def get_max_elements(self) -> int:
+        return self.base_count + len(self.appended)
+
+    def resize_index(self, total: int) -> None:
+        """Room for ``total`` keys: the appended vectors' buffer grows (the IVF lists grow by themselves)."""
+        rows = max(total - self.base_count, self.added)
+        grown = np.zeros((rows, self.dim), dtype=np.float16)
+        grown[: self.added] = self.appended[: self.added]
+        self.appended = grown
+
+    def add_items(self, data, ids, num_threads: int = 1) -> None:
+        """Append keys, whose ids must be the next ones: the IVF lists take their codes (cells from
+        the trained centroids), the buffer their float16 vectors."""
+        data = np.ascontiguousarray(data, dtype=np.float32).reshape(-1, self.dim)
+        local = np.asarray(ids, dtype=np.int64) - self.first_key
+        expected = self.get_current_count() + np.arange(len(local))
+        if not np.array_equal(local, expected):
+            raise ValueError("a compressed index appends keys in id order, after its last one")
+        if self.get_current_count() + len(local) > self.get_max_elements():
+            self.resize_index(self.get_current_count() + len(local))
+        with faiss_threads(num_threads):
+            self.index.add_with_ids(data, local)
+        self.appended[self.added : self.added + len(local)] = data
+        self.added += len(local)
+        self._hidden.difference_update(int(key) for key in local)  # hnswlib un-deletes a re-added key too
+
+    def mark_deleted(self, key: int) -> None:
+        self._hidden.add(int(key) - self.first_key)
+
+    def unmark_deleted(self, key: int) -> None:
+        self._hidden.discard(int(key) - self.first_key)
+
+    def get_items(self, ids) -> np.ndarray:
+        """The stored (float16) vectors of keys ``ids``, as float32."""
+        return self.vectors_of(np.asarray(ids, dtype=np.int64) - self.first_key).astype(np.float32)
+
+    def vectors_of(self, local: np.ndarray) -> np.ndarray:
+        """The float16 vectors of local ids (any shape; each must exist)."""
+        flat = local.ravel()
+        if not self.added:
+            return np.asarray(self.base[flat]).reshape(*local.shape, self.dim)
+        out = np.empty((len(flat), self.dim), dtype=np.float16)
+        in_base = flat < self.base_count
+        out[in_base] = self.base[flat[in_base]]
+        out[~in_base] = self.appended[flat[~in_base] - self.base_count]
+        return out.reshape(*local.shape, self.dim)
+
+    def knn_query(self, vectors, k: int = 1, num_threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """The ``k`` nearest keys of each query (global ids, int64; −1 where fewer were found) and
+        their distances ``1 − inner product`` (as hnswlib's ip space gives them; +inf for none):
+        the best ``max(ef, k)`` candidates by code, re-ranked by their stored vectors.
+
+        One thread unless told otherwise (hnswlib's default is every core): a query's scan takes
+        a fraction of a millisecond, and OpenMP's threads spin-wait for each other, which on a
+        machine whose cores are busy costs more than the scan (measured: a 3,000-key build 0.4 s
+        on one thread, 12 s on two beside a busy process)."""
+        queries = np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1, self.dim)
+        depth = max(self.ef, k) + len(self._hidden)
+        with faiss_threads(num_threads):
+            nprobe = min(self.nprobe, self.index.nlist)
+            _, candidates = self.index.search(queries, depth, params=faiss.SearchParametersIVF(nprobe=nprobe))
+        return self.rerank(queries, candidates, k)
+
+    def rerank(self, queries: np.ndarray, candidates: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`exact_rerank` of local ``candidates`` by this index's stored vectors, keys hidden
+        by :meth:`mark_deleted` left out; global key ids."""
+        hidden = np.fromiter(self._hidden, dtype=np.int64) if self._hidden else None
+        return exact_rerank(self.vectors_of, queries, candidates, k, self.first_key, hidden)
+
+
+def exact_rerank(
+    stored_of, queries: np.ndarray, candidates: np.ndarray, k: int, first_key: int = 0, hidden: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` best of each query's ``candidates`` (local ids, −1: none; ``hidden`` ones left
+    out) by the exact inner product with their stored vectors (``stored_of(local ids)``, any
+    shape + dim), ties to the smaller key id: key ids ``first_key + local`` (−1: none) and
+    distances ``1 − inner product`` (+inf: none)."""
+    found = candidates >= 0
+    if hidden is not None:
+        found &= ~np.isin(candidates, hidden)
+    local = np.where(found, candidates, 0)
+    vectors = np.asarray(stored_of(local), dtype=np.float32)
+    sims = np.matmul(vectors, queries[:, :, None])[:, :, 0]  # einsum took 4x as long here
+    sims[~found] = -np.inf
+    keys = np.where(found, local + first_key, -1)
+    order = best_first(keys, sims, k)
+    keys, sims = np.take_along_axis(keys, order, axis=1), np.take_along_axis(sims, order, axis=1)
+    if keys.shape[1] < k:  # fewer candidates than asked: padded as a search that finds fewer keys
+        pad = k - keys.shape[1]
+        keys = np.pad(keys, ((0, 0), (0, pad)), constant_values=-1)
+        sims = np.pad(sims, ((0, 0), (0, pad)), constant_values=-np.inf)
+    return keys, (1.0 - sims).astype(np.float32)
+
+
+def best_first(keys: np.ndarray, sims: np.ndarray, k: int) -> np.ndarray:
+    """Per row, the positions of the ``k`` highest ``sims`` in order, equal ones by key id. Only
+    the best ``2k`` are sorted (a partition finds them) unless a tie crosses that cut, where the
+    whole row decides (sorting every candidate cost as much as the scan itself)."""
+    width = sims.shape[1]
+    if width <= 2 * k:
+        return np.lexsort((keys, -sims), axis=-1)[:, :k]
+    part = np.argpartition(-sims, 2 * k - 1, axis=1)
+    head, rest = part[:, : 2 * k], part[:, 2 * k :]
+    head_sims = np.take_along_axis(sims, head, axis=1)
+    if np.any(np.take_along_axis(sims, rest, axis=1).max(axis=1) >= np.sort(head_sims, axis=1)[:, -k]):
+        return np.lexsort((keys, -sims), axis=-1)[:, :k]  # a tie at the cut
+    within = np.lexsort((np.take_along_axis(keys, head, axis=1), -head_sims), axis=-1)[:, :k]
+    return np.take_along_axis(head, within, axis=1)
+
+
+class faiss_threads:
+    """faiss's OpenMP thread count for one call (−1 or 0: every core), restored after it."""
+
+    def __init__(self, count: int):
+        self.count = count if count > 0 else (os.cpu_count() or 1)
+
+    def __enter__(self) -> None:
+        self.previous = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(self.count)
+
+    def __exit__(self, *exc) -> None:
+        faiss.omp_set_num_threads(self.previous)

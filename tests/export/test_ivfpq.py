@@ -1,0 +1,181 @@
+"""Bundles with the compressed index (export.build --index ivfpq): built for a label index and an
+RAE memory (its instance keys too), loaded and verified (in the vetting child too), searched by
+the same path as hnswlib's, appended to without a rebuild, compacted into a fresh index."""
+
+import json
+
+import numpy as np
+import pytest
+
+from bench.lib.recall import exact_top_k, recall_at_k
+from export.build import ExportParams, build_bundle
+from export.compact import compact_bundle
+from service.engine import AppendBatch, appends_dir_beside, load_predictor, vet_in_child
+from service.engine.bundle import BundleError, load_bundle
+from service.engine.ivfpq import IvfPqIndex
+from service.engine.manifest import IVF_INDEX_FILE, MANIFEST_FILE, RERANK_FILE, sha256_file
+from service.engine.shards import ShardedIndex
+from xmc.data import load_jsonl_split
+
+COMPRESSED = {"dim": 16, "index": "ivfpq", "pq_m": 8, "ivf_nprobe": 64}
+
+
+@pytest.fixture(scope="module")
+def sample_train(sample_dir):
+    return load_jsonl_split(sample_dir, "trn")
+
+
+@pytest.fixture(scope="module")
+def queries(sample_dir):
+    return load_jsonl_split(sample_dir, "dev").texts[:40]
+
+
+@pytest.fixture(scope="module")
+def compressed_rae(sample_train, distilbert_dir, tmp_path_factory):
+    """The tiny_rae_bundle's inputs with the compressed index, and its labels as arrays."""
+    out = tmp_path_factory.mktemp("ivfpq") / "rae"
+    params = ExportParams(**COMPRESSED, max_train=300, rae_top_b=50, labels_format="arrays")
+    build_bundle(out, sample_train.labels, sample_train, distilbert_dir, params)
+    return out
+
+
+@pytest.fixture(scope="module")
+def compressed_labels(sample_train, distilbert_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ivfpq") / "labels-2shards"
+    params = ExportParams(**COMPRESSED, index_kind="labels", shards=2)
+    build_bundle(out, sample_train.labels, None, distilbert_dir, params)
+    return out
+
+
+def test_an_rae_memory_with_the_compressed_index_answers_as_the_hnswlib_one(compressed_rae, tiny_rae_bundle, queries):
+    compressed, graph = load_predictor(compressed_rae), load_predictor(tiny_rae_bundle)
+    manifest = compressed.bundle.manifest
+    assert manifest.ann == "ivfpq" and manifest.ivfpq.pq_m == 8 and manifest.ivfpq.nprobe == 64
+    assert {IVF_INDEX_FILE, RERANK_FILE} <= set(manifest.files) and "index.hnsw" not in manifest.files
+    assert isinstance(compressed.bundle.index, IvfPqIndex)
+    assert manifest.counts.memory_rows == graph.bundle.manifest.counts.memory_rows  # the instance keys too
+    # the label arrays hold what labels.jsonl holds: the same uids, texts and uid → id
+    assert manifest.labels_format == "arrays" and "labels.jsonl" not in manifest.files
+    assert compressed.bundle.label_uids == graph.bundle.label_uids
+    assert compressed.bundle.label_texts == graph.bundle.label_texts
+    some = [graph.bundle.label_uids[i] for i in (0, 17, len(graph.bundle.label_uids) - 1)]
+    assert compressed.view.label_ids(some) == graph.view.label_ids(some) == {0, 17, len(graph.bundle.label_uids) - 1}
+    # the labels served are those of exact search over the same keys, aggregated alike
+    vectors, _ = compressed.bundle.encoder.encode(queries)
+    served = [r.ids.tolist() for r in compressed.search(vectors, 10).rankings]
+    assert recall_at_k(exact_top_k(compressed.bundle, vectors, 10), served) >= 0.99
+    same_top1 = [
+        a.ids[0] == b.ids[0]
+        for a, b in zip(compressed.predict(queries, 5).rankings, graph.predict(queries, 5).rankings, strict=True)
+    ]
+    assert np.mean(same_top1) >= 0.9
+
+
+def test_a_sharded_label_index_with_the_compressed_index_is_searched_shard_by_shard(compressed_labels, queries):
+    predictor = load_predictor(compressed_labels)
+    manifest = predictor.bundle.manifest
+    assert [s.rerank for s in manifest.shards] == ["rerank-0.npy", "rerank-1.npy"]
+    assert isinstance(predictor.bundle.index, ShardedIndex)
+    vectors, _ = predictor.bundle.encoder.encode(queries)
+    served = [r.ids.tolist() for r in predictor.search(vectors, 10).rankings]
+    assert recall_at_k(exact_top_k(predictor.bundle, vectors, 10), served) >= 0.99
+
+
+def test_appends_go_into_the_compressed_index_and_compaction_rebuilds_it(compressed_rae, tmp_path):
+    appends = appends_dir_beside(tmp_path / "source")
+    import shutil
+
+    shutil.copytree(compressed_rae, tmp_path / "source")
+    live = load_predictor(tmp_path / "source", appends_dir=appends)
+    keys_before = live.view.num_keys
+    text = "a brand new package for zebra striping of terminal output"
+    outcome = live.append(
+        AppendBatch(labels=[("zebra-stripes", text)], instances=[("zebra stripes for my terminal", ["zebra-stripes"])])
+    )
+    assert live.view.num_keys == keys_before + 2
+    label = outcome.label_ids["zebra-stripes"]
+    assert live.predict([text], 5).rankings[0].ids[0] == label  # found without a rebuild
+    restarted = load_predictor(tmp_path / "source", appends_dir=appends)  # replayed from the log
+    assert restarted.predict([text], 5).rankings[0].ids[0] == label
+
+    manifest = compact_bundle(tmp_path / "source", tmp_path / "compacted", appends_dir=appends)
+    assert manifest.ann == "ivfpq" and manifest.ivfpq == live.bundle.manifest.ivfpq
+    assert manifest.labels_format == "arrays"
+    assert manifest.counts.memory_rows == keys_before + 2
+    compacted = load_predictor(tmp_path / "compacted", appends_dir=appends)
+    assert compacted.bundle.index.get_current_count() == keys_before + 2  # in the trained index, not appended
+    assert compacted.bundle.index.added == 0
+    assert compacted.predict([text], 5).rankings[0].ids[0] == label
+    assert compacted.view.label_id("zebra-stripes") == label and compacted.bundle.label_texts[label] == text
+
+
+def resign(path, name):
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    manifest["files"][name] = sha256_file(path / name)
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+def test_a_damaged_code_file_is_refused_by_checksum_and_re_signed_by_its_body(compressed_rae, tmp_path):
+    import shutil
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(compressed_rae, bundle)
+    data = bytearray((bundle / IVF_INDEX_FILE).read_bytes())
+    data[-40] ^= 0xFF  # a byte of the last list's codes
+    data.extend(b"\0" * 16)  # and lists that no longer end with the file
+    (bundle / IVF_INDEX_FILE).write_bytes(bytes(data))
+    with pytest.raises(BundleError, match=f"checksum mismatch for {IVF_INDEX_FILE}"):
+        load_bundle(bundle)
+    resign(bundle, IVF_INDEX_FILE)
+    with pytest.raises(BundleError, match=f"{IVF_INDEX_FILE}: IVF-PQ index refused: 16 bytes after"):
+        load_bundle(bundle)
+    with pytest.raises(BundleError, match="IVF-PQ index refused"):
+        vet_in_child(bundle)
+
+
+def test_re_rank_vectors_of_another_bundle_are_refused(compressed_rae, tmp_path):
+    import shutil
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(compressed_rae, bundle)
+    vectors = np.load(bundle / RERANK_FILE)
+    np.save(bundle / RERANK_FILE, vectors[:-1])
+    with pytest.raises(BundleError, match="checksum mismatch"):
+        load_bundle(bundle)
+    resign(bundle, RERANK_FILE)
+    with pytest.raises(BundleError, match="re-rank vectors float16"):
+        load_bundle(bundle)
+
+
+def test_ivfpq_parameters_are_checked_before_the_build():
+    with pytest.raises(ValueError, match="pq_m"):
+        ExportParams(index="ivfpq", dim=16, pq_m=6)
+    with pytest.raises(ValueError, match="even"):
+        ExportParams(index="ivfpq", dim=15, pq_m=5)
+
+
+def test_reindex_gives_the_same_bundle_with_the_compressed_index(tiny_rae_bundle, tmp_path, queries):
+    from export.reindex import reindex_bundle
+
+    manifest = reindex_bundle(tiny_rae_bundle, tmp_path / "ivfpq", ExportParams(index="ivfpq", pq_m=8, ivf_nprobe=64))
+    source = load_predictor(tiny_rae_bundle)
+    assert manifest.ann == "ivfpq" and manifest.params["reindexed_from"] == source.bundle.bundle_id
+    assert manifest.files["encoder.onnx"] == source.bundle.manifest.files["encoder.onnx"]
+    assert manifest.files["values.npz"] == source.bundle.manifest.files["values.npz"]
+    reindexed = load_predictor(tmp_path / "ivfpq")
+    keys = source.bundle.index.get_items(np.arange(manifest.counts.memory_rows))
+    np.testing.assert_allclose(reindexed.bundle.index.get_items(np.arange(len(keys))), keys, atol=1e-3)
+    vectors, _ = reindexed.bundle.encoder.encode(queries)
+    served = [r.ids.tolist() for r in reindexed.search(vectors, 10).rankings]
+    assert recall_at_k(exact_top_k(reindexed.bundle, vectors, 10), served) >= 0.99
+
+
+def test_retune_changes_only_the_search_parameters(compressed_labels, tmp_path):
+    from export.reindex import retune_bundle
+
+    source = load_predictor(compressed_labels).bundle.manifest
+    manifest = retune_bundle(compressed_labels, tmp_path / "retuned", nprobe=3, ef_search=50)
+    assert manifest.files == source.files and manifest.bundle_id == source.bundle_id  # the same content
+    assert (manifest.ivfpq.nprobe, manifest.hnsw.ef_search) == (3, 50)
+    retuned = load_predictor(tmp_path / "retuned")
+    assert [shard.nprobe for shard in retuned.bundle.index.shards] == [3, 3]

@@ -1,0 +1,186 @@
+"""The compressed index (service.engine.ivfpq): its re-rank is exact on the candidates it scans,
+it reaches brute force when it scans everything, appends go in without a rebuild, and a damaged
+index file is refused before faiss reads it."""
+
+import struct
+
+import numpy as np
+import pytest
+
+from export.ivfpq import auto_nlist, build_ivfpq
+from service.engine.ivfpq import IndexRefused, IvfPqIndex, lists_offset
+from service.engine.manifest import IvfPqParams
+
+DIM, KEYS, FIRST_KEY = 32, 3000, 500
+
+
+def unit(rows, rng):
+    x = rng.standard_normal((rows, DIM)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """3,000 clustered unit vectors in an index whose keys start at FIRST_KEY (a shard's)."""
+    rng = np.random.default_rng(0)
+    centres = unit(60, rng)
+    keys = centres[rng.integers(0, 60, KEYS)] + 0.3 * unit(KEYS, rng)
+    keys /= np.linalg.norm(keys, axis=1, keepdims=True)
+    out = tmp_path_factory.mktemp("ivfpq")
+    params = IvfPqParams(nlist=auto_nlist(KEYS), pq_m=16, nprobe=4)
+    build_ivfpq(keys, params.nlist, params.pq_m, out / "index.faiss", out / "rerank.npy", seed=0, build_threads=1)
+    queries = centres[rng.integers(0, 60, 50)] + 0.3 * unit(50, rng)
+    return out, params, keys, queries / np.linalg.norm(queries, axis=1, keepdims=True)
+
+
+def load(built, ef=50, **changes):
+    out, params, _, _ = built
+    return IvfPqIndex.load(
+        out / "index.faiss", out / "rerank.npy", DIM, params.model_copy(update=changes), FIRST_KEY, KEYS, ef
+    )
+
+
+def brute_force(stored, queries, k):
+    sims = queries @ stored.T
+    order = np.lexsort((np.broadcast_to(np.arange(len(stored)), sims.shape), -sims), axis=-1)[:, :k]
+    return order, np.take_along_axis(sims, order, axis=1)
+
+
+def test_scanning_every_cell_and_reranking_every_candidate_is_brute_force(built):
+    _, params, keys, queries = built
+    index = load(built, ef=KEYS, nprobe=params.nlist)
+    found, distances = index.knn_query(queries, k=10)
+    stored = keys.astype(np.float16).astype(np.float32)  # what the bundle keeps: float16
+    order, sims = brute_force(stored, queries, 10)
+    np.testing.assert_array_equal(found, order + FIRST_KEY)
+    np.testing.assert_allclose(1.0 - distances, sims, rtol=0, atol=1e-5)
+
+
+def test_the_rerank_orders_the_scanned_candidates_exactly(built):
+    """At a narrow scan the answer is the exact top k of the candidates the codes gave."""
+    _, params, keys, queries = built
+    index = load(built, ef=40)
+    import faiss
+
+    _, candidates = index.index.search(queries, 40, params=faiss.SearchParametersIVF(nprobe=params.nprobe))
+    found, distances = index.knn_query(queries, k=10)
+    stored = keys.astype(np.float16).astype(np.float32)
+    for row, query in enumerate(queries):
+        scanned = candidates[row][candidates[row] >= 0]
+        sims = stored[scanned] @ query
+        best = scanned[np.lexsort((scanned, -sims))][:10]
+        np.testing.assert_array_equal(found[row], best + FIRST_KEY)
+        np.testing.assert_allclose(1.0 - distances[row], np.sort(sims)[::-1][:10], atol=1e-5)
+
+
+def test_recall_against_brute_force_on_float32_keys(built):
+    _, _, keys, queries = built
+    found, _ = load(built, ef=100, nprobe=8).knn_query(queries, k=10)
+    truth, _ = brute_force(keys, queries, 10)
+    recall = np.mean([len(set(f - FIRST_KEY) & set(t)) / 10 for f, t in zip(found, truth, strict=True)])
+    assert recall >= 0.99
+
+
+def test_appended_keys_are_found_hidden_while_marked_and_must_come_in_id_order(built):
+    _, _, _, queries = built
+    index = load(built)
+    new_ids = FIRST_KEY + KEYS + np.arange(3)
+    index.add_items(queries[:3], new_ids)
+    assert index.get_current_count() == KEYS + 3
+    found, distances = index.knn_query(queries[:3], k=1)
+    np.testing.assert_array_equal(found[:, 0], new_ids)
+    np.testing.assert_allclose(distances[:, 0], 0.0, atol=1e-3)  # a float16 copy of the query itself
+    index.mark_deleted(int(new_ids[1]))
+    assert int(new_ids[1]) not in index.knn_query(queries[1:2], k=10)[0]
+    index.unmark_deleted(int(new_ids[1]))
+    assert index.knn_query(queries[1:2], k=1)[0][0, 0] == new_ids[1]
+    np.testing.assert_allclose(index.get_items(new_ids), queries[:3], atol=1e-3)
+    with pytest.raises(ValueError, match="id order"):
+        index.add_items(queries[:1], [FIRST_KEY])
+
+
+def test_fewer_candidates_than_asked_are_padded_with_no_key(built):
+    found, distances = load(built, ef=1, nprobe=1).knn_query(built[3][:2], k=KEYS)
+    assert (found == -1).any() and np.isinf(distances[found == -1]).all()
+
+
+def damaged(built, tmp_path, change):
+    out, params, _, _ = built
+    data = bytearray((out / "index.faiss").read_bytes())
+    change(data, lists_offset(DIM, params.nlist, params.pq_m))
+    (tmp_path / "index.faiss").write_bytes(bytes(data))
+    (tmp_path / "rerank.npy").write_bytes((out / "rerank.npy").read_bytes())
+    return tmp_path
+
+
+def first_list_ids(data, offset):
+    """(where list 0's id count is, how many ids it has)."""
+    at = offset + struct.calcsize("<4sQQQQ")
+    return at, struct.unpack_from("<Q", data, at)[0]
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda data, offset: struct.pack_into("<Q", data, first_list_ids(data, offset)[0], 10**9), "declares"),
+        (
+            lambda data, offset: struct.pack_into("<q", data, first_list_ids(data, offset)[0] + 8, 10**7),
+            "not the shard's keys",
+        ),
+        (lambda data, offset: data.__delitem__(slice(len(data) - 100, None)), "codes|ends inside"),
+        (lambda data, offset: data.extend(b"\0" * 8), "after the last inverted list"),
+        (lambda data, offset: data.__setitem__(slice(offset, offset + 4), b"xxxx"), "not the fast-scan lists"),
+    ],
+    ids=["list-longer-than-the-shard", "id-outside-the-shard", "truncated", "trailing-bytes", "not-block-lists"],
+)
+def test_a_damaged_index_file_is_refused_before_faiss_reads_it(built, tmp_path, change, reason):
+    _, params, _, _ = built
+    where = damaged(built, tmp_path, change)
+    with pytest.raises(IndexRefused, match=reason):
+        IvfPqIndex.load(where / "index.faiss", where / "rerank.npy", DIM, params, FIRST_KEY, KEYS, 50)
+
+
+def test_rerank_vectors_of_another_shape_or_not_finite_are_refused(built, tmp_path):
+    out, params, keys, _ = built
+    (tmp_path / "index.faiss").write_bytes((out / "index.faiss").read_bytes())
+    np.save(tmp_path / "rerank.npy", keys[:-1].astype(np.float16))
+    with pytest.raises(IndexRefused, match="expected float16"):
+        IvfPqIndex.load(tmp_path / "index.faiss", tmp_path / "rerank.npy", DIM, params, FIRST_KEY, KEYS, 50)
+    broken = keys.astype(np.float16)
+    broken[7, 3] = np.nan
+    np.save(tmp_path / "rerank.npy", broken)
+    with pytest.raises(IndexRefused, match="not finite"):
+        IvfPqIndex.load(tmp_path / "index.faiss", tmp_path / "rerank.npy", DIM, params, FIRST_KEY, KEYS, 50)
+
+
+def test_an_index_of_other_parameters_than_the_manifests_is_refused(built):
+    out, params, _, _ = built
+    with pytest.raises(IndexRefused):
+        IvfPqIndex.load(out / "index.faiss", out / "rerank.npy", DIM, params.model_copy(update={"pq_m": 8}), 0, KEYS, 5)
+    with pytest.raises(IndexRefused, match="not the shard's keys"):
+        IvfPqIndex.load(out / "index.faiss", out / "rerank.npy", DIM, params, 0, KEYS - 1, 5)
+
+
+def test_keys_with_equal_vectors_come_in_key_order():
+    """Identical keys (an instance whose text is a label's) tie exactly: the smaller key id first,
+    whether the candidates are few (sorted whole) or many (partitioned first)."""
+    from service.engine.ivfpq import best_first
+
+    sims = np.array([[0.5, 0.9, 0.9, 0.1, 0.9, 0.2] * 10], dtype=np.float32)
+    keys = np.arange(60)[::-1].reshape(1, 60).copy()
+    for k in (3, 5, 25):
+        order = best_first(keys, sims, k)
+        expected = np.lexsort((keys[0], -sims[0]))[:k]
+        np.testing.assert_array_equal(order[0], expected)
+
+
+def test_a_shard_gives_an_empty_value_row_where_it_found_no_key():
+    import scipy.sparse as sp
+
+    from service.engine.manifest import Shard
+    from service.engine.shards import ShardSearcher
+
+    values = sp.csr_matrix(np.arange(1, 13, dtype=np.float32).reshape(4, 3))
+    searcher = ShardSearcher(None, values, Shard(index="i", values="v", rerank="r", first_key=10, keys=4))
+    rows = searcher.value_rows(np.array([[13, -1], [10, 11]]))
+    np.testing.assert_array_equal(rows.toarray(), [[10, 11, 12], [0, 0, 0], [1, 2, 3], [4, 5, 6]])
