@@ -52,8 +52,8 @@ import faiss
 import hnswlib
 import numpy as np
 
-from bench.ann_scale import clustered_vectors, draw
 from bench.lib.recall import recall_with_ties
+from bench.lib.synthetic import clustered_vectors, draw
 from export.ivfpq import auto_nlist, build_ivfpq
 from service.engine import IvfPqIndex, IvfPqParams, exact_rerank, faiss_threads
 

@@ -271,7 +271,7 @@ def synthetic_path(args, work: Path, bundle: Path, logs: Path, py: str) -> tuple
     bench.ann_scale's clustered vectors as the 10^7 label keys: no text of the 10^7 is encoded."""
     import resource
 
-    from bench.shard_replica import build
+    from bench.lib.synthetic_bundle import build_synthetic_bundle
 
     stages = {}
     encoder = tiny_encoder(work / "encoder", args.layers, seed=0)
@@ -288,7 +288,9 @@ def synthetic_path(args, work: Path, bundle: Path, logs: Path, py: str) -> tuple
     texts = load_jsonl_split(sample, "trn").labels.texts
     centres = np.concatenate([encoder_of.encode(texts[i : i + 256])[0] for i in range(0, len(texts), 256)])
     started = time.perf_counter()
-    report, vectors, _ = build(args.labels, bundle, work / "encoder-bundle", seed=0, threads=0, centres=centres)
+    report, vectors, _ = build_synthetic_bundle(
+        args.labels, bundle, work / "encoder-bundle", seed=0, threads=0, centres=centres
+    )
     del vectors
     stages["build"] = {
         "seconds": round(time.perf_counter() - started, 1),
