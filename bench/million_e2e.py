@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,25 +33,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from bench.lib.stages import TOKENIZER_FILES, run_stage, tst_titles
 from loadtest.localserver import start_server, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "training" / "configs" / "synthetic-1m.yaml"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
-
-
-def run_stage(name: str, command: list[str], log_dir: Path) -> dict:
-    """Run one stage to completion; its wall seconds and peak RSS (GiB, largest process of it)."""
-    started = time.perf_counter()
-    with open(log_dir / f"{name}.log", "w") as log:
-        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
-    seconds = time.perf_counter() - started
-    if process.returncode != 0:
-        raise RuntimeError(f"stage {name} failed ({process.returncode}); see {log_dir / f'{name}.log'}")
-    # ru_maxrss is in KiB on Linux
-    return {"seconds": round(seconds, 1), "peak_rss_gib": round(usage.ru_maxrss / 2**20, 2)}
 
 
 def small_encoder(out: Path, seed: int) -> Path:
@@ -96,13 +81,6 @@ def serve_stage(bundle: Path, queries: list[str], log_dir: Path) -> dict:
         "p50_ms": round(float(np.percentile(ms, 50)), 2),
         "p99_ms": round(float(np.percentile(ms, 99)), 2),
     }
-
-
-def tst_titles(data: Path, count: int) -> list[str]:
-    import gzip
-
-    with gzip.open(data / "tst.json.gz", "rt", encoding="utf-8") as fh:
-        return [json.loads(line)["title"] for _, line in zip(range(count), fh, strict=False)]
 
 
 def main() -> None:

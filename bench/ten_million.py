@@ -57,7 +57,7 @@ import httpx
 import numpy as np
 
 from bench.lib.recall import recall_with_ties
-from bench.million_e2e import TOKENIZER_FILES, run_stage, tst_titles
+from bench.lib.stages import TOKENIZER_FILES, run_stage, tst_titles
 from loadtest.localserver import start_server, stop_server
 
 TOKEN = "bench-ten-million"
