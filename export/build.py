@@ -206,18 +206,7 @@ def write_index(
     for i, ids in enumerate(np.array_split(np.arange(len(keys)), params.shards)):
         first = int(ids[0])
         index_name, rerank_name = shard_file_names(params.index, params.shards, i)
-        if ivfpq is not None:
-            build_ivfpq(
-                keys[first : first + len(ids)],
-                ivfpq.nlist,
-                ivfpq.pq_m,
-                stage / index_name,
-                stage / rerank_name,
-                params.seed,
-                params.build_threads,
-            )
-        else:
-            build_hnsw(keys[first : first + len(ids)], params, stage / index_name, first_id=first)
+        write_shard_index(stage, keys[first : first + len(ids)], first, params, ivfpq, index_name, rerank_name)
         values = (f"values-{i}.npz" if params.shards > 1 else VALUES_FILE) if memory_Y is not None else None
         shards.append(Shard(index=index_name, values=values, rerank=rerank_name, first_key=first, keys=len(ids)))
     if memory_Y is not None:
@@ -265,6 +254,25 @@ def manifest_fields(
             "build_seconds": round(seconds, 1),
         },
     }
+
+
+def write_shard_index(
+    stage: Path,
+    keys: np.ndarray,
+    first_id: int,
+    params: ExportParams,
+    ivfpq: IvfPqParams | None,
+    index_name: str,
+    rerank_name: str | None,
+) -> None:
+    """One shard's index over ``keys`` (ids from ``first_id``): the compressed index and its re-rank
+    vectors when ``ivfpq`` is given, else an HNSW file."""
+    if ivfpq is not None:
+        build_ivfpq(
+            keys, ivfpq.nlist, ivfpq.pq_m, stage / index_name, stage / rerank_name, params.seed, params.build_threads
+        )
+    else:
+        build_hnsw(keys, params, stage / index_name, first_id=first_id)
 
 
 def build_hnsw(keys: np.ndarray, params: ExportParams, path: Path, first_id: int = 0) -> None:

@@ -18,10 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from export.build import build_hnsw
+from export.build import write_shard_index
 from export.derive import link_or_copy
 from export.export_params import ExportParams
-from export.ivfpq import build_ivfpq
 from export.writer import refuse_existing, write_bundle
 from service.engine import HnswParams, Manifest, load_shard_index, read_manifest, shard_file_names, shard_list, utc_now
 
@@ -48,18 +47,7 @@ def reindex_bundle(source: Path, out: Path, params: ExportParams, force: bool = 
         new_shards = []
         for i, (shard, shard_keys) in enumerate(zip(shards, keys, strict=True)):
             index_name, rerank_name = shard_file_names(params.index, len(shards), i)
-            if ivfpq is not None:
-                build_ivfpq(
-                    shard_keys,
-                    ivfpq.nlist,
-                    ivfpq.pq_m,
-                    stage / index_name,
-                    stage / rerank_name,
-                    params.seed,
-                    params.build_threads,
-                )
-            else:
-                build_hnsw(shard_keys, params, stage / index_name, first_id=shard.first_key)
+            write_shard_index(stage, shard_keys, shard.first_key, params, ivfpq, index_name, rerank_name)
             new_shards.append(shard.model_copy(update={"index": index_name, "rerank": rerank_name}))
         hnsw = HnswParams(
             space="ip", M=params.hnsw_m, ef_construction=params.ef_construction, ef_search=params.ef_search

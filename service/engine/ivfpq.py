@@ -36,6 +36,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import faiss  # noqa: E402
 import numpy as np  # noqa: E402
 
+from service.engine.mapped_files import ShortFile, file_blocks  # noqa: E402
+
 # fast-scan packs codes in blocks of this many keys (faiss's default bbs)
 FAST_SCAN_BLOCK = 32
 # the ids and codes of one inverted list, as faiss's BlockInvertedLists writes them: a uint64 count
@@ -151,24 +153,13 @@ def load_rerank_vectors(file: Path, dim: int, keys: int) -> np.ndarray:
         raise IndexRefused(f"re-rank vectors {vectors.dtype} {vectors.shape}, expected float16 {(keys, dim)}")
     # read through the file in blocks, not through the mapping: pages read by the mapping would
     # stay in the server's resident memory, all of them, where queries touch only some
-    for block in file_blocks(vectors, 1 << 24):
-        if not np.all(np.isfinite(block)):
-            raise IndexRefused("a re-rank vector is not finite")
+    try:
+        for block in file_blocks(vectors, 1 << 24):
+            if not np.all(np.isfinite(block)):
+                raise IndexRefused("a re-rank vector is not finite")
+    except ShortFile as exc:
+        raise IndexRefused(str(exc)) from None
     return vectors
-
-
-def file_blocks(mapped: np.memmap, items: int):
-    """The values of a memory-mapped 1- or 2-d ``.npy`` array, ``items`` scalars at a time, read
-    from its file (the page cache) rather than through the mapping."""
-    with open(mapped.filename, "rb") as fh:
-        fh.seek(mapped.offset)
-        left = mapped.size
-        while left:
-            block = np.fromfile(fh, dtype=mapped.dtype, count=min(items, left))
-            if not len(block):
-                raise IndexRefused(f"{mapped.filename}: shorter than its header says")
-            left -= len(block)
-            yield block
 
 
 class IvfPqIndex:

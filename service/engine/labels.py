@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from service.engine.manifest import LABEL_ARRAY_FILES
+from service.engine.mapped_files import ShortFile, file_blocks
 
 UIDS, UID_OFFSETS, TEXTS, TEXT_OFFSETS, UID_HASHES, UID_ORDER = LABEL_ARRAY_FILES
 
@@ -150,6 +151,13 @@ def load_label_arrays(directory: Path, labels: int) -> tuple[StringColumn, Strin
     """The memory-mapped label arrays of a bundle of ``labels`` labels, their structure checked:
     offsets from 0, never decreasing, to the end of the bytes, each at the start of a UTF-8
     character, the bytes valid UTF-8, the order a permutation of the label ids, the hashes sorted."""
+    try:
+        return _checked_label_arrays(directory, labels)
+    except ShortFile as exc:
+        raise LabelsRefused(str(exc)) from None
+
+
+def _checked_label_arrays(directory: Path, labels: int) -> tuple[StringColumn, StringColumn, UidLookup]:
 
     def array(name: str, dtype, length: int | None) -> np.ndarray:
         try:
@@ -202,16 +210,3 @@ def load_label_arrays(directory: Path, labels: int) -> tuple[StringColumn, Strin
 
 
 BLOCK = 1 << 22  # values read at a time by the checks
-
-
-def file_blocks(mapped: np.memmap, items: int):
-    """A memory-mapped ``.npy`` array's values, ``items`` at a time, read from its file."""
-    with open(mapped.filename, "rb") as fh:
-        fh.seek(mapped.offset)
-        left = mapped.size
-        while left:
-            block = np.fromfile(fh, dtype=mapped.dtype, count=min(items, left))
-            if not len(block):
-                raise LabelsRefused(f"{Path(mapped.filename).name}: shorter than its header says")
-            left -= len(block)
-            yield block

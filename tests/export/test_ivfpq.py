@@ -15,19 +15,8 @@ from service.engine.bundle import BundleError, load_bundle
 from service.engine.ivfpq import IvfPqIndex
 from service.engine.manifest import IVF_INDEX_FILE, MANIFEST_FILE, RERANK_FILE, sha256_file
 from service.engine.shards import ShardedIndex
-from xmc.data import load_jsonl_split
 
 COMPRESSED = {"dim": 16, "index": "ivfpq", "pq_m": 8, "ivf_nprobe": 64}
-
-
-@pytest.fixture(scope="module")
-def sample_train(sample_dir):
-    return load_jsonl_split(sample_dir, "trn")
-
-
-@pytest.fixture(scope="module")
-def queries(sample_dir):
-    return load_jsonl_split(sample_dir, "dev").texts[:40]
 
 
 @pytest.fixture(scope="module")

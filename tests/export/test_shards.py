@@ -16,19 +16,8 @@ from loadtest.localserver import start_server, stop_server
 from service.engine import AppendBatch, load_predictor
 from service.engine.manifest import Manifest
 from service.engine.shards import ShardedIndex
-from xmc.data import load_jsonl_split
 
 TINY_RAE = {"dim": 16, "max_train": 300, "rae_top_b": 50}
-
-
-@pytest.fixture(scope="module")
-def sample_train(sample_dir):
-    return load_jsonl_split(sample_dir, "trn")
-
-
-@pytest.fixture(scope="module")
-def queries(sample_dir):
-    return load_jsonl_split(sample_dir, "dev").texts[:40]
 
 
 @pytest.fixture(scope="module")
