@@ -75,8 +75,9 @@ TARGETS = {
 def tiny_encoder(out: Path, layers: int, seed: int) -> Path:
     """A ``layers``-layer, 64-wide BERT with random weights and the MiniLM tokenizer."""
     import torch
-    from training.checkpoint import default_encoder_dir
     from transformers import BertConfig, BertModel
+
+    from xmc.checkpoint import default_encoder_dir
 
     torch.manual_seed(seed)
     config = BertConfig(
