@@ -1,15 +1,15 @@
-"""The ONNX fusion model against what it replaces: parity with the fitting library, and the cost of
-scoring one batch's φ in ONNX Runtime against the numpy walk of old bundles' single tree, on the
-same features, in alternating rounds in one run.
+"""The ONNX fusion models: parity with the fitting library, and the cost of scoring one batch's φ
+in ONNX Runtime for each kind of model ``export.fuse`` fits, on the same features, in alternating
+rounds in one run.
 
     python -m bench.fusion_onnx --bundle bundles/… --run runs/… --data data/debian-sample \\
         [--batch 64] [--rounds 5] [--out bench/results/fusion-onnx-parity.json]
 
 φ is ``export.fuse``'s: every feature group of both kinds of search of the run's held-out
 instances; a batch is the pairs of ``--batch`` consecutive searches (what one served batch of that
-many queries scores). The models: ``export.fuse``'s single tree (scikit-learn) as ONNX and as the
-old bundles' arrays walked in numpy, and the boosted candidates (LightGBM GBDT and LambdaMART)
-as ONNX. Each is timed over every batch once per round, the variants in turn.
+many queries scores). The models: ``export.fuse``'s single tree (scikit-learn) and the boosted
+candidates (LightGBM GBDT and LambdaMART), each as ONNX. Each is timed over every batch once per
+round, the variants in turn.
 """
 
 from __future__ import annotations
@@ -28,14 +28,7 @@ import numpy as np
 from bench.lib.held_out import held_out_features, held_out_instances
 from export.fusion_fit import fit_model
 from export.fusion_to_onnx import onnx_fusion_model
-from service.engine import RegressionTree
 from xmc.checkpoint import HOLDOUT_FILE
-
-
-def tree_arrays(model) -> RegressionTree:
-    """A fitted scikit-learn tree as an old bundle stores it."""
-    t = model.tree_
-    return RegressionTree(t.feature, t.threshold, t.children_left, t.children_right, t.value[:, 0, 0])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,9 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     for kind, model in fitted.items():
         onnx_model, parity[f"onnx-{kind}"] = onnx_fusion_model(model, pairs.X)
         variants[f"onnx-{kind}"] = onnx_model.predict
-    walker = tree_arrays(fitted["tree"].library_model)
-    parity["numpy-tree"] = float(np.max(np.abs(walker.predict(pairs.X) - fitted["tree"].predict(pairs.X))))
-    variants["numpy-tree"] = walker.predict
 
     searches = len(pairs.relevant)
     bounds = np.searchsorted(pairs.query, np.arange(0, searches + args.batch, args.batch))
@@ -77,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                 timings[name].append(time.perf_counter() - started)
     per_batch = {name: round(1e6 * statistics.median(t), 1) for name, t in timings.items()}
     result = {
-        "what": "ONNX Runtime fusion model vs the fitting library (parity) and vs the numpy walk of an old "
-        "bundle's single tree (per-batch cost on the same features, variants in alternating rounds)",
+        "what": "ONNX Runtime fusion models vs the fitting library (parity) and their per-batch cost on the "
+        "same features (variants in alternating rounds)",
         "date": date.today().isoformat(),
         "bundle": str(args.bundle),
         "held_out_instances": len(rows),
@@ -91,7 +81,6 @@ def main(argv: list[str] | None = None) -> int:
         "boosted_trees": args.trees,
         "parity_max_abs_vs_library": parity,
         "median_us_per_batch": per_batch,
-        "onnx_tree_over_numpy_tree": round(per_batch["onnx-tree"] / per_batch["numpy-tree"], 3),
         "ort_session": "CPUExecutionProvider, intra_op_num_threads 1, inter_op_num_threads 1, sequential",
         "machine": {
             "cpus": os.cpu_count(),

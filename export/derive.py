@@ -160,7 +160,7 @@ def fusion_files(manifest: Manifest) -> set[str]:
     if manifest.fusion is None:
         return set()
     fusion = manifest.fusion
-    return {fusion.file, *([fusion.model] if fusion.model else []), *(fusion.lexical or [])}
+    return {fusion.file, fusion.model, *(fusion.lexical or [])}
 
 
 def link_or_copy(src: Path, dst: Path) -> None:

@@ -230,7 +230,7 @@ def load_values(path: Path, manifest: Manifest) -> sp.csr_matrix | None:
 
 def load_fusion(path: Path, manifest: Manifest, verify: bool = True) -> ScoreFusion | None:
     """The bundle's score fusion (``manifest.fusion``), or None: its ONNX model in an ONNX Runtime
-    session (an old bundle's single tree, as arrays), checked for shape."""
+    session, checked for shape."""
     if manifest.fusion is None:
         return None
     params = manifest.fusion
@@ -239,14 +239,13 @@ def load_fusion(path: Path, manifest: Manifest, verify: bool = True) -> ScoreFus
     except ValueError as exc:
         raise BundleError(f"{path}: {exc}; this service computes {list(FEATURE_GROUPS)}") from None
     if verify:
-        verify_checksums(path, manifest, [params.file, *([params.model] if params.model else []), TOKENIZER_FILE])
+        verify_checksums(path, manifest, [params.file, params.model, TOKENIZER_FILE])
     try:
         fusion = ScoreFusion.load(
             path, params, manifest.counts.labels, (path / TOKENIZER_FILE, manifest.tokenizer.max_length)
         )
     except Exception as exc:  # numpy, zip, ONNX Runtime and tokenizers errors alike: the file is refused
-        names = " / ".join(name for name in (params.model, params.file) if name)
-        raise BundleError(f"{path}: cannot load score fusion {names} ({exc})") from None
+        raise BundleError(f"{path}: cannot load score fusion {params.model} / {params.file} ({exc})") from None
     if (fusion.lexicon is not None) != (params.lexical is not None):
         raise BundleError(f"{path}: the manifest lists fusion features {params.features}, its file {fusion.features}")
     return fusion

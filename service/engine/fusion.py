@@ -11,8 +11,7 @@ the keys, similarities and value rows the search already holds:
 
 T is an ai.onnx.ml TreeEnsemble model (one regression tree, a regression GBDT or a LambdaMART
 ranker, fitted and converted by ``export.fuse``) that ONNX Runtime scores in one call per batch
-(:class:`OnnxTreeEnsemble`). Bundles exported before it hold a single tree as arrays in
-``fusion.npz``; :class:`RegressionTree` reads and walks those, and only those.
+(:class:`OnnxTreeEnsemble`).
 
 * ``instance_vote``: log(ε + Σ softmax(q·x_i/τ) over the retrieved instance keys i that carry l)
 * ``label_match``: log(ε + softmax(q·z_l/τ) over the retrieved label keys); ε when z_l was not retrieved
@@ -64,7 +63,6 @@ its text. ``export.fuse`` fits T on training instances the encoder never saw (``
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,54 +172,6 @@ class OnnxTreeEnsemble:
 
 
 @dataclass(frozen=True)
-class RegressionTree:
-    """The single tree of a fusion exported before :class:`OnnxTreeEnsemble`, as arrays in
-    ``fusion.npz`` (scikit-learn's ``tree_`` layout): node j splits on ``feature[j] <= threshold[j]``
-    to ``left[j]`` / ``right[j]``; a leaf has ``left == -1`` and predicts ``value[j]``. Only those
-    bundles are walked here; ``export.fuse`` writes ONNX models."""
-
-    feature: np.ndarray
-    threshold: np.ndarray
-    left: np.ndarray
-    right: np.ndarray
-    value: np.ndarray
-
-    def __post_init__(self) -> None:
-        nodes = len(self.value)
-        if nodes == 0 or any(len(a) != nodes for a in (self.feature, self.threshold, self.left, self.right)):
-            raise ValueError("tree arrays must be non-empty and of one length")
-        inner = self.left >= 0
-        ids = np.arange(nodes)
-        # children after their parent: every walk ends within `nodes` steps
-        if not (np.all(self.left[inner] > ids[inner]) and np.all(self.right[inner] > ids[inner])):
-            raise ValueError("tree children must come after their parent")
-        if np.any(self.left[inner] >= nodes) or np.any(self.right[inner] >= nodes):
-            raise ValueError("tree child out of range")
-        if np.any((self.feature[inner] < 0) | (self.feature[inner] >= len(features_of_groups(FEATURE_GROUPS)))):
-            raise ValueError("tree splits on an unknown feature")
-        if not np.all(np.isfinite(self.value)) or not np.all(np.isfinite(self.threshold[inner])):
-            raise ValueError("tree values and thresholds must be finite")
-
-    ARRAYS = ("feature", "threshold", "left", "right", "value")
-
-    @functools.cached_property
-    def depth(self) -> int:
-        depth = np.zeros(len(self.value), dtype=np.int64)
-        for node in np.flatnonzero(self.left >= 0):  # parents first (children come after)
-            depth[[self.left[node], self.right[node]]] = depth[node] + 1
-        return int(depth.max())
-
-    def predict(self, X: np.ndarray) -> np.ndarray:
-        node = np.zeros(len(X), dtype=np.int64)
-        rows = np.arange(len(X))
-        for _ in range(self.depth):
-            inner = self.left[node] >= 0
-            go_left = X[rows, np.maximum(self.feature[node], 0)] <= self.threshold[node]
-            node = np.where(inner, np.where(go_left, self.left[node], self.right[node]), node)
-        return self.value[node]
-
-
-@dataclass(frozen=True)
 class ScoreFusion:
     """T, the memory's label frequencies (log(1 + count), label id order), for the lexical
     features the lexicon the query terms come from, φ's columns (by default the RAE features,
@@ -246,17 +196,14 @@ class ScoreFusion:
         return groups_of(self.features)
 
     def save(self, directory: Path, params: FusionParams) -> None:
-        """``params.file`` (label frequencies, the lexicon's idf, an old bundle's tree arrays) and
-        ``params.model`` (the ONNX model) into ``directory``."""
+        """``params.file`` (label frequencies, the lexicon's idf) and ``params.model`` (the ONNX
+        model) into ``directory``."""
+        if not isinstance(self.model, OnnxTreeEnsemble):
+            raise ValueError("a fusion is saved with its model as ONNX (OnnxTreeEnsemble)")
         arrays = {"log_frequency": self.log_frequency}
         if self.lexicon is not None:
             arrays["idf"] = self.lexicon.idf
-        if isinstance(self.model, RegressionTree):
-            arrays |= {name: getattr(self.model, name) for name in RegressionTree.ARRAYS}
-        elif params.model is not None and isinstance(self.model, OnnxTreeEnsemble):
-            (directory / params.model).write_bytes(self.model.serialized)
-        else:
-            raise ValueError("a fusion is saved with its ONNX model (params.model) or an old bundle's tree")
+        (directory / params.model).write_bytes(self.model.serialized)
         np.savez_compressed(directory / params.file, **arrays)
 
     @classmethod
@@ -270,22 +217,11 @@ class ScoreFusion:
         with np.load(directory / params.file, allow_pickle=False) as z:
             log_frequency = z["log_frequency"].astype(np.float32)
             idf = z.get("idf")
-            tree = None
-            if params.model is None:  # an old bundle: the tree's arrays
-                tree = RegressionTree(
-                    feature=z["feature"].astype(np.int64),
-                    threshold=z["threshold"].astype(np.float64),
-                    left=z["left"].astype(np.int64),
-                    right=z["right"].astype(np.int64),
-                    value=z["value"].astype(np.float64),
-                )
         if log_frequency.shape != (num_labels,) or not np.all(np.isfinite(log_frequency)):
             raise ValueError(f"log_frequency must be {num_labels} finite values")
         if idf is not None and tokenizer is None:
             raise ValueError("a lexical fusion needs the bundle's tokenizer")
-        if tree is not None and np.any(tree.feature[tree.left >= 0] >= len(features)):
-            raise ValueError("the tree splits on a feature this fusion does not compute")
-        model = tree or OnnxTreeEnsemble.from_bytes((directory / params.model).read_bytes(), len(features))
+        model = OnnxTreeEnsemble.from_bytes((directory / params.model).read_bytes(), len(features))
         lexicon = Lexicon(*tokenizer, idf) if idf is not None else None
         return cls(model, log_frequency, lexicon, features, params.rerank_depth)
 

@@ -136,12 +136,8 @@ class RaeParams(_Strict):
 class FusionParams(_Strict):
     """Score fusion of an RAE memory (service.engine.fusion): fused = p̂ + T(φ)."""
 
-    file: str = Field(FUSION_FILE, description="the label frequencies (and lexicon idf; an old bundle's tree)")
-    model: str | None = Field(
-        None,
-        description="T as an ai.onnx.ml TreeEnsemble ONNX model, its checksum in files; None: a bundle exported "
-        "before it, whose single tree is in file",
-    )
+    file: str = Field(FUSION_FILE, description="the label frequencies (and a lexical fusion's idf)")
+    model: str = Field(description="T as an ai.onnx.ml TreeEnsemble ONNX model, its checksum in files")
     kind: FusionModelKind = Field("tree", description="what T is: tree | gbdt | lambdarank")
     model_params: dict = Field(default_factory=dict, description="T's fitting parameters, as given")
     parity_max_abs: float | None = Field(
@@ -163,6 +159,18 @@ class FusionParams(_Strict):
         description="the keys' term vector files of a fusion with lexical features, one per shard in shard "
         "order (one for an unsharded bundle); None: no lexical features",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _an_onnx_model(cls, data):
+        # the first fused bundles (2026-11-24) kept a single tree as arrays in fusion.npz and no model
+        if isinstance(data, dict) and not data.get("model"):
+            raise ValueError(
+                "this fusion has no ONNX model (fusion.model): it was exported before the fusion was served as "
+                "ONNX; re-fuse its source bundle: python -m export.fuse --bundle <source> --run <run> "
+                "--data <dataset> --out <new bundle>"
+            )
+        return data
 
 
 class Shard(_Strict):

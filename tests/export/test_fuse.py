@@ -1,11 +1,12 @@
 """export.fuse: a fusion fitted on held-out training instances (leave one out), converted to an
 ai.onnx.ml TreeEnsemble checked against its library, written as a derived bundle whose answers are
 the source's RAE scores plus the model, lexical by default (the keys' term vectors beside it, one
-file per shard); a tree, a regression GBDT or LambdaMART; an old bundle's tree as arrays still
-serves; appends and compaction keep it; wrong inputs are refused."""
+file per shard); a tree, a regression GBDT or LambdaMART; a bundle from before the ONNX fusion is
+refused with how to re-fuse it; appends and compaction keep it; wrong inputs are refused."""
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -26,7 +27,6 @@ from service.engine.fusion import (
     FEATURES,
     LEXICAL_FEATURES,
     OnnxTreeEnsemble,
-    RegressionTree,
     groups_of,
     memory_log_frequency,
 )
@@ -36,14 +36,12 @@ from service.engine.manifest import (
     FUSION_MODEL_FILE,
     LEXICAL_FILE,
     MANIFEST_FILE,
-    Manifest,
-    content_id,
     sha256_file,
 )
 from service.engine.memory import AppendBatch, base_view, fetch_and_ef
 from service.engine.search import Predictor, RankedSearch, merged_neighbours
 from service.engine.shards import ShardQuery
-from tests.service.engine.test_fusion import random_sklearn_tree, tree_from
+from tests.service.engine.test_fusion import random_sklearn_tree
 from xmc.checkpoint import HOLDOUT_FILE
 from xmc.data import label_frequencies, load_jsonl_split, rows_of_uids
 
@@ -91,30 +89,28 @@ def plain_fused(sample_bundle, sample_dir, run_dir, tmp_path_factory):
     )
 
 
-@pytest.fixture(scope="module")
-def old_fused(fused, tmp_path_factory):
-    """The fused bundle as an export before the ONNX fusion wrote it: its single tree as arrays in
-    fusion.npz, no fusion.onnx, the manifest without the model's fields."""
-    old = tmp_path_factory.mktemp("old") / "old-fused"
+def as_before_the_onnx_fusion(fused: Path, old: Path) -> Path:
+    """``fused`` as an export before the ONNX fusion wrote it: its single tree as arrays in
+    fusion.npz (scikit-learn's tree_ layout), no fusion.onnx, the manifest without the model's fields."""
     shutil.copytree(fused, old)
     manifest = json.loads((old / MANIFEST_FILE).read_text())
-    features = tuple(manifest["fusion"]["features"])
-    tree = tree_from(random_sklearn_tree(depth=5, features=features))
+    tree = random_sklearn_tree(depth=5, features=tuple(manifest["fusion"]["features"])).tree_
     with np.load(old / FUSION_FILE) as z:
         arrays = dict(z)
-    np.savez_compressed(old / FUSION_FILE, **arrays, **{name: getattr(tree, name) for name in RegressionTree.ARRAYS})
+    arrays |= {"feature": tree.feature, "threshold": tree.threshold, "value": tree.value[:, 0, 0]}
+    arrays |= {"left": tree.children_left, "right": tree.children_right}
+    np.savez_compressed(old / FUSION_FILE, **arrays)
     (old / FUSION_MODEL_FILE).unlink()
     for name in ("model", "kind", "model_params", "parity_max_abs"):
         del manifest["fusion"][name]
-    manifest["fusion"]["depth"] = tree.depth
+    manifest["fusion"]["depth"] = tree.max_depth
     del manifest["files"][FUSION_MODEL_FILE]
     manifest["files"][FUSION_FILE] = sha256_file(old / FUSION_FILE)
-    manifest["bundle_id"] = content_id(Manifest.model_validate(manifest))  # as its export named it
     (old / MANIFEST_FILE).write_text(json.dumps(manifest))
     return old
 
 
-@pytest.fixture(params=["fused", "plain_fused", "old_fused"])
+@pytest.fixture(params=["fused", "plain_fused"])
 def any_fused(request):
     return request.getfixturevalue(request.param)
 
@@ -218,12 +214,10 @@ def test_one_tokenization_gives_the_query_vectors_and_the_lexical_terms(fused, p
     assert load_predictor(plain_fused).encode(texts)[2] is None  # no lexical features: no terms
 
 
-def test_an_old_bundle_s_tree_as_arrays_still_serves(old_fused, sample_bundle, sample_dir):
-    bundle = load_bundle(old_fused)
-    assert bundle.manifest.fusion.model is None and isinstance(bundle.fusion.model, RegressionTree)
-    tree = bundle.fusion.model
-    texts = load_jsonl_split(sample_dir, "dev").texts[:20]
-    check_rae_score_plus_a_leaf(old_fused, sample_bundle, texts, tree.value[tree.left < 0])
+def test_a_bundle_from_before_the_onnx_fusion_is_refused_with_how_to_re_fuse_it(fused, tmp_path):
+    old = as_before_the_onnx_fusion(fused, tmp_path / "old-fused")
+    with pytest.raises(BundleError, match=r"no ONNX model \(fusion.model\).*python -m export.fuse --bundle"):
+        load_bundle(old)
 
 
 @pytest.mark.parametrize("kind", ["gbdt", "lambdarank"])

@@ -115,7 +115,9 @@ def test_the_vetting_child_refuses_a_damaged_body_with_the_file_and_reason(bundl
 
 def test_key_terms_narrower_than_the_fusions_term_space_are_refused(tiny_rae_bundle, tmp_path):
     manifest = load_bundle(tiny_rae_bundle).manifest
-    fusion = FusionParams(features=["p"], depth=0, fitted_on="trn", queries=1, pairs=1, lexical=[LEXICAL_FILE])
+    fusion = FusionParams(
+        model="fusion.onnx", features=["p"], depth=0, fitted_on="trn", queries=1, pairs=1, lexical=[LEXICAL_FILE]
+    )
     manifest = manifest.model_copy(update={"fusion": fusion})
     keys = manifest.counts.memory_rows
     np.savez(tmp_path / fusion.file, idf=np.ones(50, dtype=np.float32))

@@ -1,6 +1,6 @@
 """service.engine.fusion: the ONNX model predicts as its library does in one ONNX Runtime session of
-one thread, an old bundle's tree as arrays predicts as scikit-learn does, each feature is what its
-definition says on a hand-made query, and rescoring adds the model to the RAE score."""
+one thread, each feature is what its definition says on a hand-made query, rescoring adds the model
+to the RAE score, and a bundle from before the ONNX fusion is refused with what to do."""
 
 import math
 
@@ -19,7 +19,6 @@ from service.engine.fusion import (
     QUERY_FEATURES,
     RANK_FEATURES,
     OnnxTreeEnsemble,
-    RegressionTree,
     ScoreFusion,
     batch_features,
     features_of_groups,
@@ -33,12 +32,6 @@ from service.engine.manifest import FUSION_FILE, FUSION_MODEL_FILE, FusionParams
 from service.engine.rae import KeptKeys, ValueRows, aggregate, aggregate_kept, keep_keys, softmax
 from xmc.checkpoint import default_encoder_dir
 
-
-def tree_from(model: DecisionTreeRegressor) -> RegressionTree:
-    t = model.tree_
-    return RegressionTree(t.feature, t.threshold, t.children_left, t.children_right, t.value[:, 0, 0])
-
-
 ALL_FEATURES = features_of_groups(["lexical", "ranks", "thresholds", "query"])
 
 
@@ -50,21 +43,16 @@ def random_sklearn_tree(seed: int = 0, depth: int = 6, features: tuple[str, ...]
     return DecisionTreeRegressor(max_depth=depth, random_state=0).fit(X, y)
 
 
-def random_tree(seed: int = 0, depth: int = 6, features: tuple[str, ...] = FEATURES) -> RegressionTree:
-    """An old bundle's tree, as arrays."""
-    return tree_from(random_sklearn_tree(seed, depth, features))
-
-
 def random_onnx_tree(seed: int = 0, depth: int = 6, features: tuple[str, ...] = FEATURES) -> OnnxTreeEnsemble:
     """The same tree as ``export.fuse`` writes it: skl2onnx's ai.onnx.ml TreeEnsemble, in ONNX Runtime."""
     fitted = FittedModel("tree", {}, random_sklearn_tree(seed, depth, features))
     return OnnxTreeEnsemble.from_bytes(to_onnx(fitted, len(features)), len(features))
 
 
-def fusion_params(features: tuple[str, ...], onnx: bool = True) -> FusionParams:
+def fusion_params(features: tuple[str, ...]) -> FusionParams:
     return FusionParams(
         file=FUSION_FILE,
-        model=FUSION_MODEL_FILE if onnx else None,
+        model=FUSION_MODEL_FILE,
         features=list(features),
         fitted_on="a test",
         queries=1,
@@ -72,18 +60,23 @@ def fusion_params(features: tuple[str, ...], onnx: bool = True) -> FusionParams:
     )
 
 
-def leaf(value: float) -> RegressionTree:
-    return RegressionTree(np.array([-2]), np.array([-2.0]), np.array([-1]), np.array([-1]), np.array([value]))
+def onnx_of(tree: DecisionTreeRegressor, width: int) -> OnnxTreeEnsemble:
+    return OnnxTreeEnsemble.from_bytes(to_onnx(FittedModel("tree", {}, tree), width), width)
 
 
-def split_on(feature: str, threshold: float, below: float, above: float) -> RegressionTree:
-    return RegressionTree(
-        feature=np.array([(FEATURES + LEXICAL_FEATURES).index(feature), -2, -2]),
-        threshold=np.array([threshold, -2.0, -2.0]),
-        left=np.array([1, -1, -1]),
-        right=np.array([2, -1, -1]),
-        value=np.array([0.0, below, above]),
-    )
+def leaf(value: float, features: tuple[str, ...] = FEATURES) -> OnnxTreeEnsemble:
+    """T = ``value`` whatever φ: a tree of one leaf, in ONNX."""
+    X = np.zeros((2, len(features)))
+    return onnx_of(DecisionTreeRegressor(max_depth=1).fit(X, [value, value]), len(features))
+
+
+def split_on(feature: str, threshold: float, below: float, above: float) -> OnnxTreeEnsemble:
+    """T = ``below`` where φ's ``feature`` ≤ ``threshold``, else ``above``: a one-split tree, in ONNX,
+    over the RAE features (and the lexical ones for a lexical ``feature``)."""
+    features = FEATURES if feature in FEATURES else FEATURES + LEXICAL_FEATURES
+    X = np.zeros((2, len(features)))
+    X[:, features.index(feature)] = [threshold - 0.25, threshold + 0.25]  # sklearn splits at the midpoint
+    return onnx_of(DecisionTreeRegressor(max_depth=1).fit(X, [below, above]), len(features))
 
 
 def test_the_onnx_model_scores_as_its_library_in_one_single_threaded_session():
@@ -99,37 +92,11 @@ def test_the_onnx_model_scores_as_its_library_in_one_single_threaded_session():
         OnnxTreeEnsemble.from_bytes(onnx_tree.serialized, 12)
 
 
-def test_the_tree_as_arrays_predicts_what_scikit_learn_predicts():
-    rng = np.random.default_rng(1)
-    X = rng.normal(size=(3000, len(FEATURES)))
-    model = DecisionTreeRegressor(max_depth=7, min_samples_leaf=5, random_state=0).fit(
-        X[:2000], X[:2000, 0] * X[:2000, 3]
-    )
-    tree = tree_from(model)
-    assert tree.depth == model.get_depth()
-    np.testing.assert_allclose(tree.predict(X[2000:]), model.predict(X[2000:]), rtol=0, atol=1e-12)
-    assert leaf(0.25).predict(X[:3]).tolist() == [0.25] * 3
-
-
-@pytest.mark.parametrize(
-    ("array", "node", "value", "reason"),
-    [
-        ("left", 0, 0, "after their parent"),  # a cycle
-        ("right", 0, 99, "out of range"),
-        ("feature", 0, len(ALL_FEATURES), "unknown feature"),
-        ("value", 1, np.nan, "finite"),
-    ],
-)
-def test_a_malformed_tree_is_refused(array, node, value, reason):
-    good = split_on("rae_score", 0.5, 0.0, 1.0)
-    arrays = {
-        name: getattr(good, name).astype(np.float64 if name == "value" else np.int64).copy()
-        for name in ("feature", "left", "right", "value")
-    }
-    arrays["threshold"] = good.threshold.copy()
-    arrays[array][node] = value
-    with pytest.raises(ValueError, match=reason):
-        RegressionTree(**arrays)
+def test_the_one_split_test_trees_are_what_they_say():
+    X = np.zeros((3, len(FEATURES)))
+    X[:, FEATURES.index("label_retrieved")] = [0.0, 0.5, 1.0]
+    assert split_on("label_retrieved", 0.5, -1.0, 2.0).predict(X).tolist() == [-1.0, -1.0, 2.0]
+    assert leaf(0.25).predict(X).tolist() == [0.25] * 3
 
 
 def memory():
@@ -244,13 +211,12 @@ def test_a_rerank_depth_rescores_and_returns_only_each_querys_top_max_depth_k_ca
         ScoreFusion(leaf(0.5), np.zeros(4), rerank_depth=0)
 
 
-@pytest.mark.parametrize("onnx", [True, False], ids=["onnx", "old-tree"])
-def test_fusion_files_round_trip_and_a_wrong_frequency_table_is_refused(tmp_path, onnx):
-    model = random_onnx_tree() if onnx else random_tree()
+def test_fusion_files_round_trip_and_a_wrong_frequency_table_is_refused(tmp_path):
+    model = random_onnx_tree()
     fusion = ScoreFusion(model, np.log1p(np.arange(5, dtype=np.float32)))
-    params = fusion_params(FEATURES, onnx)
+    params = fusion_params(FEATURES)
     fusion.save(tmp_path, params)
-    assert (tmp_path / FUSION_MODEL_FILE).is_file() == onnx
+    assert (tmp_path / FUSION_MODEL_FILE).is_file()
     loaded = ScoreFusion.load(tmp_path, params, 5)
     assert type(loaded.model) is type(model) and loaded.rerank_depth is None
     deep = ScoreFusion.load(tmp_path, params.model_copy(update={"rerank_depth": 3}), 5)
@@ -262,9 +228,16 @@ def test_fusion_files_round_trip_and_a_wrong_frequency_table_is_refused(tmp_path
         ScoreFusion.load(tmp_path, params, 6)
 
 
-def test_an_onnx_fusion_is_not_saved_as_an_old_bundle(tmp_path):
-    with pytest.raises(ValueError, match="ONNX model"):
-        ScoreFusion(random_onnx_tree(), np.zeros(5)).save(tmp_path, fusion_params(FEATURES, onnx=False))
+def test_a_fusion_without_an_onnx_model_is_refused_with_how_to_re_fuse_it(tmp_path):
+    with pytest.raises(ValueError, match="saved with its model as ONNX"):
+        ScoreFusion(None, np.zeros(5)).save(tmp_path, fusion_params(FEATURES))
+    # the manifest of a bundle from before the ONNX fusion: its tree as arrays, no model
+    old = fusion_params(FEATURES).model_dump() | {"depth": 5}
+    del old["model"]
+    with pytest.raises(ValueError, match=r"no ONNX model \(fusion.model\).*python -m export.fuse --bundle"):
+        FusionParams.model_validate(old)
+    with pytest.raises(ValueError, match="no ONNX model"):
+        FusionParams.model_validate(old | {"model": None})
 
 
 def test_label_frequencies_come_from_the_instance_rows_only():
@@ -334,14 +307,9 @@ def test_lexical_fusion_files_round_trip_and_are_checked(tmp_path):
     assert loaded.features == features
     with pytest.raises(ValueError, match="needs the bundle's tokenizer"):
         ScoreFusion.load(tmp_path, params, 5)
-    # an old tree on a lexical feature without the lexicon to compute it
-    old = fusion_params(FEATURES, onnx=False)
-    ScoreFusion(split_on("label_lexical", 0.5, 0.0, 1.0), np.zeros(5)).save(tmp_path, old)
-    with pytest.raises(ValueError, match="does not compute"):
-        ScoreFusion.load(tmp_path, old, 5)
     # a model over other features than the manifest lists
     with pytest.raises(ValueError, match=r"one float input \[batch, 8\]"):
-        ScoreFusion.load(tmp_path, fusion_params(FEATURES), 5)
+        ScoreFusion.load(tmp_path, fusion_params(FEATURES), 5, tokenizer)
 
 
 def test_feature_lists_are_whole_groups_in_order():
