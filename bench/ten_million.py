@@ -317,7 +317,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=0, help="transformer layers of the random 64-wide encoder")
     parser.add_argument(
         "--settings",
-        default="128:300,128:1000,128:2000,256:2000",
+        default="128:300,128:600,128:1000,128:2000,256:2000",
         help="nprobe:ef pairs (cells scanned, candidates re-ranked) tried in process, cheap to costly; the served "
         "bundle gets the first whose recall@10 reaches the target (its files linked, only the manifest's search "
         "parameters set)",

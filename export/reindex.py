@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--index", choices=["hnswlib", "ivfpq"], default="ivfpq", help="the index kind to build")
     parser.add_argument("--ivf-nlist", type=int, default=defaults.ivf_nlist, help="ivfpq cells (0: auto)")
     parser.add_argument("--ivf-nprobe", type=int, default=defaults.ivf_nprobe, help="ivfpq cells scanned per query")
-    parser.add_argument("--pq-m", type=int, default=defaults.pq_m, help="ivfpq 4-bit PQ sub-quantizers")
+    parser.add_argument(
+        "--pq-m", type=int, default=defaults.pq_m, help="ivfpq 4-bit PQ sub-quantizers (0: one a dimension)"
+    )
     parser.add_argument("--hnsw-m", type=int, default=defaults.hnsw_m, help="hnswlib graph degree M")
     parser.add_argument("--ef-construction", type=int, default=defaults.ef_construction, help="hnswlib build breadth")
     parser.add_argument(

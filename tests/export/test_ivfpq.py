@@ -141,6 +141,11 @@ def test_ivfpq_parameters_are_checked_before_the_build():
         ExportParams(index="ivfpq", dim=16, pq_m=6)
     with pytest.raises(ValueError, match="even"):
         ExportParams(index="ivfpq", dim=15, pq_m=5)
+    # by default one 4-bit sub-quantizer a dimension, whatever the dimension
+    assert ExportParams(index="ivfpq", dim=16).ivfpq(1000).pq_m == 16
+    assert ExportParams(index="ivfpq").ivfpq(1000).pq_m == 64
+    with pytest.raises(ValueError, match="even"):
+        ExportParams(index="ivfpq", dim=15)
 
 
 def test_reindex_gives_the_same_bundle_with_the_compressed_index(tiny_rae_bundle, tmp_path, queries):
