@@ -275,3 +275,7 @@ def main(argv: list[str] | None = None) -> None:
         "seconds": round(fit.seconds, 1),
     }
     print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
