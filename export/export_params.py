@@ -54,7 +54,9 @@ class ExportParams:
             bytes a key and minutes to build at 10^7 keys (bench/results/ann-compressed.json)
             (default: hnswlib)
         ivf_nlist: ivfpq cells; 0 = the power of two at or below min(4·sqrt(keys), keys / 39) (default: 0)
-        ivf_nprobe: ivfpq cells scanned per query (default: 128)
+        ivf_nprobe: ivfpq cells scanned per query; 0 = 256 for an RAE memory (a query's b keys
+            reach into more cells than a top 10: on the trained Debian-Related memory 128 cost 0.46
+            P@1 against hnswlib, 256 0.05), 128 for a label index (default: 0)
         pq_m: ivfpq PQ sub-quantizers of 4 bits, an even divisor of dim: pq_m / 2 bytes of code a key;
             0 = dim, one a dimension: at 10^7 clustered keys its candidates reach recall@10 0.99
             after the re-rank where dim / 2 stops near 0.976 (bench/results/ten-million.json) (default: 0)
@@ -104,7 +106,7 @@ class ExportParams:
     labels_format: LabelsFormat = "jsonl"
     index: AnnKind = "hnswlib"
     ivf_nlist: int = 0
-    ivf_nprobe: int = 128
+    ivf_nprobe: int = 0
     pq_m: int = 0
     hnsw_m: int = 32
     ef_construction: int = 200
@@ -146,7 +148,8 @@ class ExportParams:
         from export.ivfpq import auto_nlist
 
         pq_m = self.pq_m or self.dim
-        return IvfPqParams(nlist=self.ivf_nlist or auto_nlist(keys), pq_m=pq_m, nprobe=self.ivf_nprobe)
+        nprobe = self.ivf_nprobe or (256 if self.index_kind == "rae_memory" else 128)
+        return IvfPqParams(nlist=self.ivf_nlist or auto_nlist(keys), pq_m=pq_m, nprobe=nprobe)
 
     def rae(self) -> RaeParams:
         """The RAE parameters as the manifest records them."""

@@ -32,7 +32,7 @@ def reindex_bundle(source: Path, out: Path, params: ExportParams, force: bool = 
     source = Path(source).resolve()
     src = read_manifest(source)
     shards = shard_list(src)
-    params = replace(params, dim=src.dim, shards=len(shards))
+    params = replace(params, dim=src.dim, shards=len(shards), index_kind=src.index_kind)
     keys = [
         np.asarray(load_shard_index(source, src, s).get_items(np.arange(s.first_key, s.first_key + s.keys)))
         for s in shards
@@ -95,7 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, required=True, help="bundle dir to create")
     parser.add_argument("--index", choices=["hnswlib", "ivfpq"], default="ivfpq", help="the index kind to build")
     parser.add_argument("--ivf-nlist", type=int, default=defaults.ivf_nlist, help="ivfpq cells (0: auto)")
-    parser.add_argument("--ivf-nprobe", type=int, default=defaults.ivf_nprobe, help="ivfpq cells scanned per query")
+    parser.add_argument(
+        "--ivf-nprobe",
+        type=int,
+        default=defaults.ivf_nprobe,
+        help="ivfpq cells scanned per query (0: 256 for an RAE memory, 128 for a label index)",
+    )
     parser.add_argument(
         "--pq-m", type=int, default=defaults.pq_m, help="ivfpq 4-bit PQ sub-quantizers (0: one a dimension)"
     )

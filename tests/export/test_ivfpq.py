@@ -144,6 +144,10 @@ def test_ivfpq_parameters_are_checked_before_the_build():
     # by default one 4-bit sub-quantizer a dimension, whatever the dimension
     assert ExportParams(index="ivfpq", dim=16).ivfpq(1000).pq_m == 16
     assert ExportParams(index="ivfpq").ivfpq(1000).pq_m == 64
+    # and an RAE memory scans more cells than a label index (its b keys reach into more of them)
+    assert ExportParams(index="ivfpq").ivfpq(1000).nprobe == 256
+    assert ExportParams(index="ivfpq", index_kind="labels").ivfpq(1000).nprobe == 128
+    assert ExportParams(index="ivfpq", ivf_nprobe=8).ivfpq(1000).nprobe == 8
     with pytest.raises(ValueError, match="even"):
         ExportParams(index="ivfpq", dim=15)
 
