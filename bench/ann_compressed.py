@@ -18,7 +18,7 @@ Methods (each a build and a list of search settings, swept from cheap to costly;
 is the first whose recall@10 reaches ``--target``):
 
 * ``hnswlib``: the service's default, M 32, ef_construction 200; settings: ef.
-* ``ivfpq-fp16``: the service's ``--index ivfpq`` (service.engine.ivfpq): faiss IVF, 4-bit PQ
+* ``ivfpq-fp16``: the service's ``--index ivfpq`` (service/engine/ivfpq.py): faiss IVF, 4-bit PQ
   fast-scan codes (pq_m 32: 16 bytes a key), the best ``depth`` candidates by code re-ranked
   exactly from float16 vectors; settings: (nprobe, depth).
 * ``ivfpq64-fp16``: the same with pq_m 64 (one 4-bit sub-quantizer a dimension, 32 bytes a key),
@@ -85,7 +85,7 @@ def save_fp16(keys: np.ndarray, path: Path) -> np.ndarray:
 
 
 def reranked(candidates_of: Callable, stored_of: Callable) -> Callable:
-    """``search`` from a candidate search: its candidates re-ranked exactly (service.engine.ivfpq)."""
+    """``search`` from a candidate search: its candidates re-ranked exactly (service/engine/ivfpq.py)."""
 
     def search(queries: np.ndarray, setting: tuple) -> np.ndarray:
         *knobs, depth = setting

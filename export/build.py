@@ -287,7 +287,7 @@ def build_hnsw(keys: np.ndarray, params: ExportParams, path: Path, first_id: int
 
 
 def write_label_files(stage: Path, labels: LabelSpace, labels_format: str) -> None:
-    """The bundle's labels: ``labels.jsonl``, or the memory-mapped label arrays (service.engine.labels)."""
+    """The bundle's labels: ``labels.jsonl``, or the memory-mapped label arrays (service/engine/labels.py)."""
     if labels_format == "arrays":
         write_label_arrays(stage, labels.uids, labels.texts)
     else:
