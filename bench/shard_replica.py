@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.lib.recall import recall_with_ties
+from bench.lib.recall import breadth_settings, first_reaching, recall_with_ties
 from bench.lib.synthetic import draw
 from bench.lib.synthetic_bundle import build_synthetic_bundle
 
@@ -68,7 +68,7 @@ def main() -> None:
 
     from service.engine import fetch_and_ef, load_shard
 
-    settings = [tuple(int(n) for n in pair.split(":")) for pair in args.settings.split(",")]
+    settings = breadth_settings(args.settings)
     bundle = args.work / "shard"
     build_report, vectors, (centres, weights, spread) = build_synthetic_bundle(
         args.labels, bundle, args.encoder_bundle, args.seed, args.build_threads
@@ -121,8 +121,7 @@ def main() -> None:
     for row in replica["sweep"].values():
         found = np.array(row.pop("found"), dtype=np.int64)
         row["recall_at_10"] = round(recall_with_ties(found, queries, stored, sims[:, -1]), 4)
-    reaching = [name for name, row in replica["sweep"].items() if row["recall_at_10"] >= TARGET_RECALL]
-    chosen = reaching[0] if reaching else max(replica["sweep"], key=lambda n: replica["sweep"][n]["recall_at_10"])
+    chosen = first_reaching({name: row["recall_at_10"] for name, row in replica["sweep"].items()}, TARGET_RECALL)
     replica |= {"chosen": chosen, **replica["sweep"][chosen]}
     manifest = json.loads((bundle / "manifest.json").read_text())
     index_bytes = sum((bundle / name).stat().st_size for name in ("index.faiss", "rerank.npy"))

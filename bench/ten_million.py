@@ -56,7 +56,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.lib.recall import recall_with_ties
+from bench.lib.recall import breadth_settings, first_reaching, recall_with_ties
 from bench.lib.stages import TOKENIZER_FILES, run_stage, tst_titles
 from loadtest.localserver import start_server, stop_server
 
@@ -238,8 +238,7 @@ def tune_search(bundle: Path, exact: Exact, settings: list[tuple[int, int]], tar
         ms = 1000 * (time.perf_counter() - started) / len(exact.vectors)
         rows[f"{nprobe},{ef}"] = {**exact.recall(found), "search_ms_per_query": round(ms, 3)}
         print("nprobe, ef", nprobe, ef, rows[f"{nprobe},{ef}"], flush=True)
-    reaching = [s for s in settings if rows[f"{s[0]},{s[1]}"]["recall_at_10"] >= target]
-    chosen = reaching[0] if reaching else max(settings, key=lambda s: rows[f"{s[0]},{s[1]}"]["recall_at_10"])
+    chosen = first_reaching({s: rows[f"{s[0]},{s[1]}"]["recall_at_10"] for s in settings}, target)
     return chosen, rows
 
 
@@ -337,8 +336,7 @@ def main() -> None:
     else:
         stages, queries, shape = synthetic_path(args, work, bundle, logs, py)
     exact = exact_search(bundle, queries)
-    settings = [tuple(int(n) for n in pair.split(":")) for pair in args.settings.split(",")]
-    (nprobe, ef), sweep = tune_search(bundle, exact, settings, TARGETS["recall_at_10"][1])
+    (nprobe, ef), sweep = tune_search(bundle, exact, breadth_settings(args.settings), TARGETS["recall_at_10"][1])
     from export.reindex import retune_bundle
 
     served_bundle = work / "bundle-served"

@@ -64,3 +64,15 @@ def recall_with_ties(found: np.ndarray, queries: np.ndarray, keys, kth_sims: np.
     vectors = np.asarray(keys[np.where(valid, found, 0).ravel()], dtype=np.float32).reshape(*found.shape, -1)
     sims = np.einsum("qkd,qd->qk", vectors, queries)
     return float(np.mean(valid & (sims >= kth_sims[:, None] - SIMILARITY_ROUNDING)))
+
+
+def breadth_settings(text: str) -> list[tuple[int, int]]:
+    """``--settings`` of a compressed-index sweep: comma-separated ``nprobe:ef`` pairs (cells
+    scanned, candidates re-ranked), cheap to costly."""
+    return [(int(nprobe), int(ef)) for nprobe, ef in (pair.split(":") for pair in text.split(","))]
+
+
+def first_reaching(recalls: dict, target: float):
+    """The first key of ``recalls`` (setting → recall@10, in sweep order) whose recall reaches
+    ``target``; the best one when none does."""
+    return next((key for key, recall in recalls.items() if recall >= target), max(recalls, key=recalls.get))
