@@ -35,6 +35,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xmc.data import DataFormatError, json_objects
+
 SUFFIXES = {".csv": "csv", ".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}
 LABELS_BY = ("uid", "id")
 
@@ -82,19 +84,13 @@ def read_records(path: Path) -> Iterator[tuple[int, dict]]:
 
         yield from enumerate(pq.read_table(path).to_pylist(), start=1)
     else:
-        with open(path, encoding="utf-8") as fh:
-            row = 0
-            for line in fh:
-                if not line.strip():
-                    continue
+        row = 0  # records, not lines: blank lines are not rows, as in the other formats
+        try:
+            for _, record in json_objects(path):
                 row += 1
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ConversionRefused([f"{path}: row {row}: invalid JSON ({exc.msg})"]) from None
-                if not isinstance(record, dict):
-                    raise ConversionRefused([f"{path}: row {row}: expected a JSON object"])
                 yield row, record
+        except DataFormatError as exc:
+            raise ConversionRefused([f"{path}: row {row + 1}: {exc.problem}"]) from None
 
 
 def text_of(record: dict, column: str, path: Path, row: int, problems: Problems) -> str | None:

@@ -33,6 +33,7 @@ class DataFormatError(ValueError):
         super().__init__(f"{path}:{lineno}: {problem}")
         self.path = str(path)
         self.lineno = lineno
+        self.problem = problem
 
 
 @dataclass
@@ -99,7 +100,9 @@ def _open_text(path: Path):
     return open(path, encoding="utf-8")
 
 
-def _json_lines(path: Path) -> Iterator[tuple[int, dict]]:
+def json_objects(path: Path) -> Iterator[tuple[int, dict]]:
+    """``(line number, object)`` of each non-blank line of a JSON-lines file (gzipped or not);
+    a :class:`DataFormatError` at the first line that is not a JSON object."""
     with _open_text(path) as fh:
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
@@ -127,7 +130,7 @@ def read_label_jsonl(path: Path | str) -> LabelSpace:
     """Read ``lbl.json.gz``: one ``{"uid", "title"}`` object per line; line order = label id."""
     path = Path(path)
     uids, texts = [], []
-    for lineno, obj in _json_lines(path):
+    for lineno, obj in json_objects(path):
         texts.append(_text_of(obj, path, lineno, use_content=False))
         uids.append(str(obj.get("uid", len(uids))))
     return LabelSpace(uids=uids, texts=texts)
@@ -143,7 +146,7 @@ def read_instances_jsonl(
     """
     path = Path(path)
     texts, uids, indptr, indices = [], [], [0], []
-    for lineno, obj in _json_lines(path):
+    for lineno, obj in json_objects(path):
         targets = obj.get("target_ind", [])
         if not isinstance(targets, list) or not all(isinstance(t, int) for t in targets):
             raise DataFormatError(path, lineno, "'target_ind' must be a list of integers")
