@@ -2,9 +2,12 @@
 
     python -m bench.idle_latency [--bundle bundles/default] [--requests 300] [--out bench/results/idle-latency.json]
 
-Starts a real uvicorn process on 127.0.0.1, sends dev-split titles one at a time (k=10), and
-reports client-side p50/p95/p99 plus the server's own per-stage medians (from /metrics is too
-coarse, so the stages are timed in-process on the same texts).
+Starts a real uvicorn process on 127.0.0.1, sends dev-split titles one at a time (k=10) on one
+keep-alive connection, and reports client-side p50/p95/p99 beside the per-stage medians of the
+same texts timed in-process (/metrics is too coarse) in the server's thread layout: back to back,
+and after an idle gap as long as the HTTP p50, as each request of a lone client meets them. The
+difference between the two is what waking from idle costs on this machine; what the HTTP p50
+adds to the second is the server's own (HTTP, queue, hand-offs).
 """
 
 from __future__ import annotations

@@ -1,18 +1,25 @@
 """One request at a time against an idle server: the latency percentiles over HTTP and the medians
-of the stages the server reports.
+of the stages the server reports, timed in-process in the server's thread layout twice: back to
+back, and after an idle gap as long as a request takes over HTTP (what each of a lone client's
+requests meets: on a virtual machine a thread woken from an idle gap runs the same code slower).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import statistics
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
-import httpx
 import numpy as np
 
+from bench.lib.loadgen import Connection, encode_request
 from loadtest.localserver import start_server, stop_server
-from service.engine import Predictor, load_bundle
+from service.engine import EncoderOptions, Predictor, load_bundle
+from service.http.settings import Settings
 
 
 def percentiles(samples_ms: list[float]) -> dict[str, float]:
@@ -23,22 +30,40 @@ def percentiles(samples_ms: list[float]) -> dict[str, float]:
 
 
 def http_latencies(url: str, texts: list[str], warmup: int = 20) -> list[float]:
+    """Milliseconds of each request, one at a time on one keep-alive connection, sent by the
+    light client the serving benchmark loads with (so the client's own cost stays small)."""
+    bodies = [json.dumps({"text": text, "k": 10}).encode() for text in texts]
+    return asyncio.run(_sequential(url, bodies))[warmup:]
+
+
+async def _sequential(url: str, bodies: list[bytes]) -> list[float]:
+    parts = urlsplit(url)
+    connection = await Connection.open(parts.hostname, parts.port)
     samples = []
-    with httpx.Client(base_url=url, timeout=10) as client:
-        for i, text in enumerate(texts):
+    try:
+        for body in bodies:
+            request = encode_request(parts.hostname, "/predict", body)
             start = time.perf_counter()
-            response = client.post("/predict", json={"text": text, "k": 10})
-            elapsed = (time.perf_counter() - start) * 1000
-            response.raise_for_status()
-            if i >= warmup:
-                samples.append(elapsed)
+            status = await connection.send(request)
+            samples.append((time.perf_counter() - start) * 1000)
+            if status != 200:
+                raise RuntimeError(f"/predict answered {status}")
+    finally:
+        connection.close()
     return samples
 
 
-def stage_medians(bundle_dir: Path, texts: list[str]) -> dict[str, float]:
-    predictor = Predictor(load_bundle(bundle_dir))
+def stage_medians(bundle_dir: Path, texts: list[str], idle_gap_s: float = 0.0) -> dict[str, float]:
+    """Each stage's median over ``texts``, one at a time, with ``idle_gap_s`` of sleep before
+    each, the encoder in the server's thread layout (its intra-op threads a call)."""
+    _, threads = Settings().thread_layout()
+    predictor = Predictor(load_bundle(bundle_dir, EncoderOptions(intra_op_threads=threads)))
     per_stage: dict[str, list[float]] = {}
+    for text in texts[:20]:  # warm-up
+        predictor.predict([text], k=10)
     for text in texts:
+        if idle_gap_s:
+            time.sleep(idle_gap_s)
         for stage, seconds in predictor.predict([text], k=10).times.as_dict().items():
             per_stage.setdefault(stage, []).append(seconds * 1000)
     return {stage: round(statistics.median(v), 3) for stage, v in per_stage.items()}
@@ -46,14 +71,27 @@ def stage_medians(bundle_dir: Path, texts: list[str]) -> dict[str, float]:
 
 def measure(bundle_dir: Path, texts: list[str], server_log: Path) -> dict:
     """Client-side latency of ``texts`` sent one at a time to a served ``bundle_dir``, and the
-    in-process stage medians on the first 200 of them."""
+    in-process stage medians on the first 200 of them, back to back and after an idle gap of the
+    HTTP p50 (``XMCSERVE_*`` settings as the server reads them)."""
     server = start_server(bundle_dir, server_log)
     try:
         http_ms = http_latencies(server.url, texts)
     finally:
         stop_server(server)
+    http = percentiles(http_ms)
+    gap_s = http["p50"] / 1000
+    tight = stage_medians(bundle_dir, texts[:200])
+    after_gap = stage_medians(bundle_dir, texts[:200], idle_gap_s=gap_s)
     return {
         "requests": len(http_ms),
-        "http_ms": percentiles(http_ms),
-        "in_process_stage_median_ms": stage_medians(bundle_dir, texts[:200]),
+        "http_ms": http,
+        "intra_op_threads": Settings().thread_layout()[1],
+        "cpus": len(os.sched_getaffinity(0)),
+        "in_process_stage_median_ms": tight,
+        "in_process_stage_median_ms_after_idle_gap": after_gap,
+        "idle_gap_ms": round(gap_s * 1000, 2),
+        "in_process_total_ms": {
+            "back_to_back": round(sum(tight.values()), 3),
+            "after_idle_gap": round(sum(after_gap.values()), 3),
+        },
     }

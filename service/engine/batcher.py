@@ -8,6 +8,9 @@ the batch is not full), tokenizes and encodes them, and hands the vectors over a
 :data:`HANDOFF_BATCHES` batches to the **search** thread (HNSW, RAE aggregation, fusion), which
 hands the answers back to the event loop. While the search thread works on batch n the encoder
 already runs batch n + 1, as TEI's batching task prepares the next batch while the model runs.
+When nothing waits (no request queued, no batch before the search thread) and another encode
+thread is idle for the next request, the encode thread searches its batch itself: the overlap
+would gain nothing, and an idle server's request is spared a thread hand-off.
 
 The batch size adapts to the queue by itself: an idle server encodes a lone request at once
 (batch of one, lowest latency); under load requests accumulate while the encoder is busy and
@@ -178,6 +181,8 @@ class MicroBatcher:
         self._searching: set[_Job] = set()  # encoded, waiting for or in the search
         self._background_running: set[_Background] = set()
         self._handoff: queue.Queue[_Encoded | None] = queue.Queue(maxsize=HANDOFF_BATCHES)
+        self._handed_off = 0  # batches given to the search thread and not yet searched
+        self._idle_encoders = 0  # encode threads waiting for work
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
@@ -233,21 +238,23 @@ class MicroBatcher:
             # refused now, in microseconds, rather than after waiting out the deadline
             self._on_drop("deadline")
             raise DeadlineExceededError(0.0)
-        job = _Job(texts, k, ef, exclude, asyncio.get_running_loop().create_future(), time.perf_counter())
+        loop = asyncio.get_running_loop()
+        job = _Job(texts, k, ef, exclude, loop.create_future(), time.perf_counter())
         with self._lock:
             if self._stopping:
                 raise BatcherStoppedError("service shutting down")
             self._jobs.append(job)
             self._lock.notify()
+        # a timer rather than a second awaitable: the deadline costs one handle a request
+        deadline = loop.call_later(timeout_s, self._expire, job) if timeout_s is not None else None
         try:
-            if timeout_s is not None:
-                await asyncio.wait({job.future}, timeout=timeout_s)
-                if not job.future.done() and self._withdraw(job, "deadline"):
-                    raise DeadlineExceededError(time.perf_counter() - job.enqueued)
             return await job.future
         except asyncio.CancelledError:
             self._withdraw(job, "client_gone")
             raise
+        finally:
+            if deadline is not None:
+                deadline.cancel()
 
     async def run_when_idle(self, work: Callable[[], Any]) -> Any:
         """``work()``'s result, run on an encode thread when no request is queued (or once it has
@@ -285,6 +292,17 @@ class MicroBatcher:
         self._on_drop(reason)
         return True
 
+    def _expire(self, job: _Job) -> None:
+        """The job's deadline (on the loop): refused if it is still queued, else left to finish."""
+        with self._lock:
+            try:
+                self._jobs.remove(job)
+            except ValueError:
+                return
+        if not job.future.done():
+            job.future.set_exception(DeadlineExceededError(time.perf_counter() - job.enqueued))
+        self._on_drop("deadline")
+
     # --- encode stage (its own thread) ---------------------------------------------------------
 
     def _encode_loop(self) -> None:
@@ -298,8 +316,10 @@ class MicroBatcher:
         """The next piece of work for an encode thread: a batch (its timeline starting now, as its
         requests leave the queue), background work, or None (stop)."""
         with self._lock:
+            self._idle_encoders += 1
             while not self._stopping and not self._jobs and not self._background:
                 self._lock.wait()
+            self._idle_encoders -= 1
             if self._stopping:
                 return None
             if self._background and (not self._jobs or self._background_overdue()):
@@ -353,7 +373,16 @@ class MicroBatcher:
             self._seconds_per_text += 0.2 * (per_text - self._seconds_per_text) if self._seconds_per_text else per_text
             self._encoding.difference_update(batch)
             self._searching.update(batch)
+            # Nothing waits (no request queued, no batch before the search thread) and another
+            # encode thread is idle for whatever arrives next: searching here saves the batch a
+            # hand-off. Otherwise the search thread takes it, and this thread encodes on.
+            inline = not self._jobs and self._handed_off == 0 and self._idle_encoders > 0
+            if not inline:
+                self._handed_off += 1
         encoded = _Encoded(batch, predictor, vectors, terms, encode_times, timeline)
+        if inline:
+            self._search(encoded)
+            return
         while not self._stopping:
             try:
                 self._handoff.put(encoded, timeout=STOP_POLL_S)
@@ -374,13 +403,18 @@ class MicroBatcher:
 
     def _search_loop(self) -> None:
         while (encoded := self._handoff.get()) is not None and not self._stopping:
-            encoded.timeline.searching = time.perf_counter()
-            try:
-                answers: list[BatchAnswer] | Exception = _search_batch(encoded)
-            except Exception as exc:
-                answers = exc
-            encoded.timeline.searched = time.perf_counter()
-            self._answer(encoded.jobs, answers)
+            self._search(encoded)
+            with self._lock:
+                self._handed_off -= 1
+
+    def _search(self, encoded: _Encoded) -> None:
+        encoded.timeline.searching = time.perf_counter()
+        try:
+            answers: list[BatchAnswer] | Exception = _search_batch(encoded)
+        except Exception as exc:
+            answers = exc
+        encoded.timeline.searched = time.perf_counter()
+        self._answer(encoded.jobs, answers)
 
     # --- back on the event loop ----------------------------------------------------------------
 

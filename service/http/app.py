@@ -65,17 +65,30 @@ async def until_disconnected(request: Request) -> None:
 
 async def answer_unless_gone(request: Request, submitted) -> BatchAnswer | None:
     """The batcher's answer, or None when the client went away first: the request is then
-    cancelled, which takes it out of the queue if it has not started (TEI's queue does the same)."""
-    work = asyncio.ensure_future(submitted)
+    cancelled, which takes it out of the queue if it has not started (TEI's queue does the same).
+    One watcher task a request; the answer is awaited in the request's own task."""
+    task = asyncio.current_task()
     watch = asyncio.ensure_future(until_disconnected(request))
+    waiting, gone = True, False
+
+    def on_disconnect(watched: asyncio.Future) -> None:
+        nonlocal gone
+        # a callback scheduled before the answer came must not cancel what the request does next
+        if waiting and not watched.cancelled() and watched.exception() is None:
+            gone = True
+            task.cancel()
+
+    watch.add_done_callback(on_disconnect)
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        return await submitted
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()  # the cancel was ours: the request ends with its 499, not as cancelled
+        return None
     finally:
+        waiting = False
         watch.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()
-    return None
 
 
 def build_shadow(settings: Settings, metrics: Metrics) -> ShadowMirror:
@@ -176,6 +189,9 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         exception_handlers={RequestValidationError: validation_error},
         docs_url=None,  # served by add_api_docs from local assets, not a CDN
         redoc_url=None,
+        # Spans come from Tracing (the OpenTelemetry instrumentation, when configured): FastAPI's
+        # own would double them, and its per-request check of the global providers is not free.
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.state.settings = settings
     app.state.metrics = metrics
@@ -233,10 +249,10 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         if answer is None:  # nobody is listening; 499 is what nginx logs for it
             return Response(status_code=499)
         resumed = time.perf_counter()
-        metrics.stage_seconds.labels(stage="queue", variant=slot.name).observe(answer.queue_wait_s)
+        metrics.child(metrics.stage_seconds, "queue", slot.name).observe(answer.queue_wait_s)
         request.state.queue_ms = round(answer.queue_wait_s * 1000, 3)
         request.state.bundle_id = answer.predictor.bundle.bundle_id  # the bundle that answered
-        metrics.predicted_texts.labels(variant=slot.name).inc(len(texts))
+        metrics.child(metrics.predicted_texts, slot.name).inc(len(texts))
         # The shadow copy (its uid lists built per label) only when mirroring is on at all.
         mirroring = state.shadow.config.fraction > 0
         if mirroring and slot.name == PRIMARY and request.headers.get("x-shadow") is None:

@@ -21,6 +21,7 @@ STAGE_BUCKETS = (0.0001, 0.0003, 0.0005, 0.001, 0.002, 0.004, 0.006, 0.01, 0.02,
 
 class Metrics:
     def __init__(self) -> None:
+        self._children: dict[tuple, object] = {}
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
@@ -143,6 +144,15 @@ class Metrics:
             registry=self.registry,
         )
 
+    def child(self, metric, *values: str):
+        """``metric.labels(*values)`` (values in the metric's label order), looked up once: the
+        client's ``labels()`` checks and locks on every call, a cost paid several times a request."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
+
     def start_at_zero(self, variant: str) -> None:
         """Every outcome of the variant's event counters exported at 0 before its first event, so
         that a rate() or a dashboard panel has a series from the start (not only after a failure)."""
@@ -158,15 +168,17 @@ class Metrics:
 
     def drop_observer(self, variant: str):
         def observe(reason: str) -> None:
-            self.dropped_requests.labels(variant=variant, reason=reason).inc()
+            self.child(self.dropped_requests, variant, reason).inc()
 
         return observe
 
     def batch_observer(self, variant: str):
+        batch_texts = self.child(self.batch_texts, variant)
+
         def observe(texts: int, times) -> None:
-            self.batch_texts.labels(variant=variant).observe(texts)
+            batch_texts.observe(texts)
             for stage, seconds in times.as_dict().items():
-                self.stage_seconds.labels(stage=stage, variant=variant).observe(seconds)
+                self.child(self.stage_seconds, stage, variant).observe(seconds)
 
         return observe
 
@@ -189,6 +201,7 @@ class RequestObserver:
         if endpoint is None:
             endpoint = scope["path"] if scope["path"] in self.endpoints() else "unmatched"
         variant = scope.get("state", {}).get("variant", "-")
-        self.metrics.request_seconds.labels(
-            endpoint=endpoint, method=method_label(scope["method"]), status=str(status), variant=variant
-        ).observe(seconds)
+        metrics = self.metrics
+        metrics.child(metrics.request_seconds, endpoint, method_label(scope["method"]), str(status), variant).observe(
+            seconds
+        )

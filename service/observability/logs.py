@@ -1,7 +1,7 @@
 """Logging set-up: one configuration for the service's loggers and uvicorn's.
 
-JSON lines (python-json-logger) in containers, readable text on a terminal; ``XMCSERVE_LOG_FORMAT``
-chooses (``auto``: text when stderr is a terminal). Every record carries the request id of the
+JSON lines (python-json-logger, serialised by orjson) in containers, readable text on a terminal;
+``XMCSERVE_LOG_FORMAT`` chooses (``auto``: text when stderr is a terminal). Every record carries the request id of the
 request being handled (a context variable set by :mod:`service.observability.requests`), ``-``
 outside a request. Structured fields are passed as ``extra=``: JSON renders them as keys; the
 text form relies on each message already saying what matters in words. Uvicorn passes each of its
@@ -18,7 +18,7 @@ from contextvars import ContextVar
 from typing import Literal
 
 from pythonjsonlogger.core import RESERVED_ATTRS
-from pythonjsonlogger.json import JsonFormatter
+from pythonjsonlogger.orjson import OrjsonFormatter
 
 REQUEST_ID: ContextVar[str] = ContextVar("request_id", default="-")
 # The loggers uvicorn writes to: routed to the root handler, not uvicorn's own.
@@ -50,7 +50,7 @@ def resolved_format(fmt: LogFormat, stream=None) -> Literal["json", "text"]:
 
 def formatter(fmt: Literal["json", "text"]) -> logging.Formatter:
     if fmt == "json":
-        return JsonFormatter(JSON_FIELDS, rename_fields=JSON_RENAMES, timestamp=False, reserved_attrs=JSON_SKIPPED)
+        return OrjsonFormatter(JSON_FIELDS, rename_fields=JSON_RENAMES, timestamp=False, reserved_attrs=JSON_SKIPPED)
     return logging.Formatter(TEXT_FORMAT)
 
 

@@ -379,6 +379,46 @@ def test_the_encoder_runs_the_next_batch_while_the_previous_one_is_searched():
     assert [a.rankings[0].scores[0] for a in answers] == [text_code("first"), text_code("second")]
 
 
+def test_an_idle_batcher_searches_a_lone_batch_on_its_encode_thread():
+    """Nothing queued, nothing before the search thread, the other encode thread idle: the batch
+    is searched where it was encoded, one thread hand-off fewer."""
+    predictor = EchoPredictor()
+
+    async def scenario(batcher):
+        return await batcher.submit(["alone"], 1, None, [()])
+
+    answer, _ = asyncio.run(run_with(predictor, BatcherConfig(workers=2), scenario))
+    assert answer.rankings[0].scores[0] == text_code("alone")
+    assert predictor.search_threads == predictor.threads and all(
+        name.startswith("xmcserve-encode") for name in predictor.search_threads
+    )
+
+
+def test_a_batch_goes_to_the_search_thread_when_no_other_encoder_is_free():
+    """One encode thread held in its encoding: the other hands its batch to the search thread
+    rather than search it, so arrivals are never left without an encoder for a search's length;
+    a single encode thread always hands over."""
+    predictor = EchoPredictor(hold=True)
+
+    async def scenario(batcher):
+        held = asyncio.create_task(batcher.submit(["held"], 1, None, [()]))
+        await batch_started(predictor)
+        second = asyncio.create_task(batcher.submit(["second"], 1, None, [()]))
+        await batch_started(predictor)
+        predictor.release()  # one of the two: whichever goes first finds the other encoding
+        await search_started(predictor)
+        first_searched_on = set(predictor.search_threads)
+        predictor.release()
+        await asyncio.gather(held, second)
+        return first_searched_on
+
+    first_searched_on, _ = asyncio.run(run_with(predictor, BatcherConfig(workers=2), scenario))
+    assert first_searched_on == {"xmcserve-search"}
+    alone = EchoPredictor()
+    asyncio.run(run_with(alone, BatcherConfig(workers=1), lambda b: b.submit(["x"], 1, None, [()])))
+    assert alone.search_threads == {"xmcserve-search"}
+
+
 def test_a_stalled_search_stops_the_encoder_after_the_handoff_fills_and_requests_stay_queued():
     """Back-pressure: with the search held, the encoder runs ahead by the hand-off's batches plus
     the one it cannot hand over, and the rest wait in the request queue (bounded, 429 beyond)."""
