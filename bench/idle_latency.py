@@ -7,7 +7,8 @@ keep-alive connection, and reports client-side p50/p95/p99 beside the per-stage 
 same texts timed in-process (/metrics is too coarse) in the server's thread layout: back to back,
 and after an idle gap as long as the HTTP p50, as each request of a lone client meets them. The
 difference between the two is what waking from idle costs on this machine; what the HTTP p50
-adds to the second is the server's own (HTTP, queue, hand-offs).
+adds to the second is the server's own (HTTP, queue, hand-offs). The search steps are also timed
+alone, back to back: what they cost when no encoder call runs between them.
 """
 
 from __future__ import annotations

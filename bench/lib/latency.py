@@ -1,7 +1,8 @@
 """One request at a time against an idle server: the latency percentiles over HTTP and the medians
 of the stages the server reports, timed in-process in the server's thread layout twice: back to
 back, and after an idle gap as long as a request takes over HTTP (what each of a lone client's
-requests meets: on a virtual machine a thread woken from an idle gap runs the same code slower).
+requests meets: on a virtual machine a thread woken from an idle gap runs the same code slower);
+and the search steps alone, back to back, with no encoder call between them to take the caches.
 """
 
 from __future__ import annotations
@@ -53,19 +54,28 @@ async def _sequential(url: str, bodies: list[bytes]) -> list[float]:
     return samples
 
 
-def stage_medians(bundle_dir: Path, texts: list[str], idle_gap_s: float = 0.0) -> dict[str, float]:
+def stage_medians(bundle_dir: Path, texts: list[str], idle_gap_s: float = 0.0, search_only: bool = False) -> dict:
     """Each stage's median over ``texts``, one at a time, with ``idle_gap_s`` of sleep before
-    each, the encoder in the server's thread layout (its intra-op threads a call)."""
+    each, the encoder in the server's thread layout (its intra-op threads a call).
+    ``search_only``: the texts are encoded first, and only their searches are timed, back to back
+    (the search's working set then stays in the caches the encoder's call would take)."""
     _, threads = Settings().thread_layout()
     predictor = Predictor(load_bundle(bundle_dir, EncoderOptions(intra_op_threads=threads)))
     per_stage: dict[str, list[float]] = {}
     for text in texts[:20]:  # warm-up
         predictor.predict([text], k=10)
-    for text in texts:
+    encoded = [predictor.encode([text]) for text in texts] if search_only else []
+    for i, text in enumerate(texts):
         if idle_gap_s:
             time.sleep(idle_gap_s)
-        for stage, seconds in predictor.predict([text], k=10).times.as_dict().items():
-            per_stage.setdefault(stage, []).append(seconds * 1000)
+        if search_only:
+            vectors, _, terms = encoded[i]
+            times = predictor.search(vectors, 10, texts=[text], terms=terms).times
+        else:
+            times = predictor.predict([text], k=10).times
+        for stage, seconds in times.as_dict().items():
+            if not (search_only and stage in ("tokenize", "encode")):
+                per_stage.setdefault(stage, []).append(seconds * 1000)
     return {stage: round(statistics.median(v), 3) for stage, v in per_stage.items()}
 
 
@@ -89,6 +99,8 @@ def measure(bundle_dir: Path, texts: list[str], server_log: Path) -> dict:
         "cpus": len(os.sched_getaffinity(0)),
         "in_process_stage_median_ms": tight,
         "in_process_stage_median_ms_after_idle_gap": after_gap,
+        # the search steps alone, back to back: what they cost while no encoder call runs between
+        "in_process_search_only_median_ms": stage_medians(bundle_dir, texts[:200], search_only=True),
         "idle_gap_ms": round(gap_s * 1000, 2),
         "in_process_total_ms": {
             "back_to_back": round(sum(tight.values()), 3),
