@@ -1,8 +1,8 @@
 """One request at a time against an idle server: the latency percentiles over HTTP and the medians
-of the stages the server reports, timed in-process in the server's thread layout twice: back to
-back, and after an idle gap as long as a request takes over HTTP (what each of a lone client's
-requests meets: on a virtual machine a thread woken from an idle gap runs the same code slower);
-and the search steps alone, back to back, with no encoder call between them to take the caches.
+of the stages the server reports, timed in-process in the server's thread layout: back to back,
+after an idle gap as long as a request takes over HTTP (as each of a lone client's requests meets
+them), and the search steps alone, back to back, with no encoder call between them to take the
+caches.
 """
 
 from __future__ import annotations

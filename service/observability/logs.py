@@ -1,12 +1,13 @@
 """Logging set-up: one configuration for the service's loggers and uvicorn's.
 
 JSON lines (python-json-logger, serialised by orjson) in containers, readable text on a terminal;
-``XMCSERVE_LOG_FORMAT`` chooses (``auto``: text when stderr is a terminal). Every record carries the request id of the
-request being handled (a context variable set by :mod:`service.observability.requests`), ``-``
-outside a request. Structured fields are passed as ``extra=``: JSON renders them as keys; the
-text form relies on each message already saying what matters in words. Uvicorn passes each of its
-messages a second time, with terminal colour codes, as ``extra={"color_message": ...}``: JSON
-leaves that copy out, so a line holds no escape sequences and says its message once.
+``XMCSERVE_LOG_FORMAT`` chooses (``auto``: text when stderr is a terminal). Every record carries
+the request id of the request being handled (a context variable set by
+:mod:`service.observability.requests`), ``-`` outside a request. Structured fields are passed as
+``extra=``: JSON renders them as keys; the text form relies on each message already saying what
+matters in words. Uvicorn passes each of its messages a second time, with terminal colour codes,
+as ``extra={"color_message": ...}``: JSON leaves that copy out, so a line holds no escape
+sequences and says its message once.
 """
 
 from __future__ import annotations
