@@ -55,6 +55,8 @@ class GuardedProtocol(HttpToolsProtocol):
     header_timeout_s = 10.0
     write_timeout_s = 15.0
     max_header_bytes = 16384
+    # At shutdown, how long a connection with no request in progress may still deliver one.
+    drain_grace_s = 1.0
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -62,6 +64,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._write_deadline = None
         self._header_bytes: int | None = 0  # fed while a request's headers are incomplete; None after
         self._headers_refused = False
+        self._draining = False
         self._await_headers()
 
     # header size: every chunk fed while the headers are still incomplete after it, and the
@@ -87,6 +90,8 @@ class GuardedProtocol(HttpToolsProtocol):
         self._header_bytes = None
         self._stop_waiting()  # a request's headers arrived
         super().on_headers_complete()
+        if self._draining and self.cycle is not None:
+            self.cycle.keep_alive = False  # answered, then closed: the server is stopping
 
     def send_400_response(self, msg: str) -> None:
         if self._headers_refused:
@@ -119,6 +124,21 @@ class GuardedProtocol(HttpToolsProtocol):
         if not self.transport.is_closing():
             self._header_bytes = 0
             self._await_headers()
+
+    # shutdown
+
+    def shutdown(self) -> None:
+        """Uvicorn closes a connection with no request in progress at once. A client that has
+        just sent one (still on the wire, or unread in the socket) would then read a reset and
+        lose it. Such a connection is given :attr:`drain_grace_s` for its request, which is
+        answered with ``connection: close``; without one it closes then. The server's graceful
+        shutdown waits for it like for a request in progress."""
+        if self.cycle is None or self.cycle.response_complete:
+            self._draining = True
+            self._stop_waiting()
+            self._header_deadline = self.loop.call_later(self.drain_grace_s, self._headers_late)
+            return
+        super().shutdown()
 
     # write deadline
 

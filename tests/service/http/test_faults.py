@@ -1,10 +1,11 @@
 """Faults around a serving process: its bundle deleted or overwritten under it, SIGTERM with a
-full queue, connections that never send a request."""
+full queue or with a request on its way, connections that never send a request."""
 
 import asyncio
 import shutil
 import signal
 import socket
+import time
 
 import httpx
 import pytest
@@ -96,5 +97,34 @@ def test_a_connection_that_sends_no_request_is_closed_after_the_header_timeout(t
             slow.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\n")  # headers that never end
             assert idle.recv(1) == b"" and slow.recv(1) == b""  # the server closed both (not the 30 s timeout)
         assert httpx.post(f"{srv.url}/predict", json=TEXT, timeout=30).status_code == 200
+    finally:
+        stop_server(srv)
+
+
+def test_a_request_sent_just_after_sigterm_on_an_open_connection_is_answered_not_reset(tiny_rae_bundle, tmp_path):
+    """A connection accepted before SIGTERM whose request comes after it: answered with
+    ``connection: close`` within the drain grace, not closed under the client (a reset)."""
+    srv = start_server(tiny_rae_bundle, tmp_path / "drain.log")
+    host, port = srv.url.removeprefix("http://").split(":")
+    body = b'{"text": "libc6", "k": 3}'
+    request = b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    request += b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    try:
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            # the server has accepted it once a request on another connection is answered
+            assert httpx.post(f"{srv.url}/predict", json=TEXT, timeout=30).status_code == 200
+            srv.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while "Shutting down" not in srv.log() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert "Shutting down" in srv.log(), srv.log()[-2000:]
+            conn.sendall(request)
+            answer = b""
+            while chunk := conn.recv(65536):  # read to the close: the server ends the connection
+                answer += chunk
+        head = answer.split(b"\r\n\r\n", 1)[0].lower()
+        assert head.startswith(b"http/1.1 200") and b"connection: close" in head, answer[:500]
+        srv.process.wait(60)
+        assert "Application shutdown complete" in srv.log(), srv.log()[-2000:]
     finally:
         stop_server(srv)
