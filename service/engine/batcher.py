@@ -281,27 +281,23 @@ class MicroBatcher:
             ahead = sum(len(job.texts) for job in self._jobs) + sum(len(job.texts) for job in self._encoding)
         return ahead * self._seconds_per_text / self.config.workers
 
-    def _withdraw(self, job: _Job, reason: str) -> bool:
-        """Take a job that has not started out of the queue; False when it already runs."""
-        with self._lock:
-            try:
-                self._jobs.remove(job)
-            except ValueError:
-                return False
-        job.future.cancel()
-        self._on_drop(reason)
-        return True
-
-    def _expire(self, job: _Job) -> None:
-        """The job's deadline (on the loop): refused if it is still queued, else left to finish."""
+    def _withdraw(self, job: _Job, reason: str, error: Exception | None = None) -> None:
+        """Take a job that has not started out of the queue (nothing when it already runs): its
+        future is cancelled, or fails with ``error``."""
         with self._lock:
             try:
                 self._jobs.remove(job)
             except ValueError:
                 return
-        if not job.future.done():
-            job.future.set_exception(DeadlineExceededError(time.perf_counter() - job.enqueued))
-        self._on_drop("deadline")
+        if error is None:
+            job.future.cancel()
+        elif not job.future.done():
+            job.future.set_exception(error)
+        self._on_drop(reason)
+
+    def _expire(self, job: _Job) -> None:
+        """The job's deadline (on the loop): refused if it is still queued, else left to finish."""
+        self._withdraw(job, "deadline", DeadlineExceededError(time.perf_counter() - job.enqueued))
 
     # --- encode stage (its own thread) ---------------------------------------------------------
 
