@@ -54,13 +54,17 @@ async def _sequential(url: str, bodies: list[bytes]) -> list[float]:
     return samples
 
 
-def stage_medians(bundle_dir: Path, texts: list[str], idle_gap_s: float = 0.0, search_only: bool = False) -> dict:
-    """Each stage's median over ``texts``, one at a time, with ``idle_gap_s`` of sleep before
-    each, the encoder in the server's thread layout (its intra-op threads a call).
-    ``search_only``: the texts are encoded first, and only their searches are timed, back to back
-    (the search's working set then stays in the caches the encoder's call would take)."""
+def served_predictor(bundle_dir: Path) -> Predictor:
+    """The bundle's predictor with its encoder in the server's thread layout (its intra-op
+    threads a call, ``XMCSERVE_*`` settings as the server reads them)."""
     _, threads = Settings().thread_layout()
-    predictor = Predictor(load_bundle(bundle_dir, EncoderOptions(intra_op_threads=threads)))
+    return Predictor(load_bundle(bundle_dir, EncoderOptions(intra_op_threads=threads)))
+
+
+def stage_medians(predictor: Predictor, texts: list[str], idle_gap_s: float = 0.0, search_only: bool = False) -> dict:
+    """Each stage's median over ``texts``, one at a time, with ``idle_gap_s`` of sleep before
+    each. ``search_only``: the texts are encoded first, and only their searches are timed, back
+    to back (the search's working set then stays in the caches the encoder's call would take)."""
     per_stage: dict[str, list[float]] = {}
     for text in texts[:20]:  # warm-up
         predictor.predict([text], k=10)
@@ -90,17 +94,18 @@ def measure(bundle_dir: Path, texts: list[str], server_log: Path) -> dict:
         stop_server(server)
     http = percentiles(http_ms)
     gap_s = http["p50"] / 1000
-    tight = stage_medians(bundle_dir, texts[:200])
-    after_gap = stage_medians(bundle_dir, texts[:200], idle_gap_s=gap_s)
+    predictor = served_predictor(bundle_dir)
+    tight = stage_medians(predictor, texts[:200])
+    after_gap = stage_medians(predictor, texts[:200], idle_gap_s=gap_s)
     return {
         "requests": len(http_ms),
         "http_ms": http,
-        "intra_op_threads": Settings().thread_layout()[1],
+        "intra_op_threads": predictor.bundle.encoder.options.intra_op_threads,
         "cpus": len(os.sched_getaffinity(0)),
         "in_process_stage_median_ms": tight,
         "in_process_stage_median_ms_after_idle_gap": after_gap,
         # the search steps alone, back to back: what they cost while no encoder call runs between
-        "in_process_search_only_median_ms": stage_medians(bundle_dir, texts[:200], search_only=True),
+        "in_process_search_only_median_ms": stage_medians(predictor, texts[:200], search_only=True),
         "idle_gap_ms": round(gap_s * 1000, 2),
         "in_process_total_ms": {
             "back_to_back": round(sum(tight.values()), 3),
