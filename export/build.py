@@ -53,6 +53,7 @@ from service.engine import (
     utc_now,
     write_label_arrays,
 )
+from service.engine.labels import check_unique_uids
 from xmc.checkpoint import (
     Checkpoint,
     ServingHead,
@@ -106,6 +107,7 @@ def build_bundle(
     if params.index_kind == "rae_memory" and (train is None or len(train) == 0):
         raise ValueError("a rae_memory bundle needs training instances")
     refuse_existing(out, force)  # now, not after minutes of encoding
+    check_unique_uids(labels.uids)  # likewise (a duplicate uid would be refused at load)
     started = time.perf_counter()
     prepared = prepare(labels, train, checkpoint, params)
 
@@ -287,7 +289,9 @@ def build_hnsw(keys: np.ndarray, params: ExportParams, path: Path, first_id: int
 
 
 def write_label_files(stage: Path, labels: LabelSpace, labels_format: str) -> None:
-    """The bundle's labels: ``labels.jsonl``, or the memory-mapped label arrays (service/engine/labels.py)."""
+    """The bundle's labels: ``labels.jsonl``, or the memory-mapped label arrays (service/engine/labels.py).
+    Their uids must be distinct (:class:`DuplicateUids` otherwise): a uid names one label."""
+    check_unique_uids(labels.uids)
     if labels_format == "arrays":
         write_label_arrays(stage, labels.uids, labels.texts)
     else:

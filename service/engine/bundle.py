@@ -25,7 +25,14 @@ from service.engine.encoder import EncoderOptions, OnnxEncoder
 from service.engine.fusion import FEATURE_GROUPS, ScoreFusion, groups_of
 from service.engine.hnsw_file import HnswFileRefused, check_index_body, check_index_header
 from service.engine.ivfpq import IndexRefused, IvfPqIndex
-from service.engine.labels import LabelsRefused, StringColumn, UidLookup, load_label_arrays
+from service.engine.labels import (
+    DuplicateUids,
+    LabelsRefused,
+    StringColumn,
+    UidLookup,
+    check_unique_uids,
+    load_label_arrays,
+)
 from service.engine.lexical import KeyTerms, key_terms_of
 from service.engine.manifest import (
     ENCODER_FILE,
@@ -130,6 +137,10 @@ def read_labels(path: Path, manifest: Manifest) -> tuple[StringColumn, StringCol
     if len(uids) != manifest.counts.labels:
         raise BundleError(f"{path}: {len(uids)} labels in {LABELS_FILE}, manifest says {manifest.counts.labels}")
     uid_column = StringColumn.of(uids)
+    try:
+        check_unique_uids(uid_column)
+    except DuplicateUids as exc:
+        raise BundleError(f"{path / LABELS_FILE}: {exc}") from None
     return uid_column, StringColumn.of(texts), UidLookup.of(uid_column)
 
 

@@ -15,6 +15,12 @@ A uid is looked up by binary search (``np.searchsorted``) on its hash and accept
 label it points at has that very uid, so a collision or a damaged hash file never gives a wrong
 id (at worst a uid is not found). A bundle with ``labels.jsonl`` is read into the same arrays at
 load. Labels appended to a live memory (few, by comparison) are kept in Python beside them.
+
+Uids are unique: a uid names one label, and excluding it must remove every label it names. A
+label set with a uid twice is refused where it is written and where it is loaded
+(:func:`duplicate_uids`), by a hash of each uid's bytes computed here with numpy, sorted, equal
+neighbours compared byte for byte: the stored hash file is not trusted for it (a damaged one
+would hide a duplicate), and a Python set of 10^7 uids would cost gigabytes.
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ UIDS, UID_OFFSETS, TEXTS, TEXT_OFFSETS, UID_HASHES, UID_ORDER = LABEL_ARRAY_FILE
 
 class LabelsRefused(ValueError):
     """The label arrays are inconsistent; the message says which file and how."""
+
+
+class DuplicateUids(ValueError):
+    """Labels share a uid; the message names the first such uid and both of its rows (label ids)."""
 
 
 def uid_hash(uid: str) -> int:
@@ -136,6 +146,117 @@ def sorted_hashes(uids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     return hashes[order], order.astype(np.int64)
 
 
+def _mix(values: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, elementwise over uint64 (wrapping arithmetic): well-spread bits."""
+    z = values + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _powers(base: int, count: int) -> np.ndarray:
+    """``base**j mod 2**64`` for j in 0 .. count − 1."""
+    out = np.full(count, base % 2**64, dtype=np.uint64)
+    out[0] = 1
+    return np.cumprod(out, out=out)  # uint64 products wrap modulo 2^64, as meant
+
+
+_WORD = 2**64
+_K = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2^64
+_R = pow(_K, -1, _WORD)
+HASH_PIECE = 1 << 18  # bytes hashed at a time: the temporaries stay in the cache
+_R_POWERS = _powers(_R, HASH_PIECE)
+_K_LOW = _powers(_K, 1 << 16)
+
+
+class ContentHashes:
+    """A 64-bit hash of each string of a column, from its ``offsets`` (in memory) and its bytes fed
+    in order, in blocks of any size (:meth:`add`), with numpy only (no label's uid becomes a
+    Python object) in O(bytes).
+
+    A polynomial hash, Σ b_j·R^j over the string's bytes (modulo 2^64, R = K⁻¹ for an odd K), from
+    the running sums Q(i) = Σ_{j<i} b_j·R^j over the whole column, recorded at every offset as
+    the bytes stream by: the string [s, e) is (Q(e) − Q(s))·K^s. Mixed with the length at the end
+    (a zero byte adds nothing to the sum). Equal strings hash alike wherever they stand; unequal
+    ones may collide (Thue–Morse strings do, for any K): callers compare the bytes of equal hashes."""
+
+    def __init__(self, offsets: np.ndarray):
+        self.offsets = offsets
+        self.at_offsets = np.zeros(len(offsets), dtype=np.uint64)  # Q at each offset
+        self.position, self.carry, self.scale = 0, 0, 1  # bytes seen, Q(position), R^position
+
+    def add(self, block: np.ndarray) -> None:
+        for start in range(0, len(block), HASH_PIECE):
+            self._add(block[start : start + HASH_PIECE])
+
+    def _add(self, piece: np.ndarray) -> None:
+        position, end = self.position, self.position + len(piece)
+        prefix = piece.astype(np.uint64)
+        prefix *= _R_POWERS[: len(piece)]
+        prefix *= np.uint64(self.scale)
+        np.cumsum(prefix, out=prefix)
+        # the offsets in (position, end]: Q there is Q(position) + the piece's sum up to it
+        low = int(np.searchsorted(self.offsets, position, side="right"))
+        high = int(np.searchsorted(self.offsets, end, side="right"))
+        self.at_offsets[low:high] = prefix[self.offsets[low:high] - position - 1] + np.uint64(self.carry)
+        self.carry = (self.carry + int(prefix[-1])) % _WORD
+        self.scale = self.scale * pow(_R, len(piece), _WORD) % _WORD
+        self.position = end
+
+    def hashes(self) -> np.ndarray:
+        strings = len(self.offsets) - 1
+        k_high = _powers(pow(_K, 1 << 16, _WORD), (self.position >> 16) + 1)  # K^(65536·m)
+        out = np.empty(strings, dtype=np.uint64)
+        for first in range(0, strings, BLOCK):
+            last = min(first + BLOCK, strings)
+            starts = self.offsets[first:last]
+            sums = self.at_offsets[first + 1 : last + 1] - self.at_offsets[first:last]
+            sums *= _K_LOW[starts & 0xFFFF]
+            sums *= k_high[starts >> 16]
+            out[first:last] = _mix(sums ^ _mix(np.diff(self.offsets[first : last + 1]).astype(np.uint64)))
+        return out
+
+
+def duplicate_uids(uids: StringColumn, hashes: np.ndarray) -> list[tuple[int, int]]:
+    """``(first row, later row)`` of every label whose uid an earlier label has, in row order, by
+    the uids' :class:`ContentHashes`: sorted, and the rows of a repeated hash compared by their
+    bytes (a collision costs a comparison, never a false refusal). A sort, not an argsort: half
+    the memory and time, and the rows are found again only for the few repeated hashes."""
+    ordered = np.sort(hashes)
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    del ordered
+    if not len(repeated):
+        return []
+    first_row: dict[bytes, int] = {}
+    duplicates = []
+    for row in np.flatnonzero(np.isin(hashes, repeated)).tolist():
+        uid = uids.data[uids.offsets[row] : uids.offsets[row + 1]].tobytes()
+        if uid in first_row:
+            duplicates.append((first_row[uid], row))
+        else:
+            first_row[uid] = row
+    return duplicates
+
+
+def duplicates_message(uids: StringColumn, duplicates: list[tuple[int, int]]) -> str:
+    """``label uid 'x' at rows 3 and 17`` for the first duplicate, and how many more there are."""
+    first, later = duplicates[0]
+    others = len(duplicates) - 1
+    more = f" ({others} more label{'s' if others > 1 else ''} with an earlier label's uid)" if others else ""
+    return f"label uid {uids[later]!r} at rows {first} and {later}{more}; a uid must name one label"
+
+
+def check_unique_uids(uids: Sequence[str]) -> None:
+    """Refuse (:class:`DuplicateUids`) a label set in which two labels share a uid: the bundle
+    would map the uid to one of them only, and an exclusion of it would leave the other."""
+    column = uids if isinstance(uids, StringColumn) and not uids.extra else StringColumn.of(uids)
+    hashes = ContentHashes(column.offsets)
+    for start in range(0, len(column.data), BLOCK):
+        hashes.add(column.data[start : start + BLOCK])
+    if duplicates := duplicate_uids(column, hashes.hashes()):
+        raise DuplicateUids(duplicates_message(column, duplicates))
+
+
 def write_label_arrays(directory: Path, uids: Sequence[str], texts: Sequence[str]) -> None:
     """The label array files of ``uids`` and ``texts`` (label id order) into ``directory``."""
     for (data_name, offsets_name), strings in (((UIDS, UID_OFFSETS), uids), ((TEXTS, TEXT_OFFSETS), texts)):
@@ -150,7 +271,8 @@ def write_label_arrays(directory: Path, uids: Sequence[str], texts: Sequence[str
 def load_label_arrays(directory: Path, labels: int) -> tuple[StringColumn, StringColumn, UidLookup]:
     """The memory-mapped label arrays of a bundle of ``labels`` labels, their structure checked:
     offsets from 0, never decreasing, to the end of the bytes, each at the start of a UTF-8
-    character, the bytes valid UTF-8, the order a permutation of the label ids, the hashes sorted."""
+    character, the bytes valid UTF-8, the order a permutation of the label ids, the hashes sorted,
+    no uid twice."""
     try:
         return _checked_label_arrays(directory, labels)
     except ShortFile as exc:
@@ -170,15 +292,15 @@ def _checked_label_arrays(directory: Path, labels: int) -> tuple[StringColumn, S
 
     # Checked through the files (the page cache), not the mappings: a page read through a mapping
     # stays in the server's resident memory, and answers touch only the labels they return.
-    columns = []
+    columns, uid_hashes = [], None
     for data_name, offsets_name in ((UIDS, UID_OFFSETS), (TEXTS, TEXT_OFFSETS)):
         data, offsets = array(data_name, np.uint8, None), array(offsets_name, np.int64, labels + 1)
         read = np.concatenate(list(file_blocks(offsets, BLOCK)))  # 8 bytes a label, freed after the checks
         if read[0] != 0 or read[-1] != len(data) or np.any(read[1:] < read[:-1]):
             raise LabelsRefused(f"{offsets_name}: not {labels + 1} non-decreasing offsets from 0 to {len(data)}")
         starts = read[:-1][read[1:] > read[:-1]]  # sorted and distinct: the offsets never decrease
-        del read
         position, decoder = 0, codecs.getincrementaldecoder("utf-8")()
+        hasher = ContentHashes(read) if data_name == UIDS else None  # the uids hashed as they are read
         try:
             for block in file_blocks(data, BLOCK):
                 inside = starts[np.searchsorted(starts, position) : np.searchsorted(starts, position + len(block))]
@@ -186,10 +308,15 @@ def _checked_label_arrays(directory: Path, labels: int) -> tuple[StringColumn, S
                     raise LabelsRefused(f"{offsets_name}: an offset falls inside a UTF-8 character")
                 decoder.decode(block.tobytes())
                 position += len(block)
+                if hasher is not None:
+                    hasher.add(block)
             decoder.decode(b"", final=True)
         except UnicodeDecodeError as exc:
             raise LabelsRefused(f"{data_name}: not UTF-8 ({exc.reason})") from None
         columns.append(StringColumn(data, offsets))
+        if hasher is not None:
+            uid_hashes = hasher.hashes()
+        del read, hasher
     hashes, order = array(UID_HASHES, np.uint64, labels), array(UID_ORDER, np.int64, labels)
     previous = None
     for block in file_blocks(hashes, BLOCK):
@@ -206,6 +333,8 @@ def _checked_label_arrays(directory: Path, labels: int) -> tuple[StringColumn, S
             raise LabelsRefused(f"{UID_ORDER}: not a permutation of the label ids")
         marked = now
     uids, texts = columns
+    if duplicates := duplicate_uids(uids, uid_hashes):
+        raise LabelsRefused(f"{UIDS}: {duplicates_message(uids, duplicates)}")
     return uids, texts, UidLookup(uids, hashes, order)
 
 

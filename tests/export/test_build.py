@@ -9,9 +9,10 @@ from typing import get_args
 import numpy as np
 import pytest
 
-from export.build import ExportParams, build_bundle, build_parser
+from export.build import ExportParams, build_bundle, build_parser, write_label_files
 from export.onnx_export import ParityError
 from service.engine.bundle import load_bundle
+from service.engine.labels import DuplicateUids
 from service.engine.manifest import MANIFEST_FILE, IndexKind, sha256_file
 from service.engine.search import Predictor
 from xmc.checkpoint import HeadBlock, ServingHead
@@ -128,6 +129,33 @@ def test_one_half_of_a_trained_head_can_be_served_alone(distilbert_dir, small_la
 
 def options(parser) -> list:
     return [action for action in parser._actions if action.option_strings]
+
+
+def test_label_files_naming_a_uid_twice_are_refused_before_encoding(tmp_path):
+    """An XMC-repository label file whose uid repeats (line 18 repeats line 4's) is refused by the
+    build with both rows named, before any model is loaded (the checkpoint here does not exist)."""
+    import gzip
+
+    data = tmp_path / "data"
+    data.mkdir()
+    labels = [{"uid": f"pkg-{i}", "title": f"package {i}"} for i in range(20)]
+    labels[17]["uid"] = "pkg-3"
+    with gzip.open(data / "lbl.json.gz", "wt", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(label) + "\n" for label in labels)
+    with gzip.open(data / "trn.json.gz", "wt", encoding="utf-8") as fh:
+        fh.write(json.dumps({"uid": "i0", "title": "an instance", "target_ind": [3, 17]}) + "\n")
+    train = load_jsonl_split(data, "trn")
+    with pytest.raises(DuplicateUids, match="label uid 'pkg-3' at rows 3 and 17"):
+        build_bundle(tmp_path / "b", train.labels, train, tmp_path / "no-checkpoint", ExportParams())
+    assert not (tmp_path / "b").exists()
+
+
+def test_the_label_writer_refuses_a_uid_twice_in_either_format(tmp_path):
+    """Every bundle writer's labels (build, compaction) go through write_label_files."""
+    for labels_format in ("jsonl", "arrays"):
+        with pytest.raises(DuplicateUids, match="label uid 'b' at rows 1 and 2"):
+            write_label_files(tmp_path, LabelSpace(uids=["a", "b", "b"], texts=["x", "y", "z"]), labels_format)
+    assert not any(tmp_path.iterdir())
 
 
 def test_every_cli_option_has_a_help():

@@ -109,6 +109,20 @@ def test_an_index_header_that_lies_is_refused_before_hnswlib_reads_it(bundle_cop
         load_bundle(bundle_copy)
 
 
+def test_a_labels_file_naming_a_uid_twice_is_refused_with_both_rows(bundle_copy):
+    """Re-signed, so only the content is wrong: label 17 takes label 3's uid. Served, the uid
+    would name label 3 alone and an exclusion of it would leave label 17."""
+    from service.engine.manifest import sha256_file
+
+    lines = [json.loads(line) for line in (bundle_copy / LABELS_FILE).read_text().splitlines()]
+    uid = lines[3]["uid"]
+    lines[17]["uid"] = uid
+    (bundle_copy / LABELS_FILE).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    edit_manifest(bundle_copy, lambda m: m["files"].__setitem__(LABELS_FILE, sha256_file(bundle_copy / LABELS_FILE)))
+    with pytest.raises(BundleError, match=f"{LABELS_FILE}: label uid '{uid}' at rows 3 and 17"):
+        load_bundle(bundle_copy)
+
+
 def test_a_truncated_index_is_refused(bundle_copy):
     data = (bundle_copy / INDEX_FILE).read_bytes()
     (bundle_copy / INDEX_FILE).write_bytes(data[: len(data) // 3])

@@ -1,14 +1,18 @@
 """Label arrays (service.engine.labels): uids and texts as memory-mapped bytes and offsets, uid → id
-by sorted hashes, every answer checked against the stored uid; damaged arrays refused."""
+by sorted hashes, every answer checked against the stored uid; damaged arrays, and a uid named
+twice, refused."""
 
 import numpy as np
 import pytest
 
 from service.engine import labels as labels_module
 from service.engine.labels import (
+    ContentHashes,
+    DuplicateUids,
     LabelsRefused,
     StringColumn,
     UidLookup,
+    check_unique_uids,
     load_label_arrays,
     write_label_arrays,
 )
@@ -78,3 +82,51 @@ def test_damaged_label_arrays_are_refused(arrays, name, change, reason):
 def test_arrays_of_another_count_are_refused(arrays):
     with pytest.raises(LabelsRefused, match="expected int64"):
         load_label_arrays(arrays, len(UIDS) + 1)
+
+
+def test_arrays_naming_a_uid_twice_are_refused_with_both_rows(tmp_path):
+    """A uid at two label ids would name the first only (the lookup stops at it) and an exclusion
+    of it would leave the other: refused at load, the uid and both rows named."""
+    uids = [*UIDS[:17], "pkg-3", *UIDS[18:]]
+    write_label_arrays(tmp_path, uids, TEXTS)
+    with pytest.raises(LabelsRefused, match=r"label uid 'pkg-3' at rows 3 and 17"):
+        load_label_arrays(tmp_path, len(uids))
+
+
+def test_a_duplicate_is_found_whatever_the_stored_hashes_say(tmp_path):
+    """The stored hash file is the lookup's, not the check's: hashes written as if the uids were
+    distinct do not hide a uid written twice."""
+    uids = [*UIDS[:-1], "pkg-0"]
+    write_label_arrays(tmp_path, UIDS, TEXTS)  # the hashes and order of distinct uids
+    column = StringColumn.of(uids)  # the uid bytes and offsets: "pkg-0" twice
+    np.save(tmp_path / LABEL_ARRAY_FILES[0], column.data)
+    np.save(tmp_path / LABEL_ARRAY_FILES[1], column.offsets)
+    with pytest.raises(LabelsRefused, match=rf"label uid 'pkg-0' at rows 0 and {len(uids) - 1}"):
+        load_label_arrays(tmp_path, len(uids))
+
+
+def test_every_duplicate_is_counted_and_the_empty_uid_is_one_too():
+    with pytest.raises(DuplicateUids, match=r"label uid '' at rows 0 and 3 \(1 more label with an earlier label's"):
+        check_unique_uids(["", "a", "b", "", "a"])
+    check_unique_uids(["a", "a\x00", "", "\x00", "ab", "ba", "λ"])  # alike but distinct
+
+
+def test_content_hashes_do_not_depend_on_how_the_bytes_are_cut():
+    strings = ["", "ab", "ba", "ab", "λλ", "x" * 1000, "", "ab"]
+    column = StringColumn.of(strings)
+    cuts = []
+    for size in (1, 3, 7, 1 << 20):
+        hashes = ContentHashes(column.offsets)
+        for start in range(0, len(column.data), size):
+            hashes.add(column.data[start : start + size])
+        cuts.append(hashes.hashes())
+    assert all(np.array_equal(cuts[0], other) for other in cuts[1:])
+    by_string = dict(zip(strings, cuts[0].tolist(), strict=True))
+    assert len(set(by_string.values())) == len(by_string)  # equal strings alike, these distinct ones not
+
+
+def test_a_hash_collision_is_never_taken_for_a_duplicate(monkeypatch):
+    monkeypatch.setattr(ContentHashes, "hashes", lambda self: np.zeros(len(self.offsets) - 1, dtype=np.uint64))
+    check_unique_uids(UIDS)  # every uid collides, none repeats
+    with pytest.raises(DuplicateUids, match="label uid 'pkg-9' at rows 9 and 502"):
+        check_unique_uids([*UIDS, "pkg-9"])
