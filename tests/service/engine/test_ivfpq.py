@@ -2,12 +2,14 @@
 it reaches brute force when it scans everything, appends go in without a rebuild, and a damaged
 index file is refused before faiss reads it."""
 
+import re
 import struct
 
 import numpy as np
 import pytest
 
 from export.ivfpq import auto_nlist, build_ivfpq
+from service.engine import ivfpq as ivfpq_module
 from service.engine.ivfpq import IndexRefused, IvfPqIndex, lists_offset
 from service.engine.manifest import IvfPqParams
 
@@ -140,6 +142,90 @@ def test_a_damaged_index_file_is_refused_before_faiss_reads_it(built, tmp_path, 
         IvfPqIndex.load(where / "index.faiss", where / "rerank.npy", DIM, params, FIRST_KEY, KEYS, 50)
 
 
+def header_fields(nlist):
+    """Where each field of an IVF-PQ fast-scan index's header lies, as faiss's write_index lays it
+    out: name → (offset, struct format)."""
+    layout = [
+        ("fourcc", "4s"), ("d", "i"), ("ntotal", "q"), ("dummies", "16s"), ("is_trained", "B"),
+        ("metric_type", "i"), ("nlist", "Q"), ("nprobe", "Q"),
+        ("quantizer fourcc", "4s"), ("quantizer.d", "i"), ("quantizer.ntotal", "q"), ("quantizer.dummies", "16s"),
+        ("quantizer.is_trained", "B"), ("quantizer.metric_type", "i"), ("quantizer.codes", "Q"),
+        ("centroids", f"{4 * nlist * DIM}s"),
+        ("direct_map.type", "b"), ("direct_map.array", "Q"),
+        ("by_residual", "B"), ("code_size", "Q"), ("bbs", "i"), ("M2", "Q"), ("implem", "i"), ("qbs2", "Q"),
+        ("pq.d", "Q"), ("pq.M", "Q"), ("pq.nbits", "Q"), ("pq.centroids", "Q"), ("codebooks", f"{4 * 16 * DIM}s"),
+    ]  # fmt: skip
+    fields, offset = {}, 0
+    for name, fmt in layout:
+        fields[name] = (offset, "<" + fmt)
+        offset += struct.calcsize("<" + fmt)
+    return fields, offset
+
+
+def test_the_header_layout_the_forgeries_use_is_faiss_s(built):
+    out, params, _, _ = built
+    data = (out / "index.faiss").read_bytes()
+    fields, end = header_fields(params.nlist)
+    assert end == lists_offset(DIM, params.nlist, params.pq_m)
+
+    def value(name):
+        return struct.unpack_from(fields[name][1], data, fields[name][0])[0]
+
+    written = {name: value(name) for name in ("fourcc", "d", "ntotal", "M2", "pq.d", "pq.M", "pq.nbits")}
+    assert written == {"fourcc": b"IwPf", "d": DIM, "ntotal": KEYS, "M2": 16, "pq.d": DIM, "pq.M": 16, "pq.nbits": 4}
+    assert (value("quantizer.codes"), value("pq.centroids"), value("code_size")) == (params.nlist * DIM, 16 * DIM, 8)
+
+
+@pytest.mark.parametrize(
+    ("field", "forged"),
+    [
+        ("d", 64),
+        ("metric_type", 1),
+        ("nlist", 1 << 40),
+        ("quantizer fourcc", b"IxF2"),
+        ("quantizer.ntotal", 1),
+        ("quantizer.codes", 1 << 50),
+        ("direct_map.type", 2),
+        ("direct_map.array", 1 << 40),
+        ("by_residual", 1),
+        ("code_size", 1 << 40),
+        ("bbs", 64),
+        ("M2", 1 << 40),
+        ("M2", 18),
+        ("implem", 12),
+        ("qbs2", 1 << 30),
+        ("pq.d", 64),
+        ("pq.M", 8),
+        ("pq.nbits", 8),
+        ("pq.nbits", 0),
+        ("pq.centroids", 1 << 50),
+        ("pq.centroids", 16 * DIM - 1),
+    ],
+)
+def test_a_forged_header_field_is_refused_before_faiss_reads_the_file(built, tmp_path, monkeypatch, field, forged):
+    """Each header field of a real index file, forged alone: refused by name, and faiss's reader
+    (which before 1.15 trusted several of them) never sees the file."""
+    _, params, _, _ = built
+    fields, _ = header_fields(params.nlist)
+    offset, fmt = fields[field]
+    where = damaged(built, tmp_path, lambda data, _: struct.pack_into(fmt, data, offset, forged))
+
+    def read_index(*args):
+        raise AssertionError("faiss read a forged file")
+
+    monkeypatch.setattr(ivfpq_module.faiss, "read_index", read_index)
+    with pytest.raises(IndexRefused, match=f"header field {re.escape(field)} is "):
+        IvfPqIndex.load(where / "index.faiss", where / "rerank.npy", DIM, params, FIRST_KEY, KEYS, 50)
+
+
+def test_a_file_ending_inside_its_header_is_refused(built, tmp_path):
+    _, params, _, _ = built
+    fields, _ = header_fields(params.nlist)
+    where = damaged(built, tmp_path, lambda data, _: data.__delitem__(slice(fields["M2"][0] + 3, None)))
+    with pytest.raises(IndexRefused, match="ends inside its header"):
+        IvfPqIndex.load(where / "index.faiss", where / "rerank.npy", DIM, params, FIRST_KEY, KEYS, 50)
+
+
 def test_rerank_vectors_of_another_shape_or_not_finite_are_refused(built, tmp_path):
     out, params, keys, _ = built
     (tmp_path / "index.faiss").write_bytes((out / "index.faiss").read_bytes())
@@ -157,7 +243,7 @@ def test_an_index_of_other_parameters_than_the_manifests_is_refused(built):
     out, params, _, _ = built
     with pytest.raises(IndexRefused):
         IvfPqIndex.load(out / "index.faiss", out / "rerank.npy", DIM, params.model_copy(update={"pq_m": 8}), 0, KEYS, 5)
-    with pytest.raises(IndexRefused, match="not the shard's keys"):
+    with pytest.raises(IndexRefused, match="the shard's keys"):  # the header's ntotal says it first
         IvfPqIndex.load(out / "index.faiss", out / "rerank.npy", DIM, params, 0, KEYS - 1, 5)
 
 
