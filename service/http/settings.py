@@ -70,6 +70,9 @@ class ShadowSettings(BaseSettings):
     log: Path | None = Field(None, description="JSONL comparison log, rotated by size (unset: no log)")
     log_max_bytes: int = Field(10_000_000, ge=1024, description="size at which the log rotates")
     log_backups: int = Field(3, ge=1, description="rotated log files kept")
+    log_texts: bool = Field(
+        False, description="debugging only: write each mirrored text into the log (otherwise its sha256 prefix only)"
+    )
 
     def config(self) -> ShadowConfig:
         return ShadowConfig(
@@ -80,6 +83,7 @@ class ShadowSettings(BaseSettings):
             log=self.log,
             log_max_bytes=self.log_max_bytes,
             log_backups=self.log_backups,
+            log_texts=self.log_texts,
         )
 
 

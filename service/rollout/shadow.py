@@ -14,10 +14,15 @@ the mean |score A − score B| over shared labels, and the latency delta (the sh
 carried the text − the primary request), into Prometheus histograms and a size-bounded rotating
 JSONL log (see ``service.rollout.shadow_report``), and into a bounded in-memory ring of recent
 comparisons for the rollout page (:mod:`service.rollout.agreement`).
+
+The log names a text by a short sha256 (:func:`text_digest`), not by the text: request texts are
+never logged by default (docs/operations.md), and the digest still joins the lines of one text.
+``log_texts`` (``XMCSERVE_SHADOW_LOG_TEXTS``) writes the texts too, for debugging.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import logging.handlers
@@ -65,6 +70,12 @@ class Copy:
 
     request: ShadowRequest
     deadline: float
+
+
+def text_digest(text: str) -> str:
+    """The first 16 hex digits (64 bits) of the text's UTF-8 sha256: what the comparison log names
+    a text by. Not a secret: a text one can guess can be confirmed by hashing it."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 def kendall_tau_of_ranks(ranks: list[int]) -> float:
@@ -126,6 +137,8 @@ class ShadowConfig:
     batch_wait_s: after the first copy, how long the worker waits for more before the call (the
         comparison is not latency-critical; fuller calls cost both sides less).
     log: the JSONL comparison log (None: no log), rotated at ``log_max_bytes``, ``log_backups`` kept.
+    log_texts: write each mirrored text into the log (debugging); by default only its
+        :func:`text_digest`.
     """
 
     fraction: float = 0.0
@@ -137,6 +150,7 @@ class ShadowConfig:
     log: Path | None = None
     log_max_bytes: int = 10_000_000
     log_backups: int = 3
+    log_texts: bool = False
 
 
 class ShadowMirror:

@@ -4,9 +4,9 @@
 Copies are gathered into calls of up to ``batch_texts`` texts (same k and ef), each call POSTs its
 texts to ``<url>/predict`` with ``X-Shadow: 1`` (so the shadow does not mirror them again),
 ``workers`` calls in flight; every text is compared with A's answer, the comparison is logged
-(JSONL) and the aggregates go back to the parent. Copies past their deadline are dropped
-(``timeout``), failures (a dead shadow, a non-200, an answer that is not a /predict answer) are
-counted (``error``), never raised.
+(JSONL; the text by its digest unless ``log_texts``) and the aggregates go back to the parent.
+Copies past their deadline are dropped (``timeout``), failures (a dead shadow, a non-200, an
+answer that is not a /predict answer) are counted (``error``), never raised.
 
 Spawned fresh, it imports this module and :mod:`service.rollout.shadow` only: importing ONNX
 Runtime and the engine there would delay the first copies past their deadline.
@@ -22,7 +22,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
-from service.rollout.shadow import Copy, Ranked, ShadowConfig, ShadowLog, compare
+from service.rollout.shadow import Copy, Ranked, ShadowConfig, ShadowLog, compare, text_digest
 
 log = logging.getLogger(__name__)
 
@@ -203,13 +203,15 @@ class WorkerLoop:
                 if agreement["score_delta"] is not None:
                     score_deltas.append(agreement["score_delta"])
                 if self._log:
+                    # the text itself only when asked for: request texts are not logged by default
+                    named = {"text_sha256": text_digest(text)} | ({"text": text} if self._config.log_texts else {})
                     self._log.write(
                         {
                             "ts": round(time.time(), 3),
                             "target": self._target_name,
                             "primary_variant": request.primary_variant,
                             "request_id": request.request_id,
-                            "text": text,
+                            **named,
                             "k": request.k,
                             **agreement,
                             "primary_ms": round(request.primary_seconds * 1000, 2),

@@ -68,7 +68,8 @@ def summarise(records: list[dict], worst: int = 10) -> dict:
         "latency_delta_ms": {f"p{q}": round(float(np.percentile(delta_ms, q)), 2) for q in (50, 95, 99)},
         "most_disagreeing": [
             {
-                "text": r["text"],
+                "text": r.get("text"),  # logged only with XMCSERVE_SHADOW_LOG_TEXTS
+                "text_sha256": r.get("text_sha256"),
                 "overlap": r["overlap"],
                 "kendall_tau": r.get("kendall_tau"),
                 "primary_top": r.get("primary_top", [])[:5],
@@ -96,7 +97,8 @@ def format_summary(summary: dict) -> str:
         "most disagreeing:",
     ]
     for r in summary["most_disagreeing"]:
-        lines.append(f"  overlap {r['overlap']:.2f}  {r['text'][:70]}")
+        named = r["text"][:70] if r["text"] is not None else f"text sha256 {r['text_sha256']}"
+        lines.append(f"  overlap {r['overlap']:.2f}  {named}")
         lines.append(f"      A: {', '.join(r['primary_top'])}")
         lines.append(f"      B: {', '.join(r['shadow_top'])}")
     return "\n".join(lines)

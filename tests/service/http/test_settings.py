@@ -71,6 +71,9 @@ def test_shadow_settings_reach_the_worker(monkeypatch, tmp_path):
     worker = mirror._worker
     assert worker.config.batch_texts == 8 and worker.config.timeout_s == 0.25 and worker.config.fraction == 0.5
     assert worker.url == "http://127.0.0.1:9" and worker.config.log == tmp_path / "s.jsonl"
+    assert worker.config.log_texts is False  # the log names texts by digest unless asked
+    monkeypatch.setenv("XMCSERVE_SHADOW_LOG_TEXTS", "true")
+    assert build_shadow(Settings(), Metrics())._worker.config.log_texts is True
     assert mirror.target == "http://127.0.0.1:9"
 
 

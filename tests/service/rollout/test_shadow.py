@@ -186,3 +186,13 @@ def test_report_summarises_agreement_and_worst_queries(tmp_path, capsys):
     assert "3 mirrored texts" in format_summary(summary) and "mean 0.02" in format_summary(summary)
     assert main([str(path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["records"] == 3
+
+
+def test_report_names_a_text_logged_by_digest_by_its_digest(tmp_path):
+    row = {"text_sha256": "0123456789abcdef", "overlap": 0.2, "primary_ms": 5, "shadow_ms": 6, "k": 5}
+    path = tmp_path / "shadow.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    summary = summarise(read_records([path]))
+    assert summary["most_disagreeing"][0]["text"] is None
+    assert summary["most_disagreeing"][0]["text_sha256"] == "0123456789abcdef"
+    assert "text sha256 0123456789abcdef" in format_summary(summary)
