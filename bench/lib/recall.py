@@ -5,31 +5,64 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.engine import Bundle, Neighbours, Predictor, rank_batch
+from service.engine import Bundle, Neighbours, Predictor, Ranking, rank_batch
 
 
 def bundle_keys(bundle: Bundle) -> np.ndarray:
     return np.asarray(bundle.index.get_items(np.arange(bundle.index.get_current_count())), dtype=np.float32)
 
 
-def exact_top_k(bundle: Bundle, vectors: np.ndarray, k: int, keys: np.ndarray | None = None) -> list[set[int]]:
-    """Label ids of the exact top-k per query (RAE: exact top-b keys, then the same aggregation)."""
+def exact_rankings(bundle: Bundle, vectors: np.ndarray, k: int, keys: np.ndarray | None = None) -> list[Ranking]:
+    """The exact top-k labels per query with their scores, best first: every key's similarity,
+    the top keys (RAE: the top-b, then the same aggregation as served). Keys of equal
+    similarity are taken in id order, as the served merge takes them: a quicksort's order would
+    swap duplicate keys (an instance whose text is a label's) across the top-b cut."""
     keys = bundle_keys(bundle) if keys is None else keys
     sims = vectors @ keys.T
     rae = bundle.manifest.rae
-    width = rae.top_b if rae else k
-    top = np.argsort(-sims, axis=1)[:, :width]
+    width = min(rae.top_b if rae else k, sims.shape[1])
+    key_ids = np.broadcast_to(np.arange(sims.shape[1]), sims.shape)
+    top = np.lexsort((key_ids, -sims), axis=-1)[:, :width]
     top_sims = np.take_along_axis(sims, top, axis=1)
     if rae is None:
-        return [set(row.tolist()) for row in top]
+        return [Ranking(ids, scores) for ids, scores in zip(top, top_sims, strict=True)]
     view = Predictor(bundle).view  # the bundle as built: its keys' labels and value rows
     found = Neighbours(top, top_sims, view.labels_of_keys(top), view.values, None, ef=0)
-    rankings = rank_batch(bundle.manifest, found, [k] * len(vectors), [()] * len(vectors))
-    return [set(ranking.ids.tolist()) for ranking in rankings]
+    return rank_batch(bundle.manifest, found, [k] * len(vectors), [()] * len(vectors))
+
+
+def exact_top_k(bundle: Bundle, vectors: np.ndarray, k: int, keys: np.ndarray | None = None) -> list[set[int]]:
+    """Label ids of the exact top-k per query (RAE: exact top-b keys, then the same aggregation)."""
+    return [set(ranking.ids.tolist()) for ranking in exact_rankings(bundle, vectors, k, keys)]
 
 
 def recall_at_k(truth: list[set[int]], served: list[list[int]]) -> float:
     return float(np.mean([len(t & set(s)) / max(len(t), 1) for t, s in zip(truth, served, strict=True)]))
+
+
+# A label score computed by two paths over the same keys differs by float summation order
+# (~1e-7 here); two labels whose scores come from the same keys tie exactly.
+LABEL_SCORE_ROUNDING = 1e-6
+
+
+def recall_with_label_ties(exact: list[Ranking], served: list, k: int) -> float:
+    """Recall@k of ``served`` (label ids per query, best first) against ``exact`` (rankings
+    of more than ``k`` labels, from :func:`exact_rankings`) that counts a served label as found
+    when its exact score reaches the exact k-th score: labels tied at the cut (the same keys
+    behind them, or the same aggregated weight) are each a correct k-th answer, and which one a
+    path returns is an accident of its summation order and tie-break, which moves with the
+    CPU's kernels."""
+    recalls = []
+    for truth, answer in zip(exact, served, strict=True):
+        scores = dict(zip(truth.ids.tolist(), truth.scores.tolist(), strict=True))
+        cut = truth.scores[: min(k, len(truth.scores))]
+        if not len(cut):
+            recalls.append(1.0)
+            continue
+        kth = float(cut[-1]) - LABEL_SCORE_ROUNDING - 1e-5 * abs(float(cut[-1]))
+        found = sum(scores.get(label, -np.inf) >= kth for label in list(answer)[:k])
+        recalls.append(min(found, len(cut)) / len(cut))
+    return float(np.mean(recalls))
 
 
 def ann_recall(bundle: Bundle, texts: list[str], k: int = 10, ef: int | None = None) -> float:

