@@ -4,11 +4,13 @@ Both front ends put it outermost (under the tracing instrumentation, when on). I
 
 1. the request id (:func:`~service.observability.requests.accepted_request_id`), returned on every
    answer, refusals and errors included, and set for every log line of the request;
-2. a ``Content-Length`` over the body cap is answered ``413`` without reading a byte;
+2. a ``Content-Length`` that is not one number is answered ``400`` (:func:`declared_length`), one
+   over the body cap ``413``, both without reading a byte;
 3. optionally, a load shed (:class:`~service.http.guards.LoadShed`): a ``POST /predict`` refused
    ``503`` before its body is read when the queues already hold more work than its deadline;
 4. the route, its body read through one receive wrapper that counts the bytes (``413`` at the
-   first byte over the cap of a chunked body) and holds the read deadline (``408``);
+   first byte over the cap of a chunked body), holds the read deadline (``408``) and turns a
+   connection that ends before the body into a ``400`` refusal;
 5. the request's access line and, optionally, its request metrics.
 
 One layer instead of one middleware per concern: each layer wrapped ``send`` and ``receive`` again
@@ -21,11 +23,46 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Iterable
 from typing import Protocol
 
 from service.api.body_guards import BodyRefused, send_json
 from service.observability.logs import REQUEST_ID
 from service.observability.requests import HEADER, AccessLog, accepted_request_id
+
+# Most digits of a Content-Length, leading zeros included: enough for any 64-bit size. A bound on
+# the string, not only on the value: int() refuses over 4300 digits (ValueError, a 500), and the
+# HTTP parser, which refuses a value over 64 bits, lets any number of leading zeros through.
+LENGTH_DIGITS = 20
+
+
+class BadContentLength(ValueError):
+    """A ``Content-Length`` that is not one non-negative decimal number of at most
+    :data:`LENGTH_DIGITS` digits."""
+
+
+def declared_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
+    """The request's ``Content-Length`` from its ``(name, value)`` header pairs (names in lower
+    case, as ASGI gives them); None without one. Each value is 1 to :data:`LENGTH_DIGITS` ASCII
+    digits between optional spaces or tabs, leading zeros allowed; repeated values, or a
+    comma-separated list of them, are accepted when they are all the same number (RFC 9110,
+    8.6). Raises :class:`BadContentLength` for anything else: a sign, a non-digit, an empty
+    value, too many digits, two different numbers."""
+    found = None
+    for name, value in headers:
+        if name != b"content-length":
+            continue
+        for item in value.split(b","):
+            digits = item.strip(b" \t")
+            if not digits.isdigit():  # bytes: ASCII digits only, and not empty
+                raise BadContentLength("Content-Length is not a number (ASCII digits only)")
+            if len(digits) > LENGTH_DIGITS:
+                raise BadContentLength(f"Content-Length has over {LENGTH_DIGITS} digits")
+            number = int(digits)
+            if found is not None and number != found:
+                raise BadContentLength("Content-Length given twice, as two different numbers")
+            found = number
+    return found
 
 
 class Shed(Protocol):
@@ -90,9 +127,8 @@ class FrontDoorMiddleware:
         if self.observer is not None:
             self.observer.started()
         try:
-            declared = headers.get(b"content-length")
-            if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
-                await send_json(send_with_id, 413, {"detail": self.too_large()})
+            if (refusal := self.refused_length(scope)) is not None:
+                await send_json(send_with_id, refusal[0], {"detail": refusal[1]})
             elif self.shed is not None and (reason := self.shed.refusal(scope)) is not None:
                 await send_json(send_with_id, 503, {"detail": reason}, [(b"retry-after", b"1")])
             else:
@@ -120,10 +156,21 @@ class FrontDoorMiddleware:
                 self.access_log.write(scope, state, headers, status, error_body, seconds, self.tracing)
             REQUEST_ID.reset(token)
 
+    def refused_length(self, scope) -> tuple[int, str] | None:
+        """``(status, detail)`` for a ``Content-Length`` that is not one number (``400``) or is
+        over the body cap (``413``); None to read the body."""
+        try:
+            declared = declared_length(scope["headers"])
+        except BadContentLength as exc:
+            return 400, str(exc)
+        if declared is not None and declared > self.max_body_bytes:
+            return 413, self.too_large()
+        return None
+
     def capped(self, receive):
-        """``receive`` that refuses a body over the cap or late (:class:`BodyRefused`, which the
-        route's body parsing passes on). After the last body chunk, a receive waits for the
-        client's disconnect: no deadline then."""
+        """``receive`` that refuses a body over the cap, late or cut off by the end of the
+        connection (:class:`BodyRefused`, which the route's body parsing passes on). After the
+        last body chunk, a receive waits for the client's disconnect: no deadline then."""
         deadline = asyncio.get_running_loop().time() + self.body_timeout_s
         received = 0
         body_done = False
@@ -142,6 +189,12 @@ class FrontDoorMiddleware:
                 if received > self.max_body_bytes:
                     raise BodyRefused(413, self.too_large())
                 body_done = not message.get("more_body", False)
+            elif message["type"] == "http.disconnect":
+                # The connection ended before the body did: the client left, or the server refused
+                # the rest (a malformed chunk, answered 400 by the HTTP parser). A 400 for the log
+                # and metrics; Starlette's ClientDisconnect would end the request as a 500 with a
+                # traceback.
+                raise BodyRefused(400, "the connection ended before the request body did")
             return message
 
         return capped_receive

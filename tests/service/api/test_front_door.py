@@ -7,7 +7,7 @@ import json
 import pytest
 
 from service.api.body_guards import BodyRefused
-from service.api.front_door import FrontDoorMiddleware
+from service.api.front_door import BadContentLength, FrontDoorMiddleware, declared_length
 from service.http.guards import LoadShed
 
 
@@ -38,15 +38,16 @@ def scope_of(path="/predict", method="POST", headers=()):
     return {"type": "http", "path": path, "method": method, "headers": list(headers)}
 
 
-async def call(door, scope, chunks=(b"{}",), stall=False):
-    """Sends ``chunks`` as the body (then blocks forever when ``stall``); returns (messages sent,
-    chunks received)."""
+async def call(door, scope, chunks=(b"{}",), stall=False, cut=False):
+    """Sends ``chunks`` as the body (then blocks forever when ``stall``, or disconnects when
+    ``cut``, the body unfinished); returns (messages sent, chunks received)."""
     sent, handed = [], []
 
     async def receive():
         if len(handed) < len(chunks):
             handed.append(chunks[len(handed)])
-            return {"type": "http.request", "body": handed[-1], "more_body": stall or len(handed) < len(chunks)}
+            more = stall or cut or len(handed) < len(chunks)
+            return {"type": "http.request", "body": handed[-1], "more_body": more}
         if stall:
             await asyncio.Event().wait()
         return {"type": "http.disconnect"}
@@ -74,6 +75,62 @@ def test_a_declared_body_over_the_cap_is_refused_unread_with_the_request_id():
     assert status == 413 and "100 byte limit" in detail and not handed
     assert (b"x-request-id", b"r-1") in sent[0]["headers"]
     assert observer.seen == [("/predict", 413)] and observer.in_flight == 0
+
+
+@pytest.mark.parametrize(
+    ("values", "length"),
+    [
+        ([], None),
+        ([b"0"], 0),
+        ([b"0005"], 5),
+        ([b" 5\t"], 5),  # optional whitespace around the value
+        ([b"5", b"005"], 5),  # repeated, the same number
+        ([b"5, 5"], 5),
+        ([b"9" * 20], 10**20 - 1),
+    ],
+)
+def test_a_content_length_is_read_as_one_number(values, length):
+    assert declared_length([(b"host", b"x"), *((b"content-length", value) for value in values)]) == length
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [b"0" * 4998 + b"10"],  # int() alone raises ValueError past 4300 digits
+        [b"1" * 21],
+        [b"-5"],
+        [b"+5"],
+        [b""],
+        [b"5 5"],
+        [b"0x5"],
+        ["\u0665".encode()],  # a digit, but not an ASCII one
+        [b"5", b"6"],
+        [b"5, 6"],
+        [b"5,"],
+    ],
+)
+def test_a_content_length_that_is_not_one_number_is_refused(values):
+    with pytest.raises(BadContentLength):
+        declared_length([(b"content-length", value) for value in values])
+
+
+def test_a_content_length_that_is_not_one_number_is_400_before_the_route():
+    observer = Observer()
+    headers = [(b"content-length", b"0" * 5000), (b"x-request-id", b"r-2")]
+    sent, handed = asyncio.run(call(door_over(observer=observer), scope_of(headers=headers)))
+    status, detail = status_and_detail(sent)
+    assert status == 400 and "Content-Length" in detail and not handed
+    assert (b"connection", b"close") in sent[0]["headers"] and (b"x-request-id", b"r-2") in sent[0]["headers"]
+    assert observer.seen == [("/predict", 400)]
+
+
+def test_a_connection_that_ends_before_the_body_is_a_400_not_a_500():
+    """The server's parser refused the rest of the body (a malformed chunk), or the client left:
+    the route's body read gets a refusal, where Starlette would raise ClientDisconnect."""
+    observer = Observer()
+    sent, handed = asyncio.run(call(door_over(observer=observer), scope_of(), (b"{",), cut=True))
+    assert status_and_detail(sent) == (400, "the connection ended before the request body did")
+    assert observer.seen == [("/predict", 400)]
 
 
 def test_a_chunked_body_is_refused_at_the_first_chunk_over_the_cap():
