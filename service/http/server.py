@@ -13,6 +13,12 @@ answers ``431`` to headers over ``XMCSERVE_MAX_HEADER_BYTES`` and closes a conne
 request's headers have not arrived within ``XMCSERVE_HEADER_TIMEOUT_S`` (the body has its own
 deadline, :mod:`service.api.body_guards`).
 
+Requests pipelined on one connection (sent before the previous answer) are answered in order,
+refusals included: a request the parser refuses (malformed, headers too large) is answered after
+the requests before it, which were handed to the app and may have changed something (an append),
+instead of cutting their answers off. Only the current request's header bytes count against the
+header cap, never a body, whichever chunks they arrive in.
+
 Nor does uvicorn bound a response's sending: a client that asks for a large answer and never
 reads it keeps the answer in the transport's buffer for as long as it keeps the connection open
 (closing a transport waits until its buffer is sent), so such clients, up to the connection cap,
@@ -24,6 +30,7 @@ like nginx's ``send_timeout``: the buffer is dropped and the application's next 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -50,7 +57,8 @@ class HeadersTooLarge(Exception):
 
 class GuardedProtocol(HttpToolsProtocol):
     """httptools with a size cap and a deadline for each request's headers (from connection or
-    last response on), and a deadline for the client to make room in a full send buffer."""
+    last response on), pipelined requests answered in order (refusals included), and a deadline
+    for the client to make room in a full send buffer."""
 
     header_timeout_s = 10.0
     write_timeout_s = 15.0
@@ -62,48 +70,120 @@ class GuardedProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._header_deadline = None
         self._write_deadline = None
-        self._header_bytes: int | None = 0  # fed while a request's headers are incomplete; None after
+        # header accounting: see data_received
+        self._header_bytes: int | None = None  # the incomplete headers' bytes in earlier chunks; None: none
+        self._began_here = False  # the incomplete headers began in the chunk being fed
+        self._known = 0  # bytes of the chunk being fed known to precede the incomplete headers
+        self._chunk_body = 0  # body bytes of the current chunk of a chunked body
+        self._in_body = False  # after the last request's headers, before its end
+        # answers in order
+        self._unanswered = 0  # requests handed to the app (running or queued) and not answered yet
+        self._refusal = None  # a refusal waiting for the answers owed before it
         self._headers_refused = False
         self._draining = False
         self._await_headers()
 
-    # header size: every chunk fed while the headers are still incomplete after it, and the
-    # exact size of headers that completed inside a chunk
+    # Header size. httptools holds a header line until it ends, without a callback, so a single
+    # endless header is only seen as the bytes fed while a request's headers are incomplete. The
+    # chunk a request's headers began in also holds what preceded them: the end of the previous
+    # request (its headers, body, chunked framing), which the parser reported and is subtracted.
+    # Later chunks fed while the headers are still incomplete are all header bytes. Once complete,
+    # the headers are measured exactly (on_headers_complete). Never reset by a response: a
+    # pipelined request's headers or body may arrive before or after the previous answer.
 
     def data_received(self, data: bytes) -> None:
-        counting = self._header_bytes is not None
+        if self._refusal is not None:
+            return  # the parser stopped at the refused request; nothing after it is read
+        self._known, self._began_here = 0, False
         super().data_received(data)
-        if counting and self._header_bytes is not None and not self.transport.is_closing():
+        if self._header_bytes is None or self._refusal is not None or self.transport.is_closing():
+            return
+        if self._began_here:
+            self._header_bytes = max(0, len(data) - self._known)
+        else:
             self._header_bytes += len(data)
-            if self._header_bytes > self.max_header_bytes:
-                self._refuse_headers()
+        if self._header_bytes > self.max_header_bytes:
+            self._refuse_headers()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._header_bytes = 0
+        self._header_bytes, self._began_here = 0, True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._in_body:  # a trailer after a chunked body: it precedes the next request
+            self._known += len(name) + len(value) + 4
+        super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
         if size > self.max_header_bytes:
             self._headers_refused = True
             raise HeadersTooLarge  # the parser turns it into an error: send_400_response below
-        self._header_bytes = None
+        self._known += max(0, self._sent_header_size() - (self._header_bytes or 0))
+        self._header_bytes, self._in_body = None, True
         self._stop_waiting()  # a request's headers arrived
+        previous = self.cycle
         super().on_headers_complete()
+        if self.cycle is not previous:
+            self._unanswered += 1
         if self._draining and self.cycle is not None:
             self.cycle.keep_alive = False  # answered, then closed: the server is stopping
 
+    def _sent_header_size(self) -> int:
+        """The header section as the client sent it, rebuilt from what the parser reported: the
+        request line and one "name: value" line per field (the spacing most clients send; other
+        spacing only moves a few bytes to or from the count of a request that follows in the
+        same chunk)."""
+        request_line = len(self.parser.get_method()) + len(self.url) + len(b"  HTTP/1.1\r\n")
+        return request_line + sum(len(name) + len(value) + 4 for name, value in self.headers) + 2
+
+    def on_body(self, body: bytes) -> None:
+        self._known += len(body)
+        self._chunk_body += len(body)
+        super().on_body(body)
+
+    def on_chunk_header(self) -> None:
+        self._chunk_body = 0
+
+    def on_chunk_complete(self) -> None:
+        self._known += len(b"%x" % self._chunk_body) + 4  # size line and the data's closing CRLF
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        super().on_message_complete()
+
+    # refusals, in order
+
     def send_400_response(self, msg: str) -> None:
         if self._headers_refused:
-            self._refuse_headers()
-            return
-        super().send_400_response(msg)
+            self._refuse(self._send_431_response)
+        else:
+            self._refuse(functools.partial(super().send_400_response, msg))
 
     def _refuse_headers(self) -> None:
         self._headers_refused = True
-        self._stop_waiting()
+        self._refuse(self._send_431_response)
+
+    def _send_431_response(self) -> None:
         self.transport.write(HEADERS_TOO_LARGE)
         self.transport.close()
+
+    def _refuse(self, answer) -> None:
+        """``answer`` (which writes the refusal and closes) now, or after the answers owed to the
+        requests before the refused one. A request whose body the parser refused is itself
+        answered by the refusal: dropped unstarted if it waits behind another (the app never sees
+        it), else its app reads a disconnect."""
+        self._stop_waiting()
+        owed, cycle = self._unanswered, self.cycle
+        if self._in_body and cycle is not None and not cycle.response_complete:
+            owed -= 1  # the refused request is the last one handed to the app: the refusal answers it
+            if self.pipeline and self.pipeline[0][0] is cycle:  # queued behind another (newest first)
+                self.pipeline.popleft()
+                self._unanswered -= 1
+        if owed > 0:
+            self._refusal = answer
+        else:
+            answer()
 
     # header deadline
 
@@ -120,10 +200,15 @@ class GuardedProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
-            self._header_bytes = 0
+        self._unanswered -= 1
+        super().on_response_complete()  # starts the next pipelined request, if any
+        if self.transport.is_closing():
+            return
+        if self._refusal is None:
             self._await_headers()
+        elif not self._unanswered:
+            answer, self._refusal = self._refusal, None
+            answer()
 
     # shutdown
 

@@ -1,7 +1,8 @@
 """POST /admin/append on a real server: refusals before any work, the next /predict sees the
-append, /info and the metrics count it, traffic during appends and reloads gets only 200s, and a
-restarted server serves the same memory from its log."""
+append, /info and the metrics count it, traffic during appends and reloads gets only 200s, a
+restarted server serves the same memory from its log, and a pipelined append is acknowledged."""
 
+import json
 import shutil
 import threading
 import time
@@ -10,6 +11,7 @@ import httpx
 import pytest
 
 from loadtest.localserver import start_server, stop_server
+from tests.service.http.raw_http import Connection, request
 
 TOKEN = "append-token"
 ADMIN = {"X-Admin-Token": TOKEN}
@@ -138,3 +140,25 @@ def test_an_append_id_with_a_lone_surrogate_is_a_422_not_a_500(server):
     headers = {**ADMIN, "content-type": "application/json"}
     r = httpx.post(f"{server.url}/admin/append", content=raw, headers=headers, timeout=60)
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "append_id"], r.text
+
+
+def test_a_pipelined_append_is_acknowledged_in_order_not_refused(server):
+    """HTTP/1.1 pipelining on raw sockets: an append sent behind another request, its 30 kB body
+    (more than the header cap) arriving after the first answer, a malformed request behind it.
+    The append is applied and acknowledged with its 200, then the malformed request gets its 400;
+    its body was once counted as header bytes and the applied append answered 431."""
+    label = {"uid": "zz-pipelined", "text": "zz-pipelined: a label appended over a pipelined connection"}
+    body = json.dumps({"labels": [label], "append_id": "pipelined"}).encode()[:-1] + b" " * 30_000 + b"}"
+    fields = ("content-type: application/json", f"content-length: {len(body)}", f"x-admin-token: {TOKEN}")
+    with Connection(int(server.url.rsplit(":", 1)[1])) as conn:
+        conn.send(request("GET", "/healthz") + request("POST", "/admin/append", None, fields))
+        assert conn.answer().status == 200
+        conn.send(body + b"POST /admin/append HTTP/1.1\r\nhost: test\r\ncontent-length: -1\r\n\r\n")
+        append, refused = conn.answers(2)
+    assert append.status == 200, append
+    assert json.loads(append.body)["repeated"] is False and len(json.loads(append.body)["label_ids"]) == 1
+    assert refused.status == 400 and refused.closes
+    r = httpx.post(
+        f"{server.url}/admin/append", json={"labels": [label], "append_id": "pipelined"}, headers=ADMIN, timeout=60
+    )
+    assert r.status_code == 200 and r.json()["repeated"] is True  # applied once, by the pipelined request
