@@ -14,8 +14,10 @@ offset and the sha256 of what was folded; part of the bundle id). The source may
 meanwhile: its log is only read (no lock, no repair), up to the last complete record, and what it
 logs later is replayed by the compacted bundle at load, or applied before its first append. Serve
 it with the same log directory setting the compaction was given (``--appends-dir`` =
-``XMCSERVE_APPEND_LOG_DIR``, or neither: each bundle's ``<bundle>.appends/``). A source with
-nothing logged past what it was built or compacted with is refused: there is nothing to fold.
+``XMCSERVE_APPEND_LOG_DIR``, or neither: each bundle's ``<bundle>.appends/``, and the compacted
+bundle then goes beside its source, as a bundle only finds its lineage's log in its own log
+directory or one beside it). A source with nothing logged past what it was built or compacted
+with is refused: there is nothing to fold.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from export.writer import refuse_existing, write_bundle
 from service.engine import (
     MANIFEST_FILE,
     SOURCE_LOGS,
+    AppendLogError,
     Counts,
     Lineage,
     Manifest,
@@ -43,6 +46,7 @@ from service.engine import (
     ScoreFusion,
     appends_dir_beside,
     label_files,
+    lineage_log_path,
     load_for_reading,
     shard_list,
     utc_now,
@@ -78,6 +82,8 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
         offset=lineage_read.size,
         sha256=lineage_read.sha256,
     )
+    # refused before anything is written: the compacted bundle would not find the log at load
+    lineage_log_path(target_dir, lineage.log, lineage.bundle_id)
     bundle, view = predictor.bundle, predictor.view
     src = bundle.manifest
     keys = np.asarray(bundle.index.get_items(np.arange(view.num_keys)), dtype=np.float32)
@@ -183,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         manifest = compact_bundle(args.bundle, args.out, args.appends_dir, args.force)
-    except (NothingToFold, FileExistsError) as exc:
+    except (NothingToFold, FileExistsError, AppendLogError) as exc:
         raise SystemExit(f"export.compact: {exc}") from None
     print(json.dumps({"bundle_id": manifest.bundle_id, "out": str(args.out), **manifest.counts.model_dump()}))
 

@@ -4,6 +4,11 @@ mode, with a score fusion (``export.fuse``), or a float bundle's encoder quantiz
 The encoder and the index do not depend on these parameters, so they are hard-linked (bundles are
 immutable, sharing their files is safe) and only the value rows (``values.npz``, or each shard's,
 when λ changes) and the manifest are new. This is what a λ sweep serves.
+
+A derived bundle stays in its source's lineage (:func:`~service.engine.carried_lineage`): it
+replays the appends the source's lineage logged and appends to that log, found through the
+``appends_dir`` it is given (the server's XMCSERVE_APPEND_LOG_DIR; None: each bundle's
+``<bundle>.appends/``, the derived bundle then beside its source).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from service.engine import (
     RaeParams,
     ScoreFusion,
     Shard,
+    carried_lineage,
     save_key_terms,
     shard_list,
     utc_now,
@@ -42,6 +48,7 @@ def derive_rae_bundle(
     top_b: int | None = None,
     mode: RaeMode | None = None,
     force: bool = False,
+    appends_dir: Path | None = None,
 ) -> Manifest:
     """An ``rae_memory`` bundle at ``out`` that differs from ``source`` only in the RAE parameters
     given (the others are kept); ``train_Y`` is the memory's label matrix, for a new λ's values.
@@ -54,6 +61,7 @@ def derive_rae_bundle(
         raise ValueError(f"label matrix {train_Y.shape} does not match the bundle's memory")
     given = {"lam": lam, "tau": tau, "top_b": top_b, "mode": mode}
     rae = RaeParams(**(src.rae.model_dump() | {name: value for name, value in given.items() if value is not None}))
+    lineage = carried_lineage(source, src, out, appends_dir)
 
     new_values = rae.lam != src.rae.lam
     value_files = {shard.values for shard in shard_list(src)}
@@ -72,6 +80,7 @@ def derive_rae_bundle(
             "created_at": utc_now(),
             "rae": rae,
             "fusion": None,
+            "lineage": lineage,
             "params": {**src.params, **rae_attributes, "derived_from": src.bundle_id},
         }
 
@@ -85,6 +94,7 @@ def derive_fused_bundle(
     params: FusionParams,
     key_terms: sp.csr_matrix | None = None,
     force: bool = False,
+    appends_dir: Path | None = None,
 ) -> Manifest:
     """``source`` with the score fusion ``fusion`` (replacing any it had): its files linked, the
     fusion written beside them (and, for a lexical fusion, the keys' term vectors ``key_terms``,
@@ -94,6 +104,7 @@ def derive_fused_bundle(
     replaced = fusion_files(src)
     if (key_terms is not None) != (params.lexical is not None):
         raise ValueError("a lexical fusion is written with its key term vectors, and only a lexical one")
+    lineage = carried_lineage(source, src, out, appends_dir)
 
     def populate(stage: Path) -> dict:
         for name in src.files:
@@ -105,6 +116,7 @@ def derive_fused_bundle(
         return src.model_dump(exclude={"bundle_id", "files"}) | {
             "created_at": utc_now(),
             "fusion": params,
+            "lineage": lineage,
             "params": {**src.params, "derived_from": src.bundle_id},
         }
 
@@ -120,6 +132,7 @@ def derive_quantized_bundle(
     parity_texts: int = 64,
     seed: int = 0,
     force: bool = False,
+    appends_dir: Path | None = None,
 ) -> Manifest:
     """A float32 bundle's twin with an int8 encoder (``quantize``: ``int8`` or ``int8-static``,
     whose scales fit on ``calibration_texts``): the graph quantized and checked against the
@@ -131,6 +144,7 @@ def derive_quantized_bundle(
     if quantize == "none":
         raise ValueError("nothing to derive: quantize is none")
     tokenizer = Tokenizer.from_file(str(source / TOKENIZER_FILE))  # pads and truncates as exported
+    lineage = carried_lineage(source, src, out, appends_dir)
 
     def populate(stage: Path) -> dict:
         for name in src.files:
@@ -141,6 +155,7 @@ def derive_quantized_bundle(
         cosine = quantize_checked(stage / ENCODER_FILE, tokenizer, texts, least_cosine, quantize, calibration_texts)
         return src.model_dump(exclude={"bundle_id", "files"}) | {
             "created_at": utc_now(),
+            "lineage": lineage,
             "params": {**src.params, "quantize": quantize, "int8_min_cosine": cosine, "derived_from": src.bundle_id},
         }
 

@@ -22,6 +22,10 @@ says, on a validation split of the held-out instances, which of them and which m
 ``--rerank-depth M`` makes the fusion a two-stage ranking: T is fitted on, and at serving time
 rescores, each search's top M candidates by p̂ only (the rest are not returned), so an ensemble's
 cost is M rows a query, not every candidate.
+
+The fused bundle stays in its source's lineage: it replays and appends to the source's append log
+(``--appends-dir``, the server's XMCSERVE_APPEND_LOG_DIR; default: each bundle's
+``<bundle>.appends/``, the fused bundle then beside its source).
 """
 
 from __future__ import annotations
@@ -63,8 +67,10 @@ from service.engine import (
     Manifest,
     Predictor,
     ScoreFusion,
+    carried_lineage,
     lexical_file_names,
     load_predictor,
+    read_manifest,
     shard_list,
 )
 from xmc.checkpoint import HOLDOUT_FILE
@@ -187,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_held_out_memory_option(parser)
     parser.add_argument("--force", action="store_true", help="replace an existing --out bundle")
+    parser.add_argument(
+        "--appends-dir",
+        type=Path,
+        default=None,
+        help="directory of the append logs (the server's XMCSERVE_APPEND_LOG_DIR; default: each bundle's "
+        "<bundle>.appends, the fused bundle then beside its source): it goes on in its source's log",
+    )
     return parser
 
 
@@ -212,13 +225,16 @@ def fuse_bundle(
     fit_on: FitOn = "both",
     rerank_depth: int | None = DEFAULT_FUSION.rerank_depth,
     memory: HeldOutMemory = DEFAULT_HELD_OUT_MEMORY,
+    appends_dir: Path | None = None,
 ) -> tuple[Manifest, FusionFit]:
     """``bundle`` with a fusion fitted on ``run``'s held-out instances of ``train`` (the bundle's
-    memory split), written to ``out``."""
+    memory split), written to ``out``, in ``bundle``'s lineage (its log found through
+    ``appends_dir``: :func:`~service.engine.carried_lineage`)."""
     holdout = run / HOLDOUT_FILE
     if not holdout.is_file():
         raise SystemExit(f"export.fuse: no {holdout}; train with holdout > 0 (TrainParams.holdout)")
     refuse_existing(out, force)
+    carried_lineage(bundle, read_manifest(Path(bundle).resolve()), out, appends_dir)  # refused before the fit
     predictor = load_predictor(bundle)
     check_memory(predictor, train)
     rows = rows_of_uids(train, holdout.read_text().split())
@@ -237,7 +253,8 @@ def fuse_bundle(
         pairs=fit.pairs,
         lexical=lexical_file_names(len(shards)) if "lexical" in groups else None,
     )
-    return derive_fused_bundle(bundle, out, fit.fusion, fusion_params, fit.key_terms, force), fit
+    fused = derive_fused_bundle(bundle, out, fit.fusion, fusion_params, fit.key_terms, force, appends_dir)
+    return fused, fit
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -259,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         args.fit_on,
         rerank_depth,
         args.held_out_memory,
+        args.appends_dir,
     )
     summary = {
         "bundle": str(args.out),

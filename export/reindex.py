@@ -6,6 +6,12 @@ The keys are read back from the source's index (hnswlib keeps them as float32; a
 are its float16 re-rank vectors) and indexed again in the same shards; the encoder, labels, value
 rows and fusion files are hard-linked (bundles are immutable), so the two bundles differ only in
 how their keys are searched: what a comparison of index kinds on a trained bundle needs.
+
+The new bundle stays in its source's lineage (docs/operations.md, "Lineage model"): it replays
+the appends the source's lineage logged, with the same label ids and ``append_id`` values, and appends
+to that log, so promoting it over a live source loses no acknowledged append. Give it the log
+directory setting the server has (``--appends-dir`` = ``XMCSERVE_APPEND_LOG_DIR``, or neither:
+each bundle's ``<bundle>.appends/``, and the new bundle then goes beside its source).
 """
 
 from __future__ import annotations
@@ -22,15 +28,30 @@ from export.build import write_shard_index
 from export.derive import link_or_copy
 from export.export_params import ExportParams
 from export.writer import refuse_existing, write_bundle
-from service.engine import HnswParams, Manifest, load_shard_index, read_manifest, shard_file_names, shard_list, utc_now
+from service.engine import (
+    AppendLogError,
+    HnswParams,
+    Manifest,
+    carried_lineage,
+    load_shard_index,
+    read_manifest,
+    shard_file_names,
+    shard_list,
+    utc_now,
+)
 
 
-def reindex_bundle(source: Path, out: Path, params: ExportParams, force: bool = False) -> Manifest:
+def reindex_bundle(
+    source: Path, out: Path, params: ExportParams, force: bool = False, appends_dir: Path | None = None
+) -> Manifest:
     """``source`` with its keys indexed as ``params.index`` says (ivfpq: ``ivf_nlist``, ``pq_m``,
-    ``ivf_nprobe``; hnswlib: ``hnsw_m``, ``ef_construction``), ``ef_search`` from ``params``."""
+    ``ivf_nprobe``; hnswlib: ``hnsw_m``, ``ef_construction``), ``ef_search`` from ``params``; in
+    the source's lineage, its log found through ``appends_dir`` (None: each bundle's default log
+    directory) as :func:`~service.engine.carried_lineage` says."""
     refuse_existing(out, force)
     source = Path(source).resolve()
     src = read_manifest(source)
+    lineage = carried_lineage(source, src, out, appends_dir)
     shards = shard_list(src)
     params = replace(params, dim=src.dim, shards=len(shards), index_kind=src.index_kind)
     keys = [
@@ -58,20 +79,28 @@ def reindex_bundle(source: Path, out: Path, params: ExportParams, force: bool = 
             "ivfpq": ivfpq,
             "hnsw": hnsw if params.index == "hnswlib" else src.hnsw.model_copy(update={"ef_search": params.ef_search}),
             "shards": new_shards if src.shards else None,
+            "lineage": lineage,
             "params": {**src.params, "index": params.index, "reindexed_from": src.bundle_id},
         }
 
     return write_bundle(out, populate, force)
 
 
-def retune_bundle(source: Path, out: Path, nprobe: int | None = None, ef_search: int | None = None) -> Manifest:
+def retune_bundle(
+    source: Path,
+    out: Path,
+    nprobe: int | None = None,
+    ef_search: int | None = None,
+    appends_dir: Path | None = None,
+) -> Manifest:
     """``source`` (an ivfpq bundle) scanning ``nprobe`` cells and re-ranking ``ef_search``
     candidates by default: every file linked, only the manifest's search parameters new (the
-    index does not depend on them)."""
+    index does not depend on them); in the source's lineage, as :func:`reindex_bundle`."""
     source = Path(source).resolve()
     src = read_manifest(source)
     if src.ivfpq is None:
         raise ValueError(f"{source}: not an ivfpq bundle")
+    lineage = carried_lineage(source, src, out, appends_dir)
 
     def populate(stage: Path) -> dict:
         for name in src.files:
@@ -80,6 +109,7 @@ def retune_bundle(source: Path, out: Path, nprobe: int | None = None, ef_search:
             "created_at": utc_now(),
             "ivfpq": src.ivfpq.model_copy(update={"nprobe": nprobe or src.ivfpq.nprobe}),
             "hnsw": src.hnsw.model_copy(update={"ef_search": ef_search or src.hnsw.ef_search}),
+            "lineage": lineage,
             "params": {**src.params, "retuned_from": src.bundle_id},
         }
 
@@ -111,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--build-threads", type=int, default=1, help="index build threads (0: every core)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the index construction")
+    parser.add_argument(
+        "--appends-dir",
+        type=Path,
+        default=None,
+        help="directory of the append logs (the server's XMCSERVE_APPEND_LOG_DIR; default: each bundle's "
+        "<bundle>.appends, the new bundle then beside its source): the new bundle goes on in its source's log",
+    )
     parser.add_argument("--force", action="store_true", help="replace an existing bundle at --out")
     return parser
 
@@ -131,7 +168,10 @@ def main(argv: list[str] | None = None) -> None:
         build_threads=args.build_threads,
         seed=args.seed,
     )
-    manifest = reindex_bundle(args.bundle, args.out, params, args.force)
+    try:
+        manifest = reindex_bundle(args.bundle, args.out, params, args.force, args.appends_dir)
+    except (AppendLogError, FileExistsError) as exc:
+        raise SystemExit(f"export.reindex: {exc}") from None
     print(json.dumps({"bundle_id": manifest.bundle_id, "out": str(args.out), "ann": manifest.ann}))
 
 

@@ -40,7 +40,14 @@ The public surface:
 Everything is thread-safe for concurrent ``predict`` calls on one predictor.
 """
 
-from service.engine.append_log import AppendLog, AppendLogError, AppendLogHeld, appends_dir_beside, sync_directory
+from service.engine.append_log import (
+    AppendLog,
+    AppendLogError,
+    AppendLogHeld,
+    appends_dir_beside,
+    lineage_log_path,
+    sync_directory,
+)
 from service.engine.batcher import BatchAnswer, BatcherConfig, BatcherStoppedError, MicroBatcher, QueueFullError
 from service.engine.bundle import (
     Bundle,
@@ -64,7 +71,7 @@ from service.engine.fusion import (
 from service.engine.ivfpq import IvfPqIndex, empty_index, exact_rerank, faiss_threads
 from service.engine.labels import write_label_arrays
 from service.engine.lexical import KeyTerms, Lexicon, save_key_terms
-from service.engine.loading import SOURCE_LOGS, load_for_reading, load_predictor, vet_in_child
+from service.engine.loading import SOURCE_LOGS, carried_lineage, load_for_reading, load_predictor, vet_in_child
 from service.engine.manifest import (
     ENCODER_FILE,
     FUSION_MODEL_FILE,
@@ -125,6 +132,7 @@ __all__ = [
     "build_values",
     "Bundle",
     "BundleError",
+    "carried_lineage",
     "content_id",
     "Counts",
     "empty_index",
@@ -151,6 +159,7 @@ __all__ = [
     "lexical_file_names",
     "Lexicon",
     "Lineage",
+    "lineage_log_path",
     "LineageDiverged",
     "load_bundle",
     "load_encoder",

@@ -14,8 +14,19 @@ Before writing, a bundle applies the records it has not seen yet (another bundle
 this process wrote them: :meth:`AppendLog.exclusive` yields them), so it always appends at the end
 of the one order. Loading takes no lock and creates nothing: a bundle that never appends (a shadow,
 a candidate) never touches the log's directory. Readers (compaction, inspection, catching up) read
-the complete records up to a byte offset (:meth:`AppendLog.read`), a consistent prefix whatever the
+the complete records up to a byte offset (:meth:`AppendLog.scan`), a consistent prefix whatever the
 writer is doing, and never modify the file.
+
+Bounded reads. A log's tail can be large (a long run without compaction), and replay and catching
+up read it in the serving process, under the admin lock, outside the vetting child's memory cap:
+they read it :data:`READ_CHUNK_BYTES` at a time (:class:`LogScan`) and apply each record as it is
+read, never holding the whole tail.
+
+Where a log may be. A bundle of a lineage names its lineage's log relative to its own log
+directory (``manifest.lineage.log``); :func:`lineage_log_path` accepts only a log in that
+directory or in a ``<name>.appends`` directory beside it (a bundle's default log directory, for
+a source in the same directory), so a crafted manifest cannot make an append create directories
+or write a log anywhere else.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +52,11 @@ from service.engine.memory import AppendBatch
 log = logging.getLogger(__name__)
 
 LOG_SUFFIX = ".appends.log"
+# the default log directory of a bundle is ``<bundle dir><APPENDS_DIR_SUFFIX>`` (appends_dir_beside)
+APPENDS_DIR_SUFFIX = ".appends"
+# Bytes a reader takes from a log at a time. A record is read whole even when longer (one append
+# is bounded by the server's append limits).
+READ_CHUNK_BYTES = 1 << 20
 # What a bundle id is (``<index kind>-<dim>d-<12 hex of the content hash>``): no separators, no
 # dots, so a log file named from one stays in its directory.
 BUNDLE_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,80}-[0-9a-f]{12}")
@@ -75,19 +91,124 @@ def check_bundle_id(bundle_id: str) -> str:
     return bundle_id
 
 
+def lineage_log_path(appends_dir: Path, relative: str, bundle_id: str) -> Path:
+    """The log a manifest's ``lineage`` names, ``relative`` to the bundle's log directory
+    ``appends_dir``: the log of lineage ``bundle_id`` in that directory (a shared
+    XMCSERVE_APPEND_LOG_DIR) or in a ``<name>.appends`` directory beside it (the default log
+    directory of a bundle in the same directory, its lineage's first). Anywhere else is refused
+    (:class:`AppendLogError`): the bundle's first append would create that directory and write there."""
+    name = f"{check_bundle_id(bundle_id)}{LOG_SUFFIX}"
+    if not isinstance(relative, str) or Path(relative).is_absolute() or Path(relative).name != name:
+        raise AppendLogError(f"lineage log {relative!r}: not the relative path of the log {name}")
+    base = Path(os.path.normpath(Path(appends_dir).absolute()))
+    path = Path(os.path.normpath(base / relative))
+    beside = path.parent.parent == base.parent and path.parent.name.endswith(APPENDS_DIR_SUFFIX)
+    if path.parent != base and not beside:
+        raise AppendLogError(
+            f"lineage log {relative!r} is {path}: neither in the log directory {base} nor in a "
+            f"<name>{APPENDS_DIR_SUFFIX} directory beside it; refused, nothing created (export the bundle "
+            "beside its source, or give the export and the server one log directory: --appends-dir / "
+            "XMCSERVE_APPEND_LOG_DIR)"
+        )
+    return path
+
+
 @dataclass(frozen=True)
 class LogRead:
-    """The complete records of a log read up to its end: ``records`` (oldest first) and the byte
-    offset each starts at; ``size``: the bytes they fill, a prefix that never changes once written;
-    ``prefix_sha256``: the sha256 of the first ``prefix`` bytes asked for (None: the file is shorter)."""
+    """What was read of a log up to its end: ``size``, the bytes its complete records fill (a
+    prefix that never changes once written), and their ``sha256``; ``prefix_sha256``: the sha256
+    of the bytes before the offset the read started at (None: the file is shorter). ``records``
+    (oldest first) and the byte ``offsets`` they start at are kept by :meth:`AppendLog.read` only:
+    a replay applies each record as it reads it and keeps none."""
 
     path: Path
     bundle_id: str
-    records: list[dict]
-    offsets: list[int]
     size: int
     sha256: str
     prefix_sha256: str | None = None
+    records: list[dict] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+
+
+class LogScan:
+    """The complete records of a log from byte ``start`` to the length it had when the scan
+    began, read :data:`READ_CHUNK_BYTES` at a time: iterate it for ``(start, end, record)`` of each,
+    oldest first. A torn last record (a crash while writing) is left out; a damaged one before the
+    end refuses the log (:class:`AppendLogError`, raised when the scan reaches it).
+
+    Once iterated through: ``end``, where the last complete record ends; ``length``, the bytes the
+    file had from ``start`` (more than ``end``: a torn tail). With ``digest``, the first ``start``
+    bytes are hashed first (``prefix_sha256``, None when the file is shorter; ``lines_before``, the
+    records they hold), and ``sha256`` is then that of the first ``end`` bytes."""
+
+    def __init__(self, log: AppendLog, start: int = 0, digest: bool = False):
+        self.log, self.start, self.end, self.length = log, start, start, start
+        self.lines_before = 0
+        self._tail = b""  # what follows the last newline read: a record being written, or torn
+        self.prefix_sha256: str | None = None
+        self._hash = hashlib.sha256() if digest else None
+        try:
+            self._file = open(log.path, "rb")  # noqa: SIM115 (closed when the scan ends)
+        except (FileNotFoundError, NotADirectoryError):  # nothing appended yet
+            self._file = None
+        except OSError as exc:
+            raise AppendLogError(f"cannot read the append log {log.path}: {exc}") from exc
+        size = os.fstat(self._file.fileno()).st_size if self._file is not None else 0
+        self.length = max(size, start)
+        if digest:
+            self._hash_prefix(size)
+
+    @property
+    def sha256(self) -> str | None:
+        return self._hash.hexdigest() if self._hash is not None else None
+
+    def _hash_prefix(self, size: int) -> None:
+        remaining = self.start if self.start <= size else 0
+        while remaining:
+            block = self._file.read(min(READ_CHUNK_BYTES, remaining))
+            self._hash.update(block)
+            self.lines_before += block.count(b"\n")
+            remaining -= len(block)
+        if self.start <= size:
+            self.prefix_sha256 = self._hash.hexdigest()
+
+    def _lines(self) -> Iterator[tuple[int, bytes]]:
+        """(offset, line without its newline) of each complete line, a chunk at a time; what
+        follows the last newline is left in ``self._tail``."""
+        if self._file is None:
+            return
+        offset, remaining = self.start, self.length - self.start
+        self._file.seek(self.start)
+        while remaining > 0 and (chunk := self._file.read(min(READ_CHUNK_BYTES, remaining))):
+            remaining -= len(chunk)
+            lines = chunk.split(b"\n")
+            lines[0] = self._tail + lines[0]
+            self._tail = lines.pop()
+            for line in lines:
+                yield offset, line
+                offset += len(line) + 1
+
+    def __iter__(self) -> Iterator[tuple[int, int, dict]]:
+        damaged = None
+        try:
+            for offset, line in self._lines():
+                if damaged is not None:  # a line after a damaged one: not a crash but an altered log
+                    raise AppendLogError(f"{self.log.path} (byte {damaged}): damaged record before the end of the log")
+                record = self.log._decode(line)
+                if record is None:
+                    damaged = offset  # a record torn by a crash mid-write, if nothing follows it
+                    continue
+                self.end = offset + len(line) + 1
+                if self._hash is not None:
+                    self._hash.update(line + b"\n")
+                yield offset, self.end, record
+        finally:
+            if self._file is not None:
+                self._file.close()
+        if damaged is not None:
+            if self._tail:
+                raise AppendLogError(f"{self.log.path} (byte {damaged}): damaged record before the end of the log")
+            log.warning("%s: leaving out a damaged last record (an append cut off while written)", self.log.path)
 
 
 class _Writer:
@@ -165,79 +286,56 @@ class AppendLog:
         """Whether this process holds the log open for writing."""
         return self._writer is not None
 
-    def read(self, repair: bool = False, prefix: int = 0) -> LogRead:
-        """Every complete record, oldest first. A torn last line (a crash while writing) is left
-        out, and cut off the file with ``repair`` (only by the log's writer: a reader may be
-        looking at a write in progress); a damaged line before it means the log was altered, and
-        is refused. ``prefix``: also hash the log's first ``prefix`` bytes."""
-        data = self.path.read_bytes() if self.path.is_file() else b""
-        records, offsets, good_bytes = [], [], 0
-        lines = data.split(b"\n")
-        complete, tail = lines[:-1], lines[-1]
-        for number, line in enumerate(complete, start=1):
-            record = self._decode(line)
-            if record is None:
-                if number == len(complete) and not tail:
-                    log.warning("%s: leaving out a damaged last record (an append cut off while written)", self.path)
-                    break
-                raise AppendLogError(f"{self.path}:{number}: damaged record before the end of the log")
+    def scan(self, start: int = 0, digest: bool = False) -> LogScan:
+        """The complete records from byte ``start`` on, read a chunk at a time (:class:`LogScan`);
+        no lock taken, nothing changed."""
+        return LogScan(self, start, digest)
+
+    def read(self, repair: bool = False) -> LogRead:
+        """Every complete record, oldest first, held in memory at once: an inspection's read (a
+        replay or a catch-up goes through :meth:`scan` and keeps none). A torn last line (a crash
+        while writing) is left out, and cut off the file with ``repair`` (only by the log's writer:
+        a reader may be looking at a write in progress); a damaged line before it means the log was
+        altered, and is refused."""
+        scan = self.scan(0, digest=True)
+        records, offsets = [], []
+        for start, _, record in scan:
             records.append(record)
-            offsets.append(good_bytes)
-            good_bytes += len(line) + 1
-        if repair and good_bytes != len(data):
+            offsets.append(start)
+        if repair and scan.length != scan.end:
             if self._writer is None:
                 raise AppendLogError(f"{self.path}: a torn last record, and the log is not open for writing")
-            log.warning("%s: cutting %d bytes of an unfinished record", self.path, len(data) - good_bytes)
-            self._truncate(good_bytes)
-        self.size = good_bytes
-        digest = hashlib.sha256(data[:good_bytes]).hexdigest()
-        head = hashlib.sha256(data[:prefix]).hexdigest() if prefix <= len(data) else None
-        return LogRead(self.path, self.bundle_id, records, offsets, good_bytes, digest, head)
+            log.warning("%s: cutting %d bytes of an unfinished record", self.path, scan.length - scan.end)
+            self._truncate(scan.end)
+        self.size = scan.end
+        return LogRead(self.path, self.bundle_id, scan.end, scan.sha256, scan.prefix_sha256, records, offsets)
 
-    def tail(self, dim: int) -> list[TailRecord]:
+    def tail(self, dim: int) -> Iterator[TailRecord]:
         """The complete records past :attr:`size` (appended since this memory last read or wrote
-        the log: by another bundle of its lineage), oldest first; no lock taken, nothing changed."""
-        return self._scan(dim)[0]
+        the log: by another bundle of its lineage), oldest first, read as they are taken; no lock
+        taken, nothing changed."""
+        return self._tail(dim, repair=False)
 
     @contextmanager
-    def exclusive(self, dim: int) -> Iterator[list[TailRecord]]:
+    def exclusive(self, dim: int) -> Iterator[Iterator[TailRecord]]:
         """Hold the log for writing (opened and locked at the first call: :meth:`open_for_writing`)
-        and yield the records past :attr:`size`, which the caller applies before it writes: while
-        this block runs nobody else appends. A torn last record (a writer that died mid-write; only
-        a dead writer can leave one, as the lock is held) is cut off first."""
+        and yield the records past :attr:`size`, read as they are taken, which the caller applies
+        before it writes: while this block runs nobody else appends. A torn last record (a writer
+        that died mid-write; only a dead writer can leave one, as the lock is held) is cut off once
+        the records are all taken (a write is refused until then: :meth:`write` checks the size)."""
         if self._writer is None:
             self.open_for_writing()
         with self._writer.lock:
-            records, end, length = self._scan(dim)
-            if length != end:
-                log.warning("%s: cutting %d bytes of an unfinished record", self.path, length - end)
-                self._truncate(end)
-            yield records
+            yield self._tail(dim, repair=True)
 
-    def _scan(self, dim: int) -> tuple[list[TailRecord], int, int]:
-        """The complete records from byte :attr:`size` on, the offset the last one ends at and the
-        file's length."""
-        try:
-            with open(self.path, "rb") as fh:
-                fh.seek(self.size)
-                data = fh.read()
-        except (FileNotFoundError, NotADirectoryError):  # nothing appended yet
-            return [], self.size, self.size
-        except OSError as exc:
-            raise AppendLogError(f"cannot read the append log {self.path}: {exc}") from exc
-        records, end = [], self.size
-        lines = data.split(b"\n")
-        complete = lines[:-1]
-        for number, line in enumerate(complete, start=1):
-            record = self._decode(line)
-            if record is None:
-                if number == len(complete) and not lines[-1]:
-                    break  # torn by a crash mid-write, with its newline: not a complete record
-                raise AppendLogError(f"{self.path} (byte {end}): damaged record before the end of the log")
-            end += len(line) + 1
+    def _tail(self, dim: int, repair: bool) -> Iterator[TailRecord]:
+        scan = self.scan(self.size)
+        for start, end, record in scan:
             batch, vectors = batch_of(record, dim)
-            records.append(TailRecord(batch, vectors, end, f"{self.path} (byte {end - len(line) - 1})"))
-        return records, end, self.size + len(data)
+            yield TailRecord(batch, vectors, end, f"{self.path} (byte {start})")
+        if repair and scan.length != scan.end:
+            log.warning("%s: cutting %d bytes of an unfinished record", self.path, scan.length - scan.end)
+            self._truncate(scan.end)
 
     def _decode(self, line: bytes) -> dict | None:
         digest, _, payload = line.partition(b" ")

@@ -300,6 +300,39 @@ class IvfPqIndex:
         self.added += len(local)
         self._hidden.difference_update(int(key) for key in local)  # hnswlib un-deletes a re-added key too
 
+    def take_back(self, first: int, end: int | None = None) -> None:
+        """Remove every key from global id ``first`` on (those of an append that failed part-way,
+        ``end`` or not: some may have reached the IVF lists and not the buffer), so that the next
+        append starts at ``first`` again. Appended keys sit at the end of their lists, in id order,
+        so each list is cut back to its keys below ``first``; the codes they leave in the list's
+        last block are cleared, as a fast-scan block packs 32 keys' 4-bit codes together and faiss
+        ORs the next codes added there into it. Visits every list: only a failed append pays that."""
+        count = first - self.first_key
+        if count < self.base_count:
+            raise ValueError(f"key {first} is one of the bundle's, not an appended one")
+        invlists = faiss.extract_index_ivf(self.index).invlists
+        packer = self.index.get_CodePacker()
+        zero = np.zeros(packer.code_size, dtype=np.uint8)
+        removed = 0
+        for number in range(self.index.nlist):
+            size = invlists.list_size(number)
+            if not size:
+                continue
+            ids = faiss.rev_swig_ptr(invlists.get_ids(number), size)
+            keep = int(np.count_nonzero(ids < count))
+            if keep == size:
+                continue
+            if np.any(ids[keep:] < count):
+                raise ValueError(f"inverted list {number}: appended keys not at its end")
+            codes = invlists.get_codes(number)
+            for offset in range(keep, min(size, -(-keep // FAST_SCAN_BLOCK) * FAST_SCAN_BLOCK)):
+                packer.pack_1_c(faiss.swig_ptr(zero), offset, codes)
+            invlists.resize(number, keep)
+            removed += size - keep
+        self.index.ntotal -= removed
+        self.added = min(self.added, count - self.base_count)
+        self._hidden = {key for key in self._hidden if key < count}
+
     def mark_deleted(self, key: int) -> None:
         self._hidden.add(int(key) - self.first_key)
 

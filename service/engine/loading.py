@@ -3,6 +3,7 @@ child process first, so that a bundle that would crash or exhaust the loader cos
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import multiprocessing
 import os
@@ -14,12 +15,15 @@ from service.engine.append_log import (
     AppendLog,
     AppendLogError,
     LogRead,
+    LogScan,
+    appends_dir_beside,
     batch_of,
     check_bundle_id,
+    lineage_log_path,
 )
 from service.engine.bundle import Bundle, BundleError, load_bundle
 from service.engine.encoder import EncoderOptions
-from service.engine.manifest import content_id
+from service.engine.manifest import Lineage, Manifest, content_id
 from service.engine.memory import AppendRefused
 from service.engine.search import Predictor
 
@@ -56,7 +60,8 @@ def load_for_reading(
 ) -> tuple[Predictor, list[LogRead]]:
     """The bundle with its logs replayed as they are now, without writing to them or locking them
     (a compaction, an inspection): the predictor, which has no log, and what was read of each
-    log, its lineage log last (a consistent prefix: a record being written meanwhile is left out)."""
+    log (its size and sha256), its lineage log last (a consistent prefix: a record being written
+    meanwhile is left out)."""
     return _load(Path(path), options, True, appends_dir, False, False)
 
 
@@ -73,14 +78,16 @@ def _load(
     reads, skipped, replayed = [], [], set()
     try:
         for source in [*sources, *([own] if own is not None else [])]:
-            read = source.read()
+            scan = source.scan()
             if (file := file_identity(source.log.path)) in replayed:
                 # one file named twice (a bundle compacted before lineages, whose own log is its source's)
                 log.warning("%s: %s replayed once only (named twice)", path, source.log.path)
+                for _ in scan:  # read through for its size and digest only
+                    pass
             else:
-                skipped += replay(predictor, read, source.offset, source.min_version, skip)
+                skipped += replay(predictor, scan, source.min_version, skip)
             replayed.add(file)
-            reads.append(read)
+            reads.append(LogRead(source.log.path, source.log.bundle_id, scan.end, scan.sha256, scan.prefix_sha256))
         if own is not None:
             own.log.size = reads[-1].size  # the memory has applied its lineage log up to here
     except (AppendLogError, ValueError, KeyError, TypeError) as exc:
@@ -124,16 +131,18 @@ class SourceLog:
     def __init__(self, log: AppendLog, offset: int = 0, sha256: str | None = None, min_version: int = 0):
         self.log, self.offset, self.sha256, self.min_version = log, offset, sha256, min_version
 
-    def read(self) -> LogRead:
-        read = self.log.read(prefix=self.offset)
+    def scan(self) -> LogScan:
+        """The log's records past ``offset``, to be read a chunk at a time; its first ``offset``
+        bytes are checked here, before any record is read."""
         if self.offset and not self.log.path.exists():
             raise AppendLogError(
                 f"{self.log.path} is missing: the compaction folded its first {self.offset} bytes, and the appends "
                 "acknowledged after that are in it (serve this bundle with the log directory it was compacted for)"
             )
-        if self.sha256 is not None and read.prefix_sha256 != self.sha256:
+        scan = self.log.scan(self.offset, digest=True)
+        if self.sha256 is not None and scan.prefix_sha256 != self.sha256:
             raise AppendLogError(f"{self.log.path}: its first {self.offset} bytes are not those the compaction folded")
-        return read
+        return scan
 
 
 def logs_to_replay(bundle: Bundle, appends_dir: Path | None) -> tuple[list[SourceLog], SourceLog | None]:
@@ -141,18 +150,53 @@ def logs_to_replay(bundle: Bundle, appends_dir: Path | None) -> tuple[list[Sourc
     compacted before lineages, and the log it writes to. That is its lineage's log
     (``manifest.lineage``, named by its path relative to the log directory the bundle is served
     with: the first bundle's log in a shared XMCSERVE_APPEND_LOG_DIR, the one beside the first
-    bundle by default) from the compaction's offset, or, for a bundle built, its own from 0."""
+    bundle by default; refused anywhere else: :func:`lineage_log_path`) from the offset the bundle
+    was made at (compacted, or reindexed or derived from a bundle of the lineage), or, for a bundle
+    built, its own from 0."""
     if appends_dir is None:
         return [], None
     lineage = bundle.manifest.lineage
     if lineage is not None:
-        relative = Path(lineage.log)
-        if relative.is_absolute() or relative.name != f"{check_bundle_id(lineage.bundle_id)}{LOG_SUFFIX}":
-            raise AppendLogError(f"lineage log {lineage.log!r}: not the relative path of a bundle's log")
-        path = Path(os.path.normpath(Path(appends_dir).absolute() / relative))
+        path = lineage_log_path(appends_dir, lineage.log, lineage.bundle_id)
         return [], SourceLog(AppendLog(path, lineage.bundle_id), lineage.offset, lineage.sha256)
     own = SourceLog(AppendLog.in_directory(appends_dir, bundle.bundle_id))
     return legacy_source_logs(bundle, appends_dir), own
+
+
+def carried_lineage(source: Path, manifest: Manifest, out: Path, appends_dir: Path | None) -> Lineage:
+    """The lineage of a bundle written to ``out`` from the bundle ``source`` (``manifest``) with the
+    same memory, only served otherwise (reindexed, derived, fused): the source's lineage log, from
+    the offset the source starts at in it (0 for the lineage's first bundle), named relative to the
+    new bundle's log directory. So the new bundle replays every append the lineage acknowledged,
+    with the same label ids and ``append_id`` values, and appends to the same log: promoting it
+    loses nothing. ``appends_dir``: the shared log directory both are served with
+    (XMCSERVE_APPEND_LOG_DIR); None: each bundle's own ``<bundle dir>.appends/``, where the new
+    bundle finds the log only when it is written beside a bundle of the lineage
+    (:func:`lineage_log_path`; elsewhere a warning says so: served with a log directory, it is
+    refused at load, never served without its lineage's appends). Raises :class:`AppendLogError`
+    when ``source`` was compacted before lineages (its appends are spread over several logs:
+    compact it first)."""
+    source, out = Path(source).resolve(), Path(out).resolve()
+    if manifest.lineage is None and (SOURCE_LOGS in manifest.params or "compacted_from" in manifest.params):
+        raise AppendLogError(
+            f"{source} was compacted before lineages: its appends are in several logs, which one bundle made from "
+            "it cannot go on in; compact it first (python -m export.compact) and make the new bundle from that"
+        )
+    source_dir = Path(appends_dir).absolute() if appends_dir is not None else appends_dir_beside(source)
+    target_dir = Path(appends_dir).absolute() if appends_dir is not None else appends_dir_beside(out)
+    lineage = manifest.lineage or Lineage(
+        bundle_id=manifest.bundle_id,
+        log=f"{check_bundle_id(manifest.bundle_id)}{LOG_SUFFIX}",
+        offset=0,
+        sha256=hashlib.sha256(b"").hexdigest(),
+    )
+    path = lineage_log_path(source_dir, lineage.log, lineage.bundle_id)
+    carried = lineage.model_copy(update={"log": os.path.relpath(path, target_dir)})
+    try:
+        lineage_log_path(target_dir, carried.log, carried.bundle_id)  # where the new bundle looks for it
+    except AppendLogError as exc:
+        log.warning("%s: served with its default log directory, it will be refused: %s", out, exc)
+    return carried
 
 
 def legacy_source_logs(bundle: Bundle, appends_dir: Path) -> list[SourceLog]:
@@ -173,28 +217,28 @@ def legacy_source_logs(bundle: Bundle, appends_dir: Path) -> list[SourceLog]:
     return sources
 
 
-def replay(predictor: Predictor, read: LogRead, offset: int, min_version: int, skip: bool) -> list[dict]:
-    """Apply the records of ``read`` from byte ``offset`` on (and past memory version
-    ``min_version``) to the predictor's memory, oldest first; a record whose ``append_id`` is
-    already applied is passed over. A record that no longer applies refuses the load, or with
-    ``skip`` is left out: returns those left out (where, and why)."""
+def replay(predictor: Predictor, scan: LogScan, min_version: int, skip: bool) -> list[dict]:
+    """Apply the records of ``scan`` (past memory version ``min_version``) to the predictor's
+    memory as they are read, oldest first; a record whose ``append_id`` is already applied is passed
+    over. A record that no longer applies refuses the load, or with ``skip`` is left out: returns
+    those left out (where, and why)."""
     applied, skipped = 0, []
-    for number, (start, record) in enumerate(zip(read.offsets, read.records, strict=True), start=1):
-        if start < offset or record.get("version", 0) <= min_version:
+    for number, (start, _, record) in enumerate(scan, start=scan.lines_before + 1):
+        if record.get("version", 0) <= min_version:
             continue
         try:
             applied += predictor.memory.replay(*batch_of(record, predictor.bundle.index.dim))
         except (AppendRefused, AppendLogError) as exc:
-            where = {"log": str(read.path), "line": number, "byte": start, "append_id": record.get("append_id")}
+            where = {"log": str(scan.log.path), "line": number, "byte": start, "append_id": record.get("append_id")}
             if not skip:
                 raise AppendLogError(
-                    f"{read.path}:{number} (byte {start}, append_id {record.get('append_id')!r}) no longer "
+                    f"{scan.log.path}:{number} (byte {start}, append_id {record.get('append_id')!r}) no longer "
                     f"applies: {exc}; nothing served (skip such records: skip_refused / XMCSERVE_REPLAY_SKIP_REFUSED)"
                 ) from None
-            log.error("%s:%d: skipping a logged append that no longer applies: %s", read.path, number, exc)
+            log.error("%s:%d: skipping a logged append that no longer applies: %s", scan.log.path, number, exc)
             skipped.append({**where, "reason": str(exc)})
     if applied:
-        log.info("replayed %d appends of %s (memory version %d)", applied, read.path, predictor.view.version)
+        log.info("replayed %d appends of %s (memory version %d)", applied, scan.log.path, predictor.view.version)
     return skipped
 
 

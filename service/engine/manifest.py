@@ -192,14 +192,18 @@ class Counts(_Strict):
 
 
 class Lineage(_Strict):
-    """Where a compacted bundle's memory goes on: the append log of its lineage (the log of the
-    bundle first built, ``bundle_id``), of which the compaction folded the first ``offset`` bytes.
-    Every bundle of a lineage reads and writes that one log, so they all hold its appends in one
-    order, with the same label ids (see docs/operations.md, "Lineage model")."""
+    """Where the memory of a bundle made from another goes on (compacted, reindexed, derived): the
+    append log of its lineage (the log of the bundle first built, ``bundle_id``), of which the
+    bundle holds the first ``offset`` bytes (folded in by a compaction; 0: made from the lineage's
+    first bundle). Every bundle of a lineage reads and writes that one log, so they all hold its
+    appends in one order, with the same label ids (see docs/operations.md, "Lineage model")."""
 
     bundle_id: str = Field(description="the lineage's first bundle: its log is named from this id")
-    log: str = Field(description="the log's path relative to this bundle's append log directory")
-    offset: int = Field(ge=1, description="bytes of the log folded into this bundle")
+    log: str = Field(
+        description="the log's path relative to this bundle's append log directory (in it, or in a "
+        "<name>.appends directory beside it)"
+    )
+    offset: int = Field(ge=0, description="bytes of the log folded into this bundle (0: none)")
     sha256: str = Field(description="sha256 of those bytes: a log altered since is refused")
 
 
@@ -220,7 +224,9 @@ class Manifest(_Strict):
     shards: list[Shard] | None = Field(None, description="a sharded index; None: index.hnsw (+ values.npz)")
     fusion: FusionParams | None = Field(None, description="RAE score fusion; None: rank by p̂")
     params: dict = Field(default_factory=dict, description="export parameters as given")
-    lineage: Lineage | None = Field(None, description="a compacted bundle's lineage log; None: its own")
+    lineage: Lineage | None = Field(
+        None, description="a compacted, reindexed or derived bundle's lineage log; None: its own"
+    )
     append_ids: dict[str, tuple[int, str]] = Field(
         default_factory=dict,
         description="a compacted bundle: the append_ids folded in, id -> (memory version, content "

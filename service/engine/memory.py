@@ -12,7 +12,9 @@ Consistency. A search runs against one :class:`MemoryView` (labels, what each ke
 rows), taken under :attr:`Memory.lock` together with the HNSW query. An append adds its keys in
 chunks of :data:`APPEND_CHUNK`, each marked deleted (invisible to searches) under that lock, so
 searches run between chunks; then, under the lock, it unmarks them and publishes the new view.
-A search sees all of an append or none of it, and waits at most one chunk's insertion.
+A search sees all of an append or none of it, and waits at most one chunk's insertion. An append
+that fails part-way (an insertion raises) takes its keys back out of the index (:func:`take_back`)
+before it fails: the memory is as it was, and the next append goes where this one would have.
 
 Durability. An append is written to its log (:class:`~service.engine.append_log.AppendLog`, one
 checksummed line, fsync'ed)
@@ -27,11 +29,12 @@ looked (:meth:`Memory.catch_up`): the log is the one order, and a label's id is 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -293,11 +296,11 @@ class AppendWriter(Protocol):
 
     def cut_back(self, size: int) -> None: ...
 
-    def tail(self, dim: int) -> list[TailRecord]:
-        """The records past ``size``, without a lock."""
+    def tail(self, dim: int) -> Iterable[TailRecord]:
+        """The records past ``size``, read as they are taken, without a lock."""
 
-    def exclusive(self, dim: int) -> AbstractContextManager[list[TailRecord]]:
-        """Hold the log for writing; yields the records past ``size``."""
+    def exclusive(self, dim: int) -> AbstractContextManager[Iterable[TailRecord]]:
+        """Hold the log for writing; yields the records past ``size``, read as they are taken."""
 
 
 @dataclass(frozen=True)
@@ -416,7 +419,7 @@ class Memory:
         with self._append_lock:
             return self._apply_logged(self.log.tail(self.index.dim))
 
-    def _apply_logged(self, records: list) -> int:
+    def _apply_logged(self, records: Iterable[TailRecord]) -> int:
         applied = 0
         for record in records:
             try:
@@ -443,13 +446,21 @@ class Memory:
         terms = self.key_terms_of(batch.texts) if self.key_terms_of is not None else None
         new_view = extend_view(view, batch, self.lam, terms)
         keys = np.arange(view.num_keys, new_view.num_keys)
-        self._reserve(new_view.num_keys)
-        for start in range(0, len(keys), APPEND_CHUNK):
-            chunk = keys[start : start + APPEND_CHUNK]
+        try:
+            self._reserve(new_view.num_keys)
+            for start in range(0, len(keys), APPEND_CHUNK):
+                chunk = keys[start : start + APPEND_CHUNK]
+                with self.lock:
+                    self.index.add_items(vectors[start : start + len(chunk)], chunk, num_threads=1)
+                    for key in chunk:
+                        self.index.mark_deleted(int(key))
+        except BaseException:
+            # Keys of earlier chunks (and part of this one) are in the index: out with them, or the
+            # next append's ids would collide with them (ivfpq refused every later append) and a
+            # key inserted but not yet hidden would answer searches past the view's keys.
             with self.lock:
-                self.index.add_items(vectors[start : start + len(chunk)], chunk, num_threads=1)
-                for key in chunk:
-                    self.index.mark_deleted(int(key))
+                take_back(self.index, view.num_keys, new_view.num_keys)
+            raise
         with self.lock:
             for key in keys:
                 self.index.unmark_deleted(int(key))
@@ -462,6 +473,26 @@ class Memory:
         if keys > capacity:
             with self.lock:
                 self.index.resize_index(max(keys, int(capacity * GROWTH)))
+
+
+def take_back(index, first: int, end: int) -> None:
+    """Undo the insertion of keys ``first`` .. ``end − 1`` into ``index`` by an append that failed
+    part-way (some may never have been inserted). A compressed or sharded index removes them
+    (``take_back``); hnswlib cannot remove a key, so it marks those it holds deleted: searches skip
+    them, and the next append's ``add_items`` of the same ids replaces them (hnswlib updates an
+    existing label's vector and un-deletes it)."""
+    own = getattr(index, "take_back", None)
+    if own is not None:
+        own(first, end)
+        return
+    hide_keys(index, first, end)
+
+
+def hide_keys(index, first: int, end: int) -> None:
+    """Mark deleted those of keys ``first`` .. ``end − 1`` that the (hnswlib) index holds."""
+    for key in range(first, end):
+        with contextlib.suppress(RuntimeError):  # never inserted, or hidden already
+            index.mark_deleted(key)
 
 
 def fetch_and_ef(n: int, ef: int, num_keys: int) -> tuple[int, int]:

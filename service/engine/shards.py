@@ -25,7 +25,7 @@ import scipy.sparse as sp
 
 from service.engine.lexical import KeyTerms, QueryTerms
 from service.engine.manifest import Shard
-from service.engine.memory import by_distance_then_key
+from service.engine.memory import by_distance_then_key, hide_keys
 
 
 def merge_top_k(
@@ -92,6 +92,16 @@ class ShardedIndex:
     def unmark_deleted(self, key: int) -> None:
         self.shards[-1].unmark_deleted(key)
         self._deleted.discard(int(key))
+
+    def take_back(self, first: int, end: int) -> None:
+        """Undo a failed append's keys ``first`` .. ``end − 1`` in the last shard (see
+        :func:`service.engine.memory.take_back`): removed from a compressed one, hidden in hnswlib."""
+        last = self.shards[-1]
+        if hasattr(last, "take_back"):
+            last.take_back(first, end)
+            self._deleted = {key for key in self._deleted if key < first}
+            return
+        hide_keys(self, first, end)
 
 
 @dataclass

@@ -60,7 +60,10 @@ def run_dir(train, tmp_path_factory):
 
 
 def fuse(bundle, sample_dir, run_dir, out, *options: str):
-    main(["--bundle", str(bundle), "--run", str(run_dir), "--data", str(sample_dir), "--out", str(out), *options])
+    """``bundle`` fused into ``out``, for a shared log directory (--appends-dir): the fused bundle
+    then names its source's lineage log by its name alone, in whichever log directory a test gives it."""
+    given = ["--out", str(out), "--appends-dir", str(out.parent / "appends")]
+    main(["--bundle", str(bundle), "--run", str(run_dir), "--data", str(sample_dir), *given, *options])
     return out
 
 

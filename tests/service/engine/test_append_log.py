@@ -80,3 +80,109 @@ def test_a_torn_tail_is_left_in_place_by_a_reader(rae, tmp_path):
     read = AppendLog(log_path, rae.bundle.bundle_id).read()
     assert len(read.records) == 1 and read.size == len(whole)
     assert log_path.read_bytes() == whole + b"0123 {unfinished"
+
+
+class Lag:
+    """How far reading a log runs ahead of applying it: the records decoded and not yet applied
+    when each one is applied (the most a replay or a catch-up holds at once), and each read's size."""
+
+    def __init__(self, monkeypatch):
+        from service.engine import append_log
+        from service.engine.memory import Memory
+
+        self.decoded = self.applied = self.most = 0
+        self.reads: list[int] = []
+        decode, replay = AppendLog._decode, Memory.replay
+
+        def counted_decode(log, line):
+            self.decoded += 1
+            return decode(log, line)
+
+        def counted_replay(memory, batch, vectors):
+            self.most = max(self.most, self.decoded - self.applied)
+            self.applied += 1
+            return replay(memory, batch, vectors)
+
+        def spied_open(path, mode="r", *args, **kwargs):
+            return SpiedFile(open(path, mode, *args, **kwargs), self.reads)
+
+        monkeypatch.setattr(AppendLog, "_decode", counted_decode)
+        monkeypatch.setattr(Memory, "replay", counted_replay)
+        monkeypatch.setattr(append_log, "open", spied_open, raising=False)
+
+
+class SpiedFile:
+    def __init__(self, file, reads: list[int]):
+        self.file, self.reads = file, reads
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.file.close()
+
+    def read(self, *args):
+        data = self.file.read(*args)
+        self.reads.append(len(data))
+        return data
+
+
+def test_replay_and_catch_up_read_the_log_a_chunk_at_a_time(tiny_rae_bundle, tmp_path, monkeypatch):
+    """Issue 53: a load's replay and a catch-up (a promote's, an append's) read a whole log tail
+    into memory, decoded, before applying any of it: in the serving process, under the admin lock,
+    outside the vetting child's memory cap. Now they read a fixed number of bytes at a time and
+    apply each record as it is read."""
+    from service.engine import append_log
+
+    appends = tmp_path / "appends"
+    writer = load_predictor(tiny_rae_bundle, appends_dir=appends)
+    behind = load_predictor(tiny_rae_bundle, appends_dir=appends)  # another slot of the lineage
+    records = 30
+    for i in range(records):
+        writer.append(AppendBatch(labels=[(f"zz-chunk-{i}", f"zz-chunk-{i}: a label of a long log tail")]))
+    size = writer.memory.log.path.stat().st_size
+    chunk = 3 * size // records  # about three records a read
+    monkeypatch.setattr(append_log, "READ_CHUNK_BYTES", chunk, raising=False)
+
+    lag = Lag(monkeypatch)
+    reloaded = load_predictor(tiny_rae_bundle, appends_dir=appends)
+    assert reloaded.view.version == records and lag.applied == records
+    assert lag.most <= 4, f"{lag.most} records read ahead of the replay"
+    assert lag.reads and max(lag.reads) <= chunk and sum(lag.reads) >= size
+
+    lag = Lag(monkeypatch)
+    assert behind.memory.catch_up() == records and behind.view.version == records
+    assert lag.most <= 4, f"{lag.most} records read ahead of the catch-up"
+    assert lag.reads and max(lag.reads) <= chunk and sum(lag.reads) >= size
+    behind.append(AppendBatch(labels=[("zz-chunk-last", "zz-chunk-last: after catching up")]))
+    assert load_predictor(tiny_rae_bundle, appends_dir=appends).view.version == records + 1
+
+
+@pytest.mark.parametrize(
+    ("relative", "accepted"),
+    [
+        ("{log}", True),  # the log directory itself (a shared XMCSERVE_APPEND_LOG_DIR)
+        ("../source.appends/{log}", True),  # the default log directory of a bundle beside it
+        ("../appends/../source.appends/{log}", True),
+        ("../../elsewhere.appends/{log}", False),
+        ("../outside/{log}", False),
+        ("deeper/{log}", False),  # a directory the first append would create
+        ("../source.appends/deeper/{log}", False),
+        ("/abs/source.appends/{log}", False),
+        ("../source.appends/other-16d-0123456789ab.appends.log", False),
+    ],
+)
+def test_a_lineage_log_is_found_only_in_the_log_directory_or_a_bundle_s_beside_it(tmp_path, relative, accepted):
+    from service.engine.append_log import lineage_log_path
+
+    lineage = "rae-memory-16d-0123456789ab"
+    named = relative.format(log=f"{lineage}.appends.log")
+    if accepted:
+        path = lineage_log_path(tmp_path / "appends", named, lineage)
+        assert path.parent in (tmp_path / "appends", tmp_path / "source.appends")
+    else:
+        with pytest.raises(AppendLogError, match="lineage log"):
+            lineage_log_path(tmp_path / "appends", named, lineage)

@@ -1,8 +1,9 @@
-"""One lineage per memory (docs/operations.md, "Lineage model"): a bundle and the bundles compacted
-from it go on in one log, in one order, so an acknowledged label id names the same label in all of
-them forever and every acknowledged append is applied exactly once; loading takes no lock and
-creates nothing; a compaction with nothing to fold writes nothing; a bundle never replays one file
-twice. Each case of issue 43 found on the engine is one test here."""
+"""One lineage per memory (docs/operations.md, "Lineage model"): a bundle and the bundles compacted,
+reindexed or derived from it go on in one log, in one order, so an acknowledged label id names the
+same label in all of them forever and every acknowledged append is applied exactly once; loading
+takes no lock and creates nothing; a compaction with nothing to fold writes nothing; a bundle never
+replays one file twice, nor a log outside its log directory. Each case of issues 43 and 53 found on
+the engine is one test here."""
 
 import gc
 import hashlib
@@ -174,3 +175,121 @@ def test_a_bundle_never_replays_one_file_twice(own_bundle, tmp_path, alias):
     gc.collect()
     reloaded = load_predictor(own_bundle, appends_dir=appends)
     assert reloaded.view.appended_instances == 1 and reloaded.view.version == 1
+
+
+@pytest.fixture(scope="module")
+def memory_labels(sample_dir):
+    """The label matrix of the tiny_rae_bundle's memory (its first 300 training instances)."""
+    import numpy as np
+
+    from xmc.data import load_jsonl_split
+
+    return load_jsonl_split(sample_dir, "trn").subset(np.arange(300)).Y
+
+
+def make_twin(how: str, source, out, appends, memory_labels):
+    """A bundle made from ``source`` without its appends: reindexed, derived, retuned."""
+    from export.derive import derive_rae_bundle
+    from export.export_params import ExportParams
+    from export.reindex import reindex_bundle, retune_bundle
+
+    given = {} if appends is None else {"appends_dir": appends}  # the default log directories: none given
+    if how == "reindexed":
+        return reindex_bundle(source, out, ExportParams(index="ivfpq", pq_m=8, ivf_nprobe=64), **given)
+    if how == "derived":
+        return derive_rae_bundle(source, out, memory_labels, tau=0.2, **given)
+    reindex_bundle(source, out.with_name(out.name + "-ivfpq"), ExportParams(index="ivfpq", pq_m=8), **given)
+    return retune_bundle(out.with_name(out.name + "-ivfpq"), out, nprobe=64, **given)
+
+
+@pytest.mark.parametrize("how", ["reindexed", "derived", "retuned"])
+@pytest.mark.parametrize("shared_dir", [True, False], ids=["XMCSERVE_APPEND_LOG_DIR", "default-dir"])
+def test_a_bundle_made_from_a_bundle_goes_on_in_its_source_s_lineage(
+    own_bundle, tmp_path, memory_labels, how, shared_dir
+):
+    """Issue 53: export.reindex (and derive) started a new lineage: an append the source had
+    acknowledged was missing from the twin, and its append_id retried there was applied again, so
+    promoting the twin lost acknowledged appends. Now the twin replays the source's log (the
+    appends made before and after it was made) with the same ids, and appends to that log."""
+    appends = tmp_path / "appends" if shared_dir else None
+    dir_of = (lambda bundle: appends) if shared_dir else appends_dir_beside
+    live = load_predictor(own_bundle, appends_dir=dir_of(own_bundle))
+    acked = {"a": add_label(live, "a", append_id="a")}
+    first = add_instance(live, "i", append_id="i")
+    out = own_bundle.with_name(f"twin-{how}")
+    manifest = make_twin(how, own_bundle, out, appends, memory_labels)
+    acked["b"] = add_label(live, "b", append_id="b")  # after the twin was made: replayed all the same
+    twin = load_predictor(out, appends_dir=dir_of(out))
+    assert {name: twin.view.label_id(f"zz-{name}") for name in acked} == acked
+    assert twin.view.describe() == live.view.describe()
+    assert manifest.lineage.bundle_id == live.bundle.bundle_id and manifest.lineage.offset == 0
+    again = add_instance(twin, "i", append_id="i")  # a client's retry, reaching the twin
+    assert again.repeated and again.version == first.version and twin.view.appended_instances == 1
+    acked["t"] = add_label(twin, "t", append_id="t")  # the twin writes the lineage's one log
+    acked["c"] = add_label(live, "c", append_id="c")  # after the twin's: the source catches up first
+    assert len(set(acked.values())) == len(acked)
+    del twin, live
+    gc.collect()
+    for bundle in (out, own_bundle):  # either, at a restart, serves the one memory
+        restarted = load_predictor(bundle, appends_dir=dir_of(bundle))
+        assert {name: restarted.view.label_id(f"zz-{name}") for name in acked} == acked
+        assert restarted.view.version == 5 and restarted.view.appended_instances == 1
+
+
+def test_a_bundle_made_from_a_compaction_goes_on_from_its_offset(own_bundle, tmp_path):
+    """A twin of a compacted bundle keeps the compaction's offset (what it folded) and its
+    append_ids: it replays only what came after, and recognises a retry of a folded append."""
+    from export.export_params import ExportParams
+    from export.reindex import reindex_bundle
+
+    appends = tmp_path / "appends"
+    live = load_predictor(own_bundle, appends_dir=appends)
+    folded = add_label(live, "folded", append_id="folded")
+    compacted = compact_bundle(own_bundle, tmp_path / "c1", appends_dir=appends)
+    after = add_label(live, "after", append_id="after")
+    twin = reindex_bundle(
+        tmp_path / "c1", tmp_path / "c1-ivfpq", ExportParams(index="ivfpq", pq_m=8), appends_dir=appends
+    )
+    assert twin.lineage == compacted.lineage and twin.append_ids == compacted.append_ids
+    served = load_predictor(tmp_path / "c1-ivfpq", appends_dir=appends)
+    assert served.view.version == 1 and served.view.label_id("zz-after") == after
+    retried = served.append(AppendBatch(labels=[label("folded")], append_id="folded"))
+    assert retried.repeated and retried.label_ids == {"zz-folded": folded}
+
+
+def test_a_lineage_log_outside_the_log_directory_is_refused_at_load_and_nothing_is_created(own_bundle, tmp_path):
+    """Issue 53: ``lineage.log`` was followed wherever its ``..`` led: a crafted bundle had its
+    first append write a log outside the log directory (and create the directories on the way)."""
+    from service.engine.manifest import Manifest, content_id
+
+    appends = tmp_path / "appends"
+    live = load_predictor(own_bundle, appends_dir=appends)
+    add_label(live, "x0")
+    compact_bundle(own_bundle, tmp_path / "c", appends_dir=appends)
+    log_name = live.memory.log.path.name
+    elsewhere = tmp_path / "elsewhere" / "deep"
+    elsewhere.mkdir(parents=True)
+    shutil.copy(live.memory.log.path, elsewhere / log_name)  # a log of the lineage, outside the log directory
+    (tmp_path / "c2").mkdir()
+    for name in os.listdir(tmp_path / "c"):
+        os.link(tmp_path / "c" / name, tmp_path / "c2" / name)
+
+    def crafted(lineage: dict, bundle) -> None:
+        manifest = json.loads((bundle / MANIFEST_FILE).read_text())
+        manifest["lineage"] |= lineage
+        manifest["bundle_id"] = content_id(Manifest.model_validate(manifest | {"bundle_id": "x"}))
+        (bundle / MANIFEST_FILE).unlink()  # a hard link: the original keeps its manifest
+        (bundle / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+    crafted({"log": f"../elsewhere/deep/{log_name}"}, tmp_path / "c")
+    with pytest.raises(Exception, match="lineage log") as refused:
+        load_predictor(tmp_path / "c", appends_dir=appends)
+    assert "neither in the log directory" in str(refused.value)
+    empty = hashlib.sha256(b"").hexdigest()
+    crafted({"log": f"../../made/by/an/append/{log_name}", "offset": 0, "sha256": empty}, tmp_path / "c2")
+    with pytest.raises(Exception, match="lineage log"):
+        load_predictor(tmp_path / "c2", appends_dir=appends)
+    assert (
+        not (tmp_path.parent / "made").exists()
+        and (elsewhere / log_name).read_bytes() == live.memory.log.path.read_bytes()
+    )

@@ -236,3 +236,121 @@ def test_a_compacted_bundle_replays_what_its_source_got_after_the_compaction(rae
     compacted = load_predictor(tmp_path / "compacted", appends_dir=tmp_path / "appends")
     assert compacted.view.label_id("zz-new-label") is not None and compacted.view.label_id("zz-late") is not None
     assert compacted.view.describe()["labels"] == rae.view.num_labels
+
+
+@pytest.fixture(scope="module")
+def ivfpq_rae(distilbert_dir, sample_dir, tmp_path_factory):
+    """The tiny_rae_bundle's inputs with the compressed index."""
+    from export.build import ExportParams, build_bundle
+    from xmc.data import load_jsonl_split
+
+    train = load_jsonl_split(sample_dir, "trn")
+    out = tmp_path_factory.mktemp("ivfpq") / "tiny-rae-ivfpq"
+    params = ExportParams(dim=16, index="ivfpq", pq_m=8, ivf_nprobe=64, max_train=300, rae_top_b=50)
+    build_bundle(out, train.labels, train, distilbert_dir, params)
+    return out
+
+
+class PartWayIndex:
+    """The real index, whose ``fail_at``-th insertion call inserts its first ``keep`` keys and
+    then raises (as hnswlib's add_items does when a key fails, or faiss when memory runs out)."""
+
+    def __init__(self, index, fail_at: int, keep: int):
+        self.index, self.fail_at, self.keep, self.calls = index, fail_at, keep, 0
+
+    def __getattr__(self, name):
+        return getattr(self.index, name)
+
+    def add_items(self, data, ids, num_threads: int = 1):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            if self.keep:
+                self.index.add_items(data[: self.keep], ids[: self.keep], num_threads=num_threads)
+            raise MemoryError("simulated: an insertion failed")
+        return self.index.add_items(data, ids, num_threads=num_threads)
+
+
+class FailingFaissThreads:
+    """ivfpq's faiss_threads, raising on leaving its ``fail_at``-th use: faiss has taken the keys'
+    codes, the index's buffer and count have not."""
+
+    real = None
+    fail_at = 0
+    uses = 0
+
+    def __init__(self, count: int):
+        self.inner = type(self).real(count)
+
+    def __enter__(self):
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        self.inner.__exit__(*exc)
+        type(self).uses += 1
+        if type(self).uses == type(self).fail_at:
+            raise RuntimeError("simulated: faiss failed after adding the codes")
+
+
+@pytest.mark.parametrize(
+    ("kind", "where"),
+    [
+        ("hnswlib", "between chunks"),
+        ("hnswlib", "inside a chunk"),
+        ("ivfpq", "between chunks"),
+        ("ivfpq", "inside a chunk"),
+        ("ivfpq", "after faiss added"),
+    ],
+)
+def test_an_append_that_fails_part_way_leaves_the_memory_as_it_was_and_the_next_one_applies(
+    tiny_rae_bundle, ivfpq_rae, tmp_path, monkeypatch, kind, where
+):
+    """Issue 53: an insertion failing part-way left ivfpq's count ahead of the view (every later
+    append refused until a restart), and hnswlib's keys inserted but not yet hidden answering
+    searches past the view's keys. Now the failed append's keys are taken back out: the same
+    answers as before, and the retried append gives the memory a restart replays."""
+    from service.engine import ivfpq as ivfpq_module
+
+    bundle = tiny_rae_bundle if kind == "hnswlib" else ivfpq_rae
+    predictor = load_predictor(bundle, appends_dir=tmp_path / "appends")
+    monkeypatch.setattr(memory_module, "APPEND_CHUNK", 4)  # the append below inserts 14 keys in 4 chunks
+    grow(predictor, AppendBatch(labels=[("zz-before", "zz-before: appended before the failure")]))
+    queries = [NEW_LABEL[1], NEW_INSTANCE[0], "zz-tool-3 for the new label", "libc6: GNU C Library"]
+    ef = predictor.view.num_keys + 20  # as wide as the memory: the answers do not depend on the graph's history
+    before, described = predictor.predict(queries, 10, ef=ef), predictor.view.describe()
+    size = predictor.memory.log.path.stat().st_size
+    tools = [(f"zz-tool-{j} for the new label", ["zz-new-label", "libc6"]) for j in range(12)]
+    batch = AppendBatch(labels=[NEW_LABEL], instances=[NEW_INSTANCE, *tools], append_id="part-way")
+    real = predictor.memory.index
+    if where == "after faiss added":
+        monkeypatch.setattr(FailingFaissThreads, "real", ivfpq_module.faiss_threads)
+        monkeypatch.setattr(FailingFaissThreads, "fail_at", 2)  # the second chunk's insertion
+        monkeypatch.setattr(FailingFaissThreads, "uses", 0)
+        monkeypatch.setattr(ivfpq_module, "faiss_threads", FailingFaissThreads)
+        error = RuntimeError
+    else:  # the second chunk fails before inserting anything, or the third after two of its keys
+        keep = 0 if where == "between chunks" else 2
+        monkeypatch.setattr(predictor.memory, "index", PartWayIndex(real, fail_at=2 + (keep > 0), keep=keep))
+        error = MemoryError
+    with pytest.raises(error, match="simulated"):
+        grow(predictor, batch)
+    monkeypatch.undo()
+
+    assert predictor.view.describe() == described and predictor.view.label_id(NEW_LABEL[0]) is None
+    assert predictor.memory.log.path.stat().st_size == size  # the record is cut back
+    if kind == "ivfpq":
+        assert real.get_current_count() == real.index.ntotal == predictor.view.num_keys
+    after = predictor.predict(queries, 10, ef=ef)  # nothing of the failed append answers
+    for row in range(len(queries)):
+        assert uids_of(after, row) == uids_of(before, row), row
+        np.testing.assert_allclose(after.rankings[row].scores, before.rankings[row].scores, rtol=1e-6)
+
+    outcome = grow(predictor, batch)  # the same append again: applied whole, where it would have gone
+    assert not outcome.repeated and outcome.version == 2 and predictor.view.num_keys == described["keys"] + 14
+    grow(predictor, AppendBatch(labels=[("zz-after", "zz-after: appended after the failure")]))
+    restarted = load_predictor(bundle, appends_dir=tmp_path / "appends")
+    assert restarted.view.describe() == predictor.view.describe()
+    grown, replayed = predictor.predict(queries, 10, ef=ef), restarted.predict(queries, 10, ef=ef)
+    for row in range(len(queries)):
+        assert uids_of(grown, row) == uids_of(replayed, row), row
+        np.testing.assert_allclose(grown.rankings[row].scores, replayed.rankings[row].scores, rtol=1e-5)
+    assert uids_of(grown, 1)[0] == "zz-new-label"

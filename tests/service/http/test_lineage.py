@@ -1,5 +1,5 @@
-"""One lineage per memory, on real servers (loopback): compaction, promote, rollback, restarts and
-SIGKILLs never reorder, double or strand an acknowledged append. After every step each
+"""One lineage per memory, on real servers (loopback): compaction, reindexing, promote, rollback,
+restarts and SIGKILLs never reorder, double or strand an acknowledged append. After every step each
 acknowledged append is re-sent to each loaded slot and must answer ``repeated`` with the label ids
 it was acknowledged with, and the memory must hold exactly one label and one key per acknowledged
 one (docs/operations.md, "Lineage model")."""
@@ -16,7 +16,10 @@ import httpx
 import pytest
 
 from export.compact import NothingToFold, compact_bundle
+from export.export_params import ExportParams
+from export.reindex import reindex_bundle
 from loadtest.localserver import start_server, stop_server
+from tests.conftest import wait_for
 
 TOKEN = "lineage-token"
 ADMIN = {"X-Admin-Token": TOKEN}
@@ -157,6 +160,81 @@ def test_promote_and_rollback_keep_every_acknowledged_append_with_its_id(root, t
                 acked.check(client, "A")
         finally:
             stop_server(server)
+
+
+STREAM_LIMIT = 80  # appends one stream may send (its time bound is the test's)
+
+
+class AppendStream:
+    """Appends to A from a thread, one at a time, until stopped: what a client keeps sending while
+    the operator reloads B and promotes it. An append that meets a promote (409: the slot changed
+    bundles under it, nothing appended) is retried with its append_id, as a client would."""
+
+    def __init__(self, url: str, first: int, known: list[str]):
+        self.url, self.first, self.known = url, first, list(known)
+        self.answered: list[tuple[dict, httpx.Response]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        rng = random.Random(self.first)
+        with httpx.Client(base_url=self.url, timeout=60) as client:
+            for number in range(self.first, self.first + STREAM_LIMIT):
+                if self.stop.is_set():
+                    return
+                body = {**append_body(rng, number, self.known), "append_id": f"t{number}"}
+                for _ in range(3):
+                    answer = admin(client, "/admin/append", body)
+                    if answer.status_code != 409:
+                        break
+                self.answered.append((body, answer))
+                self.known += [label["uid"] for label in body["labels"]] if answer.status_code == 200 else []
+
+    def end(self) -> list[tuple[dict, httpx.Response]]:
+        self.stop.set()
+        self.thread.join(120)
+        assert not self.thread.is_alive()
+        return self.answered
+
+
+def test_a_reindexed_twin_promoted_while_appends_arrive_keeps_every_acknowledged_append(root, tmp_path, monkeypatch):
+    """Issue 53: the documented way to move a live memory to the compressed index (export.reindex,
+    reload the twin into B, promote) lost what the source had acknowledged: the twin started a
+    lineage of its own, without the source's appends, and a retried append_id was applied again.
+    Now the twin goes on in the source's log: every append acknowledged before the reindex, while B
+    loads and across the promote is in the promoted twin once, with its ids, also after a restart."""
+    monkeypatch.delenv("XMCSERVE_APPEND_LOG_DIR")  # the docs' default: each bundle's <bundle>.appends/
+    server = serve(root, "live", None, tmp_path / "live.log")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            acked = Acknowledged(slot_state(client, "A")["memory"])
+            rng = random.Random(53)
+            for number in range(3):
+                body = {**append_body(rng, number, acked.uids()), "append_id": f"r{number}"}
+                acked.add(body, admin(client, "/admin/append", body))
+            twin = reindex_bundle(root / "live", root / "twin", ExportParams(index="ivfpq", pq_m=8, ivf_nprobe=64))
+            stream = AppendStream(server.url, 3, acked.uids())
+            loaded = admin(client, "/admin/reload", {"variant": "B", "bundle": "twin"})
+            assert loaded.status_code == 200, loaded.text
+            wait_for(lambda: len(stream.answered) >= 2 or not stream.thread.is_alive())
+            answered = len(stream.answered)
+            promoted = admin(client, "/admin/promote")
+            assert promoted.status_code == 200 and promoted.json()["promoted_bundle_id"] == twin.bundle_id
+            wait_for(lambda: len(stream.answered) >= answered + 2 or not stream.thread.is_alive())
+            for body, answer in stream.end():
+                acked.add(body, answer)
+            assert len(acked.bodies) >= 7, len(acked.bodies)
+            acked.check(client, "A")  # the twin, now A: every acknowledged append, once
+    finally:
+        stop_server(server)
+    server = serve(root, "twin", None, tmp_path / "twin.log")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            assert slot_state(client, "A")["bundle_id"] == twin.bundle_id
+            acked.check(client, "A")
+    finally:
+        stop_server(server)
 
 
 RESTARTS = 2  # of each kind, SIGTERM and SIGKILL, per seed: a start costs seconds
