@@ -49,11 +49,11 @@ from service.engine import (
     Shard,
     SourceInfo,
     TokenizerInfo,
+    check_unique_uids,
     shard_file_names,
     utc_now,
     write_label_arrays,
 )
-from service.engine.labels import check_unique_uids
 from xmc.checkpoint import (
     Checkpoint,
     ServingHead,
