@@ -61,8 +61,3 @@ def build_ivfpq(
     faiss.write_index(index, str(index_path))
     np.save(rerank_path, keys.astype(np.float16))
     return {"train_s": round(trained - started, 1), "add_s": round(added - trained, 1)}
-
-
-def bytes_per_key(index_path: Path, rerank_path: Path, keys: int) -> float:
-    """The compressed index's size on disk (codes, ids, centroids and re-rank vectors) per key."""
-    return (index_path.stat().st_size + rerank_path.stat().st_size) / max(1, keys)

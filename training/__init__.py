@@ -1,1 +1,2 @@
-"""xmcserve training: XMC data readers, metrics, evaluation, UniDEC / RAE-XMC training."""
+"""xmcserve training: UniDEC / RAE-XMC training of the encoder and its heads, with the exact-search
+dev check of each epoch. The data readers, metrics and evaluation it uses live in :mod:`xmc`."""

@@ -209,17 +209,6 @@ def save_key_terms(path: Path, rows: sp.csr_matrix) -> None:
     sp.save_npz(path, rows.astype(np.float32), compressed=True)
 
 
-def load_key_terms(path: Path, keys: int, first_key: int = 0) -> KeyTerms:
-    """The key term rows in ``path`` (of the keys ``first_key`` ..), checked to be ``keys`` unit rows."""
-    rows = sp.load_npz(path).tocsr().astype(np.float32)
-    if rows.shape[0] != keys:
-        raise ValueError(f"{path.name}: term vectors of {rows.shape[0]} keys, the shard has {keys}")
-    try:
-        return key_terms_of(rows, first_key)
-    except ValueError as exc:
-        raise ValueError(f"{path.name}: {exc}") from None
-
-
 def key_terms_of(rows: sp.csr_matrix, first_key: int = 0) -> KeyTerms:
     """``rows`` (float32 CSR, its structure sound) as the keys' term vectors, checked to be unit rows."""
     rows.sort_indices()
