@@ -1,1 +1,1 @@
-"""xmcserve export: checkpoint dir -> serving bundle (ONNX encoder, HNSW index, labels, manifest)."""
+"""xmcserve export: checkpoint dir -> serving bundle (ONNX encoder, key index, labels, manifest)."""

@@ -1,1 +1,2 @@
-"""xmcserve serving: torch-free FastAPI service over an immutable bundle (ONNX encoder + HNSW index)."""
+"""xmcserve serving: torch-free FastAPI service over an immutable bundle (ONNX encoder + key index:
+hnswlib, IVF-PQ or sharded)."""

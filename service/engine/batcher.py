@@ -1,6 +1,7 @@
 """Micro-batching in two overlapped stages: concurrent /predict requests share one tokenizer call,
-one ONNX call per length-sorted chunk and one batched HNSW query, and the encoder never waits for
-the search of the batch before.
+the encoder's session calls (one a text on the CPU, one per length-sorted chunk on CUDA:
+:mod:`service.engine.encoder`) and one batched index search, and the encoder never waits for the
+search of the batch before.
 
 Requests wait in a bounded FIFO. An **encode** thread takes the oldest request and every queued
 request that still fits in ``max_batch_size`` texts (waiting up to ``max_wait_ms`` for more when

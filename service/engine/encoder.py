@@ -1,8 +1,10 @@
 """Text -> query vector with ``tokenizers`` and ONNX Runtime (no torch).
 
 The bundle's ONNX graph does pooling, projection and normalisation, so this module only
-tokenises (truncated to the bundle's max length, padded to the batch's longest text) and runs
-one session call.
+tokenises (truncated to the bundle's max length) and runs the session: on the CPU one call per
+text, so a text's vector is the same bits whatever it is batched with; on CUDA one call per
+length-sorted chunk of up to :data:`MAX_CHUNK` texts, padded to the chunk's longest
+(:func:`plan_chunks`).
 """
 
 from __future__ import annotations
@@ -198,7 +200,8 @@ class OnnxEncoder:
         return self.session.run(None, {name: feeds[name] for name in self.input_names})[0]
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, EncodeTimes]:
-        """Vectors in input order: tokenise once, then one session call per length-sorted chunk."""
+        """Vectors in input order: tokenise once, then one session call per length-sorted chunk
+        (of one text on the CPU: ``texts_per_call``)."""
         vectors, times, _ = self.encode_keeping_tokens(texts)
         return vectors, times
 
