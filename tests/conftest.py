@@ -105,7 +105,7 @@ def bundle_root(tmp_path_factory, tiny_rae_bundle, distilbert_dir) -> Path:
     import shutil
 
     from export.build import ExportParams, build_bundle
-    from service.engine.manifest import LABELS_FILE
+    from bundle.manifest import LABELS_FILE
     from xmc.data import load_jsonl_split
 
     root = tmp_path_factory.mktemp("bundle-root")

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from loadtest.localserver import free_port
-from service.engine.manifest import LABELS_FILE
+from bundle.manifest import LABELS_FILE
 from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -69,10 +69,10 @@ from service.engine.fusion import (
     memory_log_frequency,
 )
 from service.engine.ivfpq import IvfPqIndex, empty_index, exact_rerank, faiss_threads
-from service.engine.labels import check_unique_uids, write_label_arrays
+from bundle.labels import check_unique_uids, write_label_arrays
 from service.engine.lexical import KeyTerms, Lexicon, save_key_terms
 from service.engine.loading import SOURCE_LOGS, carried_lineage, load_for_reading, load_predictor, vet_in_child
-from service.engine.manifest import (
+from bundle.manifest import (
     ENCODER_FILE,
     FUSION_MODEL_FILE,
     INDEX_FILE,

@@ -23,9 +23,9 @@ from pydantic import ValidationError
 
 from service.engine.encoder import EncoderOptions, OnnxEncoder
 from service.engine.fusion import FEATURE_GROUPS, ScoreFusion, groups_of
-from service.engine.hnsw_file import HnswFileRefused, check_index_body, check_index_header
+from bundle.hnsw_file import HnswFileRefused, check_index_body, check_index_header
 from service.engine.ivfpq import IndexRefused, IvfPqIndex
-from service.engine.labels import (
+from bundle.labels import (
     DuplicateUids,
     LabelsRefused,
     StringColumn,
@@ -34,7 +34,7 @@ from service.engine.labels import (
     load_label_arrays,
 )
 from service.engine.lexical import KeyTerms, key_terms_of
-from service.engine.manifest import (
+from bundle.manifest import (
     ENCODER_FILE,
     LABELS_FILE,
     MANIFEST_FILE,
@@ -118,7 +118,7 @@ def verify_checksums(path: Path, manifest: Manifest, names: list[str] | None = N
 
 def read_labels(path: Path, manifest: Manifest) -> tuple[StringColumn, StringColumn, UidLookup]:
     """Label uids and texts, as many as the manifest counts, and the uid → id lookup: the
-    bundle's memory-mapped label arrays, checked (:mod:`service.engine.labels`), or ``labels.jsonl``
+    bundle's memory-mapped label arrays, checked (:mod:`bundle.labels`), or ``labels.jsonl``
     read into the same arrays."""
     if manifest.labels_format == "arrays":
         try:

@@ -72,7 +72,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from service.engine.lexical import Lexicon
-from service.engine.manifest import FusionParams
+from bundle.manifest import FusionParams
 from service.engine.rae import KeptKeys, ValueRows
 
 FEATURES = (

@@ -39,7 +39,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import faiss  # noqa: E402
 import numpy as np  # noqa: E402
 
-from service.engine.mapped_files import ShortFile, file_blocks  # noqa: E402
+from bundle.mapped_files import ShortFile, file_blocks  # noqa: E402
 
 # fast-scan packs codes in blocks of this many keys (faiss's default bbs)
 FAST_SCAN_BLOCK = 32

@@ -23,7 +23,7 @@ from service.engine.append_log import (
 )
 from service.engine.bundle import Bundle, BundleError, load_bundle
 from service.engine.encoder import EncoderOptions
-from service.engine.manifest import Lineage, Manifest, content_id
+from bundle.manifest import Lineage, Manifest, content_id
 from service.engine.memory import AppendRefused
 from service.engine.search import Predictor
 

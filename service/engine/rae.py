@@ -24,7 +24,7 @@ from typing import NamedTuple, get_args
 import numpy as np
 import scipy.sparse as sp
 
-from service.engine.manifest import RaeMode
+from bundle.manifest import RaeMode
 
 
 def softmax(similarities: np.ndarray, tau: float) -> np.ndarray:

@@ -24,7 +24,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from service.engine.lexical import KeyTerms, QueryTerms
-from service.engine.manifest import Shard
+from bundle.manifest import Shard
 from service.engine.memory import by_distance_then_key, hide_keys
 
 

@@ -46,7 +46,7 @@ from service.api.limits import LimitSettings
 from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response_off_loop
 from service.engine.bundle import BundleError, load_encoder, load_fusion, load_labels, load_shard, read_manifest
 from service.engine.encoder import EncoderOptions
-from service.engine.manifest import shard_list
+from bundle.manifest import shard_list
 from service.engine.memory import base_view, fetch_and_ef
 from service.engine.search import RankedSearch, Ranking, excluded_label_ids, merged_neighbours
 from service.engine.shards import ShardAnswer, ShardQuery

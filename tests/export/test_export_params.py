@@ -16,7 +16,7 @@ from export.export_params import (
     choices,
     from_arguments,
 )
-from service.engine.manifest import IndexKind, RaeParams
+from bundle.manifest import IndexKind, RaeParams
 from service.engine.rae import RAE_MODES
 from xmc.options import parse_bool
 

@@ -31,7 +31,7 @@ from service.engine.fusion import (
     memory_log_frequency,
 )
 from service.engine.loading import load_predictor
-from service.engine.manifest import (
+from bundle.manifest import (
     FUSION_FILE,
     FUSION_MODEL_FILE,
     LEXICAL_FILE,

@@ -13,7 +13,7 @@ from export.compact import compact_bundle
 from service.engine import AppendBatch, appends_dir_beside, load_predictor, vet_in_child
 from service.engine.bundle import BundleError, load_bundle
 from service.engine.ivfpq import IvfPqIndex
-from service.engine.manifest import IVF_INDEX_FILE, MANIFEST_FILE, RERANK_FILE, sha256_file
+from bundle.manifest import IVF_INDEX_FILE, MANIFEST_FILE, RERANK_FILE, sha256_file
 from service.engine.shards import ShardedIndex
 
 # 64 cells, all scanned: the tests below check the served path against exact search at a breadth

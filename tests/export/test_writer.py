@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from export.writer import content_id, write_bundle
-from service.engine.manifest import (
+from bundle.manifest import (
     MANIFEST_FILE,
     Counts,
     HnswParams,
@@ -194,7 +194,7 @@ def run_crashing_writer(out: Path, kill_at: int, mode: str):
 
 def served_encoder(out: Path) -> bytes:
     """The bundle at ``out``, checked complete (every file its manifest lists, checksum matching)."""
-    from service.engine.manifest import sha256_file
+    from bundle.manifest import sha256_file
 
     manifest = json.loads((out / MANIFEST_FILE).read_text())
     assert {name: sha256_file(out / name) for name in manifest["files"]} == manifest["files"]

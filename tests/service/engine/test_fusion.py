@@ -28,7 +28,7 @@ from service.engine.fusion import (
     top_of_rows,
 )
 from service.engine.lexical import Lexicon
-from service.engine.manifest import FUSION_FILE, FUSION_MODEL_FILE, FusionParams
+from bundle.manifest import FUSION_FILE, FUSION_MODEL_FILE, FusionParams
 from service.engine.rae import KeptKeys, ValueRows, aggregate, aggregate_kept, keep_keys, softmax
 from xmc.checkpoint import default_encoder_dir
 

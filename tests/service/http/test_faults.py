@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from loadtest.localserver import start_server, stop_server
-from service.engine.manifest import INDEX_FILE, LABELS_FILE
+from bundle.manifest import INDEX_FILE, LABELS_FILE
 
 TOKEN = "faults-token"
 TEXT = {"text": "libc6: GNU C Library: Shared libraries", "k": 5}

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
-from service.engine.manifest import LABEL_ARRAY_FILES
-from service.engine.mapped_files import ShortFile, file_blocks
+from bundle.manifest import LABEL_ARRAY_FILES
+from bundle.mapped_files import ShortFile, file_blocks
 
 UIDS, UID_OFFSETS, TEXTS, TEXT_OFFSETS, UID_HASHES, UID_ORDER = LABEL_ARRAY_FILES
 
