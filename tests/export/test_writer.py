@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from export.writer import content_id, write_bundle
 from bundle.manifest import (
     MANIFEST_FILE,
     Counts,
@@ -16,6 +15,7 @@ from bundle.manifest import (
     SourceInfo,
     TokenizerInfo,
 )
+from export.writer import content_id, write_bundle
 
 
 def fields(rae: RaeParams | None = None, created_at: str = "2026-01-01T00:00:00+00:00") -> dict:

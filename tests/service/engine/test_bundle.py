@@ -5,9 +5,10 @@ import shutil
 
 import pytest
 
-from loadtest.localserver import start_server
-from service.engine.bundle import BundleError, load_bundle
+from bundle import BundleError
 from bundle.manifest import INDEX_FILE, LABELS_FILE, MANIFEST_FILE, VALUES_FILE
+from loadtest.localserver import start_server
+from service.engine.bundle import load_bundle
 
 
 def edit_manifest(path, change):

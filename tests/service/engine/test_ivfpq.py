@@ -8,10 +8,11 @@ import struct
 import numpy as np
 import pytest
 
+from bundle import IndexRefused
+from bundle.manifest import IvfPqParams
 from export.ivfpq import auto_nlist, build_ivfpq
 from service.engine import ivfpq as ivfpq_module
-from service.engine.ivfpq import IndexRefused, IvfPqIndex, lists_offset
-from bundle.manifest import IvfPqParams
+from service.engine.ivfpq import IvfPqIndex, lists_offset
 
 DIM, KEYS, FIRST_KEY = 32, 3000, 500
 

@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
+from bundle.manifest import MANIFEST_FILE
 from export.compact import compact_bundle, main
 from service.engine import AppendBatch, AppendRefused, appends_dir_beside, load_predictor
-from bundle.manifest import MANIFEST_FILE
 
 HOLD_LOCK = """
 import fcntl, os, sys, time
