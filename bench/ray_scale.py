@@ -32,17 +32,9 @@ import numpy as np
 from bench.lib.loadgen import closed_loop
 from bench.lib.recall import recall_at_k
 from bench.lib.synthetic import clustered_vectors, draw, exact_top10
+from bundle import ENCODER_FILE, LABELS_FILE, TOKENIZER_FILE, Counts, HnswParams, Shard, shard_list
 from loadtest.localserver import free_port, start_server, stop_server
-from service.engine import (
-    ENCODER_FILE,
-    LABELS_FILE,
-    TOKENIZER_FILE,
-    Counts,
-    HnswParams,
-    Shard,
-    fetch_and_ef,
-    shard_list,
-)
+from service.engine import fetch_and_ef
 from xmc.data import LabelSpace, load_jsonl_split
 
 M, EF_CONSTRUCTION, EF_SEARCH = 32, 200, 300
@@ -55,9 +47,9 @@ def bundle_path(workdir: Path, labels: int, shards: int) -> Path:
 
 def build(labels: int, shards: int, workdir: Path, encoder_bundle: Path, seed: int) -> Path:
     """One labels-index bundle over ``labels`` synthetic vectors in ``shards`` shards."""
+    from bundle import read_manifest
     from export.build import ExportParams, build_hnsw, write_labels
     from export.writer import write_bundle
-    from service.engine import read_manifest
 
     out = bundle_path(workdir, labels, shards)
     if (out / "manifest.json").is_file():
@@ -97,7 +89,8 @@ def build(labels: int, shards: int, workdir: Path, encoder_bundle: Path, seed: i
 
 def sharded_recall(bundle: Path, labels: int, queries: int, seed: int) -> dict:
     """Recall@10 of every shard searched at the default ef and merged, against exact search."""
-    from service.engine import load_shard, merge_answers, read_manifest
+    from bundle import read_manifest
+    from service.engine import load_shard, merge_answers
 
     rng = np.random.default_rng(seed)
     vectors, (centres, weights, spread) = clustered_vectors(labels, rng)

@@ -224,7 +224,8 @@ def exact_search(bundle: Path, queries: list[str]) -> Exact:
 def tune_search(bundle: Path, exact: Exact, settings: list[tuple[int, int]], target: float) -> tuple[tuple, dict]:
     """Recall and search time of the bundle's index at each (nprobe, ef) (in process, one thread,
     the neighbours a /predict of k 10 fetches); the first reaching ``target`` (else the best)."""
-    from service.engine import fetch_and_ef, load_shard_index, read_manifest, shard_list
+    from bundle import read_manifest, shard_list
+    from service.engine import fetch_and_ef, load_shard_index
 
     manifest = read_manifest(bundle)
     index = load_shard_index(bundle, manifest, shard_list(manifest)[0])

@@ -31,13 +31,7 @@ import scipy.sparse as sp
 import torch
 from tokenizers import Tokenizer
 
-from export.export_params import ExportParams, add_arguments, from_arguments
-from export.ivfpq import build_ivfpq
-from export.onnx_export import export_serving_graph, random_texts
-from export.pooled_vectors import EncodeReport, encode_pooled
-from export.serving_graph import ServingEncoder, load_encoder, load_fast_tokenizer
-from export.writer import refuse_existing, write_bundle, write_values
-from service.engine import (
+from bundle import (
     ENCODER_FILE,
     LABELS_FILE,
     TOKENIZER_FILE,
@@ -54,6 +48,12 @@ from service.engine import (
     utc_now,
     write_label_arrays,
 )
+from export.export_params import ExportParams, add_arguments, from_arguments
+from export.ivfpq import build_ivfpq
+from export.onnx_export import export_serving_graph, random_texts
+from export.pooled_vectors import EncodeReport, encode_pooled
+from export.serving_graph import ServingEncoder, load_encoder, load_fast_tokenizer
+from export.writer import refuse_existing, write_bundle, write_values
 from xmc.checkpoint import (
     Checkpoint,
     ServingHead,
@@ -289,7 +289,7 @@ def build_hnsw(keys: np.ndarray, params: ExportParams, path: Path, first_id: int
 
 
 def write_label_files(stage: Path, labels: LabelSpace, labels_format: str) -> None:
-    """The bundle's labels: ``labels.jsonl``, or the memory-mapped label arrays (service/engine/labels.py).
+    """The bundle's labels: ``labels.jsonl``, or the memory-mapped label arrays (bundle/labels.py).
     Their uids must be distinct (:class:`DuplicateUids` otherwise): a uid names one label."""
     check_unique_uids(labels.uids)
     if labels_format == "arrays":

@@ -31,25 +31,19 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
+from bundle import MANIFEST_FILE, Counts, Lineage, Manifest, label_files, shard_list, utc_now
 from export.build import write_index, write_label_files
 from export.derive import fusion_files, link_or_copy, write_key_terms
 from export.export_params import ExportParams
 from export.writer import refuse_existing, write_bundle
 from service.engine import (
-    MANIFEST_FILE,
     SOURCE_LOGS,
     AppendLogError,
-    Counts,
-    Lineage,
-    Manifest,
     MemoryView,
     ScoreFusion,
     appends_dir_beside,
-    label_files,
     lineage_log_path,
     load_for_reading,
-    shard_list,
-    utc_now,
 )
 from xmc.data import LabelSpace
 

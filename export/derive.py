@@ -20,23 +20,21 @@ from pathlib import Path
 import scipy.sparse as sp
 from tokenizers import Tokenizer
 
-from export.export_params import RAE_ATTRIBUTES, Quantize, RaeMode
-from export.onnx_export import quantize_checked, random_texts
-from export.writer import write_bundle, write_values
-from service.engine import (
+from bundle import (
     ENCODER_FILE,
     MANIFEST_FILE,
     TOKENIZER_FILE,
     FusionParams,
     Manifest,
     RaeParams,
-    ScoreFusion,
     Shard,
-    carried_lineage,
-    save_key_terms,
     shard_list,
     utc_now,
 )
+from export.export_params import RAE_ATTRIBUTES, Quantize, RaeMode
+from export.onnx_export import quantize_checked, random_texts
+from export.writer import write_bundle, write_values
+from service.engine import ScoreFusion, carried_lineage, save_key_terms
 
 
 def derive_rae_bundle(

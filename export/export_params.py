@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, get_args, get_origin, get_type_hints
 
-from service.engine import AnnKind, IndexKind, IvfPqParams, LabelsFormat, RaeMode, RaeParams
+from bundle import AnnKind, IndexKind, IvfPqParams, LabelsFormat, RaeMode, RaeParams
 from xmc.options import parse_bool
 
 Quantize = Literal["none", "int8", "int8-static"]

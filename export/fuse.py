@@ -41,6 +41,15 @@ from typing import get_args
 import numpy as np
 import scipy.sparse as sp
 
+from bundle import (
+    FUSION_MODEL_FILE,
+    FusionModelKind,
+    FusionParams,
+    Manifest,
+    lexical_file_names,
+    read_manifest,
+    shard_list,
+)
 from export.derive import derive_fused_bundle
 from export.fusion_fit import (
     DEFAULT_FUSION,
@@ -59,20 +68,7 @@ from export.held_out import (
     unfitted_fusion,
 )
 from export.writer import refuse_existing
-from service.engine import (
-    FUSION_MODEL_FILE,
-    OPTIONAL_GROUPS,
-    FusionModelKind,
-    FusionParams,
-    Manifest,
-    Predictor,
-    ScoreFusion,
-    carried_lineage,
-    lexical_file_names,
-    load_predictor,
-    read_manifest,
-    shard_list,
-)
+from service.engine import OPTIONAL_GROUPS, Predictor, ScoreFusion, carried_lineage, load_predictor
 from xmc.checkpoint import HOLDOUT_FILE
 from xmc.data import XMCDataset, load_jsonl_split, rows_of_uids
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bundle import FusionModelKind
 from export.held_out import HeldOutPairs
-from service.engine import FusionModelKind
 
 # The feature groups every fusion has, the base the optional groups are added to (and named after).
 BASE_GROUPS: tuple[str, ...] = ("rae", "lexical")

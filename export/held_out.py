@@ -28,8 +28,8 @@ from typing import Literal, get_args
 import numpy as np
 import scipy.sparse as sp
 
+from bundle import TOKENIZER_FILE
 from service.engine import (
-    TOKENIZER_FILE,
     KeyTerms,
     Lexicon,
     Neighbours,

@@ -24,10 +24,11 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from bundle import TOKENIZER_FILE
 from export.export_params import ExportParams
 from export.onnx_export import ParityError, export_checked_graph
 from export.serving_graph import PooledEncoder, tokenize_batch
-from service.engine import MAX_CHUNK, TOKENIZER_FILE, EncoderOptions, OnnxEncoder
+from service.engine import MAX_CHUNK, EncoderOptions, OnnxEncoder
 
 log = logging.getLogger("xmcserve.export")
 

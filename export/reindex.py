@@ -24,21 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
+from bundle import HnswParams, Manifest, read_manifest, shard_file_names, shard_list, utc_now
 from export.build import write_shard_index
 from export.derive import link_or_copy
 from export.export_params import ExportParams
 from export.writer import refuse_existing, write_bundle
-from service.engine import (
-    AppendLogError,
-    HnswParams,
-    Manifest,
-    carried_lineage,
-    load_shard_index,
-    read_manifest,
-    shard_file_names,
-    shard_list,
-    utc_now,
-)
+from service.engine import AppendLogError, carried_lineage, load_shard_index
 
 
 def reindex_bundle(

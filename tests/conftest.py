@@ -104,8 +104,8 @@ def bundle_root(tmp_path_factory, tiny_rae_bundle, distilbert_dir) -> Path:
     encoder) and ``corrupt`` (one flipped byte in its labels file); a dir outside it for escapes."""
     import shutil
 
+    from bundle.manifest import LABELS_FILE
     from export.build import ExportParams, build_bundle
-    from service.engine.manifest import LABELS_FILE
     from xmc.data import load_jsonl_split
 
     root = tmp_path_factory.mktemp("bundle-root")

@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bundle.manifest import LABELS_FILE
 from loadtest.localserver import free_port
-from service.engine.manifest import LABELS_FILE
 from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -105,7 +105,7 @@ def score_dev_systems(
     rae_top_b: int,
 ) -> dict[str, dict[str, float]]:
     """Exact-search dev metrics of the four systems a run tracks: DE⊕CLF, DE, CLF and RAE
-    (``values`` = the RAE memory's label values, :func:`service.engine.rae.build_values`)."""
+    (``values`` = the RAE memory's label values, :func:`bundle.build_values`)."""
     exclude = dev.filter_sets()
     rankings = {
         "de+clf": rank_labels(v.query, v.label, k, exclude),

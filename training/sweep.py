@@ -19,7 +19,7 @@ import logging
 import sys
 from pathlib import Path
 
-from service.engine.rae import build_values
+from bundle import build_values
 from training.embedder import Embedder, pick_device
 from training.embedding_eval import DevVectors, rank_rae
 from training.train_params import TrainParams, load_params

@@ -31,7 +31,7 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from service.engine.rae import build_values
+from bundle import build_values
 from training.batching import (
     Batch,
     PslBatcher,

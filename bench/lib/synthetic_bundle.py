@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.lib.synthetic import DIM, draw
-from service.engine import ENCODER_FILE, TOKENIZER_FILE, Counts, HnswParams
+from bundle import ENCODER_FILE, TOKENIZER_FILE, Counts, HnswParams
 
 SPREAD = 0.55  # bench.ann_scale's: a label's nearest neighbours at cosines of about 0.7–0.9
 
@@ -22,10 +22,10 @@ def build_synthetic_bundle(
     """The shard's bundle at ``out``; returns its build report, the keys and the query model. The
     keys are bench.ann_scale's mixture, around ``centres`` (unit vectors) when given, random
     centres (40 labels a cluster, as its 10^6 set) otherwise."""
+    from bundle import read_manifest, write_label_arrays
     from export.export_params import ExportParams
     from export.ivfpq import build_ivfpq
     from export.writer import write_bundle
-    from service.engine import read_manifest, write_label_arrays
 
     rng = np.random.default_rng(seed)
     if centres is None:  # bench.ann_scale's random centres, 40 labels a cluster

@@ -16,7 +16,7 @@ import orjson
 from fastapi import FastAPI, Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from service.engine.manifest import Manifest
+from bundle import Manifest
 from service.engine.memory import MAX_LABELS_PER_INSTANCE, AppendBatch, MemoryView
 
 if TYPE_CHECKING:

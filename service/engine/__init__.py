@@ -30,16 +30,18 @@ The public surface:
   each query's top-k labels, which :class:`Predictor` and the Ray ingress call; with
   ``feature_rows=True`` it returns instead the score fusion's candidates and φ (:class:`FusionRows`),
   which ``export.fuse`` fits a fusion on.
-* What export writes and bench inspects: the bundle format (:class:`Manifest` and its parts, the
-  file names, :func:`sha256_file`, :func:`content_id`), the score fusion (:class:`ScoreFusion`, its
-  models and feature groups), the lexical terms (:class:`Lexicon`, :class:`KeyTerms`), the RAE
-  values (:func:`build_values`) and the parts a distributed deployment loads apart
-  (:func:`load_labels`, :func:`load_shard`, :func:`merge_answers`). Nothing outside
+* What export writes and bench inspects beyond the bundle format (which is :mod:`bundle`'s: the
+  manifest, the file names, checksums, label arrays, RAE value rows, the index files' checks):
+  the score fusion (:class:`ScoreFusion`, its models and feature groups), the lexical terms
+  (:class:`Lexicon`, :class:`KeyTerms`) and the parts a distributed deployment loads apart
+  (:func:`load_labels`, :func:`load_shard`, :func:`merge_answers`); :class:`BundleError`, what
+  every loader here refuses a bundle with, is :mod:`bundle`'s too. Nothing outside
   ``service/engine`` imports its submodules (``tests/service/test_engine_surface.py``).
 
 Everything is thread-safe for concurrent ``predict`` calls on one predictor.
 """
 
+from bundle import BundleError
 from service.engine.append_log import (
     AppendLog,
     AppendLogError,
@@ -49,16 +51,7 @@ from service.engine.append_log import (
     sync_directory,
 )
 from service.engine.batcher import BatchAnswer, BatcherConfig, BatcherStoppedError, MicroBatcher, QueueFullError
-from service.engine.bundle import (
-    Bundle,
-    BundleError,
-    load_bundle,
-    load_encoder,
-    load_labels,
-    load_shard,
-    load_shard_index,
-    read_manifest,
-)
+from service.engine.bundle import Bundle, load_bundle, load_encoder, load_labels, load_shard, load_shard_index
 from service.engine.encoder import MAX_CHUNK, EncoderOptions, OnnxEncoder
 from service.engine.fusion import (
     FEATURE_GROUPS,
@@ -69,40 +62,8 @@ from service.engine.fusion import (
     memory_log_frequency,
 )
 from service.engine.ivfpq import IvfPqIndex, empty_index, exact_rerank, faiss_threads
-from service.engine.labels import check_unique_uids, write_label_arrays
 from service.engine.lexical import KeyTerms, Lexicon, save_key_terms
 from service.engine.loading import SOURCE_LOGS, carried_lineage, load_for_reading, load_predictor, vet_in_child
-from service.engine.manifest import (
-    ENCODER_FILE,
-    FUSION_MODEL_FILE,
-    INDEX_FILE,
-    LABELS_FILE,
-    MANIFEST_FILE,
-    TOKENIZER_FILE,
-    VALUES_FILE,
-    AnnKind,
-    Counts,
-    FusionModelKind,
-    FusionParams,
-    HnswParams,
-    IndexKind,
-    IvfPqParams,
-    LabelsFormat,
-    Lineage,
-    Manifest,
-    RaeMode,
-    RaeParams,
-    Shard,
-    SourceInfo,
-    TokenizerInfo,
-    content_id,
-    label_files,
-    lexical_file_names,
-    sha256_file,
-    shard_file_names,
-    shard_list,
-    utc_now,
-)
 from service.engine.memory import (
     AppendBatch,
     AppendIdReused,
@@ -112,12 +73,10 @@ from service.engine.memory import (
     MemoryView,
     fetch_and_ef,
 )
-from service.engine.rae import build_values
 from service.engine.search import FusionRows, Neighbours, Prediction, Predictor, Ranking, StageTimes, rank_batch
 from service.engine.shards import merge_answers
 
 __all__ = [
-    "AnnKind",
     "AppendBatch",
     "AppendIdReused",
     "AppendLog",
@@ -129,37 +88,20 @@ __all__ = [
     "BatchAnswer",
     "BatcherConfig",
     "BatcherStoppedError",
-    "build_values",
-    "check_unique_uids",
     "Bundle",
     "BundleError",
     "carried_lineage",
-    "content_id",
-    "Counts",
     "empty_index",
-    "ENCODER_FILE",
     "EncoderOptions",
     "exact_rerank",
     "faiss_threads",
     "FEATURE_GROUPS",
     "features_of_groups",
     "fetch_and_ef",
-    "FUSION_MODEL_FILE",
-    "FusionModelKind",
-    "FusionParams",
     "FusionRows",
-    "HnswParams",
-    "INDEX_FILE",
-    "IndexKind",
     "IvfPqIndex",
-    "IvfPqParams",
     "KeyTerms",
-    "label_files",
-    "LABELS_FILE",
-    "LabelsFormat",
-    "lexical_file_names",
     "Lexicon",
-    "Lineage",
     "lineage_log_path",
     "LineageDiverged",
     "load_bundle",
@@ -169,8 +111,6 @@ __all__ = [
     "load_predictor",
     "load_shard",
     "load_shard_index",
-    "Manifest",
-    "MANIFEST_FILE",
     "MAX_CHUNK",
     "memory_log_frequency",
     "MemoryView",
@@ -183,25 +123,12 @@ __all__ = [
     "Prediction",
     "Predictor",
     "QueueFullError",
-    "RaeMode",
-    "RaeParams",
     "rank_batch",
     "Ranking",
-    "read_manifest",
     "save_key_terms",
     "ScoreFusion",
-    "sha256_file",
-    "Shard",
-    "shard_file_names",
-    "shard_list",
     "SOURCE_LOGS",
-    "SourceInfo",
     "StageTimes",
     "sync_directory",
-    "TOKENIZER_FILE",
-    "TokenizerInfo",
-    "utc_now",
-    "VALUES_FILE",
     "vet_in_child",
-    "write_label_arrays",
 ]

@@ -1,17 +1,17 @@
-"""Load a bundle directory and verify it (checksums, shapes, a warm-up encode) before use.
+"""Load a bundle directory into what serves it: the ONNX encoder, the index (hnswlib, faiss IVF-PQ,
+or shards of either), the label arrays, the RAE value rows, the score fusion; verified (checksums,
+shapes, a warm-up encode) before use.
 
-Checksums say a file is the one the exporter wrote, not that the exporter wrote a sound one: every
-array a search reads by index is checked before it is used (the HNSW file's links, labels and
-vectors, every CSR matrix's ``indptr``/``indices``), since an out-of-range index reaches native
-code (hnswlib, scipy's C++ products) as an out-of-bounds read, a crash or a silent wrong answer,
-on whichever row a query happens to touch. A bundle that fails is refused with the file and the
-reason. Servers vet a bundle in a child process (:func:`~service.engine.search.vet_in_child`),
-so these checks run there.
+The bundle format and the checks of each file are :mod:`bundle`'s (the manifest, confinement and
+checksums, the label arrays, the CSR value rows, the HNSW and IVF-PQ files): checksums say a file
+is the one the exporter wrote, not that the exporter wrote a sound one, so every array a search
+reads by index is checked before it is used. A bundle that fails is refused with the file and the
+reason (:class:`~bundle.BundleError`). Servers vet a bundle in a child process
+(:func:`~service.engine.search.vet_in_child`), so these checks run there.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,41 +19,36 @@ from pathlib import Path
 import hnswlib
 import numpy as np
 import scipy.sparse as sp
-from pydantic import ValidationError
 
-from service.engine.encoder import EncoderOptions, OnnxEncoder
-from service.engine.fusion import FEATURE_GROUPS, ScoreFusion, groups_of
-from service.engine.hnsw_file import HnswFileRefused, check_index_body, check_index_header
-from service.engine.ivfpq import IndexRefused, IvfPqIndex
-from service.engine.labels import (
-    DuplicateUids,
-    LabelsRefused,
-    StringColumn,
-    UidLookup,
-    check_unique_uids,
-    load_label_arrays,
-)
-from service.engine.lexical import KeyTerms, key_terms_of
-from service.engine.manifest import (
+from bundle import (
     ENCODER_FILE,
-    LABELS_FILE,
-    MANIFEST_FILE,
-    SCHEMA_VERSION,
     TOKENIZER_FILE,
+    BundleError,
+    HnswFileRefused,
+    IndexRefused,
     Manifest,
     Shard,
+    StringColumn,
+    UidLookup,
+    check_index_body,
+    check_index_header,
+    check_rae_counts,
     label_files,
-    required_files,
-    sha256_file,
+    load_csr,
+    load_shard_values,
+    load_values,
+    read_labels,
+    read_manifest,
     shard_list,
+    verify_checksums,
 )
+from service.engine.encoder import EncoderOptions, OnnxEncoder
+from service.engine.fusion import FEATURE_GROUPS, ScoreFusion, groups_of
+from service.engine.ivfpq import IvfPqIndex
+from service.engine.lexical import KeyTerms, key_terms_of
 from service.engine.shards import ShardedIndex, ShardSearcher
 
 log = logging.getLogger(__name__)
-
-
-class BundleError(RuntimeError):
-    """The bundle is missing, corrupt or inconsistent; the message says which part."""
 
 
 @dataclass
@@ -72,76 +67,6 @@ class Bundle:
     @property
     def bundle_id(self) -> str:
         return self.manifest.bundle_id
-
-
-def read_manifest(path: Path) -> Manifest:
-    manifest_path = path / MANIFEST_FILE
-    if not manifest_path.is_file():
-        raise BundleError(f"{path}: no {MANIFEST_FILE} (not a bundle directory?)")
-    try:
-        manifest = Manifest.model_validate_json(manifest_path.read_text())
-    except (ValidationError, ValueError) as exc:
-        raise BundleError(f"{manifest_path}: invalid manifest: {exc}") from None
-    if manifest.schema_version != SCHEMA_VERSION:
-        raise BundleError(
-            f"{manifest_path}: schema version {manifest.schema_version}, this service reads {SCHEMA_VERSION}"
-        )
-    check_confined(path, [*manifest.files, *required_files(manifest)])
-    return manifest
-
-
-def check_confined(path: Path, names: list[str]) -> None:
-    """Every file a bundle names stays inside its directory: no absolute paths, no ``..``, no
-    symlink that leads out (a manifest could otherwise make the server read any file)."""
-    root = path.resolve()
-    for name in names:
-        relative = Path(name)
-        if relative.is_absolute() or ".." in relative.parts or not (root / relative).resolve().is_relative_to(root):
-            raise BundleError(f"{path}: file name {name!r} leads outside the bundle directory")
-
-
-def verify_checksums(path: Path, manifest: Manifest, names: list[str] | None = None) -> None:
-    """The sha256 of every file the manifest lists (or of ``names``: the files one process of a
-    distributed deployment reads), and none of the required files unlisted."""
-    for name in required_files(manifest):
-        if name not in manifest.files:
-            raise BundleError(f"{path}: manifest lists no checksum for required file {name}")
-    for name in names if names is not None else manifest.files:
-        expected = manifest.files[name]
-        file = path / name
-        if not file.is_file():
-            raise BundleError(f"{path}: missing file {name}")
-        actual = sha256_file(file)
-        if actual != expected:
-            raise BundleError(f"{path}: checksum mismatch for {name} (manifest {expected[:12]}…, file {actual[:12]}…)")
-
-
-def read_labels(path: Path, manifest: Manifest) -> tuple[StringColumn, StringColumn, UidLookup]:
-    """Label uids and texts, as many as the manifest counts, and the uid → id lookup: the
-    bundle's memory-mapped label arrays, checked (:mod:`service.engine.labels`), or ``labels.jsonl``
-    read into the same arrays."""
-    if manifest.labels_format == "arrays":
-        try:
-            return load_label_arrays(path, manifest.counts.labels)
-        except LabelsRefused as exc:
-            raise BundleError(f"{path}: label arrays refused: {exc}") from None
-    uids, texts = [], []
-    with open(path / LABELS_FILE, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            try:
-                obj = json.loads(line)
-                uids.append(str(obj["uid"]))
-                texts.append(str(obj["text"]))
-            except (ValueError, KeyError) as exc:
-                raise BundleError(f"{path / LABELS_FILE}:{lineno}: bad label line ({exc})") from None
-    if len(uids) != manifest.counts.labels:
-        raise BundleError(f"{path}: {len(uids)} labels in {LABELS_FILE}, manifest says {manifest.counts.labels}")
-    uid_column = StringColumn.of(uids)
-    try:
-        check_unique_uids(uid_column)
-    except DuplicateUids as exc:
-        raise BundleError(f"{path / LABELS_FILE}: {exc}") from None
-    return uid_column, StringColumn.of(texts), UidLookup.of(uid_column)
 
 
 def load_shard_index(path: Path, manifest: Manifest, shard: Shard) -> hnswlib.Index | IvfPqIndex:
@@ -180,63 +105,6 @@ def load_index(path: Path, manifest: Manifest) -> hnswlib.Index | IvfPqIndex | S
     """The bundle's HNSW index; a sharded bundle's shards behind one :class:`ShardedIndex`."""
     indexes = [load_shard_index(path, manifest, shard) for shard in shard_list(manifest)]
     return indexes[0] if len(indexes) == 1 else ShardedIndex(indexes)
-
-
-def load_csr(file: Path, shape: tuple[int, int], what: str) -> sp.csr_matrix:
-    """A CSR matrix written by ``scipy.sparse.save_npz``, as float32, refused unless it is one of
-    ``shape`` whose structure holds: ``indptr`` starts at 0, never decreases and ends at the
-    number of entries, every column index is inside the matrix, every value is finite. scipy
-    checks none of this when it loads a file, and its C++ products index by these arrays."""
-
-    def refuse(problem: str) -> None:
-        raise BundleError(f"{file}: {what} refused: {problem}")
-
-    try:
-        with np.load(file, allow_pickle=False) as npz:
-            arrays = {name: npz[name] for name in ("format", "shape", "indptr", "indices", "data")}
-    except KeyError as exc:
-        raise BundleError(f"{file}: {what} refused: not a scipy sparse file (no {exc})") from None
-    except (OSError, ValueError) as exc:
-        raise BundleError(f"{file}: cannot load {what} ({exc})") from None
-    fmt, declared, indptr, indices, data = arrays.values()
-    rows, cols = shape
-    if fmt.item() not in (b"csr", "csr"):
-        refuse(f"stored as {fmt.item()!r}, not csr")
-    if tuple(int(n) for n in declared.ravel()) != shape:
-        refuse(f"shape {tuple(declared.ravel().tolist())}, expected {shape}")
-    for name, array in (("indptr", indptr), ("indices", indices)):
-        if array.ndim != 1 or array.dtype.kind not in "iu":
-            refuse(f"{name} is not a 1-d integer array")
-    if data.ndim != 1 or data.dtype.kind not in "fiu" or len(data) != len(indices):
-        refuse(f"data is not {len(indices)} real numbers, one per column index")
-    if len(indptr) != rows + 1 or indptr[0] != 0 or indptr[-1] != len(indices) or np.any(np.diff(indptr) < 0):
-        refuse(f"indptr is not {rows + 1} non-decreasing offsets from 0 to {len(indices)}")
-    if len(indices) and (indices.min() < 0 or indices.max() >= cols):
-        refuse(f"column index {int(indices.max() if indices.max() >= cols else indices.min())} outside 0..{cols - 1}")
-    if not np.all(np.isfinite(data)):
-        refuse("a value is not finite")
-    return sp.csr_matrix((data.astype(np.float32), indices, indptr), shape=shape)
-
-
-def load_shard_values(path: Path, manifest: Manifest, shard: Shard) -> sp.csr_matrix:
-    """One shard's rows of V, (its keys x labels)."""
-    return load_csr(path / shard.values, (shard.keys, manifest.counts.labels), "value matrix")
-
-
-def check_rae_counts(path: Path, manifest: Manifest) -> None:
-    if manifest.rae is None:
-        raise BundleError(f"{path}: rae_memory bundle without RAE parameters")
-    if manifest.counts.train_instances + manifest.counts.labels != manifest.counts.memory_rows:
-        raise BundleError(f"{path}: memory rows != train instances + labels")
-
-
-def load_values(path: Path, manifest: Manifest) -> sp.csr_matrix | None:
-    """V, the shards' value rows stacked in key order."""
-    if manifest.index_kind != "rae_memory":
-        return None
-    check_rae_counts(path, manifest)
-    parts = [load_shard_values(path, manifest, shard) for shard in shard_list(manifest)]
-    return parts[0] if len(parts) == 1 else sp.vstack(parts, format="csr")
 
 
 def load_fusion(path: Path, manifest: Manifest, verify: bool = True) -> ScoreFusion | None:

@@ -71,8 +71,8 @@ from typing import Protocol
 import numpy as np
 import scipy.sparse as sp
 
+from bundle import FusionParams
 from service.engine.lexical import Lexicon
-from service.engine.manifest import FusionParams
 from service.engine.rae import KeptKeys, ValueRows
 
 FEATURES = (

@@ -10,6 +10,7 @@ import os
 import resource
 from pathlib import Path
 
+from bundle import BundleError, Lineage, Manifest, content_id
 from service.engine.append_log import (
     LOG_SUFFIX,
     AppendLog,
@@ -21,9 +22,8 @@ from service.engine.append_log import (
     check_bundle_id,
     lineage_log_path,
 )
-from service.engine.bundle import Bundle, BundleError, load_bundle
+from service.engine.bundle import Bundle, load_bundle
 from service.engine.encoder import EncoderOptions
-from service.engine.manifest import Lineage, Manifest, content_id
 from service.engine.memory import AppendRefused
 from service.engine.search import Predictor
 

@@ -42,7 +42,7 @@ from typing import Protocol
 import numpy as np
 import scipy.sparse as sp
 
-from service.engine.labels import StringColumn, UidLookup
+from bundle import StringColumn, UidLookup
 from service.engine.rae import ValueRows, labels_of_keys
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from typing import NamedTuple, get_args
 import numpy as np
 import scipy.sparse as sp
 
-from service.engine.manifest import RaeMode
+from bundle import RaeMode
 
 
 def softmax(similarities: np.ndarray, tau: float) -> np.ndarray:
@@ -47,14 +47,6 @@ def key_weights(key_labels: np.ndarray, sims: np.ndarray, tau: float, mode: str)
         if side.any():
             weights[side] = softmax(sims[side], tau)
     return weights
-
-
-def build_values(Y_train: sp.csr_matrix, lam: float) -> sp.csr_matrix:
-    """V = [λ·Y_trn ; (1−λ)·I_L] as float32 CSR, shape (N + L) x L (RAE-XMC eq. 4)."""
-    num_labels = Y_train.shape[1]
-    Y = (Y_train > 0).astype(np.float32)
-    V = sp.vstack([lam * Y, (1.0 - lam) * sp.identity(num_labels, dtype=np.float32, format="csr")])
-    return V.tocsr().astype(np.float32)
 
 
 def labels_of_keys(keys: np.ndarray, num_train: int) -> np.ndarray:

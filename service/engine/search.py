@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import scipy.sparse as sp
 
+from bundle import Manifest
 from service.engine.append_log import AppendLog
 from service.engine.bundle import Bundle
 from service.engine.encoder import EncodeTimes
 from service.engine.fusion import ScoreFusion
 from service.engine.lexical import QueryTerms
-from service.engine.manifest import Manifest
 from service.engine.memory import AppendBatch, AppendOutcome, Memory, MemoryView, base_view
 from service.engine.rae import ValueRows, aggregate_kept, keep_keys, top_k_of_row
 from service.engine.shards import ShardAnswer, merge_answers

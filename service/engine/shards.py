@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
+from bundle import Shard
 from service.engine.lexical import KeyTerms, QueryTerms
-from service.engine.manifest import Shard
 from service.engine.memory import by_distance_then_key, hide_keys
 
 

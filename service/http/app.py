@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from bundle import BundleError
 from service.api.body_guards import decode_body, validation_error
 from service.api.docs import add_api_docs
 from service.api.front_door import FrontDoorMiddleware
@@ -34,7 +35,6 @@ from service.api.schemas import (
     request_body_openapi,
 )
 from service.engine.batcher import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
-from service.engine.bundle import BundleError
 from service.http.admin import add_admin_routes, require_admin
 from service.http.guards import LoadShed
 from service.http.metrics import Metrics, RequestObserver

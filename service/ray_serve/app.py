@@ -39,14 +39,14 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.util import metrics as ray_metrics
 
+from bundle import BundleError, read_manifest, shard_list
 from service.api.body_guards import validation_error
 from service.api.docs import add_api_docs
 from service.api.front_door import FrontDoorMiddleware
 from service.api.limits import LimitSettings
 from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response_off_loop
-from service.engine.bundle import BundleError, load_encoder, load_fusion, load_labels, load_shard, read_manifest
+from service.engine.bundle import load_encoder, load_fusion, load_labels, load_shard
 from service.engine.encoder import EncoderOptions
-from service.engine.manifest import shard_list
 from service.engine.memory import base_view, fetch_and_ef
 from service.engine.search import RankedSearch, Ranking, excluded_label_ids, merged_neighbours
 from service.engine.shards import ShardAnswer, ShardQuery

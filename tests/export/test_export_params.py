@@ -7,6 +7,7 @@ from typing import get_args
 
 import pytest
 
+from bundle.manifest import IndexKind, RaeParams
 from export.export_params import (
     RAE_ATTRIBUTES,
     ExportParams,
@@ -16,7 +17,6 @@ from export.export_params import (
     choices,
     from_arguments,
 )
-from service.engine.manifest import IndexKind, RaeParams
 from service.engine.rae import RAE_MODES
 from xmc.options import parse_bool
 

@@ -14,6 +14,14 @@ import pytest
 from onnx import helper
 
 from bench.batch_invariance import assert_batch_invariant
+from bundle import BundleError
+from bundle.manifest import (
+    FUSION_FILE,
+    FUSION_MODEL_FILE,
+    LEXICAL_FILE,
+    MANIFEST_FILE,
+    sha256_file,
+)
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
@@ -21,7 +29,7 @@ from export.fuse import main
 from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS
 from export.fusion_to_onnx import PARITY_BOUND
 from export.held_out import HeldOutSearch, search_without, unfitted_fusion
-from service.engine.bundle import BundleError, load_bundle, load_fusion, load_labels, load_shard
+from service.engine.bundle import load_bundle, load_fusion, load_labels, load_shard
 from service.engine.fusion import (
     FEATURE_GROUPS,
     FEATURES,
@@ -31,13 +39,6 @@ from service.engine.fusion import (
     memory_log_frequency,
 )
 from service.engine.loading import load_predictor
-from service.engine.manifest import (
-    FUSION_FILE,
-    FUSION_MODEL_FILE,
-    LEXICAL_FILE,
-    MANIFEST_FILE,
-    sha256_file,
-)
 from service.engine.memory import AppendBatch, base_view, fetch_and_ef
 from service.engine.search import Predictor, RankedSearch, merged_neighbours
 from service.engine.shards import ShardQuery

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from bench.lib.recall import exact_rankings, recall_with_label_ties
+from bundle import BundleError
+from bundle.manifest import IVF_INDEX_FILE, MANIFEST_FILE, RERANK_FILE, sha256_file
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from service.engine import AppendBatch, appends_dir_beside, load_predictor, vet_in_child
-from service.engine.bundle import BundleError, load_bundle
+from service.engine.bundle import load_bundle
 from service.engine.ivfpq import IvfPqIndex
-from service.engine.manifest import IVF_INDEX_FILE, MANIFEST_FILE, RERANK_FILE, sha256_file
 from service.engine.shards import ShardedIndex
 
 # 64 cells, all scanned: the tests below check the served path against exact search at a breadth

@@ -9,12 +9,12 @@ import pytest
 from pydantic import ValidationError
 
 from bench.lib.recall import exact_rankings, recall_with_label_ties
+from bundle.manifest import Manifest
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
 from loadtest.localserver import start_server, stop_server
 from service.engine import AppendBatch, load_predictor
-from service.engine.manifest import Manifest
 from service.engine.shards import ShardedIndex
 
 TINY_RAE = {"dim": 16, "max_train": 300, "rae_top_b": 50}

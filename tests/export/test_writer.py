@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from export.writer import content_id, write_bundle
-from service.engine.manifest import (
+from bundle.manifest import (
     MANIFEST_FILE,
     Counts,
     HnswParams,
@@ -16,6 +15,7 @@ from service.engine.manifest import (
     SourceInfo,
     TokenizerInfo,
 )
+from export.writer import content_id, write_bundle
 
 
 def fields(rae: RaeParams | None = None, created_at: str = "2026-01-01T00:00:00+00:00") -> dict:
@@ -194,7 +194,7 @@ def run_crashing_writer(out: Path, kill_at: int, mode: str):
 
 def served_encoder(out: Path) -> bytes:
     """The bundle at ``out``, checked complete (every file its manifest lists, checksum matching)."""
-    from service.engine.manifest import sha256_file
+    from bundle.manifest import sha256_file
 
     manifest = json.loads((out / MANIFEST_FILE).read_text())
     assert {name: sha256_file(out / name) for name in manifest["files"]} == manifest["files"]

@@ -1,5 +1,5 @@
-"""Every module of service/ must import with torch and transformers unavailable, and all but the
-Ray Serve front end without ray."""
+"""Every module of service/ and of the bundle format it reads (bundle/) must import with torch and
+transformers unavailable, and all but the Ray Serve front end without ray."""
 
 import subprocess
 import sys
@@ -21,7 +21,9 @@ class Block(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, Block())
 import service
+import bundle
 names = [m.name for m in pkgutil.walk_packages(service.__path__, "service.") if not m.name.startswith(SKIPPED)]
+names += [m.name for m in pkgutil.walk_packages(bundle.__path__, "bundle.")]
 for name in names:
     importlib.import_module(name)
 leaked = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
@@ -34,6 +36,7 @@ def test_service_imports_without_torch_or_transformers():
     result = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "service.http.app" in result.stdout and "service.engine.search" in result.stdout
+    assert "bundle.labels" in result.stdout and "bundle.ivfpq_file" in result.stdout
 
 
 def test_the_blocker_really_blocks():

@@ -1,5 +1,5 @@
 """The layers of service/: engine ← api, rollout ← http; engine ← api ← ray_serve; no import cycles, no
-HTTP in the engine."""
+HTTP in the engine. The bundle format (``bundle/``) lies under every layer and imports none of them."""
 
 import ast
 import subprocess
@@ -7,19 +7,29 @@ import sys
 from pathlib import Path
 
 SERVICE = Path(__file__).resolve().parents[2] / "service"
+BUNDLE = SERVICE.parent / "bundle"
 HTTP_PACKAGES = ("fastapi", "starlette", "uvicorn", "httpx")
 # What each layer may import from service/ (itself included).
 ALLOWED = {
-    "service.engine": ("service.engine",),
-    "service.rollout": ("service.engine", "service.rollout"),
+    # the bundle format: below every layer, importing none
+    "bundle": ("bundle",),
+    "service.engine": ("bundle", "service.engine"),
+    "service.rollout": ("bundle", "service.engine", "service.rollout"),
     # the API both front ends serve (schemas, limits, guards, the front door), owned by neither;
     # the front door gives each request its id and access line from observability
-    "service.api": ("service.engine", "service.api", "service.observability"),
+    "service.api": ("bundle", "service.engine", "service.api", "service.observability"),
     # logs, request ids and tracing: shared by both front ends, importing nothing of service/
     "service.observability": ("service.observability",),
-    "service.http": ("service.engine", "service.api", "service.rollout", "service.http", "service.observability"),
+    "service.http": (
+        "bundle",
+        "service.engine",
+        "service.api",
+        "service.rollout",
+        "service.http",
+        "service.observability",
+    ),
     # the Ray Serve front end imports nothing of the single server's
-    "service.ray_serve": ("service.engine", "service.api", "service.observability", "service.ray_serve"),
+    "service.ray_serve": ("bundle", "service.engine", "service.api", "service.observability", "service.ray_serve"),
 }
 
 
@@ -41,7 +51,7 @@ def imports_of(path: Path) -> set[str]:
 
 
 def graph() -> dict[str, set[str]]:
-    modules = {module_name(p): p for p in SERVICE.rglob("*.py")}
+    modules = {module_name(p): p for p in [*SERVICE.rglob("*.py"), *BUNDLE.rglob("*.py")]}
     return {name: {m for m in imports_of(path) if m in modules and m != name} for name, path in modules.items()}
 
 
@@ -86,8 +96,14 @@ def test_each_layer_imports_only_the_layers_below_it():
             assert target == "service" or target.startswith(ALLOWED[layer]), f"{module} imports {target}"
 
 
+def test_the_bundle_format_is_in_the_layer_graph():
+    edges = graph()
+    assert "bundle.labels" in edges and "bundle.manifest" in edges["bundle.labels"]
+    assert "bundle" in edges["service.engine.bundle"]
+
+
 def test_the_engine_imports_no_http_framework():
-    for path in (SERVICE / "engine").rglob("*.py"):
+    for path in [*(SERVICE / "engine").rglob("*.py"), *BUNDLE.rglob("*.py")]:
         bad = {m for m in imports_of(path) if m.split(".")[0] in HTTP_PACKAGES}
         assert not bad, (path, bad)
     probe = "import sys, service.engine; print(sorted(m for m in sys.modules if m.split('.')[0] in %r))"

@@ -1,6 +1,7 @@
-"""The stages' layers: xmc ← service ← training ← export ← bench, each importing only what lies
-below it, and the core xmc importable without torch, transformers or any stage. Training imports
-the engine's RAE values; export imports of training only the torch model code it exports
+"""The stages' layers: xmc, bundle ← service ← training ← export ← bench, each importing only what
+lies below it, and the core xmc and the bundle format importable without torch, transformers or any
+stage (the bundle format without any serving runtime either). Training imports the bundle's RAE
+values; export imports of training only the torch model code it exports
 (export/serving_graph.py); bench imports nothing of training (what it reads of a run is in xmc)."""
 
 import ast
@@ -9,16 +10,18 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ("xmc", "service", "training", "export", "bench", "loadtest")
+STAGES = ("xmc", "bundle", "service", "training", "export", "bench", "loadtest")
 # What each top-level package may import of the others (itself included).
 ALLOWED = {
     "xmc": {"xmc"},
-    "service": {"xmc", "service"},
-    "training": {"xmc", "service", "training"},
-    "export": {"xmc", "service", "training", "export"},
-    "bench": {"xmc", "service", "export", "loadtest", "bench"},
+    # the bundle contract: what export writes and service reads, owned by neither
+    "bundle": {"bundle"},
+    "service": {"xmc", "bundle", "service"},
+    "training": {"xmc", "bundle", "service", "training"},
+    "export": {"xmc", "bundle", "service", "training", "export"},
+    "bench": {"xmc", "bundle", "service", "export", "loadtest", "bench"},
     # the load test runs from its own image: it starts a server, never reaches into bench/
-    "loadtest": {"xmc", "service", "loadtest"},
+    "loadtest": {"xmc", "bundle", "service", "loadtest"},
 }
 
 
@@ -78,3 +81,33 @@ def test_xmc_imports_without_torch_or_any_stage():
     result = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "xmc.metrics" in result.stdout and "xmc.evaluate" in result.stdout
+
+
+BUNDLE_PROBE = r"""
+import importlib, importlib.abc, pkgutil, sys
+
+BLOCKED = (
+    "torch", "transformers", "onnxruntime", "tokenizers", "hnswlib", "faiss", "fastapi", "starlette", "uvicorn",
+    "ray", "xmc", "service", "training", "export", "bench", "loadtest",
+)
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"blocked import of {name}")
+        return None
+
+sys.meta_path.insert(0, Block())
+import bundle
+names = [m.name for m in pkgutil.walk_packages(bundle.__path__, "bundle.")]
+for name in names:
+    importlib.import_module(name)
+print(" ".join(names))
+"""
+
+
+def test_the_bundle_format_imports_without_torch_any_stage_or_serving_runtime():
+    """No HTTP, no ONNX Runtime, no index library: the format is numpy, scipy and pydantic."""
+    result = subprocess.run([sys.executable, "-c", BUNDLE_PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "bundle.manifest" in result.stdout and "bundle.ivfpq_file" in result.stdout

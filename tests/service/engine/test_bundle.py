@@ -5,9 +5,10 @@ import shutil
 
 import pytest
 
+from bundle import BundleError
+from bundle.manifest import INDEX_FILE, LABELS_FILE, MANIFEST_FILE, VALUES_FILE
 from loadtest.localserver import start_server
-from service.engine.bundle import BundleError, load_bundle
-from service.engine.manifest import INDEX_FILE, LABELS_FILE, MANIFEST_FILE, VALUES_FILE
+from service.engine.bundle import load_bundle
 
 
 def edit_manifest(path, change):
@@ -81,8 +82,8 @@ def test_server_refuses_to_start_on_a_corrupt_bundle(bundle_copy, tmp_path):
 def rewrite_index_header(path, **fields):
     """Change header fields of the bundle's HNSW file and re-sign it, as a careless or hostile
     exporter would: the checksums match, only the header lies."""
-    from service.engine.hnsw_file import HNSW_HEADER
-    from service.engine.manifest import sha256_file
+    from bundle.hnsw_file import HNSW_HEADER
+    from bundle.manifest import sha256_file
 
     names = ("level0", "max_elements", "count", "per_element", "label_offset", "data_offset", "max_level",
              "entry", "max_m", "max_m0", "m", "mult", "ef_construction")  # fmt: skip
@@ -112,7 +113,7 @@ def test_an_index_header_that_lies_is_refused_before_hnswlib_reads_it(bundle_cop
 def test_a_labels_file_naming_a_uid_twice_is_refused_with_both_rows(bundle_copy):
     """Re-signed, so only the content is wrong: label 17 takes label 3's uid. Served, the uid
     would name label 3 alone and an exclusion of it would leave label 17."""
-    from service.engine.manifest import sha256_file
+    from bundle.manifest import sha256_file
 
     lines = [json.loads(line) for line in (bundle_copy / LABELS_FILE).read_text().splitlines()]
     uid = lines[3]["uid"]

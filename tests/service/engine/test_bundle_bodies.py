@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
+from bundle import BundleError
+from bundle.hnsw_file import HNSW_HEADER
+from bundle.manifest import INDEX_FILE, LEXICAL_FILE, MANIFEST_FILE, VALUES_FILE, FusionParams, sha256_file
 from service.engine import vet_in_child
-from service.engine.bundle import BundleError, load_bundle, load_shard_key_terms
-from service.engine.hnsw_file import HNSW_HEADER
-from service.engine.manifest import INDEX_FILE, LEXICAL_FILE, MANIFEST_FILE, VALUES_FILE, FusionParams, sha256_file
+from service.engine.bundle import load_bundle, load_shard_key_terms
 
 
 def resign(path, name):

@@ -9,6 +9,7 @@ import pytest
 import scipy.sparse as sp
 from sklearn.tree import DecisionTreeRegressor
 
+from bundle.manifest import FUSION_FILE, FUSION_MODEL_FILE, FusionParams
 from export.fusion_fit import FittedModel
 from export.fusion_to_onnx import to_onnx
 from service.engine.fusion import (
@@ -28,7 +29,6 @@ from service.engine.fusion import (
     top_of_rows,
 )
 from service.engine.lexical import Lexicon
-from service.engine.manifest import FUSION_FILE, FUSION_MODEL_FILE, FusionParams
 from service.engine.rae import KeptKeys, ValueRows, aggregate, aggregate_kept, keep_keys, softmax
 from xmc.checkpoint import default_encoder_dir
 

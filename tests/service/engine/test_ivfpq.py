@@ -8,10 +8,11 @@ import struct
 import numpy as np
 import pytest
 
+from bundle import IndexRefused
+from bundle.manifest import IvfPqParams
 from export.ivfpq import auto_nlist, build_ivfpq
 from service.engine import ivfpq as ivfpq_module
-from service.engine.ivfpq import IndexRefused, IvfPqIndex, lists_offset
-from service.engine.manifest import IvfPqParams
+from service.engine.ivfpq import IvfPqIndex, lists_offset
 
 DIM, KEYS, FIRST_KEY = 32, 3000, 500
 
@@ -263,7 +264,7 @@ def test_keys_with_equal_vectors_come_in_key_order():
 def test_a_shard_gives_an_empty_value_row_where_it_found_no_key():
     import scipy.sparse as sp
 
-    from service.engine.manifest import Shard
+    from bundle.manifest import Shard
     from service.engine.shards import ShardSearcher
 
     values = sp.csr_matrix(np.arange(1, 13, dtype=np.float32).reshape(4, 3))

@@ -15,9 +15,9 @@ import sys
 
 import pytest
 
+from bundle.manifest import MANIFEST_FILE
 from export.compact import compact_bundle, main
 from service.engine import AppendBatch, AppendRefused, appends_dir_beside, load_predictor
-from service.engine.manifest import MANIFEST_FILE
 
 HOLD_LOCK = """
 import fcntl, os, sys, time
@@ -260,7 +260,7 @@ def test_a_bundle_made_from_a_compaction_goes_on_from_its_offset(own_bundle, tmp
 def test_a_lineage_log_outside_the_log_directory_is_refused_at_load_and_nothing_is_created(own_bundle, tmp_path):
     """Issue 53: ``lineage.log`` was followed wherever its ``..`` led: a crafted bundle had its
     first append write a log outside the log directory (and create the directories on the way)."""
-    from service.engine.manifest import Manifest, content_id
+    from bundle.manifest import Manifest, content_id
 
     appends = tmp_path / "appends"
     live = load_predictor(own_bundle, appends_dir=appends)

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
+from bundle.manifest import MANIFEST_FILE
 from export.compact import compact_bundle
 from service.engine import AppendBatch, BundleError, appends_dir_beside, load_predictor
-from service.engine.manifest import MANIFEST_FILE
 
 
 def label(name: str) -> tuple[str, str]:

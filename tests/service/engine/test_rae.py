@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from service.engine.rae import ValueRows, aggregate, build_values, labels_of_keys, softmax, top_k_of_row
+from bundle import build_values
+from service.engine.rae import ValueRows, aggregate, labels_of_keys, softmax, top_k_of_row
 
 # Memory: 2 training instances over 3 labels, then the 3 label keys (ids 2, 3, 4).
 Y_TRAIN = sp.csr_matrix(np.array([[1, 1, 0], [0, 1, 1]], dtype=np.float32))

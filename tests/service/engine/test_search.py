@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
+from bundle.manifest import RaeParams
 from service.engine.fusion import FEATURES, ScoreFusion
-from service.engine.manifest import RaeParams
 from service.engine.memory import base_view
 from service.engine.rae import ValueRows
 from service.engine.search import FusionRows, Neighbours, excluded_label_ids, rank_batch

@@ -1,12 +1,12 @@
-"""Label arrays (service.engine.labels): uids and texts as memory-mapped bytes and offsets, uid → id
+"""Label arrays (bundle.labels): uids and texts as memory-mapped bytes and offsets, uid → id
 by sorted hashes, every answer checked against the stored uid; damaged arrays, and a uid named
 twice, refused."""
 
 import numpy as np
 import pytest
 
-from service.engine import labels as labels_module
-from service.engine.labels import (
+from bundle import labels as labels_module
+from bundle.labels import (
     ContentHashes,
     DuplicateUids,
     LabelsRefused,
@@ -16,7 +16,7 @@ from service.engine.labels import (
     load_label_arrays,
     write_label_arrays,
 )
-from service.engine.manifest import LABEL_ARRAY_FILES
+from bundle.manifest import LABEL_ARRAY_FILES
 
 UIDS = [f"pkg-{i}" for i in range(500)] + ["ünïcode-λ", ""]
 TEXTS = [f"text of {uid} ✓" for uid in UIDS]

@@ -1,11 +1,11 @@
-"""service.engine.hnsw_file: hnswlib's format checked on its own (the bundle tests corrupt whole
+"""bundle.hnsw_file: hnswlib's format checked on its own (the bundle tests corrupt whole
 bundles; here a file is written by hnswlib and checked against what a manifest would say)."""
 
 import hnswlib
 import numpy as np
 import pytest
 
-from service.engine.hnsw_file import HnswFileRefused, check_index_body, check_index_header
+from bundle.hnsw_file import HnswFileRefused, check_index_body, check_index_header
 
 
 @pytest.fixture

@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import json
 import operator
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from service.engine.manifest import LABEL_ARRAY_FILES
-from service.engine.mapped_files import ShortFile, file_blocks
+from bundle.errors import BundleError
+from bundle.manifest import LABEL_ARRAY_FILES, LABELS_FILE, Manifest
+from bundle.mapped_files import ShortFile, file_blocks
 
 UIDS, UID_OFFSETS, TEXTS, TEXT_OFFSETS, UID_HASHES, UID_ORDER = LABEL_ARRAY_FILES
 
@@ -339,3 +341,31 @@ def _checked_label_arrays(directory: Path, labels: int) -> tuple[StringColumn, S
 
 
 BLOCK = 1 << 22  # values read at a time by the checks
+
+
+def read_labels(path: Path, manifest: Manifest) -> tuple[StringColumn, StringColumn, UidLookup]:
+    """Label uids and texts, as many as the manifest counts, and the uid → id lookup: the
+    bundle's memory-mapped label arrays, checked (:func:`load_label_arrays`), or ``labels.jsonl``
+    read into the same arrays."""
+    if manifest.labels_format == "arrays":
+        try:
+            return load_label_arrays(path, manifest.counts.labels)
+        except LabelsRefused as exc:
+            raise BundleError(f"{path}: label arrays refused: {exc}") from None
+    uids, texts = [], []
+    with open(path / LABELS_FILE, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            try:
+                obj = json.loads(line)
+                uids.append(str(obj["uid"]))
+                texts.append(str(obj["text"]))
+            except (ValueError, KeyError) as exc:
+                raise BundleError(f"{path / LABELS_FILE}:{lineno}: bad label line ({exc})") from None
+    if len(uids) != manifest.counts.labels:
+        raise BundleError(f"{path}: {len(uids)} labels in {LABELS_FILE}, manifest says {manifest.counts.labels}")
+    uid_column = StringColumn.of(uids)
+    try:
+        check_unique_uids(uid_column)
+    except DuplicateUids as exc:
+        raise BundleError(f"{path / LABELS_FILE}: {exc}") from None
+    return uid_column, StringColumn.of(texts), UidLookup.of(uid_column)

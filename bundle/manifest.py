@@ -8,7 +8,7 @@ immutable directory::
     tokenizer.json   HF tokenizers file (truncation set, padding to the batch's longest)
     labels.jsonl     one {"uid", "text"} per line; line number = label id; or, ``labels_format``
     label-*.npy      arrays, the uids and texts as memory-mapped UTF-8 bytes + offsets and a
-                     sorted uid hash array for uid → id (service.engine.labels)
+                     sorted uid hash array for uid → id (bundle.labels)
     index.hnsw       hnswlib index over the keys (labels, or instances + labels for RAE)
     index.faiss      instead of index.hnsw in a compressed bundle (``ann`` ivfpq): a faiss IVF
     rerank.npy       index of 4-bit PQ fast-scan codes, and the keys as float16 (keys x dim), from
@@ -46,7 +46,7 @@ ENCODER_FILE = "encoder.onnx"
 TOKENIZER_FILE = "tokenizer.json"
 LABELS_FILE = "labels.jsonl"
 # labels_format arrays, instead of labels.jsonl: uid bytes, uid offsets, text bytes, text offsets,
-# sorted uid hashes, the label id of each sorted hash (service.engine.labels)
+# sorted uid hashes, the label id of each sorted hash (bundle.labels)
 LABEL_ARRAY_FILES = (
     "label-uids.npy",
     "label-uid-offsets.npy",

@@ -1,8 +1,9 @@
 """hnswlib's binary index format, checked before hnswlib reads a file: the header against what the
 manifest says (so hnswlib never allocates what a forged header asks for), and every element's
 links, labels and vectors (hnswlib follows links unchecked, so an out-of-range id is an
-out-of-bounds read in native code). Format only: what a bundle is lives in
-:mod:`service.engine.bundle`, which turns a refusal here into a :class:`~service.engine.BundleError`.
+out-of-bounds read in native code). Format only, and no hnswlib: what a bundle is lives in
+:mod:`bundle.manifest`; the engine's loader (``service.engine.bundle``) turns a refusal here into a
+:class:`~bundle.BundleError`.
 """
 
 from __future__ import annotations
