@@ -23,6 +23,9 @@ The public surface:
   (:class:`QueueFullError`), stoppable (:class:`BatcherStoppedError`); configured by
   :class:`BatcherConfig`.
 * :class:`EncoderOptions` — how the ONNX encoder runs (provider, threads, spinning).
+* :class:`EngineError` — the base of every exception the engine raises (:class:`BundleError`,
+  :class:`AppendRefused`, :class:`AppendLogError`, :class:`QueueFullError`, …); each keeps the
+  builtin base (``ValueError``, ``RuntimeError``) it was caught by before.
 * A sharded bundle (``manifest.shards``) loads as one :class:`~service.engine.shards.ShardedIndex`:
   every shard searched, the per-shard top-n merged exactly; nothing else changes.
 
@@ -60,6 +63,7 @@ from service.engine.bundle import (
     read_manifest,
 )
 from service.engine.encoder import MAX_CHUNK, EncoderOptions, OnnxEncoder
+from service.engine.errors import EngineError
 from service.engine.fusion import (
     FEATURE_GROUPS,
     OPTIONAL_GROUPS,
@@ -139,6 +143,7 @@ __all__ = [
     "empty_index",
     "ENCODER_FILE",
     "EncoderOptions",
+    "EngineError",
     "exact_rerank",
     "faiss_threads",
     "FEATURE_GROUPS",

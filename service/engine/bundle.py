@@ -22,6 +22,7 @@ import scipy.sparse as sp
 from pydantic import ValidationError
 
 from service.engine.encoder import EncoderOptions, OnnxEncoder
+from service.engine.errors import EngineError
 from service.engine.fusion import FEATURE_GROUPS, ScoreFusion, groups_of
 from service.engine.hnsw_file import HnswFileRefused, check_index_body, check_index_header
 from service.engine.ivfpq import IndexRefused, IvfPqIndex
@@ -52,7 +53,7 @@ from service.engine.shards import ShardedIndex, ShardSearcher
 log = logging.getLogger(__name__)
 
 
-class BundleError(RuntimeError):
+class BundleError(EngineError, RuntimeError):
     """The bundle is missing, corrupt or inconsistent; the message says which part."""
 
 

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
+from service.engine.errors import EngineError
 
-class HnswFileRefused(ValueError):
+
+class HnswFileRefused(EngineError, ValueError):
     """An HNSW file that does not follow hnswlib's format or the manifest; the message names the file."""
 
 

@@ -39,6 +39,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import faiss  # noqa: E402
 import numpy as np  # noqa: E402
 
+from service.engine.errors import EngineError  # noqa: E402
 from service.engine.mapped_files import ShortFile, file_blocks  # noqa: E402
 
 # fast-scan packs codes in blocks of this many keys (faiss's default bbs)
@@ -54,7 +55,7 @@ _LISTS_HEADER = struct.Struct("<4sQQQQ")
 _NO_CODE_SIZE = 2**64 - 1
 
 
-class IndexRefused(ValueError):
+class IndexRefused(EngineError, ValueError):
     """The compressed index's file or vectors are inconsistent; the message says how."""
 
 

@@ -33,17 +33,18 @@ from pathlib import Path
 
 import numpy as np
 
+from service.engine.errors import EngineError
 from service.engine.manifest import LABEL_ARRAY_FILES
 from service.engine.mapped_files import ShortFile, file_blocks
 
 UIDS, UID_OFFSETS, TEXTS, TEXT_OFFSETS, UID_HASHES, UID_ORDER = LABEL_ARRAY_FILES
 
 
-class LabelsRefused(ValueError):
+class LabelsRefused(EngineError, ValueError):
     """The label arrays are inconsistent; the message says which file and how."""
 
 
-class DuplicateUids(ValueError):
+class DuplicateUids(EngineError, ValueError):
     """Labels share a uid; the message names the first such uid and both of its rows (label ids)."""
 
 

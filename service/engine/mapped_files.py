@@ -7,8 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
+from service.engine.errors import EngineError
 
-class ShortFile(ValueError):
+
+class ShortFile(EngineError, ValueError):
     """The file holds fewer values than its ``.npy`` header says."""
 
 

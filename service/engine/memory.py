@@ -42,6 +42,7 @@ from typing import Protocol
 import numpy as np
 import scipy.sparse as sp
 
+from service.engine.errors import EngineError
 from service.engine.labels import StringColumn, UidLookup
 from service.engine.rae import ValueRows, labels_of_keys
 
@@ -59,7 +60,7 @@ MAX_LABELS_PER_INSTANCE = 1000
 GROWTH = 1.5
 
 
-class AppendRefused(ValueError):
+class AppendRefused(EngineError, ValueError):
     """The append cannot be applied as given (unknown or duplicate uids, empty texts, …)."""
 
 
@@ -67,7 +68,7 @@ class AppendIdReused(AppendRefused):
     """The append's ``append_id`` was applied already, with other content."""
 
 
-class LineageDiverged(RuntimeError):
+class LineageDiverged(EngineError, RuntimeError):
     """A record that another bundle of this memory's lineage logged does not apply to this memory:
     it no longer holds the log's order (a log edited or mixed by hand); nothing is appended."""
 
