@@ -29,10 +29,11 @@ The public surface:
 * A sharded bundle (``manifest.shards``) loads as one :class:`~service.engine.shards.ShardedIndex`:
   every shard searched, the per-shard top-n merged exactly; nothing else changes.
 
-* :func:`rank_batch` — the one ranking of a batch's fetched nearest keys (:class:`Neighbours`) into
-  each query's top-k labels, which :class:`Predictor` and the Ray ingress call; with
-  ``feature_rows=True`` it returns instead the score fusion's candidates and φ (:class:`FusionRows`),
-  which ``export.fuse`` fits a fusion on.
+* :func:`rank_batch` — the one ranking of a batch's fetched nearest keys (:class:`Neighbours`, as
+  many as :func:`neighbours_needed` says) into each query's top-k labels (a list of
+  :class:`Ranking`), which :class:`Predictor` and the Ray ingress call;
+  :func:`fusion_candidates` computes alike the score fusion's candidates and φ
+  (:class:`FusionRows`), which ``export.fuse`` fits a fusion on.
 * What export writes and bench inspects: the bundle format (:class:`Manifest` and its parts, the
   file names, :func:`sha256_file`, :func:`content_id`), the score fusion (:class:`ScoreFusion`, its
   models and feature groups), the lexical terms (:class:`Lexicon`, :class:`KeyTerms`), the RAE
@@ -117,7 +118,17 @@ from service.engine.memory import (
     fetch_and_ef,
 )
 from service.engine.rae import build_values
-from service.engine.search import FusionRows, Neighbours, Prediction, Predictor, Ranking, StageTimes, rank_batch
+from service.engine.search import (
+    FusionRows,
+    Neighbours,
+    Prediction,
+    Predictor,
+    Ranking,
+    StageTimes,
+    fusion_candidates,
+    neighbours_needed,
+    rank_batch,
+)
 from service.engine.shards import merge_answers
 
 __all__ = [
@@ -152,6 +163,7 @@ __all__ = [
     "FUSION_MODEL_FILE",
     "FusionModelKind",
     "FusionParams",
+    "fusion_candidates",
     "FusionRows",
     "HnswParams",
     "INDEX_FILE",
@@ -182,6 +194,7 @@ __all__ = [
     "merge_answers",
     "MicroBatcher",
     "Neighbours",
+    "neighbours_needed",
     "OnnxEncoder",
     "OnnxTreeEnsemble",
     "OPTIONAL_GROUPS",

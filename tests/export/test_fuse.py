@@ -39,7 +39,7 @@ from service.engine.manifest import (
     sha256_file,
 )
 from service.engine.memory import AppendBatch, base_view, fetch_and_ef
-from service.engine.search import Predictor, RankedSearch, merged_neighbours
+from service.engine.search import Predictor, merged_neighbours, neighbours_needed, rank_batch
 from service.engine.shards import ShardQuery
 from tests.service.engine.test_fusion import random_sklearn_tree
 from xmc.checkpoint import HOLDOUT_FILE
@@ -320,12 +320,13 @@ def test_a_sharded_bundle_is_fused_with_a_key_term_file_per_shard_and_ranks_alik
     searchers = [load_shard(sharded_fused, i)[1] for i in range(3)]
     assert [s.key_terms.first_key for s in searchers] == [shard.first_key for shard in manifest.shards]
     ingress_fusion = load_fusion(sharded_fused, manifest)
-    search = RankedSearch(manifest, [10] * len(texts), [()] * len(texts), ingress_fusion)
-    fetch, ef = fetch_and_ef(search.neighbours, manifest.hnsw.ef_search, manifest.counts.memory_rows)
+    ks, exclude = [10] * len(texts), [()] * len(texts)
+    neighbours = max(neighbours_needed(manifest, ks, exclude))
+    fetch, ef = fetch_and_ef(neighbours, manifest.hnsw.ef_search, manifest.counts.memory_rows)
     terms = ingress_fusion.lexicon.query_terms(texts)
     answers = [s.search_many([ShardQuery(vectors, fetch, ef, terms)])[0] for s in searchers]
     view = base_view(uids, label_texts, manifest.counts.memory_rows, None)
-    got = search.rank(merged_neighbours(answers, search.neighbours, view))
+    got = rank_batch(manifest, merged_neighbours(answers, neighbours, view), ks, exclude, ingress_fusion)
     for a, b in zip(expected, got, strict=True):
         assert a.ids.tolist() == b.ids.tolist()
         np.testing.assert_allclose(a.scores, b.scores, rtol=1e-6)
