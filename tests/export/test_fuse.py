@@ -17,8 +17,8 @@ from bench.batch_invariance import assert_batch_invariant
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
-from export.fuse import main
-from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS
+from export.fuse import FuseParams, main
+from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS, FuseError
 from export.fusion_to_onnx import PARITY_BOUND
 from export.held_out import HeldOutSearch, search_without, unfitted_fusion
 from service.engine.bundle import BundleError, load_bundle, load_fusion, load_labels, load_shard
@@ -273,6 +273,18 @@ def test_model_options_are_checked_against_the_model(tiny_memory, sample_dir, ru
     with pytest.raises(SystemExit, match="takes no"):
         fuse(tiny_memory, sample_dir, run_dir, tmp_path / "x", "--model", "tree", "--trees", "10")
     assert not (tmp_path / "x").exists()
+
+
+def test_fuse_params_refuse_a_model_parameter_the_model_does_not_take_as_a_library_error():
+    """The library raises (the CLI above exits with the same message)."""
+    with pytest.raises(FuseError, match="takes no"):
+        FuseParams("tree", {"trees": 10})
+    default = FuseParams()
+    assert (default.model, default.groups, default.rerank_depth) == (
+        DEFAULT_FUSION.model,
+        DEFAULT_FUSION.groups,
+        DEFAULT_FUSION.rerank_depth,
+    )
 
 
 def test_the_lexical_features_can_be_left_out(plain_fused, sample_bundle, sample_dir):
