@@ -51,7 +51,7 @@ import scipy.sparse as sp
 
 from bench.lib.held_out import held_out_features, held_out_instances
 from export.evaluate import evaluate_bundle
-from export.fusion_fit import BASE_GROUPS, DEFAULT_PARAMS, FusionChoice, depth_name, fit_model
+from export.fusion_fit import BASE_GROUPS, DEFAULT_PARAMS, FuseError, FusionChoice, depth_name, fit_model
 from export.fusion_to_onnx import onnx_fusion_model
 from export.held_out import (
     HeldOutPairs,
@@ -182,6 +182,10 @@ def first_candidates(depths: list[int | None], sizes: list[dict]) -> list[Fusion
 REFERENCE = FusionChoice("tree", BASE_GROUPS, DEFAULT_PARAMS["tree"], None)
 
 
+class NoEligibleCandidate(RuntimeError):
+    """No candidate's model meets the cost budget with the guarded metrics kept."""
+
+
 def choose(
     pairs_at: dict, fold, frequencies, num_train, candidates, min_gain, max_model_ms, guarded, report
 ) -> tuple[FusionChoice, dict]:
@@ -220,8 +224,8 @@ def choose(
         scored = [(run(candidate), candidate) for candidate in candidates]
     best, chosen = max(scored, key=lambda pair: pair[0])
     if best == -np.inf:
-        raise SystemExit(
-            f"bench.fusion_models: no candidate's model costs at most {max_model_ms} ms a query with "
+        raise NoEligibleCandidate(
+            f"no candidate's model costs at most {max_model_ms} ms a query with "
             f"{list(guarded)} not below {REFERENCE.name}'s"
         )
     for group in (g for g in OPTIONAL_GROUPS if g not in BASE_GROUPS):
@@ -301,7 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     add_held_out_memory_option(parser)
     parser.add_argument("--out", type=Path, default=Path("bench/results/fusion-models.json"), help="result JSON")
     args = parser.parse_args(argv)
-    train, predictor, rows = held_out_instances(args.bundle, args.run, args.data)
+    try:
+        train, predictor, rows = held_out_instances(args.bundle, args.run, args.data)
+    except FuseError as exc:
+        raise SystemExit(f"bench.fusion_models: {exc}") from None
     depths = [depth or None for depth in args.rerank_depths]
     held_out, pair_seconds = {}, {}
     for depth in depths:
@@ -317,9 +324,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{result['onnx_ms_per_query']} ms/query", flush=True)  # fmt: skip
 
     candidates = first_candidates(depths, args.ensembles)
-    chosen, results = choose(
-        pairs_at, fold, frequencies, num_train, candidates, args.min_gain, args.max_model_ms, args.guard_metrics, report
-    )
+    try:
+        chosen, results = choose(
+            pairs_at,
+            fold,
+            frequencies,
+            num_train,
+            candidates,
+            args.min_gain,
+            args.max_model_ms,
+            args.guard_metrics,
+            report,
+        )
+    except NoEligibleCandidate as exc:
+        raise SystemExit(f"bench.fusion_models: {exc}") from None
     unfitted, key_terms, pairs = held_out[chosen.rerank_depth]
     result = {
         "what": "score fusion model and features chosen on a cross-fitted validation split of the held-out "

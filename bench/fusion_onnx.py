@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.lib.held_out import held_out_features, held_out_instances
-from export.fusion_fit import fit_model
+from export.fusion_fit import FuseError, fit_model
 from export.fusion_to_onnx import onnx_fusion_model
 from xmc.checkpoint import HOLDOUT_FILE
 
@@ -41,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trees", type=int, default=100, help="boosting rounds of the GBDT and LambdaMART")
     parser.add_argument("--out", type=Path, default=Path("bench/results/fusion-onnx-parity.json"), help="result JSON")
     args = parser.parse_args(argv)
-    train, predictor, rows = held_out_instances(args.bundle, args.run, args.data)
+    try:
+        train, predictor, rows = held_out_instances(args.bundle, args.run, args.data)
+    except FuseError as exc:
+        raise SystemExit(f"bench.fusion_onnx: {exc}") from None
     unfitted, _, pairs = held_out_features(predictor, train, rows)
     features = unfitted.features
 
@@ -52,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     parity, variants = {}, {}
     for kind, model in fitted.items():
-        onnx_model, parity[f"onnx-{kind}"] = onnx_fusion_model(model, pairs.X)
+        try:
+            onnx_model, parity[f"onnx-{kind}"] = onnx_fusion_model(model, pairs.X)
+        except FuseError as exc:
+            raise SystemExit(f"bench.fusion_onnx: {exc}") from None
         variants[f"onnx-{kind}"] = onnx_model.predict
 
     searches = len(pairs.relevant)

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.lib.held_out import held_out_instances
-from export.fusion_fit import DEFAULT_FUSION
+from export.fusion_fit import DEFAULT_FUSION, FuseError
 from export.held_out import HeldOutPairs, HeldOutSearch, add_held_out_memory_option, pairs_of, unfitted_fusion
 from service.engine import KeyTerms
 from xmc.data import load_jsonl_split
@@ -76,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     add_held_out_memory_option(parser)
     parser.add_argument("--out", type=Path, default=Path("bench/results/fusion-shift.json"), help="result JSON")
     args = parser.parse_args(argv)
-    train, predictor, rows = held_out_instances(args.bundle, args.run, args.data)
+    try:
+        train, predictor, rows = held_out_instances(args.bundle, args.run, args.data)
+    except FuseError as exc:
+        raise SystemExit(f"bench.fusion_shift: {exc}") from None
     dev = load_jsonl_split(args.data, "dev", labels=train.labels)
     depth = args.rerank_depth or None
     # the held-out queries searched as export.fuse searches them; dev as the service does

@@ -39,7 +39,7 @@ import yaml
 from export.build import ExportParams, build_bundle
 from export.derive import derive_rae_bundle
 from export.evaluate import evaluate_bundle
-from export.fuse import fuse_bundle
+from export.fuse import FuseParams, fuse_bundle
 from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS
 from export.held_out import DEFAULT_HELD_OUT_MEMORY, add_held_out_memory_option
 from service.engine import load_bundle
@@ -401,9 +401,8 @@ def trained_rows(args, checkpoint: Path, train, dev, halves: bool, int8: bool) -
             memory = args.fusion_held_out_memory
             fused = fused_bundle_name(best_bundle, suffix, model, params, depth, memory, groups)
             if not (fused / "manifest.json").is_file():
-                fuse_bundle(
-                    best_bundle, args.run, train, fused, model, params, True, groups, rerank_depth=depth, memory=memory
-                )
+                fuse_params = FuseParams(model, params, groups, depth, held_out_memory=memory)
+                fuse_bundle(best_bundle, args.run, train, fused, fuse_params, force=True)
             fusion = load_bundle(fused).manifest.fusion
             queries = fusion.queries
             what = (

@@ -27,7 +27,7 @@ Outside the package, code imports these names from ``bundle`` itself, never its 
 
 from bundle.csr_file import load_csr
 from bundle.directory import check_confined, read_manifest, verify_checksums
-from bundle.errors import BundleError
+from bundle.errors import BundleError, XmcserveError
 from bundle.hnsw_file import HnswFileRefused, check_index_body, check_index_header
 from bundle.ivfpq_file import (
     FAST_SCAN_BLOCK,
@@ -91,6 +91,7 @@ __all__ = [
     "AnnKind",
     "build_values",
     "BundleError",
+    "XmcserveError",
     "check_confined",
     "check_index_body",
     "check_index_file",

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bundle.errors import XmcserveError
 
-class HnswFileRefused(ValueError):
+
+class HnswFileRefused(XmcserveError, ValueError):
     """An HNSW file that does not follow hnswlib's format or the manifest; the message names the file."""
 
 

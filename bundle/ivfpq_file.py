@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bundle.errors import XmcserveError
 from bundle.mapped_files import ShortFile, file_blocks
 
 # fast-scan packs codes in blocks of this many keys (faiss's default bbs)
@@ -37,7 +38,7 @@ _NO_CODE_SIZE = 2**64 - 1
 METRIC_INNER_PRODUCT = 0
 
 
-class IndexRefused(ValueError):
+class IndexRefused(XmcserveError, ValueError):
     """The compressed index's file or vectors are inconsistent; the message says how."""
 
 

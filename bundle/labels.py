@@ -34,18 +34,18 @@ from pathlib import Path
 
 import numpy as np
 
-from bundle.errors import BundleError
+from bundle.errors import BundleError, XmcserveError
 from bundle.manifest import LABEL_ARRAY_FILES, LABELS_FILE, Manifest
 from bundle.mapped_files import ShortFile, file_blocks
 
 UIDS, UID_OFFSETS, TEXTS, TEXT_OFFSETS, UID_HASHES, UID_ORDER = LABEL_ARRAY_FILES
 
 
-class LabelsRefused(ValueError):
+class LabelsRefused(XmcserveError, ValueError):
     """The label arrays are inconsistent; the message says which file and how."""
 
 
-class DuplicateUids(ValueError):
+class DuplicateUids(XmcserveError, ValueError):
     """Labels share a uid; the message names the first such uid and both of its rows (label ids)."""
 
 

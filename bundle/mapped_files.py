@@ -7,8 +7,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bundle.errors import XmcserveError
 
-class ShortFile(ValueError):
+
+class ShortFile(XmcserveError, ValueError):
     """The file holds fewer values than its ``.npy`` header says."""
 
 

@@ -55,6 +55,7 @@ from export.fusion_fit import (
     DEFAULT_FUSION,
     DEFAULT_PARAMS,
     FittedModel,
+    FuseError,
     fit_model,
 )
 from export.fusion_to_onnx import onnx_fusion_model
@@ -68,11 +69,54 @@ from export.held_out import (
     unfitted_fusion,
 )
 from export.writer import refuse_existing
-from service.engine import OPTIONAL_GROUPS, Predictor, ScoreFusion, carried_lineage, load_predictor
+from service.engine import (
+    OPTIONAL_GROUPS,
+    AppendLogError,
+    Predictor,
+    ScoreFusion,
+    carried_lineage,
+    load_predictor,
+)
 from xmc.checkpoint import HOLDOUT_FILE
 from xmc.data import XMCDataset, load_jsonl_split, rows_of_uids
 
 log = logging.getLogger("xmcserve.fuse")
+
+__all__ = ["FuseError", "FuseParams", "FusionFit", "check_memory", "fit_fusion", "fuse_bundle", "main"]
+
+
+@dataclass
+class FuseParams:
+    """How a fusion is fitted; the defaults fit the default fusion (:data:`~export.fusion_fit.DEFAULT_FUSION`).
+
+    Attributes:
+        model: the fusion's model T: ``tree`` (NGAME App. C), ``gbdt`` (LightGBM regression) or
+            ``lambdarank`` (LambdaMART, each held-out search a group)
+        model_params: the model's parameters given (``depth``, ``min_leaf``, ``trees``, ``leaves``,
+            ``learning_rate``); the others are :data:`~export.fusion_fit.DEFAULT_PARAMS`'. One the
+            model does not take is refused (:class:`FuseError`)
+        groups: the feature groups of φ (:data:`service.engine.FEATURE_GROUPS`); ``lexical`` adds
+            the key term files it reads
+        rerank_depth: T is fitted on, and rescores, each search's top N candidates by p̂ only
+            (None: every candidate)
+        fit_on: the held-out searches T is fitted on: ``both`` (filter labels excluded, and not)
+            or ``exclude`` only
+        held_out_memory: the memory the held-out instances are searched against
+            (:data:`export.held_out.HeldOutMemory`)
+    """
+
+    model: FusionModelKind = DEFAULT_FUSION.model
+    model_params: dict = field(default_factory=dict)
+    groups: tuple[str, ...] = DEFAULT_FUSION.groups
+    rerank_depth: int | None = DEFAULT_FUSION.rerank_depth
+    fit_on: FitOn = "both"
+    held_out_memory: HeldOutMemory = DEFAULT_HELD_OUT_MEMORY
+
+    def __post_init__(self) -> None:
+        # checked here, before the bundle is loaded and its held-out instances searched
+        unknown = set(self.model_params) - set(DEFAULT_PARAMS[self.model])
+        if unknown:
+            raise FuseError(f"--model {self.model} takes no {sorted(unknown)}")
 
 
 @dataclass
@@ -90,44 +134,37 @@ class FusionFit:
     extra: dict = field(default_factory=dict)
 
 
-def fit_fusion(
-    predictor: Predictor,
-    train: XMCDataset,
-    rows: np.ndarray,
-    kind: FusionModelKind = DEFAULT_FUSION.model,
-    params: dict | None = None,
-    groups: tuple[str, ...] = DEFAULT_FUSION.groups,
-    fit_on: FitOn = "both",
-    rerank_depth: int | None = DEFAULT_FUSION.rerank_depth,
-    memory: HeldOutMemory = DEFAULT_HELD_OUT_MEMORY,
-) -> FusionFit:
+def fit_fusion(predictor: Predictor, train: XMCDataset, rows: np.ndarray, params: FuseParams) -> FusionFit:
     """Fit the fusion's model on the held-out instances ``rows`` of ``train`` (the bundle's memory
-    split, searched against ``memory``) over the feature ``groups`` and the top ``rerank_depth``
-    candidates of each search (None: all), convert it to ONNX and check it against its library.
-    The fusion served keeps the whole memory's label counts and lexicon."""
+    split, searched against ``params.held_out_memory``) over the feature groups and the top rerank
+    depth candidates of each search (``params``), convert it to ONNX and check it against its
+    library (:class:`FuseError` if they differ). The fusion served keeps the whole memory's label
+    counts and lexicon."""
     started = time.perf_counter()
-    served, key_rows = unfitted_fusion(predictor, train, groups, rerank_depth)
+    memory = params.held_out_memory
+    served, key_rows = unfitted_fusion(predictor, train, params.groups, params.rerank_depth)
     search = HeldOutSearch.of(predictor, train, rows, (served, key_rows), memory)
-    pairs = search.pairs(predictor, train, fit_on)
-    fitted = fit_model(kind, pairs, served.features, params)
+    pairs = search.pairs(predictor, train, params.fit_on)
+    fitted = fit_model(params.model, pairs, served.features, params.model_params)
     model, parity = onnx_fusion_model(fitted, pairs.X)
-    log.info("fusion %s fitted on %d pairs (%s); ONNX parity %.3g", kind, len(pairs.y), memory, parity)
-    fusion = ScoreFusion(model, served.log_frequency, served.lexicon, served.features, rerank_depth)
+    log.info("fusion %s fitted on %d pairs (%s); ONNX parity %.3g", params.model, len(pairs.y), memory, parity)
+    fusion = ScoreFusion(model, served.log_frequency, served.lexicon, served.features, params.rerank_depth)
     return FusionFit(
         fusion, fitted, parity, key_rows, len(rows), len(pairs.y), pairs.found, time.perf_counter() - started
     )
 
 
 def check_memory(predictor: Predictor, train: XMCDataset) -> None:
-    """The bundle's memory must be ``train`` as given: same labels, every instance a key in order."""
+    """The bundle's memory must be ``train`` as given: same labels, every instance a key in order
+    (:class:`FuseError` if not)."""
     manifest = predictor.bundle.manifest
     if manifest.index_kind != "rae_memory":
-        raise SystemExit("export.fuse: score fusion needs an rae_memory bundle")
+        raise FuseError("score fusion needs an rae_memory bundle")
     if predictor.bundle.label_uids != list(train.labels.uids):
-        raise SystemExit("export.fuse: the bundle's labels are not the data's labels")
+        raise FuseError("the bundle's labels are not the data's labels")
     if manifest.counts.train_instances != len(train):
-        raise SystemExit(
-            f"export.fuse: the bundle's memory holds {manifest.counts.train_instances} instances, the split "
+        raise FuseError(
+            f"the bundle's memory holds {manifest.counts.train_instances} instances, the split "
             f"{len(train)}: build it from the whole split (max_train 0)"
         )
 
@@ -199,14 +236,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def model_params(args: argparse.Namespace) -> dict:
-    """The model parameters given on the command line (the others default)."""
+def params_of_arguments(args: argparse.Namespace) -> FuseParams:
+    """The :class:`FuseParams` of the command line (model parameters not given default)."""
     given = {name: getattr(args, name) for name in ("depth", "min_leaf", "trees", "leaves", "learning_rate")}
-    params = {name: value for name, value in given.items() if value is not None}
-    unknown = set(params) - set(DEFAULT_PARAMS[args.model])
-    if unknown:
-        raise SystemExit(f"export.fuse: --model {args.model} takes no {sorted(unknown)}")
-    return params
+    return FuseParams(
+        model=args.model,
+        model_params={name: value for name, value in given.items() if value is not None},
+        groups=("rae", *(() if args.no_lexical else ("lexical",)), *args.extra_features),
+        rerank_depth=args.rerank_depth or None,  # 0: every candidate
+        fit_on=args.fit_on,
+        held_out_memory=args.held_out_memory,
+    )
 
 
 def fuse_bundle(
@@ -214,40 +254,40 @@ def fuse_bundle(
     run: Path,
     train: XMCDataset,
     out: Path,
-    kind: FusionModelKind = DEFAULT_FUSION.model,
-    params: dict | None = None,
+    params: FuseParams | None = None,
     force: bool = False,
-    groups: tuple[str, ...] = DEFAULT_FUSION.groups,
-    fit_on: FitOn = "both",
-    rerank_depth: int | None = DEFAULT_FUSION.rerank_depth,
-    memory: HeldOutMemory = DEFAULT_HELD_OUT_MEMORY,
     appends_dir: Path | None = None,
 ) -> tuple[Manifest, FusionFit]:
-    """``bundle`` with a fusion fitted on ``run``'s held-out instances of ``train`` (the bundle's
-    memory split), written to ``out``, in ``bundle``'s lineage (its log found through
-    ``appends_dir``: :func:`~service.engine.carried_lineage`)."""
+    """``bundle`` with a fusion fitted as ``params`` say (default :class:`FuseParams`) on ``run``'s
+    held-out instances of ``train`` (the bundle's memory split), written to ``out`` (``force``:
+    replacing a bundle there), in ``bundle``'s lineage (its log found through ``appends_dir``:
+    :func:`~service.engine.carried_lineage`). Raises :class:`FuseError` when the run has no
+    held-out instances, the bundle's memory is not ``train``'s or the exported model does not
+    score as its library does."""
+    params = params or FuseParams()
     holdout = run / HOLDOUT_FILE
     if not holdout.is_file():
-        raise SystemExit(f"export.fuse: no {holdout}; train with holdout > 0 (TrainParams.holdout)")
+        raise FuseError(f"no {holdout}; train with holdout > 0 (TrainParams.holdout)")
     refuse_existing(out, force)
     carried_lineage(bundle, read_manifest(Path(bundle).resolve()), out, appends_dir)  # refused before the fit
     predictor = load_predictor(bundle)
     check_memory(predictor, train)
     rows = rows_of_uids(train, holdout.read_text().split())
-    fit = fit_fusion(predictor, train, rows, kind, params, groups, fit_on, rerank_depth, memory)
+    fit = fit_fusion(predictor, train, rows, params)
     shards = shard_list(predictor.bundle.manifest)
+    fitted_on = FITTED_ON[params.held_out_memory]
     fusion_params = FusionParams(
         model=FUSION_MODEL_FILE,
-        kind=kind,
+        kind=params.model,
         model_params=fit.fitted.params,
         parity_max_abs=fit.parity,
         features=list(fit.fusion.features),
         depth=fit.fitted.depth,
-        rerank_depth=rerank_depth,
-        fitted_on=f"{len(rows)} held-out training instances of {run} ({FITTED_ON[memory]}; searches: {fit_on})",
+        rerank_depth=params.rerank_depth,
+        fitted_on=f"{len(rows)} held-out training instances of {run} ({fitted_on}; searches: {params.fit_on})",
         queries=fit.queries,
         pairs=fit.pairs,
-        lexical=lexical_file_names(len(shards)) if "lexical" in groups else None,
+        lexical=lexical_file_names(len(shards)) if "lexical" in params.groups else None,
     )
     fused = derive_fused_bundle(bundle, out, fit.fusion, fusion_params, fit.key_terms, force, appends_dir)
     return fused, fit
@@ -256,31 +296,19 @@ def fuse_bundle(
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    params = model_params(args)
-    groups = ("rae", *(() if args.no_lexical else ("lexical",)), *args.extra_features)
-    rerank_depth = args.rerank_depth or None  # 0: every candidate
-    train = load_jsonl_split(args.data, args.split)
-    manifest, fit = fuse_bundle(
-        args.bundle,
-        args.run,
-        train,
-        args.out,
-        args.model,
-        params,
-        args.force,
-        groups,
-        args.fit_on,
-        rerank_depth,
-        args.held_out_memory,
-        args.appends_dir,
-    )
+    try:
+        params = params_of_arguments(args)
+        train = load_jsonl_split(args.data, args.split)
+        manifest, fit = fuse_bundle(args.bundle, args.run, train, args.out, params, args.force, args.appends_dir)
+    except (FuseError, FileExistsError, AppendLogError) as exc:
+        raise SystemExit(f"export.fuse: {exc}") from None
     summary = {
         "bundle": str(args.out),
         "bundle_id": manifest.bundle_id,
-        "model": args.model,
+        "model": params.model,
         "model_params": fit.fitted.params,
-        "rerank_depth": rerank_depth,
-        "held_out_memory": args.held_out_memory,
+        "rerank_depth": params.rerank_depth,
+        "held_out_memory": params.held_out_memory,
         "onnx_parity_max_abs": fit.parity,
         "queries": fit.queries,
         "pairs": fit.pairs,

@@ -63,6 +63,12 @@ DEFAULT_PARAMS: dict[str, dict] = {
 DEFAULT_FUSION = FusionChoice("lambdarank", BASE_GROUPS, DEFAULT_PARAMS["lambdarank"], 200)
 
 
+class FuseError(ValueError):
+    """Fitting or exporting a score fusion was refused: the bundle, run or parameters do not
+    allow it, or the exported model does not score as its library does. ``python -m export.fuse``
+    turns it into its exit message."""
+
+
 @dataclass
 class FittedModel:
     """T as its library fitted it, and the library's own scores of φ."""

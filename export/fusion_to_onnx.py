@@ -2,14 +2,15 @@
 with ONNX Runtime: converted by the maintained converter of its library (skl2onnx, onnxmltools),
 LightGBM's split thresholds first moved to float32 so the conversion routes every row as the fit
 does, and ONNX Runtime's scores of the pairs checked against the library's own (the max
-|difference| goes into the manifest; above :data:`PARITY_BOUND` the export is refused).
+|difference| goes into the manifest; above :data:`PARITY_BOUND` the export is refused:
+:class:`~export.fusion_fit.FuseError`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from export.fusion_fit import FittedModel
+from export.fusion_fit import FittedModel, FuseError
 from service.engine import OnnxTreeEnsemble
 
 # The most |ONNX Runtime − fitting library| an exported model may differ by on its pairs: float32
@@ -41,7 +42,7 @@ def to_onnx(fitted: FittedModel, width: int) -> bytes:
         )
     ops = [node.op_type for node in model.graph.node]
     if "TreeEnsembleRegressor" not in ops:
-        raise SystemExit(f"export.fuse: the converter wrote {ops}, not an ai.onnx.ml TreeEnsembleRegressor")
+        raise FuseError(f"the converter wrote {ops}, not an ai.onnx.ml TreeEnsembleRegressor")
     return model.SerializeToString()
 
 
@@ -72,8 +73,8 @@ def onnx_fusion_model(fitted: FittedModel, X: np.ndarray) -> tuple[OnnxTreeEnsem
     model = OnnxTreeEnsemble.from_bytes(to_onnx(fitted, X.shape[1]), X.shape[1])
     parity = float(np.max(np.abs(model.predict(X) - fitted.predict(X)), initial=0.0))
     if not parity <= PARITY_BOUND:
-        raise SystemExit(
-            f"export.fuse: the ONNX {fitted.kind} scores the pairs up to {parity:.3g} away from "
+        raise FuseError(
+            f"the ONNX {fitted.kind} scores the pairs up to {parity:.3g} away from "
             f"{type(fitted.library_model).__name__}'s own (bound {PARITY_BOUND})"
         )
     return model, parity

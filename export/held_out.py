@@ -15,8 +15,8 @@ Each held-out instance is searched twice, as the service is called two ways: wit
 labels excluded before aggregation (a caller's ``exclude``), and blind to them, its same-item
 label key retrieved and taking its share of the softmax (the filter labels are then left out of
 the pairs, as an evaluation that filters after ranking drops them). The candidates and φ of each
-search come from the engine's one ranking entry (:func:`service.engine.rank_batch`,
-``feature_rows=True``), so the fit sees what the service computes.
+search come from the engine's ranking (:func:`service.engine.fusion_candidates`, computed as
+:func:`service.engine.rank_batch` ranks), so the fit sees what the service computes.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from service.engine import (
     Predictor,
     ScoreFusion,
     features_of_groups,
+    fusion_candidates,
     memory_log_frequency,
-    rank_batch,
 )
 from xmc.data import XMCDataset
 
@@ -170,7 +170,7 @@ def pairs_of(
             lexical = key_terms.similarities(unfitted.lexicon.query_terms(texts), keys)
         neighbours = Neighbours(keys, sims, view.labels_of_keys(keys), view.values, lexical, ef=0)
         # the candidates T will rescore when served (the top rerank depth by p̂, or all) and their φ
-        rows_of_block = rank_batch(manifest, neighbours, None, excluded, unfitted, feature_rows=True)
+        rows_of_block = fusion_candidates(manifest, neighbours, excluded, unfitted)
         scores, X = rows_of_block.candidates, rows_of_block.features
         offset = 0
         for i, row in enumerate(block):

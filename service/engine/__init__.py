@@ -23,13 +23,17 @@ The public surface:
   (:class:`QueueFullError`), stoppable (:class:`BatcherStoppedError`); configured by
   :class:`BatcherConfig`.
 * :class:`EncoderOptions` — how the ONNX encoder runs (provider, threads, spinning).
+* :class:`XmcserveError` — the base of every exception the engine raises (:class:`BundleError`,
+  :class:`AppendRefused`, :class:`AppendLogError`, :class:`QueueFullError`, …); each keeps the
+  builtin base (``ValueError``, ``RuntimeError``) it was caught by before.
 * A sharded bundle (``manifest.shards``) loads as one :class:`~service.engine.shards.ShardedIndex`:
   every shard searched, the per-shard top-n merged exactly; nothing else changes.
 
-* :func:`rank_batch` — the one ranking of a batch's fetched nearest keys (:class:`Neighbours`) into
-  each query's top-k labels, which :class:`Predictor` and the Ray ingress call; with
-  ``feature_rows=True`` it returns instead the score fusion's candidates and φ (:class:`FusionRows`),
-  which ``export.fuse`` fits a fusion on.
+* :func:`rank_batch` — the one ranking of a batch's fetched nearest keys (:class:`Neighbours`, as
+  many as :func:`neighbours_needed` says) into each query's top-k labels (a list of
+  :class:`Ranking`), which :class:`Predictor` and the Ray ingress call;
+  :func:`fusion_candidates` computes alike the score fusion's candidates and φ
+  (:class:`FusionRows`), which ``export.fuse`` fits a fusion on.
 * What export writes and bench inspects beyond the bundle format (which is :mod:`bundle`'s: the
   manifest, the file names, checksums, label arrays, RAE value rows, the index files' checks):
   the score fusion (:class:`ScoreFusion`, its models and feature groups), the lexical terms
@@ -41,7 +45,7 @@ The public surface:
 Everything is thread-safe for concurrent ``predict`` calls on one predictor.
 """
 
-from bundle import BundleError
+from bundle import BundleError, XmcserveError
 from service.engine.append_log import (
     AppendLog,
     AppendLogError,
@@ -73,7 +77,17 @@ from service.engine.memory import (
     MemoryView,
     fetch_and_ef,
 )
-from service.engine.search import FusionRows, Neighbours, Prediction, Predictor, Ranking, StageTimes, rank_batch
+from service.engine.search import (
+    FusionRows,
+    Neighbours,
+    Prediction,
+    Predictor,
+    Ranking,
+    StageTimes,
+    fusion_candidates,
+    neighbours_needed,
+    rank_batch,
+)
 from service.engine.shards import merge_answers
 
 __all__ = [
@@ -93,11 +107,13 @@ __all__ = [
     "carried_lineage",
     "empty_index",
     "EncoderOptions",
+    "XmcserveError",
     "exact_rerank",
     "faiss_threads",
     "FEATURE_GROUPS",
     "features_of_groups",
     "fetch_and_ef",
+    "fusion_candidates",
     "FusionRows",
     "IvfPqIndex",
     "KeyTerms",
@@ -117,6 +133,7 @@ __all__ = [
     "merge_answers",
     "MicroBatcher",
     "Neighbours",
+    "neighbours_needed",
     "OnnxEncoder",
     "OnnxTreeEnsemble",
     "OPTIONAL_GROUPS",

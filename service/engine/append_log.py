@@ -47,6 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bundle import XmcserveError
 from service.engine.memory import AppendBatch
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ READ_CHUNK_BYTES = 1 << 20
 BUNDLE_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,80}-[0-9a-f]{12}")
 
 
-class AppendLogError(RuntimeError):
+class AppendLogError(XmcserveError, RuntimeError):
     """The append log cannot be written or read; the memory is left as it was."""
 
 

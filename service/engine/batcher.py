@@ -38,13 +38,14 @@ from typing import Any
 
 import numpy as np
 
+from bundle import XmcserveError
 from service.engine.encoder import EncodeTimes
 from service.engine.lexical import QueryTerms
 from service.engine.memory import MemoryView
 from service.engine.search import Predictor, Ranking, StageTimes, excluded_label_ids
 
 
-class QueueFullError(RuntimeError):
+class QueueFullError(XmcserveError, RuntimeError):
     """The request queue is at its bound; the caller should retry after ``retry_after_s``."""
 
     def __init__(self, depth: int, retry_after_s: int):
@@ -52,11 +53,11 @@ class QueueFullError(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
-class BatcherStoppedError(RuntimeError):
+class BatcherStoppedError(XmcserveError, RuntimeError):
     """The batcher was stopped (shutdown) before the request was answered."""
 
 
-class DeadlineExceededError(RuntimeError):
+class DeadlineExceededError(XmcserveError, RuntimeError):
     """The request could not start before its deadline; it was taken out of the queue unrun."""
 
     def __init__(self, waited_s: float, retry_after_s: int = 1):

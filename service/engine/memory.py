@@ -42,7 +42,7 @@ from typing import Protocol
 import numpy as np
 import scipy.sparse as sp
 
-from bundle import StringColumn, UidLookup
+from bundle import StringColumn, UidLookup, XmcserveError
 from service.engine.rae import ValueRows, labels_of_keys
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ MAX_LABELS_PER_INSTANCE = 1000
 GROWTH = 1.5
 
 
-class AppendRefused(ValueError):
+class AppendRefused(XmcserveError, ValueError):
     """The append cannot be applied as given (unknown or duplicate uids, empty texts, …)."""
 
 
@@ -67,7 +67,7 @@ class AppendIdReused(AppendRefused):
     """The append's ``append_id`` was applied already, with other content."""
 
 
-class LineageDiverged(RuntimeError):
+class LineageDiverged(XmcserveError, RuntimeError):
     """A record that another bundle of this memory's lineage logged does not apply to this memory:
     it no longer holds the log's order (a log edited or mixed by hand); nothing is appended."""
 

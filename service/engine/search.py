@@ -2,7 +2,7 @@
 
 The HTTP service and the offline ``evaluate`` command both call :class:`Predictor`, so the
 numbers ``evaluate`` prints are the numbers the service gives; the Ray Serve ingress fetches
-the nearest keys from its shards instead and ranks them with the same :class:`RankedSearch`.
+the nearest keys from its shards instead and ranks them with the same :func:`rank_batch`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from service.engine.encoder import EncodeTimes
 from service.engine.fusion import ScoreFusion
 from service.engine.lexical import QueryTerms
 from service.engine.memory import AppendBatch, AppendOutcome, Memory, MemoryView, base_view
-from service.engine.rae import ValueRows, aggregate_kept, keep_keys, top_k_of_row
+from service.engine.rae import KeptKeys, ValueRows, aggregate_kept, keep_keys, top_k_of_row
 from service.engine.shards import ShardAnswer, merge_answers
 
 # Texts per encoder call when encoding an append: a request queued behind one waits for at most
@@ -168,13 +168,14 @@ class Predictor:
         exclude = exclude if exclude is not None else [()] * n
         if len(exclude) != n or len(ks) != n or len(efs) != n:
             raise ValueError("k, ef and exclude must have one entry per query")
-        search = RankedSearch(self.bundle.manifest, ks, exclude, self.bundle.fusion)
+        manifest = self.bundle.manifest
         t0 = time.perf_counter()
-        keys, sims, ran_at = self.knn_per_query(vectors, search.needed, efs, view)
+        keys, sims, ran_at = self.knn_per_query(vectors, neighbours_needed(manifest, ks, exclude), efs, view)
         t1 = time.perf_counter()
         lexical = self.lexical_similarities(keys, view, texts, terms)
         widest = max(ran_at, default=0)
-        rankings = search.rank(Neighbours(keys, sims, view.labels_of_keys(keys), view.values, lexical, widest))
+        found = Neighbours(keys, sims, view.labels_of_keys(keys), view.values, lexical, widest)
+        rankings = rank_batch(manifest, found, ks, exclude, self.bundle.fusion)
         times = StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1)
         return Prediction(rankings, times, widest, view, ran_at)
 
@@ -232,7 +233,8 @@ class Predictor:
 def neighbours_needed(manifest: Manifest, ks: Sequence[int], exclude: Sequence[Collection[int]]) -> list[int]:
     """Nearest keys each query needs: its k plus its excluded labels (a label index), or b plus
     the labels it excludes (an RAE memory drops excluded label keys before the softmax, and must
-    still have b left)."""
+    still have b left). A batch fetched at once needs the most of them (the shards' fetch, then
+    :func:`merged_neighbours`) and is ranked by :func:`rank_batch`."""
     if manifest.index_kind == "rae_memory":
         return [manifest.rae.top_b + len(e) for e in exclude]
     return [k + len(e) for k, e in zip(ks, exclude, strict=True)]
@@ -256,40 +258,12 @@ class Neighbours:
 
 def merged_neighbours(answers: Sequence[ShardAnswer], n: int, view: MemoryView) -> Neighbours:
     """The shards' answers merged into the ``n`` nearest keys per query
-    (:func:`~service.engine.shards.merge_answers`), as :meth:`RankedSearch.rank` reads them: the
+    (:func:`~service.engine.shards.merge_answers`), as :func:`rank_batch` reads them: the
     value rows are the ones the shards sent, each key's row its position among them."""
     merged = merge_answers(list(answers), n)
     values = ValueRows(merged.rows) if merged.rows is not None else None
     labels = view.labels_of_keys(merged.keys)
     return Neighbours(merged.positions, merged.sims, labels, values, merged.lexical, max(a.ef for a in answers))
-
-
-class RankedSearch:
-    """The one search path from query vectors to ranked labels, apart from how the nearest keys
-    are fetched: each query needs :attr:`neighbours` nearest keys, and :meth:`rank` turns the
-    fetched :class:`Neighbours` into its top ``k`` labels. The single server fetches from its
-    memory (:meth:`Predictor.search`, on a search thread), the Ray ingress from its shards
-    (:func:`merged_neighbours`, awaiting replicas on an event loop), so both rank alike; the
-    fetch stays the caller's because one blocks and the other awaits.
-
-    ``ks``, ``exclude``: each query's k and excluded label ids (:func:`excluded_label_ids`)."""
-
-    def __init__(
-        self,
-        manifest: Manifest,
-        ks: Sequence[int],
-        exclude: Sequence[Collection[int]],
-        fusion: ScoreFusion | None = None,
-    ):
-        if len(exclude) != len(ks):
-            raise ValueError("k and exclude must have one entry per query")
-        self.manifest, self.ks, self.exclude, self.fusion = manifest, ks, exclude, fusion
-        self.needed = neighbours_needed(manifest, ks, exclude)  # each query's
-        self.neighbours = max(self.needed)  # the batch's widest
-
-    def rank(self, found: Neighbours) -> list[Ranking]:
-        """Each query's top-k labels (:func:`rank_batch`)."""
-        return rank_batch(self.manifest, found, self.ks, self.exclude, self.fusion)
 
 
 @dataclass
@@ -305,26 +279,20 @@ class FusionRows:
 def rank_batch(
     manifest: Manifest,
     found: Neighbours,
-    ks: Sequence[int] | None,
+    ks: Sequence[int],
     exclude: Sequence[Collection[int]],
     fusion: ScoreFusion | None = None,
-    feature_rows: bool = False,
-) -> list[Ranking] | FusionRows:
+) -> list[Ranking]:
     """The one ranking of a batch's fetched nearest keys: each query's top ``ks`` labels, its
     ``exclude`` label ids left out. A label index ranks the labels of the keys; an RAE memory
     weighs the value rows of the keys; with ``fusion``, by fused score (:mod:`service.engine.fusion`),
-    whose lexical features read ``found.lexical``.
-
-    ``feature_rows``: instead of rankings, the :class:`FusionRows` ``fusion`` would rescore (an
-    RAE memory only; ``fusion`` may have no model yet): what a fusion is fitted on, computed as
-    the served ranking computes it; ``ks`` may then be None (the candidates do not depend on k)."""
-    if ks is None and not feature_rows:
-        raise ValueError("rankings need each query's k")
-    if ks is not None and len(exclude) != len(ks):
+    whose lexical features read ``found.lexical``. The nearest keys are the caller's to fetch
+    (each query needs :func:`neighbours_needed`): the single server from its memory
+    (:meth:`Predictor.search`, on a search thread), the Ray ingress from its shards
+    (:func:`merged_neighbours`, awaiting replicas on an event loop), so both rank alike."""
+    if len(exclude) != len(ks):
         raise ValueError("k and exclude must have one entry per query")
     if manifest.index_kind != "rae_memory":
-        if feature_rows:
-            raise ValueError("a score fusion ranks an RAE memory: a label index has no feature rows")
         rankings = []
         for i, (k, excluded) in enumerate(zip(ks, exclude, strict=True)):
             keep = found.labels[i] >= 0
@@ -332,17 +300,34 @@ def rank_batch(
                 keep &= ~np.isin(found.labels[i], np.fromiter(excluded, dtype=np.int64))
             rankings.append(Ranking(ids=found.labels[i][keep][:k], scores=found.sims[i][keep][:k]))
         return rankings
+    kept, scores = aggregated(manifest, found, exclude)
+    if fusion is not None:
+        scores = fusion.rescore(scores, kept, found.values, manifest.rae.tau, ks)
+    return [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
+
+
+def fusion_candidates(
+    manifest: Manifest, found: Neighbours, exclude: Sequence[Collection[int]], fusion: ScoreFusion
+) -> FusionRows:
+    """The :class:`FusionRows` ``fusion`` would rescore of a batch of an RAE memory (``fusion``
+    may have no model yet): what a fusion is fitted on, computed as :func:`rank_batch` computes
+    them for its fused ranking. The candidates do not depend on k (each query's top rerank depth
+    by p̂, or every aggregated label)."""
+    if manifest.index_kind != "rae_memory":
+        raise ValueError("a score fusion ranks an RAE memory: a label index has no feature rows")
+    kept, scores = aggregated(manifest, found, exclude)
+    candidates = fusion.candidates(scores)
+    return FusionRows(candidates, fusion.features_of(candidates, kept, found.values, manifest.rae.tau))
+
+
+def aggregated(
+    manifest: Manifest, found: Neighbours, exclude: Sequence[Collection[int]]
+) -> tuple[list[KeptKeys], sp.csr_matrix]:
+    """(the kept keys, p̂): an RAE memory's keys each query keeps (its excluded label keys and
+    all beyond b dropped) and the labels' aggregated scores, a queries × labels CSR."""
     rae = manifest.rae
     kept = keep_keys(found.rows, found.sims, found.labels, exclude, rae.top_b, found.lexical)
-    scores = aggregate_kept(kept, found.values, rae.tau, exclude, rae.mode)
-    if feature_rows:
-        if fusion is None:
-            raise ValueError("feature rows are a score fusion's: pass the fusion")
-        candidates = fusion.candidates(scores)  # the fit's: each query's top rerank depth, whatever its k
-        return FusionRows(candidates, fusion.features_of(candidates, kept, found.values, rae.tau))
-    if fusion is not None:
-        scores = fusion.rescore(scores, kept, found.values, rae.tau, ks)
-    return [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
+    return kept, aggregate_kept(kept, found.values, rae.tau, exclude, rae.mode)
 
 
 def excluded_label_ids(

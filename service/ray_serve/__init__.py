@@ -13,7 +13,7 @@ The application (:func:`~service.ray_serve.app.build_app`) is three kinds of dep
 * ``ingress`` — the same HTTP API as the single server (``/predict``, ``/healthz``, ``/readyz``,
   ``/info``): validates, encodes, fans out to every shard with a deadline, merges the per-shard
   top-n exactly (:func:`~service.engine.shards.merge_answers`) and ranks them as the single
-  server does (:class:`~service.engine.search.RankedSearch`), so the answers equal its answers.
+  server does (:func:`~service.engine.search.rank_batch`), so the answers equal its answers.
 
 Run it with ``serve run deploy/ray/serve-config.yaml`` (``make serve-ray``) or a KubeRay
 ``RayService`` (deploy/k8s/ray/rayservice.yaml); deploy/README.md says how.

@@ -48,7 +48,7 @@ from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_
 from service.engine.bundle import load_encoder, load_fusion, load_labels, load_shard
 from service.engine.encoder import EncoderOptions
 from service.engine.memory import base_view, fetch_and_ef
-from service.engine.search import RankedSearch, Ranking, excluded_label_ids, merged_neighbours
+from service.engine.search import Ranking, excluded_label_ids, merged_neighbours, neighbours_needed, rank_batch
 from service.engine.shards import ShardAnswer, ShardQuery
 from service.observability.logs import REQUEST_ID
 from service.observability.requests import AccessLog
@@ -322,21 +322,22 @@ class Ingress:
         deadline: float,
         context: CallContext | None = None,
     ) -> tuple[list[Ranking], int]:
-        """Encode, fan out to every shard, merge, rank (:class:`~service.engine.search.RankedSearch`)."""
+        """Encode, fan out to every shard, merge, rank (:func:`~service.engine.search.rank_batch`)."""
         started = time.perf_counter()
         vectors = await self.ask(
             "encoder", lambda: self.encoder.encode.remote(texts, time_left(deadline), context), deadline
         )
         encoded = time.perf_counter()
         manifest = self.manifest
-        search = RankedSearch(manifest, [k] * len(texts), exclude, self.fusion)
-        fetch, ef = fetch_and_ef(search.neighbours, ef or manifest.hnsw.ef_search, manifest.counts.memory_rows)
+        ks = [k] * len(texts)
+        neighbours = max(neighbours_needed(manifest, ks, exclude))  # the batch's widest
+        fetch, ef = fetch_and_ef(neighbours, ef or manifest.hnsw.ef_search, manifest.counts.memory_rows)
         lexicon = self.fusion.lexicon if self.fusion is not None else None
         terms = lexicon.query_terms(texts) if lexicon is not None else None  # each shard scores its keys
         answers = await self.fan_out(ShardQuery(vectors, fetch, ef, terms), deadline, context)
         searched = time.perf_counter()
-        found = merged_neighbours(answers, search.neighbours, self.view)
-        rankings = search.rank(found)
+        found = merged_neighbours(answers, neighbours, self.view)
+        rankings = rank_batch(manifest, found, ks, exclude, self.fusion)
         for stage, seconds in (("encode", encoded - started), ("fanout", searched - encoded)):
             self.metrics.stage_seconds.observe(seconds, tags={"stage": stage})
         self.metrics.stage_seconds.observe(time.perf_counter() - searched, tags={"stage": "rank"})

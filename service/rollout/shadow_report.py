@@ -19,7 +19,12 @@ import numpy as np
 OVERLAP_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 
 
+class NotJson(ValueError):
+    """A line of a shadow log that is not JSON; the message names the file and line."""
+
+
 def read_records(paths: list[Path]) -> list[dict]:
+    """Every record of the logs ``paths``, in order (:class:`NotJson` on a line that is not JSON)."""
     records = []
     for path in paths:
         with open(path, encoding="utf-8") as fh:
@@ -29,7 +34,7 @@ def read_records(paths: list[Path]) -> list[dict]:
                 try:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as exc:
-                    raise SystemExit(f"{path}:{lineno}: not JSON ({exc.msg})") from None
+                    raise NotJson(f"{path}:{lineno}: not JSON ({exc.msg})") from None
     return records
 
 
@@ -112,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worst", type=int, default=10, help="how many of the most disagreeing queries to list")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(argv)
-    summary = summarise(read_records(args.logs), args.worst)
+    try:
+        records = read_records(args.logs)
+    except NotJson as exc:
+        raise SystemExit(str(exc)) from None
+    summary = summarise(records, args.worst)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     return 0
 

@@ -25,8 +25,8 @@ from bundle.manifest import (
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
-from export.fuse import main
-from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS
+from export.fuse import FuseParams, main
+from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS, FuseError
 from export.fusion_to_onnx import PARITY_BOUND
 from export.held_out import HeldOutSearch, search_without, unfitted_fusion
 from service.engine.bundle import load_bundle, load_fusion, load_labels, load_shard
@@ -40,7 +40,7 @@ from service.engine.fusion import (
 )
 from service.engine.loading import load_predictor
 from service.engine.memory import AppendBatch, base_view, fetch_and_ef
-from service.engine.search import Predictor, RankedSearch, merged_neighbours
+from service.engine.search import Predictor, merged_neighbours, neighbours_needed, rank_batch
 from service.engine.shards import ShardQuery
 from tests.service.engine.test_fusion import random_sklearn_tree
 from xmc.checkpoint import HOLDOUT_FILE
@@ -276,6 +276,18 @@ def test_model_options_are_checked_against_the_model(tiny_memory, sample_dir, ru
     assert not (tmp_path / "x").exists()
 
 
+def test_fuse_params_refuse_a_model_parameter_the_model_does_not_take_as_a_library_error():
+    """The library raises (the CLI above exits with the same message)."""
+    with pytest.raises(FuseError, match="takes no"):
+        FuseParams("tree", {"trees": 10})
+    default = FuseParams()
+    assert (default.model, default.groups, default.rerank_depth) == (
+        DEFAULT_FUSION.model,
+        DEFAULT_FUSION.groups,
+        DEFAULT_FUSION.rerank_depth,
+    )
+
+
 def test_the_lexical_features_can_be_left_out(plain_fused, sample_bundle, sample_dir):
     bundle = load_bundle(plain_fused)
     assert bundle.manifest.fusion.features == list(FEATURES) and bundle.manifest.fusion.lexical is None
@@ -321,12 +333,13 @@ def test_a_sharded_bundle_is_fused_with_a_key_term_file_per_shard_and_ranks_alik
     searchers = [load_shard(sharded_fused, i)[1] for i in range(3)]
     assert [s.key_terms.first_key for s in searchers] == [shard.first_key for shard in manifest.shards]
     ingress_fusion = load_fusion(sharded_fused, manifest)
-    search = RankedSearch(manifest, [10] * len(texts), [()] * len(texts), ingress_fusion)
-    fetch, ef = fetch_and_ef(search.neighbours, manifest.hnsw.ef_search, manifest.counts.memory_rows)
+    ks, exclude = [10] * len(texts), [()] * len(texts)
+    neighbours = max(neighbours_needed(manifest, ks, exclude))
+    fetch, ef = fetch_and_ef(neighbours, manifest.hnsw.ef_search, manifest.counts.memory_rows)
     terms = ingress_fusion.lexicon.query_terms(texts)
     answers = [s.search_many([ShardQuery(vectors, fetch, ef, terms)])[0] for s in searchers]
     view = base_view(uids, label_texts, manifest.counts.memory_rows, None)
-    got = search.rank(merged_neighbours(answers, search.neighbours, view))
+    got = rank_batch(manifest, merged_neighbours(answers, neighbours, view), ks, exclude, ingress_fusion)
     for a, b in zip(expected, got, strict=True):
         assert a.ids.tolist() == b.ids.tolist()
         np.testing.assert_allclose(a.scores, b.scores, rtol=1e-6)

@@ -4,7 +4,7 @@ thresholds floored to float32 so it converts exactly, and a model that drifts is
 import numpy as np
 import pytest
 
-from export.fusion_fit import FittedModel, fit_model
+from export.fusion_fit import FittedModel, FuseError, fit_model
 from export.fusion_to_onnx import PARITY_BOUND, onnx_fusion_model
 from export.held_out import HeldOutPairs
 from service.engine.fusion import (
@@ -20,7 +20,7 @@ def test_an_export_whose_onnx_model_differs_from_its_library_is_refused(monkeypa
     model, parity = onnx_fusion_model(fitted, X)
     assert parity <= PARITY_BOUND and isinstance(model, OnnxTreeEnsemble)
     monkeypatch.setattr(FittedModel, "predict", lambda self, X: self.library_model.predict(X) + 1e-3)
-    with pytest.raises(SystemExit, match="bound"):
+    with pytest.raises(FuseError, match="bound"):
         onnx_fusion_model(fitted, X)
 
 
@@ -41,5 +41,5 @@ def test_lightgbm_s_double_thresholds_convert_exactly_on_float32_features(kind, 
     _, parity = onnx_fusion_model(fitted, X)
     assert parity <= PARITY_BOUND
     monkeypatch.setattr("export.fusion_to_onnx.float32_thresholds", lambda booster: booster)  # the converter alone
-    with pytest.raises(SystemExit, match="bound"):
+    with pytest.raises(FuseError, match="bound"):
         onnx_fusion_model(fitted, X)

@@ -1,5 +1,5 @@
 """service.engine.search: the exclusions both front ends map to label ids, and the one ranking
-entry (rank_batch) whose feature rows are what its fused ranking scores."""
+entry (rank_batch), whose fused ranking scores the feature rows fusion_candidates gives."""
 
 from types import SimpleNamespace
 
@@ -11,7 +11,7 @@ from bundle.manifest import RaeParams
 from service.engine.fusion import FEATURES, ScoreFusion
 from service.engine.memory import base_view
 from service.engine.rae import ValueRows
-from service.engine.search import FusionRows, Neighbours, excluded_label_ids, rank_batch
+from service.engine.search import FusionRows, Neighbours, excluded_label_ids, fusion_candidates, rank_batch
 
 VIEW = base_view(["a", "b", "c"], ["A", "B", "C"], 3, None)
 
@@ -43,12 +43,12 @@ def rae_memory():
 
 
 def test_the_feature_rows_are_what_the_fused_ranking_scores():
-    """rank_batch's feature rows (what export.fuse fits on), scored by a model and added to p̂,
+    """fusion_candidates' feature rows (what export.fuse fits on), scored by a model and added to p̂,
     are the fused ranking's scores: the fit and the service compute φ alike."""
     manifest, found = rae_memory()
     exclude = [(), {2}]
     log_frequency = np.log1p(np.array([1.0, 2.0, 1.0, 0.0]))
-    rows = rank_batch(manifest, found, None, exclude, ScoreFusion(None, log_frequency), feature_rows=True)
+    rows = fusion_candidates(manifest, found, exclude, ScoreFusion(None, log_frequency))
     assert isinstance(rows, FusionRows) and rows.features.shape == (rows.candidates.nnz, len(FEATURES))
     assert 2 not in rows.candidates[1].indices  # an excluded label is no candidate
     model = SimpleNamespace(predict=lambda X: 10.0 * X[:, FEATURES.index("label_retrieved")])
@@ -68,4 +68,4 @@ def test_a_label_index_ranks_the_keys_labels_and_has_no_feature_rows():
     (ranking,) = rank_batch(manifest, found, [2], [{0}])
     assert ranking.ids.tolist() == [2, 1]
     with pytest.raises(ValueError, match="no feature rows"):
-        rank_batch(manifest, found, None, [()], feature_rows=True)
+        fusion_candidates(manifest, found, [()], ScoreFusion(None, np.zeros(3)))

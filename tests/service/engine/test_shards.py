@@ -14,7 +14,7 @@ import scipy.sparse as sp
 from service.engine.fusion import FEATURES, LEXICAL_FEATURES, ScoreFusion
 from service.engine.lexical import KeyTerms, Lexicon
 from service.engine.memory import Memory, base_view, fetch_and_ef
-from service.engine.search import Neighbours, RankedSearch, merged_neighbours
+from service.engine.search import Neighbours, merged_neighbours, neighbours_needed, rank_batch
 from service.engine.shards import ShardAnswer, ShardedIndex, ShardQuery, ShardSearcher
 from tests.service.engine.test_fusion import random_onnx_tree
 from xmc.checkpoint import default_encoder_dir
@@ -53,16 +53,15 @@ def single_process(indexes, manifest, view, queries, ks, ef, exclude, fusion=Non
     """``lexical``: (the keys' term vectors, the queries' terms) for a lexical fusion."""
     index = indexes[0] if len(indexes) == 1 else ShardedIndex(indexes)
     memory = Memory(index, view, None, None)
-    search = RankedSearch(manifest, ks, exclude, fusion)
-    keys, sims, ran_at = memory.knn(queries, search.neighbours, ef, view)
+    keys, sims, ran_at = memory.knn(queries, max(neighbours_needed(manifest, ks, exclude)), ef, view)
     similarities = lexical[0].similarities(lexical[1], keys) if lexical else None
     found = Neighbours(keys, sims, view.labels_of_keys(keys), view.values, similarities, ran_at)
-    return search.rank(found), ran_at
+    return rank_batch(manifest, found, ks, exclude, fusion), ran_at
 
 
 def distributed(indexes, shards, values, manifest, view, queries, ks, ef, exclude, fusion=None, lexical=None):
-    search = RankedSearch(manifest, ks, exclude, fusion)
-    fetch, ef = fetch_and_ef(search.neighbours, ef, manifest.counts.memory_rows)
+    neighbours = max(neighbours_needed(manifest, ks, exclude))
+    fetch, ef = fetch_and_ef(neighbours, ef, manifest.counts.memory_rows)
     answers = []
     for index, shard in zip(indexes, shards, strict=True):
         rows = values[shard.first_key : shard.first_key + shard.keys] if values is not None else None
@@ -71,8 +70,8 @@ def distributed(indexes, shards, values, manifest, view, queries, ks, ef, exclud
             terms = KeyTerms(lexical[0].rows[shard.first_key : shard.first_key + shard.keys], shard.first_key)
         searcher = ShardSearcher(index, rows, shard, key_terms=terms)
         answers.append(searcher.search(queries, fetch, ef, lexical[1] if lexical else None))
-    found = merged_neighbours(answers, search.neighbours, view)
-    return search.rank(found), found.ef
+    found = merged_neighbours(answers, neighbours, view)
+    return rank_batch(manifest, found, ks, exclude, fusion), found.ef
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ from ray._private import ray_constants
 from ray.cluster_utils import Cluster
 
 from export.build import ExportParams, build_bundle
-from export.fuse import fuse_bundle
+from export.fuse import FuseParams, fuse_bundle
 from service.engine import load_predictor
 from service.engine.fusion import FEATURE_GROUPS
 from service.ray_serve import build_app
@@ -64,7 +64,7 @@ def sharded_bundle(sample_dir, distilbert_dir, tmp_path_factory):
     run = tmp_path_factory.mktemp("run")
     (run / HOLDOUT_FILE).write_text("\n".join(train.uids[::20]))
     out = source.with_name("rae-2-shards-fused")
-    fuse_bundle(source, run, train, out, "lambdarank", {"trees": 20}, groups=tuple(FEATURE_GROUPS))
+    fuse_bundle(source, run, train, out, FuseParams("lambdarank", {"trees": 20}, groups=tuple(FEATURE_GROUPS)))
     return out
 
 

@@ -8,7 +8,7 @@ from scipy.stats import kendalltau
 
 from service.http.metrics import Metrics
 from service.rollout.shadow import ShadowConfig, ShadowLog, ShadowMirror, ShadowRequest, compare, kendall_tau_of_ranks
-from service.rollout.shadow_report import format_summary, main, read_records, summarise
+from service.rollout.shadow_report import NotJson, format_summary, main, read_records, summarise
 
 
 def metric(metrics: Metrics, name: str, **labels) -> float:
@@ -196,3 +196,12 @@ def test_report_names_a_text_logged_by_digest_by_its_digest(tmp_path):
     assert summary["most_disagreeing"][0]["text"] is None
     assert summary["most_disagreeing"][0]["text_sha256"] == "0123456789abcdef"
     assert "text sha256 0123456789abcdef" in format_summary(summary)
+
+
+def test_a_line_that_is_not_json_is_refused_and_the_report_exits_with_it(tmp_path):
+    path = tmp_path / "shadow.jsonl"
+    path.write_text('{"overlap": 1.0}\nnot json\n')
+    with pytest.raises(NotJson, match=r"shadow.jsonl:2: not JSON"):
+        read_records([path])
+    with pytest.raises(SystemExit, match=r"shadow.jsonl:2: not JSON"):
+        main([str(path)])
