@@ -129,14 +129,14 @@ def build_ivfpq_method(keys: np.ndarray, work: Path, threads_: int, rerank: str,
             return sq.decode(codes[local.ravel()]).reshape(*local.shape, keys.shape[1])
 
     build_s = time.perf_counter() - started
-    params = IvfPqParams(nlist=nlist, pq_m=pq_m, nprobe=1)
-    index = IvfPqIndex.load(work / "index.faiss", work / "rerank.npy", keys.shape[1], params, 0, len(keys), 100)
+    params = IvfPqParams(nlist=nlist, pq_m=pq_m, nprobe=1, rerank_depth=100)
+    index = IvfPqIndex.load(work / "index.faiss", work / "rerank.npy", keys.shape[1], params, 0, len(keys))
 
     if rerank == "fp16":
 
         def search(queries, setting):
-            index.nprobe, index.ef = setting
-            return index.knn_query(queries, k=K, num_threads=1)[0]
+            index.nprobe, depth = setting
+            return index.search(queries, K, depth, threads=1)[0]
     else:
 
         def candidates_of(queries, knobs, depth):

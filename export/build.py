@@ -43,6 +43,7 @@ from service.engine import (
     TOKENIZER_FILE,
     VALUES_FILE,
     Counts,
+    HnswIndex,
     HnswParams,
     IvfPqParams,
     Manifest,
@@ -284,8 +285,7 @@ def build_hnsw(keys: np.ndarray, params: ExportParams, path: Path, first_id: int
         max_elements=len(keys), ef_construction=params.ef_construction, M=params.hnsw_m, random_seed=params.seed
     )
     index.add_items(keys, first_id + np.arange(len(keys)), num_threads=params.build_threads or -1)
-    index.set_ef(params.ef_search)
-    index.save_index(str(path))
+    HnswIndex(index).save(path)
 
 
 def write_label_files(stage: Path, labels: LabelSpace, labels_format: str) -> None:

@@ -23,8 +23,10 @@ The public surface:
   (:class:`QueueFullError`), stoppable (:class:`BatcherStoppedError`); configured by
   :class:`BatcherConfig`.
 * :class:`EncoderOptions` — how the ONNX encoder runs (provider, threads, spinning).
-* A sharded bundle (``manifest.shards``) loads as one :class:`~service.engine.shards.ShardedIndex`:
-  every shard searched, the per-shard top-n merged exactly; nothing else changes.
+* :class:`KeyIndex` — the key index a bundle searches (``Bundle.index``): :class:`HnswIndex`,
+  :class:`IvfPqIndex` (``ann`` ivfpq) or, for a sharded bundle (``manifest.shards``), one
+  :class:`ShardedIndex` over its shards (every shard searched, the per-shard top-n merged
+  exactly); the search breadth is an argument of each ``search``.
 
 * :func:`rank_batch` — the one ranking of a batch's fetched nearest keys (:class:`Neighbours`) into
   each query's top-k labels, which :class:`Predictor` and the Ray ingress call; with
@@ -68,7 +70,8 @@ from service.engine.fusion import (
     features_of_groups,
     memory_log_frequency,
 )
-from service.engine.ivfpq import IvfPqIndex, empty_index, exact_rerank, faiss_threads
+from service.engine.index import HnswIndex, IvfPqIndex, KeyIndex, ShardedIndex, exact_rerank, faiss_threads
+from service.engine.ivfpq import empty_index
 from service.engine.labels import check_unique_uids, write_label_arrays
 from service.engine.lexical import KeyTerms, Lexicon, save_key_terms
 from service.engine.loading import SOURCE_LOGS, carried_lineage, load_for_reading, load_predictor, vet_in_child
@@ -148,11 +151,13 @@ __all__ = [
     "FusionModelKind",
     "FusionParams",
     "FusionRows",
+    "HnswIndex",
     "HnswParams",
     "INDEX_FILE",
     "IndexKind",
     "IvfPqIndex",
     "IvfPqParams",
+    "KeyIndex",
     "KeyTerms",
     "label_files",
     "LABELS_FILE",
@@ -192,6 +197,7 @@ __all__ = [
     "ScoreFusion",
     "sha256_file",
     "Shard",
+    "ShardedIndex",
     "shard_file_names",
     "shard_list",
     "SOURCE_LOGS",

@@ -12,9 +12,8 @@ from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from service.engine import AppendBatch, appends_dir_beside, load_predictor, vet_in_child
 from service.engine.bundle import BundleError, load_bundle
-from service.engine.ivfpq import IvfPqIndex
+from service.engine.index import IvfPqIndex, ShardedIndex
 from service.engine.manifest import IVF_INDEX_FILE, MANIFEST_FILE, RERANK_FILE, sha256_file
-from service.engine.shards import ShardedIndex
 
 # 64 cells, all scanned: the tests below check the served path against exact search at a breadth
 # where it is exact, and bound its approximation at the bundle's breadth only loosely, since
@@ -108,7 +107,7 @@ def test_appends_go_into_the_compressed_index_and_compaction_rebuilds_it(compres
     assert manifest.labels_format == "arrays"
     assert manifest.counts.memory_rows == keys_before + 2
     compacted = load_predictor(tmp_path / "compacted", appends_dir=appends)
-    assert compacted.bundle.index.get_current_count() == keys_before + 2  # in the trained index, not appended
+    assert compacted.bundle.index.count == keys_before + 2  # in the trained index, not appended
     assert compacted.bundle.index.added == 0
     assert compacted.predict([text], 5).rankings[0].ids[0] == label
     assert compacted.view.label_id("zebra-stripes") == label and compacted.bundle.label_texts[label] == text
@@ -178,8 +177,8 @@ def test_reindex_gives_the_same_bundle_with_the_compressed_index(tiny_rae_bundle
     assert manifest.files["encoder.onnx"] == source.bundle.manifest.files["encoder.onnx"]
     assert manifest.files["values.npz"] == source.bundle.manifest.files["values.npz"]
     reindexed = load_predictor(tmp_path / "ivfpq")
-    keys = source.bundle.index.get_items(np.arange(manifest.counts.memory_rows))
-    np.testing.assert_allclose(reindexed.bundle.index.get_items(np.arange(len(keys))), keys, atol=1e-3)
+    keys = source.bundle.index.vectors(np.arange(manifest.counts.memory_rows))
+    np.testing.assert_allclose(reindexed.bundle.index.vectors(np.arange(len(keys))), keys, atol=1e-3)
     vectors, _ = reindexed.bundle.encoder.encode(queries)
     exhaustive, served = recall_exhaustive_and_served(reindexed, vectors, manifest.counts.memory_rows)
     assert exhaustive >= 0.99
@@ -193,6 +192,6 @@ def test_retune_changes_only_the_search_parameters(compressed_labels, tmp_path):
     manifest = retune_bundle(compressed_labels, tmp_path / "retuned", nprobe=3, ef_search=50)
     assert manifest.files == source.files  # the same content, in the source's lineage (part of the id)
     assert manifest.lineage.bundle_id == source.bundle_id and manifest.lineage.offset == 0
-    assert (manifest.ivfpq.nprobe, manifest.hnsw.ef_search) == (3, 50)
+    assert (manifest.ivfpq.nprobe, manifest.ivfpq.rerank_depth) == (3, 50)
     retuned = load_predictor(tmp_path / "retuned")
     assert [shard.nprobe for shard in retuned.bundle.index.shards] == [3, 3]

@@ -14,8 +14,8 @@ from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
 from loadtest.localserver import start_server, stop_server
 from service.engine import AppendBatch, load_predictor
+from service.engine.index import ShardedIndex
 from service.engine.manifest import Manifest
-from service.engine.shards import ShardedIndex
 
 TINY_RAE = {"dim": 16, "max_train": 300, "rae_top_b": 50}
 

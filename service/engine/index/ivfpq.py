@@ -1,0 +1,220 @@
+"""The compressed key index (``ann`` ivfpq) as a :class:`~service.engine.index.protocol.KeyIndex`:
+faiss IVF over 4-bit PQ fast-scan codes, a query's best candidates by code re-ranked exactly by
+their stored float16 vectors (:mod:`service.engine.ivfpq` says why, and checks the files).
+
+Its search breadth is the re-rank depth: a query scans ``nprobe`` cells (the manifest's) for its
+``max(breadth, n)`` best candidates by code. Appends are added to the IVF lists (their cell from
+the trained centroids, no rebuild) and their vectors kept beside the bundle's; compaction
+(``export.compact``) trains and fills a fresh index.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# faiss's OpenMP threads spin while they wait for each other by default (see service.engine.ivfpq,
+# which sets the same before faiss is imported); an operator's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import faiss  # noqa: E402
+import numpy as np  # noqa: E402
+
+from service.engine.index.protocol import best_first  # noqa: E402
+from service.engine.ivfpq import (  # noqa: E402
+    FAST_SCAN_BLOCK,
+    IndexRefused,
+    check_index_file,
+    check_loaded,
+    load_rerank_vectors,
+)
+
+
+class IvfPqIndex:
+    """The compressed index of one shard (keys ``first_key`` .. ``first_key + keys − 1``). Its
+    searches may run concurrently (faiss's search reads the index only); its mutations may not run
+    beside them (the memory holds its lock around both)."""
+
+    def __init__(self, index: faiss.Index, vectors: np.ndarray, first_key: int, nprobe: int):
+        self.index = index
+        self.dim = index.d
+        # the bundle's keys' vectors, float16, memory-mapped: a plain array over the mapping (a
+        # np.memmap's fancy indexing costs more per call)
+        self.base = np.asarray(vectors)
+        self.base_count = len(vectors)
+        self.appended = np.zeros((0, self.dim), dtype=np.float16)  # capacity rows; the first ``added`` used
+        self.added = 0
+        self.first_key = first_key
+        self.nprobe = min(nprobe, index.nlist)
+        self._hidden: set[int] = set()  # local ids hidden (an append being inserted)
+
+    @classmethod
+    def load(cls, index_file: Path, rerank_file: Path, dim: int, params, first_key: int, keys: int) -> IvfPqIndex:
+        """A shard's index from its files, each checked before it is used (:class:`IndexRefused`);
+        ``params``: the manifest's :class:`~service.engine.manifest.IvfPqParams`."""
+        check_index_file(index_file, dim, params.nlist, params.pq_m, first_key, keys)
+        vectors = load_rerank_vectors(rerank_file, dim, keys)
+        try:
+            index = faiss.read_index(str(index_file))
+        except RuntimeError as exc:
+            raise IndexRefused(f"faiss cannot read it ({exc})") from None
+        check_loaded(index, dim, params.nlist, params.pq_m, keys)
+        return cls(index, vectors, first_key, params.nprobe)
+
+    def save(self, index_file: Path, rerank_file: Path) -> None:
+        """The faiss index and every key's float16 vector (appended ones included), as a bundle
+        holds them."""
+        faiss.write_index(self.index, str(index_file))
+        np.save(rerank_file, self.vectors_of(np.arange(self.count)))
+
+    @property
+    def count(self) -> int:
+        return self.base_count + self.added
+
+    @property
+    def hidden(self) -> int:
+        return len(self._hidden)
+
+    @property
+    def capacity(self) -> int:
+        return self.base_count + len(self.appended)
+
+    def reserve(self, total: int) -> None:
+        """Room for ``total`` keys: the appended vectors' buffer grows (the IVF lists grow by themselves)."""
+        rows = total - self.base_count
+        if rows <= len(self.appended):
+            return
+        grown = np.zeros((rows, self.dim), dtype=np.float16)
+        grown[: self.added] = self.appended[: self.added]
+        self.appended = grown
+
+    def add(self, vectors: np.ndarray, ids: np.ndarray, threads: int = 1) -> None:
+        """Append keys, whose ids must be the next ones: the IVF lists take their codes (cells from
+        the trained centroids), the buffer their float16 vectors."""
+        data = np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1, self.dim)
+        local = np.asarray(ids, dtype=np.int64) - self.first_key
+        expected = self.count + np.arange(len(local))
+        if not np.array_equal(local, expected):
+            raise ValueError("a compressed index appends keys in id order, after its last one")
+        self.reserve(self.count + len(local))
+        with faiss_threads(threads):
+            self.index.add_with_ids(data, local)
+        self.appended[self.added : self.added + len(local)] = data
+        self.added += len(local)
+        self._hidden.difference_update(int(key) for key in local)  # as hnswlib un-deletes a re-added key
+
+    def take_back(self, first: int, end: int | None = None) -> None:
+        """Remove every key from global id ``first`` on (those of an append that failed part-way,
+        ``end`` or not: some may have reached the IVF lists and not the buffer), so that the next
+        append starts at ``first`` again. Appended keys sit at the end of their lists, in id order,
+        so each list is cut back to its keys below ``first``; the codes they leave in the list's
+        last block are cleared, as a fast-scan block packs 32 keys' 4-bit codes together and faiss
+        ORs the next codes added there into it. Visits every list: only a failed append pays that."""
+        count = first - self.first_key
+        if count < self.base_count:
+            raise ValueError(f"key {first} is one of the bundle's, not an appended one")
+        invlists = faiss.extract_index_ivf(self.index).invlists
+        packer = self.index.get_CodePacker()
+        zero = np.zeros(packer.code_size, dtype=np.uint8)
+        removed = 0
+        for number in range(self.index.nlist):
+            size = invlists.list_size(number)
+            if not size:
+                continue
+            ids = faiss.rev_swig_ptr(invlists.get_ids(number), size)
+            keep = int(np.count_nonzero(ids < count))
+            if keep == size:
+                continue
+            if np.any(ids[keep:] < count):
+                raise ValueError(f"inverted list {number}: appended keys not at its end")
+            codes = invlists.get_codes(number)
+            for offset in range(keep, min(size, -(-keep // FAST_SCAN_BLOCK) * FAST_SCAN_BLOCK)):
+                packer.pack_1_c(faiss.swig_ptr(zero), offset, codes)
+            invlists.resize(number, keep)
+            removed += size - keep
+        self.index.ntotal -= removed
+        self.added = min(self.added, count - self.base_count)
+        self._hidden = {key for key in self._hidden if key < count}
+
+    def hide(self, key: int) -> None:
+        self._hidden.add(int(key) - self.first_key)
+
+    def show(self, key: int) -> None:
+        self._hidden.discard(int(key) - self.first_key)
+
+    def vectors(self, ids) -> np.ndarray:
+        """The stored (float16) vectors of keys ``ids``, as float32."""
+        return self.vectors_of(np.asarray(ids, dtype=np.int64) - self.first_key).astype(np.float32)
+
+    def vectors_of(self, local: np.ndarray) -> np.ndarray:
+        """The float16 vectors of local ids (any shape; each must exist)."""
+        flat = local.ravel()
+        if not self.added:
+            return np.asarray(self.base[flat]).reshape(*local.shape, self.dim)
+        out = np.empty((len(flat), self.dim), dtype=np.float16)
+        in_base = flat < self.base_count
+        out[in_base] = self.base[flat[in_base]]
+        out[~in_base] = self.appended[flat[~in_base] - self.base_count]
+        return out.reshape(*local.shape, self.dim)
+
+    def search(self, vectors: np.ndarray, n: int, breadth: int, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """The ``n`` nearest keys of each query (global ids, int64; −1 where fewer were found) and
+        their distances ``1 − inner product`` (as hnswlib's ip space gives them; +inf for none):
+        the best ``max(breadth, n)`` candidates by code in ``nprobe`` cells, re-ranked by their
+        stored vectors.
+
+        One thread unless told otherwise (hnswlib's default is every core): a query's scan takes
+        a fraction of a millisecond, and OpenMP's threads spin-wait for each other, which on a
+        machine whose cores are busy costs more than the scan (measured: a 3,000-key build 0.4 s
+        on one thread, 12 s on two beside a busy process)."""
+        queries = np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1, self.dim)
+        depth = max(breadth, n) + len(self._hidden)
+        with faiss_threads(threads):
+            nprobe = min(self.nprobe, self.index.nlist)
+            _, candidates = self.index.search(queries, depth, params=faiss.SearchParametersIVF(nprobe=nprobe))
+        return self.rerank(queries, candidates, n)
+
+    def rerank(self, queries: np.ndarray, candidates: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`exact_rerank` of local ``candidates`` by this index's stored vectors, hidden keys
+        left out; global key ids."""
+        hidden = np.fromiter(self._hidden, dtype=np.int64) if self._hidden else None
+        return exact_rerank(self.vectors_of, queries, candidates, k, self.first_key, hidden)
+
+
+def exact_rerank(
+    stored_of, queries: np.ndarray, candidates: np.ndarray, k: int, first_key: int = 0, hidden: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` best of each query's ``candidates`` (local ids, −1: none; ``hidden`` ones left
+    out) by the exact inner product with their stored vectors (``stored_of(local ids)``, any
+    shape + dim), in :func:`~service.engine.index.protocol.best_first` order: key ids
+    ``first_key + local`` (−1: none) and distances ``1 − inner product`` (+inf: none)."""
+    found = candidates >= 0
+    if hidden is not None:
+        found &= ~np.isin(candidates, hidden)
+    local = np.where(found, candidates, 0)
+    vectors = np.asarray(stored_of(local), dtype=np.float32)
+    sims = np.matmul(vectors, queries[:, :, None])[:, :, 0]  # einsum took 4x as long here
+    sims[~found] = -np.inf
+    keys = np.where(found, local + first_key, -1)
+    # ordered by the exact similarities (1 − sim rounds near-equal ones together)
+    order = best_first(keys, -sims, k)
+    keys, sims = np.take_along_axis(keys, order, axis=1), np.take_along_axis(sims, order, axis=1)
+    if keys.shape[1] < k:  # fewer candidates than asked: padded as a search that finds fewer keys
+        pad = k - keys.shape[1]
+        keys = np.pad(keys, ((0, 0), (0, pad)), constant_values=-1)
+        sims = np.pad(sims, ((0, 0), (0, pad)), constant_values=-np.inf)
+    return keys, (1.0 - sims).astype(np.float32)
+
+
+class faiss_threads:
+    """faiss's OpenMP thread count for one call (−1 or 0: every core), restored after it."""
+
+    def __init__(self, count: int):
+        self.count = count if count > 0 else (os.cpu_count() or 1)
+
+    def __enter__(self) -> None:
+        self.previous = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(self.count)
+
+    def __exit__(self, *exc) -> None:
+        faiss.omp_set_num_threads(self.previous)
