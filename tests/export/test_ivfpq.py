@@ -195,3 +195,49 @@ def test_retune_changes_only_the_search_parameters(compressed_labels, tmp_path):
     assert (manifest.ivfpq.nprobe, manifest.ivfpq.rerank_depth) == (3, 50)
     retuned = load_predictor(tmp_path / "retuned")
     assert [shard.nprobe for shard in retuned.bundle.index.shards] == [3, 3]
+
+
+def as_schema_1(path):
+    """Rewrite ``path``'s manifest as the writers of schema version 1 wrote it: an ivfpq bundle's
+    re-rank depth in ``hnsw.ef_search``, no ``ivfpq.rerank_depth``."""
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    if manifest["ivfpq"] is not None:
+        manifest["hnsw"]["ef_search"] = manifest["ivfpq"].pop("rerank_depth")
+    manifest["schema_version"] = 1
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+
+
+def test_a_bundle_written_at_schema_1_loads_and_answers_the_same(compressed_rae, tiny_rae_bundle, queries, tmp_path):
+    """Bundles written before the breadth was named per index kind: the re-rank depth read from
+    hnsw.ef_search, the same checksums, id and answers; an hnswlib bundle unchanged but its version."""
+    import shutil
+
+    for source in (compressed_rae, tiny_rae_bundle):
+        old = tmp_path / source.name
+        shutil.copytree(source, old)
+        as_schema_1(old)
+        assert json.loads((old / MANIFEST_FILE).read_text())["schema_version"] == 1
+        current, upgraded = load_predictor(source), load_predictor(old)  # checksums verified, id checked
+        manifest = upgraded.bundle.manifest
+        assert manifest.bundle_id == current.bundle.manifest.bundle_id and manifest.schema_version == 2
+        assert manifest.search_breadth == current.bundle.manifest.search_breadth
+        assert manifest.ivfpq == current.bundle.manifest.ivfpq
+        for k in (1, 10):
+            got, expected = upgraded.predict(queries, k), current.predict(queries, k)
+            assert [list(r.ids) for r in got.rankings] == [list(r.ids) for r in expected.rankings]
+            assert got.ef == expected.ef
+
+
+def test_an_ivfpq_bundle_at_schema_1_searches_at_its_hnsw_ef_search(compressed_labels, queries, tmp_path):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(compressed_labels, old)
+    as_schema_1(old)
+    manifest = json.loads((old / MANIFEST_FILE).read_text())
+    manifest["hnsw"]["ef_search"] = 13  # the depth version 1 re-ranked at
+    (old / MANIFEST_FILE).write_text(json.dumps(manifest))
+    upgraded, current = load_predictor(old), load_predictor(compressed_labels)
+    assert upgraded.bundle.manifest.ivfpq.rerank_depth == upgraded.default_ef == 13
+    got, expected = upgraded.predict(queries, 10), current.predict(queries, 10, ef=13)
+    assert [list(r.ids) for r in got.rankings] == [list(r.ids) for r in expected.rankings] and got.ef == expected.ef

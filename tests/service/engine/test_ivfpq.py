@@ -271,3 +271,30 @@ def test_a_shard_gives_an_empty_value_row_where_it_found_no_key():
     searcher = ShardSearcher(None, values, Shard(index="i", values="v", rerank="r", first_key=10, keys=4))
     rows = searcher.value_rows(np.array([[13, -1], [10, 11]]))
     np.testing.assert_array_equal(rows.toarray(), [[10, 11, 12], [0, 0, 0], [1, 2, 3], [4, 5, 6]])
+
+
+def test_every_index_kind_is_a_key_index_and_takes_its_breadth_per_call(built):
+    """hnswlib keeps ef as index state: HnswIndex sets and uses it under its own lock, so searches
+    at different breadths on several threads each get the answer they get alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import hnswlib
+
+    from service.engine.index import HnswIndex, KeyIndex, ShardedIndex
+
+    _, _, keys, queries = built
+    graph = hnswlib.Index(space="ip", dim=DIM)
+    graph.init_index(max_elements=KEYS, ef_construction=20, M=4, random_seed=0)
+    graph.add_items(keys, np.arange(KEYS), num_threads=1)
+    hnsw = HnswIndex(graph)
+    for index in (hnsw, load(built), ShardedIndex([hnsw])):
+        assert isinstance(index, KeyIndex)
+    calls = [(queries[i % len(queries)][None, :], breadth) for i in range(200) for breadth in (10, 400)]
+    alone = [hnsw.search(q, 10, breadth) for q, breadth in calls]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda call: hnsw.search(call[0], 10, call[1]), calls))
+    for (a_keys, a_dist), (t_keys, t_dist) in zip(alone, together, strict=True):
+        np.testing.assert_array_equal(a_keys, t_keys)
+        np.testing.assert_array_equal(a_dist, t_dist)
+    # a narrow graph (M 4, ef 10) misses some of what a wide search finds: the breadth did matter
+    assert any(not np.array_equal(a[0], b[0]) for a, b in zip(alone[::2], alone[1::2], strict=True))
