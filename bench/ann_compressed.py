@@ -18,7 +18,7 @@ Methods (each a build and a list of search settings, swept from cheap to costly;
 is the first whose recall@10 reaches ``--target``):
 
 * ``hnswlib``: the service's default, M 32, ef_construction 200; settings: ef.
-* ``ivfpq-fp16``: the service's ``--index ivfpq`` (service/engine/ivfpq.py): faiss IVF, 4-bit PQ
+* ``ivfpq-fp16``: the service's ``--index ivfpq`` (service/engine/index/ivfpq.py): faiss IVF, 4-bit PQ
   fast-scan codes (pq_m 32: 16 bytes a key), the best ``depth`` candidates by code re-ranked
   exactly from float16 vectors; settings: (nprobe, depth).
 * ``ivfpq64-fp16``: the same with pq_m 64 (one 4-bit sub-quantizer a dimension, 32 bytes a key),
@@ -86,7 +86,7 @@ def save_fp16(keys: np.ndarray, path: Path) -> np.ndarray:
 
 
 def reranked(candidates_of: Callable, stored_of: Callable) -> Callable:
-    """``search`` from a candidate search: its candidates re-ranked exactly (service/engine/ivfpq.py)."""
+    """``search`` from a candidate search: its candidates re-ranked exactly (service/engine/index/ivfpq.py)."""
 
     def search(queries: np.ndarray, setting: tuple) -> np.ndarray:
         *knobs, depth = setting
@@ -130,14 +130,14 @@ def build_ivfpq_method(keys: np.ndarray, work: Path, threads_: int, rerank: str,
             return sq.decode(codes[local.ravel()]).reshape(*local.shape, keys.shape[1])
 
     build_s = time.perf_counter() - started
-    params = IvfPqParams(nlist=nlist, pq_m=pq_m, nprobe=1)
-    index = IvfPqIndex.load(work / "index.faiss", work / "rerank.npy", keys.shape[1], params, 0, len(keys), 100)
+    params = IvfPqParams(nlist=nlist, pq_m=pq_m, nprobe=1, rerank_depth=100)
+    index = IvfPqIndex.load(work / "index.faiss", work / "rerank.npy", keys.shape[1], params, 0, len(keys))
 
     if rerank == "fp16":
 
         def search(queries, setting):
-            index.nprobe, index.ef = setting
-            return index.knn_query(queries, k=K, num_threads=1)[0]
+            index.nprobe, depth = setting
+            return index.search(queries, K, depth, threads=1)[0]
     else:
 
         def candidates_of(queries, knobs, depth):

@@ -324,7 +324,7 @@ def main() -> None:
         "encoder_mflops_per_query": round(flops_per_query / 1e6, 1),
         "flop_bound_qps": round(gflops * 1e9 / flops_per_query, 1),
         "recall_at_10": round(recall, 4),
-        "recall_ef": bundle.manifest.hnsw.ef_search,
+        "recall_ef": bundle.manifest.search_breadth,
         "thread_layout": {"batch_workers": workers, "intra_op_threads": threads},
         "encoder_alone_texts_per_s": served,
         "encoder_alone_one_call_all_cores_texts_per_s": one_call,

@@ -129,7 +129,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
         "labels": args.labels,
         "ivfpq": manifest["ivfpq"],
-        "ef_search": manifest["hnsw"]["ef_search"],
+        "ef_search": manifest["ivfpq"]["rerank_depth"],
         "build": build_report,
         "build_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "index_bytes_per_label": round(index_bytes / args.labels, 1),

@@ -233,9 +233,8 @@ def tune_search(bundle: Path, exact: Exact, settings: list[tuple[int, int]], tar
     for nprobe, ef in settings:
         fetch, depth = fetch_and_ef(10, ef, manifest.counts.memory_rows)
         index.nprobe = nprobe
-        index.set_ef(depth)
         started = time.perf_counter()
-        found = np.concatenate([index.knn_query(v[None, :], fetch)[0][:, :10] for v in exact.vectors])
+        found = np.concatenate([index.search(v[None, :], fetch, depth)[0][:, :10] for v in exact.vectors])
         ms = 1000 * (time.perf_counter() - started) / len(exact.vectors)
         rows[f"{nprobe},{ef}"] = {**exact.recall(found), "search_ms_per_query": round(ms, 3)}
         print("nprobe, ef", nprobe, ef, rows[f"{nprobe},{ef}"], flush=True)
@@ -374,7 +373,7 @@ def main() -> None:
             "labels": labels,
             "ann": manifest["ann"],
             "ivfpq": manifest["ivfpq"],
-            "ef_search": manifest["hnsw"]["ef_search"],
+            "ef_search": (manifest["ivfpq"] or {}).get("rerank_depth", manifest["hnsw"]["ef_search"]),
             "labels_format": manifest["labels_format"],
             "index_bytes": index_bytes,
             "bundle_bytes": sum(f.stat().st_size for f in bundle.iterdir()),

@@ -12,7 +12,7 @@ immutable directory::
     index.hnsw       hnswlib index over the keys (labels, or instances + labels for RAE)
     index.faiss      instead of index.hnsw in a compressed bundle (``ann`` ivfpq): a faiss IVF
     rerank.npy       index of 4-bit PQ fast-scan codes, and the keys as float16 (keys x dim), from
-                     which the nearest candidates are re-ranked exactly (service.engine.ivfpq);
+                     which the nearest candidates are re-ranked exactly (service.engine.index.ivfpq);
                      a sharded one has ``index-<i>.faiss`` and ``rerank-<i>.npy`` per shard
     values.npz       RAE only: CSR value matrix V = [λ·Y_trn ; (1−λ)·I_L], (memory rows x labels)
     index-<i>.hnsw   a sharded bundle (``shards`` in the manifest) instead of the two above: one
@@ -39,7 +39,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SCHEMA_VERSION = 1
+# 2: the search breadth per index kind (hnsw.ef_search; ivfpq.rerank_depth, which version 1 read
+# from hnsw.ef_search). A version 1 manifest is read as version 2 (Manifest._upgrade).
+SCHEMA_VERSION = 2
 
 MANIFEST_FILE = "manifest.json"
 ENCODER_FILE = "encoder.onnx"
@@ -100,17 +102,19 @@ class HnswParams(_Strict):
     space: Literal["ip", "cosine", "l2"] = "ip"
     M: int = Field(gt=1)
     ef_construction: int = Field(gt=0)
-    ef_search: int = Field(gt=0, description="default ef at query time")
+    ef_search: int = Field(gt=0, description="default ef at query time (an hnswlib index's search breadth)")
 
 
 class IvfPqParams(_Strict):
     """A compressed index (``ann`` ivfpq): faiss IVF over 4-bit PQ fast-scan codes; a query scans
     ``nprobe`` of ``nlist`` cells and re-ranks its best ``max(ef, fetched)`` candidates by the exact
-    inner product with their float16 vectors (``hnsw.ef_search`` is that default depth)."""
+    inner product with their float16 vectors (``rerank_depth`` is that default depth: the search
+    breadth of this kind)."""
 
     nlist: int = Field(ge=1, description="coarse cells (k-means centroids)")
     pq_m: int = Field(ge=1, description="PQ sub-quantizers of 4 bits each: pq_m / 2 bytes of code per key")
     nprobe: int = Field(ge=1, description="cells scanned per query")
+    rerank_depth: int = Field(ge=1, description="default candidates re-ranked per query (its search breadth)")
     rerank: Literal["float16"] = Field("float16", description="the stored vectors the candidates are re-ranked by")
 
     @model_validator(mode="after")
@@ -217,7 +221,7 @@ class Manifest(_Strict):
     index_kind: IndexKind
     labels_format: LabelsFormat = Field("jsonl", description="labels.jsonl, or memory-mapped label arrays")
     ann: AnnKind = Field("hnswlib", description="how the keys are searched: hnswlib | ivfpq (compressed)")
-    hnsw: HnswParams = Field(description="hnswlib's parameters; for ivfpq only ef_search, the re-rank depth, counts")
+    hnsw: HnswParams = Field(description="hnswlib's parameters (an ivfpq bundle does not search by them)")
     ivfpq: IvfPqParams | None = Field(None, description="the compressed index's parameters (``ann`` ivfpq)")
     rae: RaeParams | None = None
     counts: Counts
@@ -233,6 +237,25 @@ class Manifest(_Strict):
         "fingerprint), so that a client's retry after the switch is recognised, not applied again",
     )
     files: dict[str, str] = Field(description="file name -> sha256 hex digest")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _upgrade(cls, data):
+        """A version 1 manifest (as written until the search breadth was named per index kind) in
+        the current form: an ivfpq bundle's re-rank depth was ``hnsw.ef_search``. Only the
+        manifest read changes; the bundle's files, checksums and id are as they were."""
+        if isinstance(data, dict) and data.get("schema_version") == 1:
+            data = {**data, "schema_version": SCHEMA_VERSION}
+            hnsw, ivfpq = data.get("hnsw"), data.get("ivfpq")
+            if isinstance(ivfpq, dict) and isinstance(hnsw, dict) and "rerank_depth" not in ivfpq:
+                data["ivfpq"] = {**ivfpq, "rerank_depth": hnsw.get("ef_search")}
+        return data
+
+    @property
+    def search_breadth(self) -> int:
+        """The default breadth of a search of this bundle's index: hnswlib's ef, or the compressed
+        index's re-rank depth."""
+        return self.ivfpq.rerank_depth if self.ivfpq is not None else self.hnsw.ef_search
 
     @model_validator(mode="after")
     def _label_index_keys_are_labels(self) -> Manifest:

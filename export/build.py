@@ -54,6 +54,7 @@ from export.onnx_export import export_serving_graph, random_texts
 from export.pooled_vectors import EncodeReport, encode_pooled
 from export.serving_graph import ServingEncoder, load_encoder, load_fast_tokenizer
 from export.writer import refuse_existing, write_bundle, write_values
+from service.engine import HnswIndex
 from xmc.checkpoint import (
     Checkpoint,
     ServingHead,
@@ -284,8 +285,7 @@ def build_hnsw(keys: np.ndarray, params: ExportParams, path: Path, first_id: int
         max_elements=len(keys), ef_construction=params.ef_construction, M=params.hnsw_m, random_seed=params.seed
     )
     index.add_items(keys, first_id + np.arange(len(keys)), num_threads=params.build_threads or -1)
-    index.set_ef(params.ef_search)
-    index.save_index(str(path))
+    HnswIndex(index).save(path)
 
 
 def write_label_files(stage: Path, labels: LabelSpace, labels_format: str) -> None:

@@ -80,7 +80,7 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
     lineage_log_path(target_dir, lineage.log, lineage.bundle_id)
     bundle, view = predictor.bundle, predictor.view
     src = bundle.manifest
-    keys = np.asarray(bundle.index.get_items(np.arange(view.num_keys)), dtype=np.float32)
+    keys = bundle.index.vectors(np.arange(view.num_keys))
     order, instance_rows = canonical_order(view)
     rebuilt = {MANIFEST_FILE, *label_files(src.labels_format)}
     rebuilt |= {name for shard in shard_list(src) for name in (shard.index, shard.values, shard.rerank)}
@@ -95,7 +95,7 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
         ),
         hnsw_m=src.hnsw.M,
         ef_construction=src.hnsw.ef_construction,
-        ef_search=src.hnsw.ef_search,
+        ef_search=src.search_breadth,
         rae_lambda=src.rae.lam if src.rae else 0.0,
         shards=len(shard_list(src)),
     )

@@ -62,8 +62,8 @@ class ExportParams:
             after the re-rank where dim / 2 stops near 0.976 (bench/results/ten-million.json) (default: 0)
         hnsw_m: HNSW graph degree M (default: 32)
         ef_construction: HNSW build breadth (default: 200)
-        ef_search: default HNSW search breadth stored in the manifest (for ivfpq: the candidates
-            re-ranked); RAE-XMC uses 300 (default: 300)
+        ef_search: default search breadth stored in the manifest: hnswlib's ``hnsw.ef_search``,
+            for ivfpq ``ivfpq.rerank_depth`` (the candidates re-ranked); RAE-XMC uses 300 (default: 300)
         rae_lambda: λ in V = [λY ; (1−λ)I], RAE-XMC §3.3; 0.5 in the paper (default: 0.5)
         rae_tau: softmax temperature τ; 0.04 in the paper for unit vectors (default: 0.04)
         rae_top_b: keys retrieved per query, b; 200 in the paper (default: 200)
@@ -149,7 +149,9 @@ class ExportParams:
 
         pq_m = self.pq_m or self.dim
         nprobe = self.ivf_nprobe or (256 if self.index_kind == "rae_memory" else 128)
-        return IvfPqParams(nlist=self.ivf_nlist or auto_nlist(keys), pq_m=pq_m, nprobe=nprobe)
+        return IvfPqParams(
+            nlist=self.ivf_nlist or auto_nlist(keys), pq_m=pq_m, nprobe=nprobe, rerank_depth=self.ef_search
+        )
 
     def rae(self) -> RaeParams:
         """The RAE parameters as the manifest records them."""

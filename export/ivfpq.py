@@ -1,4 +1,4 @@
-"""Building the compressed key index (``--index ivfpq``, service/engine/ivfpq.py): k-means
+"""Building the compressed key index (``--index ivfpq``, service/engine/index/ivfpq.py): k-means
 cells, 4-bit PQ fast-scan codes, and the keys' float16 vectors the service re-ranks by.
 
 Training reads a sample of the keys (``SAMPLE_PER_CELL`` per cell) for a few k-means rounds: on

@@ -45,10 +45,7 @@ def reindex_bundle(
     lineage = carried_lineage(source, src, out, appends_dir)
     shards = shard_list(src)
     params = replace(params, dim=src.dim, shards=len(shards), index_kind=src.index_kind)
-    keys = [
-        np.asarray(load_shard_index(source, src, s).get_items(np.arange(s.first_key, s.first_key + s.keys)))
-        for s in shards
-    ]
+    keys = [load_shard_index(source, src, s).vectors(np.arange(s.first_key, s.first_key + s.keys)) for s in shards]
     ivfpq = params.ivfpq(max(s.keys for s in shards)) if params.index == "ivfpq" else None
     replaced = {name for s in shards for name in (s.index, s.rerank) if name}
 
@@ -68,7 +65,7 @@ def reindex_bundle(
             "created_at": utc_now(),
             "ann": params.index,
             "ivfpq": ivfpq,
-            "hnsw": hnsw if params.index == "hnswlib" else src.hnsw.model_copy(update={"ef_search": params.ef_search}),
+            "hnsw": hnsw if params.index == "hnswlib" else src.hnsw,  # ivfpq: its breadth is ivfpq.rerank_depth
             "shards": new_shards if src.shards else None,
             "lineage": lineage,
             "params": {**src.params, "index": params.index, "reindexed_from": src.bundle_id},
@@ -85,7 +82,7 @@ def retune_bundle(
     appends_dir: Path | None = None,
 ) -> Manifest:
     """``source`` (an ivfpq bundle) scanning ``nprobe`` cells and re-ranking ``ef_search``
-    candidates by default: every file linked, only the manifest's search parameters new (the
+    candidates by default (``ivfpq.rerank_depth``): every file linked, only the manifest's search parameters new (the
     index does not depend on them); in the source's lineage, as :func:`reindex_bundle`."""
     source = Path(source).resolve()
     src = read_manifest(source)
@@ -98,8 +95,9 @@ def retune_bundle(
             link_or_copy(source / name, stage / name)
         return src.model_dump(exclude={"bundle_id", "files"}) | {
             "created_at": utc_now(),
-            "ivfpq": src.ivfpq.model_copy(update={"nprobe": nprobe or src.ivfpq.nprobe}),
-            "hnsw": src.hnsw.model_copy(update={"ef_search": ef_search or src.hnsw.ef_search}),
+            "ivfpq": src.ivfpq.model_copy(
+                update={"nprobe": nprobe or src.ivfpq.nprobe, "rerank_depth": ef_search or src.ivfpq.rerank_depth}
+            ),
             "lineage": lineage,
             "params": {**src.params, "retuned_from": src.bundle_id},
         }
@@ -155,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
         pq_m=args.pq_m,
         hnsw_m=args.hnsw_m,
         ef_construction=args.ef_construction,
-        ef_search=args.ef_search or src.hnsw.ef_search,
+        ef_search=args.ef_search or src.search_breadth,
         build_threads=args.build_threads,
         seed=args.seed,
     )

@@ -50,7 +50,7 @@ def create_app() -> FastAPI:
             mask = batch["attention_mask"].unsqueeze(-1).float()
             pooled = ((hidden * mask).sum(1) / mask.sum(1)).numpy()
         vector = head.query_vectors(pooled)
-        keys, distances = bundle.index.knn_query(vector, k=rae.top_b if rae else query.k)
+        keys, distances = bundle.index.search(vector, rae.top_b if rae else query.k, bundle.manifest.search_breadth)
         if rae:
             keys = keys.astype(np.int64)
             found = Neighbours(keys, 1 - distances, view.labels_of_keys(keys), view.values, None, ef=0)

@@ -77,7 +77,7 @@ def record(
 # A sample is charged to the first stage whose marker appears in its stack (innermost first).
 STAGES = (
     ("onnx_run", ("Session.run (",)),
-    ("hnsw_search", ("knn_query", "Predictor.knn (")),
+    ("hnsw_search", ("service/engine/index/", "Predictor.knn (")),
     ("rae_aggregate", ("rank (service/engine/search.py", "rae.py")),
     ("tokenize", ("encode_batch", "tokenize (service/engine/encoder.py")),
     ("response_json", ("to_response", "json/encoder.py", "predict_response")),

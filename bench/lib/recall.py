@@ -9,7 +9,7 @@ from service.engine import Bundle, Neighbours, Predictor, Ranking, rank_batch
 
 
 def bundle_keys(bundle: Bundle) -> np.ndarray:
-    return np.asarray(bundle.index.get_items(np.arange(bundle.index.get_current_count())), dtype=np.float32)
+    return bundle.index.vectors(np.arange(bundle.index.count))
 
 
 def exact_rankings(bundle: Bundle, vectors: np.ndarray, k: int, keys: np.ndarray | None = None) -> list[Ranking]:
@@ -75,7 +75,7 @@ def ann_recall(bundle: Bundle, texts: list[str], k: int = 10, ef: int | None = N
 def key_recall_at_10(predictor: Predictor, vectors: np.ndarray, ef: int | None = None) -> float:
     """Share of the exact 10 nearest keys (over every key of the predictor's current memory,
     appended ones included) that its HNSW search at ``ef`` returns."""
-    keys = np.asarray(predictor.bundle.index.get_items(np.arange(predictor.view.num_keys)), dtype=np.float32)
+    keys = predictor.bundle.index.vectors(np.arange(predictor.view.num_keys))
     found, _, _ = predictor.knn(vectors, 10, ef)
     hits = 0
     for start in range(0, len(vectors), 512):  # a block of exact similarities at a time

@@ -26,8 +26,10 @@ The public surface:
 * :class:`XmcserveError` — the base of every exception the engine raises (:class:`BundleError`,
   :class:`AppendRefused`, :class:`AppendLogError`, :class:`QueueFullError`, …); each keeps the
   builtin base (``ValueError``, ``RuntimeError``) it was caught by before.
-* A sharded bundle (``manifest.shards``) loads as one :class:`~service.engine.shards.ShardedIndex`:
-  every shard searched, the per-shard top-n merged exactly; nothing else changes.
+* :class:`KeyIndex` — the key index a bundle searches (``Bundle.index``): :class:`HnswIndex`,
+  :class:`IvfPqIndex` (``ann`` ivfpq) or, for a sharded bundle (``manifest.shards``), one
+  :class:`ShardedIndex` over its shards (every shard searched, the per-shard top-n merged
+  exactly); the search breadth is an argument of each ``search``.
 
 * :func:`rank_batch` — the one ranking of a batch's fetched nearest keys (:class:`Neighbours`, as
   many as :func:`neighbours_needed` says) into each query's top-k labels (a list of
@@ -65,7 +67,7 @@ from service.engine.fusion import (
     features_of_groups,
     memory_log_frequency,
 )
-from service.engine.ivfpq import IvfPqIndex, empty_index, exact_rerank, faiss_threads
+from service.engine.index import HnswIndex, IvfPqIndex, KeyIndex, ShardedIndex, empty_index, exact_rerank, faiss_threads
 from service.engine.lexical import KeyTerms, Lexicon, save_key_terms
 from service.engine.loading import SOURCE_LOGS, carried_lineage, load_for_reading, load_predictor, vet_in_child
 from service.engine.memory import (
@@ -115,7 +117,9 @@ __all__ = [
     "fetch_and_ef",
     "fusion_candidates",
     "FusionRows",
+    "HnswIndex",
     "IvfPqIndex",
+    "KeyIndex",
     "KeyTerms",
     "Lexicon",
     "lineage_log_path",
@@ -144,6 +148,7 @@ __all__ = [
     "Ranking",
     "save_key_terms",
     "ScoreFusion",
+    "ShardedIndex",
     "SOURCE_LOGS",
     "StageTimes",
     "sync_directory",

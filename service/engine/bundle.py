@@ -16,7 +16,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import hnswlib
 import numpy as np
 import scipy.sparse as sp
 
@@ -44,9 +43,9 @@ from bundle import (
 )
 from service.engine.encoder import EncoderOptions, OnnxEncoder
 from service.engine.fusion import FEATURE_GROUPS, ScoreFusion, groups_of
-from service.engine.ivfpq import IvfPqIndex
+from service.engine.index import HnswIndex, IvfPqIndex, KeyIndex, ShardedIndex
 from service.engine.lexical import KeyTerms, key_terms_of
-from service.engine.shards import ShardedIndex, ShardSearcher
+from service.engine.shards import ShardSearcher
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ class Bundle:
     path: Path
     manifest: Manifest
     encoder: OnnxEncoder
-    index: hnswlib.Index | IvfPqIndex | ShardedIndex
+    index: KeyIndex
     label_uids: StringColumn
     label_texts: StringColumn
     values: sp.csr_matrix | None
@@ -69,22 +68,14 @@ class Bundle:
         return self.manifest.bundle_id
 
 
-def load_shard_index(path: Path, manifest: Manifest, shard: Shard) -> hnswlib.Index | IvfPqIndex:
+def load_shard_index(path: Path, manifest: Manifest, shard: Shard) -> HnswIndex | IvfPqIndex:
     """One shard's HNSW index, its header and body checked before hnswlib reads them; or its
     compressed index (``ann`` ivfpq), the inverted lists and re-rank vectors checked before faiss
-    reads them (:mod:`service.engine.ivfpq`)."""
+    reads them (:mod:`service.engine.index.ivfpq`)."""
     file = path / shard.index
     if manifest.ann == "ivfpq":
         try:
-            return IvfPqIndex.load(
-                file,
-                path / shard.rerank,
-                manifest.dim,
-                manifest.ivfpq,
-                shard.first_key,
-                shard.keys,
-                manifest.hnsw.ef_search,
-            )
+            return IvfPqIndex.load(file, path / shard.rerank, manifest.dim, manifest.ivfpq, shard.first_key, shard.keys)
         except IndexRefused as exc:
             raise BundleError(f"{file}: IVF-PQ index refused: {exc}") from None
     try:
@@ -92,17 +83,14 @@ def load_shard_index(path: Path, manifest: Manifest, shard: Shard) -> hnswlib.In
         check_index_body(file, shard.first_key, shard.keys)
     except HnswFileRefused as exc:
         raise BundleError(str(exc)) from None
-    index = hnswlib.Index(space=manifest.hnsw.space, dim=manifest.dim)
     try:
-        index.load_index(str(file))
+        return HnswIndex.load(file, manifest.dim, manifest.hnsw.space)
     except RuntimeError as exc:
         raise BundleError(f"{file}: cannot load HNSW index ({exc})") from None
-    index.set_ef(manifest.hnsw.ef_search)
-    return index
 
 
-def load_index(path: Path, manifest: Manifest) -> hnswlib.Index | IvfPqIndex | ShardedIndex:
-    """The bundle's HNSW index; a sharded bundle's shards behind one :class:`ShardedIndex`."""
+def load_index(path: Path, manifest: Manifest) -> KeyIndex:
+    """The bundle's key index; a sharded bundle's shards behind one :class:`ShardedIndex`."""
     indexes = [load_shard_index(path, manifest, shard) for shard in shard_list(manifest)]
     return indexes[0] if len(indexes) == 1 else ShardedIndex(indexes)
 

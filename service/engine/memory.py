@@ -9,12 +9,14 @@ Key ids: the bundle's keys keep theirs (RAE: instances 0..N−1, labels N..N+L�
 follow in append order. A label keeps its id forever; new labels get the next ids.
 
 Consistency. A search runs against one :class:`MemoryView` (labels, what each key is, value
-rows), taken under :attr:`Memory.lock` together with the HNSW query. An append adds its keys in
-chunks of :data:`APPEND_CHUNK`, each marked deleted (invisible to searches) under that lock, so
-searches run between chunks; then, under the lock, it unmarks them and publishes the new view.
-A search sees all of an append or none of it, and waits at most one chunk's insertion. An append
-that fails part-way (an insertion raises) takes its keys back out of the index (:func:`take_back`)
-before it fails: the memory is as it was, and the next append goes where this one would have.
+rows), taken under :attr:`Memory.lock` together with the index query (the
+:class:`~service.engine.index.protocol.KeyIndex`; its breadth is an argument of the query). An
+append adds its keys in chunks of :data:`APPEND_CHUNK`, each hidden (invisible to searches) under
+that lock, so searches run between chunks; then, under the lock, it shows them and publishes the
+new view. A search sees all of an append or none of it, and waits at most one chunk's insertion.
+An append that fails part-way (an insertion raises) takes its keys back out of the index
+(``KeyIndex.take_back``) before it fails: the memory is as it was, and the next append goes where
+this one would have.
 
 Durability. An append is written to its log (:class:`~service.engine.append_log.AppendLog`, one
 checksummed line, fsync'ed)
@@ -29,7 +31,6 @@ looked (:meth:`Memory.catch_up`): the log is the one order, and a label's id is 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -43,18 +44,19 @@ import numpy as np
 import scipy.sparse as sp
 
 from bundle import StringColumn, UidLookup, XmcserveError
+from service.engine.index.protocol import KeyIndex, by_distance_then_key
 from service.engine.rae import ValueRows, labels_of_keys
 
 log = logging.getLogger(__name__)
 
 # Neighbours fetched beyond those asked for, so that keys tied in distance at the cut are all
-# seen before the tie is broken by key id (see by_distance_then_key).
+# seen before the tie is broken by key id (see service.engine.index.protocol.best_first).
 TIE_MARGIN = 8
 # Keys inserted per hold of the search lock: a search waits at most this many insertions.
 APPEND_CHUNK = 16
 # Most label uids one appended instance may carry.
 MAX_LABELS_PER_INSTANCE = 1000
-# Index capacity grows by this factor (at least), so resizing — a copy of the whole graph
+# Index capacity grows by this factor (at least), so growing — a copy of the whole graph
 # under the search lock — happens O(log n) times as the memory grows.
 GROWTH = 1.5
 
@@ -314,10 +316,11 @@ class AppendOutcome:
 
 
 class Memory:
-    """The HNSW index of a bundle and the view of what its keys mean, with appends.
+    """The key index of a bundle and the view of what its keys mean, with appends.
 
-    Thread-safe: searches take :attr:`lock` for the query (HNSW's ``ef`` is index-global and
-    hnswlib's insertions are not safe against queries); appends are serialised among themselves.
+    Thread-safe: searches take :attr:`lock` for the query (an index's insertions are not safe
+    against its queries, and the view must match the keys the query could see); appends are
+    serialised among themselves.
 
     ``key_terms_of``: the term vectors of texts (a lexical fusion's
     :meth:`~service.engine.lexical.Lexicon.rows`), computed for every appended key; None: none kept.
@@ -325,7 +328,7 @@ class Memory:
 
     def __init__(
         self,
-        index,
+        index: KeyIndex,
         view: MemoryView,
         lam: float | None,
         log: AppendWriter | None,
@@ -349,17 +352,16 @@ class Memory:
 
     def knn(self, vectors: np.ndarray, n: int, ef: int, view: MemoryView) -> tuple[np.ndarray, np.ndarray, int]:
         """Best-first (key ids, similarities) of the ``n`` nearest keys of ``view`` (−1: none),
-        and the ef the search ran at. Keys published after ``view`` are fetched too (the index
-        holds them) and then dropped, so ``view`` still gets its ``n``."""
+        and the breadth (ef) the search ran at. Keys published after ``view`` are fetched too (the
+        index holds them) and then dropped, so ``view`` still gets its ``n``."""
         with self.lock:
             newer = self._view.num_keys - view.num_keys
             fetch, ef = fetch_and_ef(n + newer, ef, self._view.num_keys)
-            self.index.set_ef(ef)
             # One thread: the search runs on the batcher's own thread beside the encode threads.
-            # hnswlib's default (every core) starts and joins a thread per core on each call of
-            # over 4 rows per core.
-            keys, distances = self.index.knn_query(vectors, k=fetch, num_threads=1)
-        keys, distances = by_distance_then_key(keys.astype(np.int64), distances)
+            keys, distances = self.index.search(vectors, fetch, ef, threads=1)
+        # best first by the float32 distances (a compressed index ranks by exact similarities, of
+        # which two may round to one distance)
+        keys, distances = by_distance_then_key(keys, distances)
         sims = (1.0 - distances).astype(np.float32)
         if newer:
             keys, sims = _only_visible(keys, sims, view.num_keys, n)
@@ -451,48 +453,28 @@ class Memory:
             for start in range(0, len(keys), APPEND_CHUNK):
                 chunk = keys[start : start + APPEND_CHUNK]
                 with self.lock:
-                    self.index.add_items(vectors[start : start + len(chunk)], chunk, num_threads=1)
+                    self.index.add(vectors[start : start + len(chunk)], chunk, threads=1)
                     for key in chunk:
-                        self.index.mark_deleted(int(key))
+                        self.index.hide(int(key))
         except BaseException:
             # Keys of earlier chunks (and part of this one) are in the index: out with them, or the
             # next append's ids would collide with them (ivfpq refused every later append) and a
             # key inserted but not yet hidden would answer searches past the view's keys.
             with self.lock:
-                take_back(self.index, view.num_keys, new_view.num_keys)
+                self.index.take_back(view.num_keys, new_view.num_keys)
             raise
         with self.lock:
             for key in keys:
-                self.index.unmark_deleted(int(key))
+                self.index.show(int(key))
             self._view = new_view
         labels = {uid: new_view.uid_to_id[uid] for uid, _ in batch.labels}
         return AppendOutcome(new_view.version, labels, len(batch.instances))
 
     def _reserve(self, keys: int) -> None:
-        capacity = self.index.get_max_elements()
+        capacity = self.index.capacity
         if keys > capacity:
             with self.lock:
-                self.index.resize_index(max(keys, int(capacity * GROWTH)))
-
-
-def take_back(index, first: int, end: int) -> None:
-    """Undo the insertion of keys ``first`` .. ``end − 1`` into ``index`` by an append that failed
-    part-way (some may never have been inserted). A compressed or sharded index removes them
-    (``take_back``); hnswlib cannot remove a key, so it marks those it holds deleted: searches skip
-    them, and the next append's ``add_items`` of the same ids replaces them (hnswlib updates an
-    existing label's vector and un-deletes it)."""
-    own = getattr(index, "take_back", None)
-    if own is not None:
-        own(first, end)
-        return
-    hide_keys(index, first, end)
-
-
-def hide_keys(index, first: int, end: int) -> None:
-    """Mark deleted those of keys ``first`` .. ``end − 1`` that the (hnswlib) index holds."""
-    for key in range(first, end):
-        with contextlib.suppress(RuntimeError):  # never inserted, or hidden already
-            index.mark_deleted(key)
+                self.index.reserve(max(keys, int(capacity * GROWTH)))
 
 
 def fetch_and_ef(n: int, ef: int, num_keys: int) -> tuple[int, int]:
@@ -500,14 +482,6 @@ def fetch_and_ef(n: int, ef: int, num_keys: int) -> tuple[int, int]:
     every key), and the ef that search runs at (at least that many)."""
     fetch = min(n + TIE_MARGIN, num_keys)
     return fetch, max(ef, fetch)
-
-
-def by_distance_then_key(keys: np.ndarray, distances: np.ndarray, *carried: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Each row ordered by distance, equal distances by key id: keys with identical vectors (an
-    instance whose text is a label's) then come out in one order however the index is built or
-    sharded, so exact search gives one answer. ``carried`` arrays (same shape) are reordered alike."""
-    order = np.lexsort((keys, distances), axis=-1)
-    return tuple(np.take_along_axis(a, order, axis=1) for a in (keys, distances, *carried))
 
 
 def _only_visible(keys: np.ndarray, sims: np.ndarray, num_keys: int, n: int) -> tuple[np.ndarray, np.ndarray]:

@@ -92,7 +92,8 @@ class Predictor:
 
     @property
     def default_ef(self) -> int:
-        return self.bundle.manifest.hnsw.ef_search
+        """The bundle's search breadth (:attr:`~service.engine.manifest.Manifest.search_breadth`)."""
+        return self.bundle.manifest.search_breadth
 
     @property
     def view(self) -> MemoryView:

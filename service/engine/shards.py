@@ -1,17 +1,11 @@
-"""Several HNSW indexes over disjoint key ranges, searched as one.
+"""One shard of a bundle on its own, and the merge of the shards' answers.
 
-A sharded bundle splits its keys into contiguous ranges, one hnswlib index each, whose element
-labels are the global key ids. Searching every shard for its top k and keeping the k best of the
-union is exact: each of the global top k is among the top k of its own shard. The same merge is
-what a distributed deployment does across machines; here the shards live in one process.
-
-:class:`ShardedIndex` offers the part of ``hnswlib.Index`` the engine uses, so the search and the
-live memory (:mod:`service.engine.memory`) treat one index and many alike. Appended keys go to
-the last shard.
-
-A distributed deployment holds one shard per process (:class:`ShardSearcher`, loaded by
+A sharded bundle splits its keys into contiguous ranges, one key index each (hnswlib or ivfpq).
+In one process they load as one :class:`~service.engine.index.sharded.ShardedIndex`. A distributed
+deployment holds one shard per process (:class:`ShardSearcher`, loaded by
 :func:`~service.engine.bundle.load_shard`) and merges their :class:`ShardAnswer` s with
-:func:`merge_answers`, which carries the value rows of the merged keys along for the RAE
+:func:`merge_answers` (in :func:`~service.engine.index.protocol.best_first` order, as the
+sharded index merges), which carries the value rows of the merged keys along for the RAE
 aggregation.
 """
 
@@ -24,89 +18,13 @@ import numpy as np
 import scipy.sparse as sp
 
 from bundle import Shard
+from service.engine.index.protocol import KeyIndex, merge_top_k
 from service.engine.lexical import KeyTerms, QueryTerms
-from service.engine.memory import by_distance_then_key, hide_keys
-
-
-def merge_top_k(
-    keys: list[np.ndarray], distances: list[np.ndarray], k: int, *carried: list[np.ndarray]
-) -> tuple[np.ndarray, ...]:
-    """Per query row, the ``k`` smallest distances of the shards' answers (each ``nq x k_i``),
-    equal distances in key order: (keys, distances, *carried), each ``carried`` list of per-shard
-    arrays reordered alike."""
-    merged = by_distance_then_key(*(np.concatenate(parts, axis=1) for parts in (keys, distances, *carried)))
-    return tuple(array[:, :k] for array in merged)
-
-
-class ShardedIndex:
-    """Shards (``hnswlib.Index`` each) in key order, searched together and merged exactly."""
-
-    def __init__(self, shards: list):
-        self.shards = shards
-        self.dim = shards[0].dim
-        self._deleted: set[int] = set()  # keys of an append in progress (last shard), hidden until published
-        self._first_keys = np.cumsum([0] + [s.get_current_count() for s in shards[:-1]])
-
-    def set_ef(self, ef: int) -> None:
-        for shard in self.shards:
-            shard.set_ef(ef)
-
-    def get_current_count(self) -> int:
-        return sum(shard.get_current_count() for shard in self.shards)
-
-    def knn_query(self, vectors: np.ndarray, k: int, num_threads: int = 1):
-        keys, distances = [], []
-        for i, shard in enumerate(self.shards):
-            live = shard.get_current_count() - (len(self._deleted) if i == len(self.shards) - 1 else 0)
-            if live > 0:
-                shard_keys, shard_distances = shard.knn_query(vectors, k=min(k, live), num_threads=num_threads)
-                keys.append(shard_keys.astype(np.int64))
-                distances.append(shard_distances)
-        return merge_top_k(keys, distances, k)
-
-    def get_items(self, ids) -> np.ndarray:
-        ids = np.asarray(ids, dtype=np.int64)
-        shard_of = np.searchsorted(self._first_keys, ids, side="right") - 1
-        out = np.empty((len(ids), self.dim), dtype=np.float32)
-        for i, shard in enumerate(self.shards):
-            rows = np.flatnonzero(shard_of == i)
-            if rows.size:
-                out[rows] = np.asarray(shard.get_items(ids[rows]), dtype=np.float32)
-        return out
-
-    # The live memory appends to the last shard.
-    def get_max_elements(self) -> int:
-        return int(self._first_keys[-1]) + self.shards[-1].get_max_elements()
-
-    def resize_index(self, total: int) -> None:
-        self.shards[-1].resize_index(total - int(self._first_keys[-1]))
-
-    def add_items(self, data, ids, num_threads: int = 1) -> None:
-        self.shards[-1].add_items(data, ids, num_threads=num_threads)
-        self._deleted.difference_update(int(key) for key in ids)  # hnswlib un-deletes a re-added key
-
-    def mark_deleted(self, key: int) -> None:
-        self.shards[-1].mark_deleted(key)
-        self._deleted.add(int(key))
-
-    def unmark_deleted(self, key: int) -> None:
-        self.shards[-1].unmark_deleted(key)
-        self._deleted.discard(int(key))
-
-    def take_back(self, first: int, end: int) -> None:
-        """Undo a failed append's keys ``first`` .. ``end − 1`` in the last shard (see
-        :func:`service.engine.memory.take_back`): removed from a compressed one, hidden in hnswlib."""
-        last = self.shards[-1]
-        if hasattr(last, "take_back"):
-            last.take_back(first, end)
-            self._deleted = {key for key in self._deleted if key < first}
-            return
-        hide_keys(self, first, end)
 
 
 @dataclass
 class ShardQuery:
-    """One request's queries for a shard: ``fetch`` nearest keys each, at HNSW breadth ``ef``;
+    """One request's queries for a shard: ``fetch`` nearest keys each, at search breadth ``ef``;
     with the queries' ``terms`` (a lexical fusion), the keys' lexical similarities too."""
 
     vectors: np.ndarray
@@ -144,12 +62,12 @@ class ShardAnswer:
 
 
 class ShardSearcher:
-    """One shard of a bundle, on its own: its HNSW index, (RAE) its rows of V and (a lexical
+    """One shard of a bundle, on its own: its key index, (RAE) its rows of V and (a lexical
     fusion) its keys' term vectors. Thread-safe."""
 
     def __init__(
         self,
-        index,
+        index: KeyIndex,
         values: sp.csr_matrix | None,
         shard: Shard,
         search_threads: int = 1,
@@ -160,16 +78,15 @@ class ShardSearcher:
         self.shard = shard
         self.search_threads = search_threads
         self.key_terms = key_terms
-        self._lock = threading.Lock()  # ef is index-global in hnswlib
+        # one search at a time: each may use all of the replica's search_threads
+        self._lock = threading.Lock()
 
     def search(self, vectors: np.ndarray, fetch: int, ef: int, terms: list[QueryTerms] | None = None) -> ShardAnswer:
-        """The ``fetch`` nearest keys of this shard (fewer when it holds fewer) at HNSW breadth
+        """The ``fetch`` nearest keys of this shard (fewer when it holds fewer) at search breadth
         ``ef``; with the queries' ``terms``, the keys' lexical similarities too."""
         k = min(fetch, self.shard.keys)
         with self._lock:
-            self.index.set_ef(max(ef, k))
-            keys, distances = self.index.knn_query(vectors, k=k, num_threads=self.search_threads)
-        keys = keys.astype(np.int64)
+            keys, distances = self.index.search(vectors, k, ef, threads=self.search_threads)
         rows = self.value_rows(keys) if self.values is not None else None
         lexical = None
         if terms is not None:
@@ -188,7 +105,7 @@ class ShardSearcher:
         return sp.diags(found.astype(np.float32)) @ rows
 
     def search_many(self, queries: list[ShardQuery]) -> list[ShardAnswer]:
-        """The answers to several requests, one HNSW call per distinct ef at the largest fetch of
+        """The answers to several requests, one index search per distinct ef at the largest fetch of
         its requests. With one ef (≥ every fetch) a longer list starts with the shorter one, so
         each answer is the one its request would get alone."""
         answers: list[ShardAnswer | None] = [None] * len(queries)

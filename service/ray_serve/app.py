@@ -197,7 +197,7 @@ class Shard:
         self.number = number
         self.tracing = Tracing.from_environment("xmcserve-shard")
         first = self.searcher.shard.first_key
-        self.probe = np.asarray(self.searcher.index.get_items([first]), dtype=np.float32)
+        self.probe = self.searcher.index.vectors([first])
         self.search_batch.set_max_batch_size(max_batch)
         self.search_batch.set_batch_wait_timeout_s(batch_wait_s)
         self.expired = ExpiredWork(f"shard-{number}")
@@ -331,7 +331,7 @@ class Ingress:
         manifest = self.manifest
         ks = [k] * len(texts)
         neighbours = max(neighbours_needed(manifest, ks, exclude))  # the batch's widest
-        fetch, ef = fetch_and_ef(neighbours, ef or manifest.hnsw.ef_search, manifest.counts.memory_rows)
+        fetch, ef = fetch_and_ef(neighbours, ef or manifest.search_breadth, manifest.counts.memory_rows)
         lexicon = self.fusion.lexicon if self.fusion is not None else None
         terms = lexicon.query_terms(texts) if lexicon is not None else None  # each shard scores its keys
         answers = await self.fan_out(ShardQuery(vectors, fetch, ef, terms), deadline, context)

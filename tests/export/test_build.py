@@ -63,7 +63,7 @@ def test_bundle_manifest_lists_every_file_with_its_checksum(distilbert_dir, smal
     assert set(manifest["files"]) == on_disk
     for name, digest in manifest["files"].items():
         assert sha256_file(tmp_path / "b" / name) == digest
-    assert manifest["schema_version"] == 1 and manifest["tokenizer"]["lowercase"] is True
+    assert manifest["schema_version"] == 2 and manifest["tokenizer"]["lowercase"] is True
 
 
 def test_same_inputs_give_the_same_bundle(distilbert_dir, small_labels, tmp_path):
@@ -97,7 +97,7 @@ def test_trained_head_checkpoint_uses_label_table_on_the_label_side(distilbert_d
     manifest = build_bundle(tmp_path / "b", small_labels, None, ckpt, ExportParams(index_kind="labels"))
     assert manifest.dim == 16 and manifest.source.head == "trained"
     bundle = load_bundle(tmp_path / "b")
-    stored = np.asarray(bundle.index.get_items([0, 1, 2]))
+    stored = np.asarray(bundle.index.vectors([0, 1, 2]))
     half = 1 / np.sqrt(2)  # two unit blocks, scaled so the whole vector is unit-norm
     expected = psi[:3] / np.linalg.norm(psi[:3], axis=1, keepdims=True) * half
     np.testing.assert_allclose(stored[:, 8:], expected, atol=1e-5)  # N(Ψ_l) half
@@ -121,7 +121,7 @@ def test_one_half_of_a_trained_head_can_be_served_alone(distilbert_dir, small_la
     params = ExportParams(index_kind="labels", head_blocks="g2_clf")
     manifest = build_bundle(tmp_path / "clf", small_labels, None, ckpt, params)
     assert manifest.dim == 8 and manifest.source.head == "unidec[g2_clf]"
-    stored = np.asarray(load_bundle(tmp_path / "clf").index.get_items([0, 1]))
+    stored = np.asarray(load_bundle(tmp_path / "clf").index.vectors([0, 1]))
     np.testing.assert_allclose(stored, psi[:2] / np.linalg.norm(psi[:2], axis=1, keepdims=True), atol=1e-5)
     with pytest.raises(ValueError, match="head blocks"):
         build_bundle(tmp_path / "bad", small_labels, None, ckpt, ExportParams(index_kind="labels", head_blocks="g3"))

@@ -14,8 +14,7 @@ from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from service.engine import AppendBatch, appends_dir_beside, load_predictor, vet_in_child
 from service.engine.bundle import load_bundle
-from service.engine.ivfpq import IvfPqIndex
-from service.engine.shards import ShardedIndex
+from service.engine.index import IvfPqIndex, ShardedIndex
 
 # 64 cells, all scanned: the tests below check the served path against exact search at a breadth
 # where it is exact, and bound its approximation at the bundle's breadth only loosely, since
@@ -109,7 +108,7 @@ def test_appends_go_into_the_compressed_index_and_compaction_rebuilds_it(compres
     assert manifest.labels_format == "arrays"
     assert manifest.counts.memory_rows == keys_before + 2
     compacted = load_predictor(tmp_path / "compacted", appends_dir=appends)
-    assert compacted.bundle.index.get_current_count() == keys_before + 2  # in the trained index, not appended
+    assert compacted.bundle.index.count == keys_before + 2  # in the trained index, not appended
     assert compacted.bundle.index.added == 0
     assert compacted.predict([text], 5).rankings[0].ids[0] == label
     assert compacted.view.label_id("zebra-stripes") == label and compacted.bundle.label_texts[label] == text
@@ -179,8 +178,8 @@ def test_reindex_gives_the_same_bundle_with_the_compressed_index(tiny_rae_bundle
     assert manifest.files["encoder.onnx"] == source.bundle.manifest.files["encoder.onnx"]
     assert manifest.files["values.npz"] == source.bundle.manifest.files["values.npz"]
     reindexed = load_predictor(tmp_path / "ivfpq")
-    keys = source.bundle.index.get_items(np.arange(manifest.counts.memory_rows))
-    np.testing.assert_allclose(reindexed.bundle.index.get_items(np.arange(len(keys))), keys, atol=1e-3)
+    keys = source.bundle.index.vectors(np.arange(manifest.counts.memory_rows))
+    np.testing.assert_allclose(reindexed.bundle.index.vectors(np.arange(len(keys))), keys, atol=1e-3)
     vectors, _ = reindexed.bundle.encoder.encode(queries)
     exhaustive, served = recall_exhaustive_and_served(reindexed, vectors, manifest.counts.memory_rows)
     assert exhaustive >= 0.99
@@ -194,6 +193,52 @@ def test_retune_changes_only_the_search_parameters(compressed_labels, tmp_path):
     manifest = retune_bundle(compressed_labels, tmp_path / "retuned", nprobe=3, ef_search=50)
     assert manifest.files == source.files  # the same content, in the source's lineage (part of the id)
     assert manifest.lineage.bundle_id == source.bundle_id and manifest.lineage.offset == 0
-    assert (manifest.ivfpq.nprobe, manifest.hnsw.ef_search) == (3, 50)
+    assert (manifest.ivfpq.nprobe, manifest.ivfpq.rerank_depth) == (3, 50)
     retuned = load_predictor(tmp_path / "retuned")
     assert [shard.nprobe for shard in retuned.bundle.index.shards] == [3, 3]
+
+
+def as_schema_1(path):
+    """Rewrite ``path``'s manifest as the writers of schema version 1 wrote it: an ivfpq bundle's
+    re-rank depth in ``hnsw.ef_search``, no ``ivfpq.rerank_depth``."""
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    if manifest["ivfpq"] is not None:
+        manifest["hnsw"]["ef_search"] = manifest["ivfpq"].pop("rerank_depth")
+    manifest["schema_version"] = 1
+    (path / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+
+
+def test_a_bundle_written_at_schema_1_loads_and_answers_the_same(compressed_rae, tiny_rae_bundle, queries, tmp_path):
+    """Bundles written before the breadth was named per index kind: the re-rank depth read from
+    hnsw.ef_search, the same checksums, id and answers; an hnswlib bundle unchanged but its version."""
+    import shutil
+
+    for source in (compressed_rae, tiny_rae_bundle):
+        old = tmp_path / source.name
+        shutil.copytree(source, old)
+        as_schema_1(old)
+        assert json.loads((old / MANIFEST_FILE).read_text())["schema_version"] == 1
+        current, upgraded = load_predictor(source), load_predictor(old)  # checksums verified, id checked
+        manifest = upgraded.bundle.manifest
+        assert manifest.bundle_id == current.bundle.manifest.bundle_id and manifest.schema_version == 2
+        assert manifest.search_breadth == current.bundle.manifest.search_breadth
+        assert manifest.ivfpq == current.bundle.manifest.ivfpq
+        for k in (1, 10):
+            got, expected = upgraded.predict(queries, k), current.predict(queries, k)
+            assert [list(r.ids) for r in got.rankings] == [list(r.ids) for r in expected.rankings]
+            assert got.ef == expected.ef
+
+
+def test_an_ivfpq_bundle_at_schema_1_searches_at_its_hnsw_ef_search(compressed_labels, queries, tmp_path):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(compressed_labels, old)
+    as_schema_1(old)
+    manifest = json.loads((old / MANIFEST_FILE).read_text())
+    manifest["hnsw"]["ef_search"] = 13  # the depth version 1 re-ranked at
+    (old / MANIFEST_FILE).write_text(json.dumps(manifest))
+    upgraded, current = load_predictor(old), load_predictor(compressed_labels)
+    assert upgraded.bundle.manifest.ivfpq.rerank_depth == upgraded.default_ef == 13
+    got, expected = upgraded.predict(queries, 10), current.predict(queries, 10, ef=13)
+    assert [list(r.ids) for r in got.rankings] == [list(r.ids) for r in expected.rankings] and got.ef == expected.ef

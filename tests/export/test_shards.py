@@ -15,7 +15,7 @@ from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
 from loadtest.localserver import start_server, stop_server
 from service.engine import AppendBatch, load_predictor
-from service.engine.shards import ShardedIndex
+from service.engine.index import ShardedIndex
 
 TINY_RAE = {"dim": 16, "max_train": 300, "rae_top_b": 50}
 
@@ -134,5 +134,5 @@ def test_a_failed_append_retried_on_shards_leaves_no_key_hidden(sharded_rae, tmp
         grown.append(batch)
     monkeypatch.setattr(grown.memory, "index", sharded)
     grown.append(batch)  # re-adds the key the failed attempt left behind
-    assert not sharded._deleted  # every key of the published append is searchable
+    assert not sharded.hidden  # every key of the published append is searchable
     assert [grown.view.label_uids[i] for i in grown.predict(["zz-tool: new"], 1).rankings[0].ids] == ["zz-new"]

@@ -140,11 +140,11 @@ def test_exported_bundle_serves_the_trained_vectors(smoke_run):
     served, _ = bundle.encoder.encode(texts)
     np.testing.assert_allclose(served, trainer.embedder.serving_vectors(TextSide(texts, None)), atol=2e-4)
     # the label side is N(g1(Φ(z_l))) ⊕ N(Ψ_l)
-    stored = np.asarray(bundle.index.get_items([0, 1, 2]))
+    stored = np.asarray(bundle.index.vectors([0, 1, 2]))
     psi = trainer.model.psi.detach().numpy()[:3]
     np.testing.assert_allclose(stored[:, 32:], psi / np.linalg.norm(psi, axis=1, keepdims=True) / np.sqrt(2), atol=1e-5)
     # and the served ranking agrees with the exact in-training ranking of the same vectors
     ranked = Predictor(bundle).predict(texts, 5).rankings
-    scores = served @ np.asarray(bundle.index.get_items(range(bundle.manifest.counts.labels))).T
+    scores = served @ np.asarray(bundle.index.vectors(range(bundle.manifest.counts.labels))).T
     for ranking, row in zip(ranked, scores, strict=True):
         assert len(set(ranking.ids.tolist()) & set(np.argsort(-row)[:5].tolist())) >= 4

@@ -1,4 +1,4 @@
-"""The compressed index (service.engine.ivfpq): its re-rank is exact on the candidates it scans,
+"""The compressed index (service.engine.index.ivfpq): its re-rank is exact on the candidates it scans,
 it reaches brute force when it scans everything, appends go in without a rebuild, and a damaged
 index file is refused before faiss reads it."""
 
@@ -11,8 +11,9 @@ import pytest
 from bundle import IndexRefused
 from bundle.manifest import IvfPqParams
 from export.ivfpq import auto_nlist, build_ivfpq
-from service.engine import ivfpq as ivfpq_module
-from service.engine.ivfpq import IvfPqIndex, lists_offset
+from service.engine.index import IvfPqIndex
+from service.engine.index import ivfpq as ivfpq_module
+from service.engine.index.ivfpq import lists_offset
 
 DIM, KEYS, FIRST_KEY = 32, 3000, 500
 
@@ -30,16 +31,16 @@ def built(tmp_path_factory):
     keys = centres[rng.integers(0, 60, KEYS)] + 0.3 * unit(KEYS, rng)
     keys /= np.linalg.norm(keys, axis=1, keepdims=True)
     out = tmp_path_factory.mktemp("ivfpq")
-    params = IvfPqParams(nlist=auto_nlist(KEYS), pq_m=16, nprobe=4)
+    params = IvfPqParams(nlist=auto_nlist(KEYS), pq_m=16, nprobe=4, rerank_depth=50)
     build_ivfpq(keys, params.nlist, params.pq_m, out / "index.faiss", out / "rerank.npy", seed=0, build_threads=1)
     queries = centres[rng.integers(0, 60, 50)] + 0.3 * unit(50, rng)
     return out, params, keys, queries / np.linalg.norm(queries, axis=1, keepdims=True)
 
 
-def load(built, ef=50, **changes):
+def load(built, **changes):
     out, params, _, _ = built
     return IvfPqIndex.load(
-        out / "index.faiss", out / "rerank.npy", DIM, params.model_copy(update=changes), FIRST_KEY, KEYS, ef
+        out / "index.faiss", out / "rerank.npy", DIM, params.model_copy(update=changes), FIRST_KEY, KEYS
     )
 
 
@@ -51,8 +52,8 @@ def brute_force(stored, queries, k):
 
 def test_scanning_every_cell_and_reranking_every_candidate_is_brute_force(built):
     _, params, keys, queries = built
-    index = load(built, ef=KEYS, nprobe=params.nlist)
-    found, distances = index.knn_query(queries, k=10)
+    index = load(built, nprobe=params.nlist)
+    found, distances = index.search(queries, 10, breadth=KEYS)
     stored = keys.astype(np.float16).astype(np.float32)  # what the bundle keeps: float16
     order, sims = brute_force(stored, queries, 10)
     np.testing.assert_array_equal(found, order + FIRST_KEY)
@@ -62,11 +63,11 @@ def test_scanning_every_cell_and_reranking_every_candidate_is_brute_force(built)
 def test_the_rerank_orders_the_scanned_candidates_exactly(built):
     """At a narrow scan the answer is the exact top k of the candidates the codes gave."""
     _, params, keys, queries = built
-    index = load(built, ef=40)
+    index = load(built)
     import faiss
 
     _, candidates = index.index.search(queries, 40, params=faiss.SearchParametersIVF(nprobe=params.nprobe))
-    found, distances = index.knn_query(queries, k=10)
+    found, distances = index.search(queries, 10, breadth=40)
     stored = keys.astype(np.float16).astype(np.float32)
     for row, query in enumerate(queries):
         scanned = candidates[row][candidates[row] >= 0]
@@ -78,7 +79,7 @@ def test_the_rerank_orders_the_scanned_candidates_exactly(built):
 
 def test_recall_against_brute_force_on_float32_keys(built):
     _, _, keys, queries = built
-    found, _ = load(built, ef=100, nprobe=8).knn_query(queries, k=10)
+    found, _ = load(built, nprobe=8).search(queries, 10, breadth=100)
     truth, _ = brute_force(keys, queries, 10)
     recall = np.mean([len(set(f - FIRST_KEY) & set(t)) / 10 for f, t in zip(found, truth, strict=True)])
     assert recall >= 0.99
@@ -88,22 +89,22 @@ def test_appended_keys_are_found_hidden_while_marked_and_must_come_in_id_order(b
     _, _, _, queries = built
     index = load(built)
     new_ids = FIRST_KEY + KEYS + np.arange(3)
-    index.add_items(queries[:3], new_ids)
-    assert index.get_current_count() == KEYS + 3
-    found, distances = index.knn_query(queries[:3], k=1)
+    index.add(queries[:3], new_ids)
+    assert index.count == KEYS + 3
+    found, distances = index.search(queries[:3], 1, breadth=50)
     np.testing.assert_array_equal(found[:, 0], new_ids)
     np.testing.assert_allclose(distances[:, 0], 0.0, atol=1e-3)  # a float16 copy of the query itself
-    index.mark_deleted(int(new_ids[1]))
-    assert int(new_ids[1]) not in index.knn_query(queries[1:2], k=10)[0]
-    index.unmark_deleted(int(new_ids[1]))
-    assert index.knn_query(queries[1:2], k=1)[0][0, 0] == new_ids[1]
-    np.testing.assert_allclose(index.get_items(new_ids), queries[:3], atol=1e-3)
+    index.hide(int(new_ids[1]))
+    assert int(new_ids[1]) not in index.search(queries[1:2], 10, breadth=50)[0]
+    index.show(int(new_ids[1]))
+    assert index.search(queries[1:2], 1, breadth=50)[0][0, 0] == new_ids[1]
+    np.testing.assert_allclose(index.vectors(new_ids), queries[:3], atol=1e-3)
     with pytest.raises(ValueError, match="id order"):
-        index.add_items(queries[:1], [FIRST_KEY])
+        index.add(queries[:1], [FIRST_KEY])
 
 
 def test_fewer_candidates_than_asked_are_padded_with_no_key(built):
-    found, distances = load(built, ef=1, nprobe=1).knn_query(built[3][:2], k=KEYS)
+    found, distances = load(built, nprobe=1).search(built[3][:2], KEYS, breadth=1)
     assert (found == -1).any() and np.isinf(distances[found == -1]).all()
 
 
@@ -140,7 +141,7 @@ def test_a_damaged_index_file_is_refused_before_faiss_reads_it(built, tmp_path, 
     _, params, _, _ = built
     where = damaged(built, tmp_path, change)
     with pytest.raises(IndexRefused, match=reason):
-        IvfPqIndex.load(where / "index.faiss", where / "rerank.npy", DIM, params, FIRST_KEY, KEYS, 50)
+        IvfPqIndex.load(where / "index.faiss", where / "rerank.npy", DIM, params, FIRST_KEY, KEYS)
 
 
 def header_fields(nlist):
@@ -216,7 +217,7 @@ def test_a_forged_header_field_is_refused_before_faiss_reads_the_file(built, tmp
 
     monkeypatch.setattr(ivfpq_module.faiss, "read_index", read_index)
     with pytest.raises(IndexRefused, match=f"header field {re.escape(field)} is "):
-        IvfPqIndex.load(where / "index.faiss", where / "rerank.npy", DIM, params, FIRST_KEY, KEYS, 50)
+        IvfPqIndex.load(where / "index.faiss", where / "rerank.npy", DIM, params, FIRST_KEY, KEYS)
 
 
 def test_a_file_ending_inside_its_header_is_refused(built, tmp_path):
@@ -224,7 +225,7 @@ def test_a_file_ending_inside_its_header_is_refused(built, tmp_path):
     fields, _ = header_fields(params.nlist)
     where = damaged(built, tmp_path, lambda data, _: data.__delitem__(slice(fields["M2"][0] + 3, None)))
     with pytest.raises(IndexRefused, match="ends inside its header"):
-        IvfPqIndex.load(where / "index.faiss", where / "rerank.npy", DIM, params, FIRST_KEY, KEYS, 50)
+        IvfPqIndex.load(where / "index.faiss", where / "rerank.npy", DIM, params, FIRST_KEY, KEYS)
 
 
 def test_rerank_vectors_of_another_shape_or_not_finite_are_refused(built, tmp_path):
@@ -232,31 +233,31 @@ def test_rerank_vectors_of_another_shape_or_not_finite_are_refused(built, tmp_pa
     (tmp_path / "index.faiss").write_bytes((out / "index.faiss").read_bytes())
     np.save(tmp_path / "rerank.npy", keys[:-1].astype(np.float16))
     with pytest.raises(IndexRefused, match="expected float16"):
-        IvfPqIndex.load(tmp_path / "index.faiss", tmp_path / "rerank.npy", DIM, params, FIRST_KEY, KEYS, 50)
+        IvfPqIndex.load(tmp_path / "index.faiss", tmp_path / "rerank.npy", DIM, params, FIRST_KEY, KEYS)
     broken = keys.astype(np.float16)
     broken[7, 3] = np.nan
     np.save(tmp_path / "rerank.npy", broken)
     with pytest.raises(IndexRefused, match="not finite"):
-        IvfPqIndex.load(tmp_path / "index.faiss", tmp_path / "rerank.npy", DIM, params, FIRST_KEY, KEYS, 50)
+        IvfPqIndex.load(tmp_path / "index.faiss", tmp_path / "rerank.npy", DIM, params, FIRST_KEY, KEYS)
 
 
 def test_an_index_of_other_parameters_than_the_manifests_is_refused(built):
     out, params, _, _ = built
     with pytest.raises(IndexRefused):
-        IvfPqIndex.load(out / "index.faiss", out / "rerank.npy", DIM, params.model_copy(update={"pq_m": 8}), 0, KEYS, 5)
+        IvfPqIndex.load(out / "index.faiss", out / "rerank.npy", DIM, params.model_copy(update={"pq_m": 8}), 0, KEYS)
     with pytest.raises(IndexRefused, match="the shard's keys"):  # the header's ntotal says it first
-        IvfPqIndex.load(out / "index.faiss", out / "rerank.npy", DIM, params, 0, KEYS - 1, 5)
+        IvfPqIndex.load(out / "index.faiss", out / "rerank.npy", DIM, params, 0, KEYS - 1)
 
 
 def test_keys_with_equal_vectors_come_in_key_order():
     """Identical keys (an instance whose text is a label's) tie exactly: the smaller key id first,
     whether the candidates are few (sorted whole) or many (partitioned first)."""
-    from service.engine.ivfpq import best_first
+    from service.engine.index import best_first
 
     sims = np.array([[0.5, 0.9, 0.9, 0.1, 0.9, 0.2] * 10], dtype=np.float32)
     keys = np.arange(60)[::-1].reshape(1, 60).copy()
     for k in (3, 5, 25):
-        order = best_first(keys, sims, k)
+        order = best_first(keys, -sims, k)
         expected = np.lexsort((keys[0], -sims[0]))[:k]
         np.testing.assert_array_equal(order[0], expected)
 
@@ -271,3 +272,30 @@ def test_a_shard_gives_an_empty_value_row_where_it_found_no_key():
     searcher = ShardSearcher(None, values, Shard(index="i", values="v", rerank="r", first_key=10, keys=4))
     rows = searcher.value_rows(np.array([[13, -1], [10, 11]]))
     np.testing.assert_array_equal(rows.toarray(), [[10, 11, 12], [0, 0, 0], [1, 2, 3], [4, 5, 6]])
+
+
+def test_every_index_kind_is_a_key_index_and_takes_its_breadth_per_call(built):
+    """hnswlib keeps ef as index state: HnswIndex sets and uses it under its own lock, so searches
+    at different breadths on several threads each get the answer they get alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import hnswlib
+
+    from service.engine.index import HnswIndex, KeyIndex, ShardedIndex
+
+    _, _, keys, queries = built
+    graph = hnswlib.Index(space="ip", dim=DIM)
+    graph.init_index(max_elements=KEYS, ef_construction=20, M=4, random_seed=0)
+    graph.add_items(keys, np.arange(KEYS), num_threads=1)
+    hnsw = HnswIndex(graph)
+    for index in (hnsw, load(built), ShardedIndex([hnsw])):
+        assert isinstance(index, KeyIndex)
+    calls = [(queries[i % len(queries)][None, :], breadth) for i in range(200) for breadth in (10, 400)]
+    alone = [hnsw.search(q, 10, breadth) for q, breadth in calls]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(lambda call: hnsw.search(call[0], 10, call[1]), calls))
+    for (a_keys, a_dist), (t_keys, t_dist) in zip(alone, together, strict=True):
+        np.testing.assert_array_equal(a_keys, t_keys)
+        np.testing.assert_array_equal(a_dist, t_dist)
+    # a narrow graph (M 4, ef 10) misses some of what a wide search finds: the breadth did matter
+    assert any(not np.array_equal(a[0], b[0]) for a, b in zip(alone[::2], alone[1::2], strict=True))

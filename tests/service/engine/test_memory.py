@@ -130,11 +130,11 @@ class FailingIndex:
     def __getattr__(self, name):
         return getattr(self.index, name)
 
-    def add_items(self, *args, **kwargs):
+    def add(self, *args, **kwargs):
         self.calls += 1
         if self.calls == self.fail_at:
             raise MemoryError("simulated")
-        return self.index.add_items(*args, **kwargs)
+        return self.index.add(*args, **kwargs)
 
 
 def test_an_append_that_fails_midway_is_taken_back(rae, monkeypatch):
@@ -261,13 +261,13 @@ class PartWayIndex:
     def __getattr__(self, name):
         return getattr(self.index, name)
 
-    def add_items(self, data, ids, num_threads: int = 1):
+    def add(self, data, ids, threads: int = 1):
         self.calls += 1
         if self.calls == self.fail_at:
             if self.keep:
-                self.index.add_items(data[: self.keep], ids[: self.keep], num_threads=num_threads)
+                self.index.add(data[: self.keep], ids[: self.keep], threads=threads)
             raise MemoryError("simulated: an insertion failed")
-        return self.index.add_items(data, ids, num_threads=num_threads)
+        return self.index.add(data, ids, threads=threads)
 
 
 class FailingFaissThreads:
@@ -308,7 +308,7 @@ def test_an_append_that_fails_part_way_leaves_the_memory_as_it_was_and_the_next_
     append refused until a restart), and hnswlib's keys inserted but not yet hidden answering
     searches past the view's keys. Now the failed append's keys are taken back out: the same
     answers as before, and the retried append gives the memory a restart replays."""
-    from service.engine import ivfpq as ivfpq_module
+    from service.engine.index import ivfpq as ivfpq_module
 
     bundle = tiny_rae_bundle if kind == "hnswlib" else ivfpq_rae
     predictor = load_predictor(bundle, appends_dir=tmp_path / "appends")
@@ -338,7 +338,7 @@ def test_an_append_that_fails_part_way_leaves_the_memory_as_it_was_and_the_next_
     assert predictor.view.describe() == described and predictor.view.label_id(NEW_LABEL[0]) is None
     assert predictor.memory.log.path.stat().st_size == size  # the record is cut back
     if kind == "ivfpq":
-        assert real.get_current_count() == real.index.ntotal == predictor.view.num_keys
+        assert real.count == real.index.ntotal == predictor.view.num_keys
     after = predictor.predict(queries, 10, ef=ef)  # nothing of the failed append answers
     for row in range(len(queries)):
         assert uids_of(after, row) == uids_of(before, row), row

@@ -12,10 +12,11 @@ import pytest
 import scipy.sparse as sp
 
 from service.engine.fusion import FEATURES, LEXICAL_FEATURES, ScoreFusion
+from service.engine.index import HnswIndex, ShardedIndex
 from service.engine.lexical import KeyTerms, Lexicon
 from service.engine.memory import Memory, base_view, fetch_and_ef
 from service.engine.search import Neighbours, merged_neighbours, neighbours_needed, rank_batch
-from service.engine.shards import ShardAnswer, ShardedIndex, ShardQuery, ShardSearcher
+from service.engine.shards import ShardAnswer, ShardQuery, ShardSearcher
 from tests.service.engine.test_fusion import random_onnx_tree
 from xmc.checkpoint import default_encoder_dir
 
@@ -32,7 +33,7 @@ def build(kind: str, sizes: list[int], rng: np.random.Generator):
         index = hnswlib.Index(space="ip", dim=DIM)
         index.init_index(max_elements=size, ef_construction=50, M=8, random_seed=0)
         index.add_items(keys[first : first + size], np.arange(first, first + size), num_threads=1)
-        indexes.append(index)
+        indexes.append(HnswIndex(index))
         shards.append(SimpleNamespace(first_key=first, keys=size))
         first += size
     labels = len(keys) if kind == "labels" else RAE_LABELS

@@ -1,22 +1,20 @@
-"""The compressed key index (``ann`` ivfpq): faiss IVF over 4-bit PQ fast-scan codes, its
-candidates re-ranked exactly from float16 vectors.
+"""The compressed key index (``ann`` ivfpq) as a :class:`~service.engine.index.protocol.KeyIndex`:
+faiss IVF over 4-bit PQ fast-scan codes, a query's best candidates by code re-ranked exactly by
+their stored float16 vectors.
 
 A 64-d key costs 32 bytes of PQ code (``pq_m`` 64 → ``pq_m / 2`` bytes), 8 of id and 128 of
 float16 vector: about 170 bytes against hnswlib's 532 (a graph of M=32 links and the float32
 vector), and the index trains and fills in minutes at 10^7 keys where hnswlib's insertion takes
 hours (bench/results/ann-compressed.json). PQ codes alone saturate below 0.99 recall@10 (their
-error reorders near neighbours), so a query scans ``nprobe`` cells for its ``max(ef, n)`` best
-candidates by code and re-ranks them by the exact inner product with their stored vectors.
-
-:class:`IvfPqIndex` offers the part of ``hnswlib.Index`` the engine uses (``knn_query``,
-``set_ef``, ``add_items``, ``mark_deleted``, …), so the live memory (:mod:`service.engine.memory`),
-the shards and the search path treat both alike: appends are added to the IVF lists (their cell
-from the trained centroids, no rebuild) and their vectors kept beside the bundle's; compaction
-(``export.compact``) trains and fills a fresh index.
+error reorders near neighbours), so the search breadth is a re-rank depth: a query scans
+``nprobe`` cells (the manifest's) for its ``max(breadth, n)`` best candidates by code and
+re-ranks them by the exact inner product with their stored vectors.
 
 Its files are checked before faiss reads them (:mod:`bundle.ivfpq_file`: every header field, every
 inverted list, the re-rank vectors); :meth:`IvfPqIndex.load` checks what faiss read against the
-manifest too.
+manifest too (:func:`check_loaded`). Appends are added to the IVF lists (their cell from the
+trained centroids, no rebuild) and their vectors kept beside the bundle's; compaction
+(``export.compact``) trains and fills a fresh index.
 """
 
 from __future__ import annotations
@@ -33,7 +31,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import faiss  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bundle import FAST_SCAN_BLOCK, IndexRefused, check_index_file, empty_lists_size, load_rerank_vectors  # noqa: E402
+from bundle import (  # noqa: E402
+    FAST_SCAN_BLOCK,
+    IndexRefused,
+    check_index_file,
+    empty_lists_size,
+    load_rerank_vectors,
+)
+from service.engine.index.protocol import best_first  # noqa: E402
 
 
 def factory_string(nlist: int, pq_m: int) -> str:
@@ -75,11 +80,11 @@ def check_loaded(index: faiss.Index, dim: int, nlist: int, pq_m: int, keys: int)
 
 
 class IvfPqIndex:
-    """The compressed index of one shard (keys ``first_key`` .. ``first_key + keys − 1``), with
-    the part of ``hnswlib.Index``'s interface the engine uses. ``ef`` is the re-rank depth. Not
-    thread-safe (neither is hnswlib's): the memory and the shard searcher hold a lock around it."""
+    """The compressed index of one shard (keys ``first_key`` .. ``first_key + keys − 1``). Its
+    searches may run concurrently (faiss's search reads the index only); its mutations may not run
+    beside them (the memory holds its lock around both)."""
 
-    def __init__(self, index: faiss.Index, vectors: np.ndarray, first_key: int, nprobe: int, ef: int):
+    def __init__(self, index: faiss.Index, vectors: np.ndarray, first_key: int, nprobe: int):
         self.index = index
         self.dim = index.d
         # the bundle's keys' vectors, float16, memory-mapped: a plain array over the mapping (a
@@ -90,14 +95,12 @@ class IvfPqIndex:
         self.added = 0
         self.first_key = first_key
         self.nprobe = min(nprobe, index.nlist)
-        self.ef = ef
-        self._hidden: set[int] = set()  # local ids marked deleted (an append being inserted)
+        self._hidden: set[int] = set()  # local ids hidden (an append being inserted)
 
     @classmethod
-    def load(
-        cls, index_file: Path, rerank_file: Path, dim: int, params, first_key: int, keys: int, ef: int
-    ) -> IvfPqIndex:
-        """A shard's index from its files, each checked before it is used (:class:`IndexRefused`)."""
+    def load(cls, index_file: Path, rerank_file: Path, dim: int, params, first_key: int, keys: int) -> IvfPqIndex:
+        """A shard's index from its files, each checked before it is used (:class:`IndexRefused`);
+        ``params``: the manifest's :class:`~service.engine.manifest.IvfPqParams`."""
         check_index_file(index_file, dim, params.nlist, params.pq_m, first_key, keys)
         vectors = load_rerank_vectors(rerank_file, dim, keys)
         try:
@@ -105,39 +108,49 @@ class IvfPqIndex:
         except RuntimeError as exc:
             raise IndexRefused(f"faiss cannot read it ({exc})") from None
         check_loaded(index, dim, params.nlist, params.pq_m, keys)
-        return cls(index, vectors, first_key, params.nprobe, ef)
+        return cls(index, vectors, first_key, params.nprobe)
 
-    def set_ef(self, ef: int) -> None:
-        self.ef = ef
+    def save(self, index_file: Path, rerank_file: Path) -> None:
+        """The faiss index and every key's float16 vector (appended ones included), as a bundle
+        holds them."""
+        faiss.write_index(self.index, str(index_file))
+        np.save(rerank_file, self.vectors_of(np.arange(self.count)))
 
-    def get_current_count(self) -> int:
+    @property
+    def count(self) -> int:
         return self.base_count + self.added
 
-    def get_max_elements(self) -> int:
+    @property
+    def hidden(self) -> int:
+        return len(self._hidden)
+
+    @property
+    def capacity(self) -> int:
         return self.base_count + len(self.appended)
 
-    def resize_index(self, total: int) -> None:
+    def reserve(self, total: int) -> None:
         """Room for ``total`` keys: the appended vectors' buffer grows (the IVF lists grow by themselves)."""
-        rows = max(total - self.base_count, self.added)
+        rows = total - self.base_count
+        if rows <= len(self.appended):
+            return
         grown = np.zeros((rows, self.dim), dtype=np.float16)
         grown[: self.added] = self.appended[: self.added]
         self.appended = grown
 
-    def add_items(self, data, ids, num_threads: int = 1) -> None:
+    def add(self, vectors: np.ndarray, ids: np.ndarray, threads: int = 1) -> None:
         """Append keys, whose ids must be the next ones: the IVF lists take their codes (cells from
         the trained centroids), the buffer their float16 vectors."""
-        data = np.ascontiguousarray(data, dtype=np.float32).reshape(-1, self.dim)
+        data = np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1, self.dim)
         local = np.asarray(ids, dtype=np.int64) - self.first_key
-        expected = self.get_current_count() + np.arange(len(local))
+        expected = self.count + np.arange(len(local))
         if not np.array_equal(local, expected):
             raise ValueError("a compressed index appends keys in id order, after its last one")
-        if self.get_current_count() + len(local) > self.get_max_elements():
-            self.resize_index(self.get_current_count() + len(local))
-        with faiss_threads(num_threads):
+        self.reserve(self.count + len(local))
+        with faiss_threads(threads):
             self.index.add_with_ids(data, local)
         self.appended[self.added : self.added + len(local)] = data
         self.added += len(local)
-        self._hidden.difference_update(int(key) for key in local)  # hnswlib un-deletes a re-added key too
+        self._hidden.difference_update(int(key) for key in local)  # as hnswlib un-deletes a re-added key
 
     def take_back(self, first: int, end: int | None = None) -> None:
         """Remove every key from global id ``first`` on (those of an append that failed part-way,
@@ -172,13 +185,13 @@ class IvfPqIndex:
         self.added = min(self.added, count - self.base_count)
         self._hidden = {key for key in self._hidden if key < count}
 
-    def mark_deleted(self, key: int) -> None:
+    def hide(self, key: int) -> None:
         self._hidden.add(int(key) - self.first_key)
 
-    def unmark_deleted(self, key: int) -> None:
+    def show(self, key: int) -> None:
         self._hidden.discard(int(key) - self.first_key)
 
-    def get_items(self, ids) -> np.ndarray:
+    def vectors(self, ids) -> np.ndarray:
         """The stored (float16) vectors of keys ``ids``, as float32."""
         return self.vectors_of(np.asarray(ids, dtype=np.int64) - self.first_key).astype(np.float32)
 
@@ -193,25 +206,26 @@ class IvfPqIndex:
         out[~in_base] = self.appended[flat[~in_base] - self.base_count]
         return out.reshape(*local.shape, self.dim)
 
-    def knn_query(self, vectors, k: int = 1, num_threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
-        """The ``k`` nearest keys of each query (global ids, int64; −1 where fewer were found) and
+    def search(self, vectors: np.ndarray, n: int, breadth: int, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """The ``n`` nearest keys of each query (global ids, int64; −1 where fewer were found) and
         their distances ``1 − inner product`` (as hnswlib's ip space gives them; +inf for none):
-        the best ``max(ef, k)`` candidates by code, re-ranked by their stored vectors.
+        the best ``max(breadth, n)`` candidates by code in ``nprobe`` cells, re-ranked by their
+        stored vectors.
 
         One thread unless told otherwise (hnswlib's default is every core): a query's scan takes
         a fraction of a millisecond, and OpenMP's threads spin-wait for each other, which on a
         machine whose cores are busy costs more than the scan (measured: a 3,000-key build 0.4 s
         on one thread, 12 s on two beside a busy process)."""
         queries = np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1, self.dim)
-        depth = max(self.ef, k) + len(self._hidden)
-        with faiss_threads(num_threads):
+        depth = max(breadth, n) + len(self._hidden)
+        with faiss_threads(threads):
             nprobe = min(self.nprobe, self.index.nlist)
             _, candidates = self.index.search(queries, depth, params=faiss.SearchParametersIVF(nprobe=nprobe))
-        return self.rerank(queries, candidates, k)
+        return self.rerank(queries, candidates, n)
 
     def rerank(self, queries: np.ndarray, candidates: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """:func:`exact_rerank` of local ``candidates`` by this index's stored vectors, keys hidden
-        by :meth:`mark_deleted` left out; global key ids."""
+        """:func:`exact_rerank` of local ``candidates`` by this index's stored vectors, hidden keys
+        left out; global key ids."""
         hidden = np.fromiter(self._hidden, dtype=np.int64) if self._hidden else None
         return exact_rerank(self.vectors_of, queries, candidates, k, self.first_key, hidden)
 
@@ -221,8 +235,8 @@ def exact_rerank(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The ``k`` best of each query's ``candidates`` (local ids, −1: none; ``hidden`` ones left
     out) by the exact inner product with their stored vectors (``stored_of(local ids)``, any
-    shape + dim), ties to the smaller key id: key ids ``first_key + local`` (−1: none) and
-    distances ``1 − inner product`` (+inf: none)."""
+    shape + dim), in :func:`~service.engine.index.protocol.best_first` order: key ids
+    ``first_key + local`` (−1: none) and distances ``1 − inner product`` (+inf: none)."""
     found = candidates >= 0
     if hidden is not None:
         found &= ~np.isin(candidates, hidden)
@@ -231,29 +245,14 @@ def exact_rerank(
     sims = np.matmul(vectors, queries[:, :, None])[:, :, 0]  # einsum took 4x as long here
     sims[~found] = -np.inf
     keys = np.where(found, local + first_key, -1)
-    order = best_first(keys, sims, k)
+    # ordered by the exact similarities (1 − sim rounds near-equal ones together)
+    order = best_first(keys, -sims, k)
     keys, sims = np.take_along_axis(keys, order, axis=1), np.take_along_axis(sims, order, axis=1)
     if keys.shape[1] < k:  # fewer candidates than asked: padded as a search that finds fewer keys
         pad = k - keys.shape[1]
         keys = np.pad(keys, ((0, 0), (0, pad)), constant_values=-1)
         sims = np.pad(sims, ((0, 0), (0, pad)), constant_values=-np.inf)
     return keys, (1.0 - sims).astype(np.float32)
-
-
-def best_first(keys: np.ndarray, sims: np.ndarray, k: int) -> np.ndarray:
-    """Per row, the positions of the ``k`` highest ``sims`` in order, equal ones by key id. Only
-    the best ``2k`` are sorted (a partition finds them) unless a tie crosses that cut, where the
-    whole row decides (sorting every candidate cost as much as the scan itself)."""
-    width = sims.shape[1]
-    if width <= 2 * k:
-        return np.lexsort((keys, -sims), axis=-1)[:, :k]
-    part = np.argpartition(-sims, 2 * k - 1, axis=1)
-    head, rest = part[:, : 2 * k], part[:, 2 * k :]
-    head_sims = np.take_along_axis(sims, head, axis=1)
-    if np.any(np.take_along_axis(sims, rest, axis=1).max(axis=1) >= np.sort(head_sims, axis=1)[:, -k]):
-        return np.lexsort((keys, -sims), axis=-1)[:, :k]  # a tie at the cut
-    within = np.lexsort((np.take_along_axis(keys, head, axis=1), -head_sims), axis=-1)[:, :k]
-    return np.take_along_axis(head, within, axis=1)
 
 
 class faiss_threads:
