@@ -58,7 +58,7 @@ from bench.lib.recall import recall_with_ties
 from bench.lib.synthetic import clustered_vectors, draw
 from bundle import IvfPqParams
 from export.ivfpq import auto_nlist, build_ivfpq
-from service.engine import IvfPqIndex, exact_rerank, faiss_threads
+from service.engine.offline import IvfPqIndex, exact_rerank, faiss_threads
 
 K = 10
 BATCH = 32
@@ -299,7 +299,7 @@ def synthetic_set(n: int, queries: int) -> tuple[np.ndarray, np.ndarray, dict]:
 def real_set(bundle: Path, data: Path, queries: int) -> tuple[np.ndarray, np.ndarray, dict]:
     """A bundle's keys (from its HNSW file) and its data's dev texts encoded by its encoder."""
     from bundle import read_manifest
-    from service.engine import load_encoder
+    from service.engine.offline import load_encoder
 
     manifest = read_manifest(bundle)
     index = hnswlib.Index(space="ip", dim=manifest.dim)

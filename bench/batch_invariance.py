@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from service.engine import Predictor, load_bundle
+from service.engine import Predictor
+from service.engine.offline import load_bundle
 from xmc.data import load_jsonl_split
 
 TOLERANCE = 1e-6

@@ -57,7 +57,7 @@ from export.held_out import (
     HeldOutPairs,
     add_held_out_memory_option,
 )
-from service.engine import FEATURE_GROUPS, OPTIONAL_GROUPS, ScoreFusion, features_of_groups
+from service.engine.offline import FEATURE_GROUPS, OPTIONAL_GROUPS, ScoreFusion, features_of_groups
 from xmc.checkpoint import HOLDOUT_FILE
 from xmc.data import label_frequencies, load_jsonl_split
 from xmc.metrics import HEADLINE, compute_all

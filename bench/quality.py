@@ -42,7 +42,7 @@ from export.evaluate import evaluate_bundle
 from export.fuse import FuseParams, fuse_bundle
 from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS
 from export.held_out import DEFAULT_HELD_OUT_MEMORY, add_held_out_memory_option
-from service.engine import load_bundle
+from service.engine.offline import load_bundle
 from xmc.checkpoint import HOLDOUT_FILE, LOG_FILE, PARAMS_FILE, ServingHead
 from xmc.data import load_jsonl_split
 from xmc.metrics import HEADLINE

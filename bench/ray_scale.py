@@ -34,7 +34,7 @@ from bench.lib.recall import recall_at_k
 from bench.lib.synthetic import clustered_vectors, draw, exact_top10
 from bundle import ENCODER_FILE, LABELS_FILE, TOKENIZER_FILE, Counts, HnswParams, Shard, shard_list
 from loadtest.localserver import free_port, start_server, stop_server
-from service.engine import fetch_and_ef
+from service.engine.offline import fetch_and_ef
 from xmc.data import LabelSpace, load_jsonl_split
 
 M, EF_CONSTRUCTION, EF_SEARCH = 32, 200, 300
@@ -90,7 +90,7 @@ def build(labels: int, shards: int, workdir: Path, encoder_bundle: Path, seed: i
 def sharded_recall(bundle: Path, labels: int, queries: int, seed: int) -> dict:
     """Recall@10 of every shard searched at the default ef and merged, against exact search."""
     from bundle import read_manifest
-    from service.engine import load_shard, merge_answers
+    from service.engine.offline import load_shard, merge_answers
 
     rng = np.random.default_rng(seed)
     vectors, (centres, weights, spread) = clustered_vectors(labels, rng)

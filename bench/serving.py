@@ -49,7 +49,8 @@ from bench.lib.loadgen import closed_loop, open_loop
 from bench.lib.profiling import server_cpu_s
 from bench.lib.recall import ann_recall
 from loadtest.localserver import free_port, start_server, stop_server
-from service.engine import EncoderOptions, load_bundle
+from service.engine import EncoderOptions
+from service.engine.offline import load_bundle
 from service.http.settings import Settings
 from xmc.checkpoint import default_encoder_dir
 from xmc.data import load_jsonl_split

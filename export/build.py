@@ -5,7 +5,7 @@
 
 Steps: encode the memory texts (mean-pooled Φ, through a fused ONNX graph checked against
 torch), fit a PCA head when the checkpoint has none, export the serving graph to ONNX and
-check its parity with torch (the export fails otherwise), build the HNSW index over the keys,
+check its parity with torch (the export fails otherwise), build the key index (hnswlib, or IVF-PQ) over the keys,
 write labels, the RAE value matrix and a manifest with sha256 of every file. The bundle is
 written to a temporary sibling directory and renamed into place, so a reader never sees a
 half-written bundle.
@@ -54,7 +54,7 @@ from export.onnx_export import export_serving_graph, random_texts
 from export.pooled_vectors import EncodeReport, encode_pooled
 from export.serving_graph import ServingEncoder, load_encoder, load_fast_tokenizer
 from export.writer import refuse_existing, write_bundle, write_values
-from service.engine import HnswIndex
+from service.engine.offline import HnswIndex
 from xmc.checkpoint import (
     Checkpoint,
     ServingHead,

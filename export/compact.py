@@ -36,15 +36,8 @@ from export.build import write_index, write_label_files
 from export.derive import fusion_files, link_or_copy, write_key_terms
 from export.export_params import ExportParams
 from export.writer import refuse_existing, write_bundle
-from service.engine import (
-    SOURCE_LOGS,
-    AppendLogError,
-    MemoryView,
-    ScoreFusion,
-    appends_dir_beside,
-    lineage_log_path,
-    load_for_reading,
-)
+from service.engine import AppendLogError, MemoryView, appends_dir_beside
+from service.engine.offline import SOURCE_LOGS, ScoreFusion, lineage_log_path, load_for_reading
 from xmc.data import LabelSpace
 
 

@@ -34,7 +34,7 @@ from bundle import (
 from export.export_params import RAE_ATTRIBUTES, Quantize, RaeMode
 from export.onnx_export import quantize_checked, random_texts
 from export.writer import write_bundle, write_values
-from service.engine import ScoreFusion, carried_lineage, save_key_terms
+from service.engine.offline import ScoreFusion, carried_lineage, save_key_terms
 
 
 def derive_rae_bundle(

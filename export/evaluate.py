@@ -17,7 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from service.engine import Bundle, Predictor, load_bundle
+from service.engine import Predictor
+from service.engine.offline import Bundle, load_bundle
 from xmc.data import XMCDataset, load_jsonl_split
 from xmc.evaluate import evaluate_predictor, format_table
 from xmc.metrics import PROPENSITY_PRESETS, Segments

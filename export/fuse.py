@@ -69,14 +69,8 @@ from export.held_out import (
     unfitted_fusion,
 )
 from export.writer import refuse_existing
-from service.engine import (
-    OPTIONAL_GROUPS,
-    AppendLogError,
-    Predictor,
-    ScoreFusion,
-    carried_lineage,
-    load_predictor,
-)
+from service.engine import AppendLogError, Predictor, load_predictor
+from service.engine.offline import OPTIONAL_GROUPS, ScoreFusion, carried_lineage
 from xmc.checkpoint import HOLDOUT_FILE
 from xmc.data import XMCDataset, load_jsonl_split, rows_of_uids
 

@@ -29,11 +29,11 @@ import numpy as np
 import scipy.sparse as sp
 
 from bundle import TOKENIZER_FILE
-from service.engine import (
+from service.engine import Predictor
+from service.engine.offline import (
     KeyTerms,
     Lexicon,
     Neighbours,
-    Predictor,
     ScoreFusion,
     features_of_groups,
     fusion_candidates,

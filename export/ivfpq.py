@@ -14,7 +14,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from service.engine import empty_index, faiss_threads
+from service.engine.offline import empty_index, faiss_threads
 
 # k-means points per cell: faiss warns below 39, and more buys little once candidates are re-ranked
 SAMPLE_PER_CELL = 64

@@ -28,7 +28,8 @@ from bundle import TOKENIZER_FILE
 from export.export_params import ExportParams
 from export.onnx_export import ParityError, export_checked_graph
 from export.serving_graph import PooledEncoder, tokenize_batch
-from service.engine import MAX_CHUNK, EncoderOptions, OnnxEncoder
+from service.engine import EncoderOptions
+from service.engine.offline import MAX_CHUNK, OnnxEncoder
 
 log = logging.getLogger("xmcserve.export")
 

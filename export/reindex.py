@@ -29,7 +29,8 @@ from export.build import write_shard_index
 from export.derive import link_or_copy
 from export.export_params import ExportParams
 from export.writer import refuse_existing, write_bundle
-from service.engine import AppendLogError, carried_lineage, load_shard_index
+from service.engine import AppendLogError
+from service.engine.offline import carried_lineage, load_shard_index
 
 
 def reindex_bundle(

@@ -14,7 +14,8 @@ from export.held_out import (
     HeldOutSearch,
     unfitted_fusion,
 )
-from service.engine import FEATURE_GROUPS, KeyTerms, ScoreFusion, load_predictor
+from service.engine import load_predictor
+from service.engine.offline import FEATURE_GROUPS, KeyTerms, ScoreFusion
 from xmc.checkpoint import HOLDOUT_FILE
 from xmc.data import load_jsonl_split, rows_of_uids
 

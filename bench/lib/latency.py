@@ -19,7 +19,8 @@ import numpy as np
 
 from bench.lib.loadgen import Connection, encode_request
 from loadtest.localserver import start_server, stop_server
-from service.engine import EncoderOptions, Predictor, load_bundle
+from service.engine import EncoderOptions, Predictor
+from service.engine.offline import load_bundle
 from service.http.settings import Settings
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.engine import Bundle, Neighbours, Predictor, Ranking, rank_batch
+from service.engine import Predictor, Ranking
+from service.engine.offline import Bundle, Neighbours, rank_batch
 
 
 def bundle_keys(bundle: Bundle) -> np.ndarray:
@@ -74,7 +75,7 @@ def ann_recall(bundle: Bundle, texts: list[str], k: int = 10, ef: int | None = N
 
 def key_recall_at_10(predictor: Predictor, vectors: np.ndarray, ef: int | None = None) -> float:
     """Share of the exact 10 nearest keys (over every key of the predictor's current memory,
-    appended ones included) that its HNSW search at ``ef`` returns."""
+    appended ones included) that its index search at breadth ``ef`` returns."""
     keys = predictor.bundle.index.vectors(np.arange(predictor.view.num_keys))
     found, _, _ = predictor.knn(vectors, 10, ef)
     hits = 0

@@ -17,10 +17,10 @@ from fastapi import FastAPI, Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from bundle import Manifest
-from service.engine.memory import MAX_LABELS_PER_INSTANCE, AppendBatch, MemoryView
+from service.engine import MAX_LABELS_PER_INSTANCE, AppendBatch, MemoryView
 
 if TYPE_CHECKING:
-    from service.engine.search import Ranking
+    from service.engine import Ranking
 from service.api.limits import LimitSettings
 
 try:

@@ -34,7 +34,7 @@ from service.api.schemas import (
     predict_response_off_loop,
     request_body_openapi,
 )
-from service.engine.batcher import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
+from service.engine import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
 from service.http.admin import add_admin_routes, require_admin
 from service.http.guards import LoadShed
 from service.http.metrics import Metrics, RequestObserver

@@ -15,9 +15,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings
 
 from service.api.limits import LimitSettings, settings_group
-from service.engine.append_log import appends_dir_beside
-from service.engine.batcher import BatcherConfig
-from service.engine.encoder import EncoderOptions, thread_layout
+from service.engine import BatcherConfig, EncoderOptions, appends_dir_beside, thread_layout
 from service.rollout.shadow import ShadowConfig
 
 

@@ -45,11 +45,21 @@ from service.api.docs import add_api_docs
 from service.api.front_door import FrontDoorMiddleware
 from service.api.limits import LimitSettings
 from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response_off_loop
-from service.engine.bundle import load_encoder, load_fusion, load_labels, load_shard
-from service.engine.encoder import EncoderOptions
-from service.engine.memory import base_view, fetch_and_ef
-from service.engine.search import Ranking, excluded_label_ids, merged_neighbours, neighbours_needed, rank_batch
-from service.engine.shards import ShardAnswer, ShardQuery
+from service.engine import EncoderOptions, Ranking
+from service.engine.distributed import (
+    ShardAnswer,
+    ShardQuery,
+    base_view,
+    excluded_label_ids,
+    fetch_and_ef,
+    load_encoder,
+    load_fusion,
+    load_labels,
+    load_shard,
+    merged_neighbours,
+    neighbours_needed,
+    rank_batch,
+)
 from service.observability.logs import REQUEST_ID
 from service.observability.requests import AccessLog
 from service.observability.tracing import Tracing
@@ -79,7 +89,7 @@ class AppArgs(BaseModel):
     shard_replicas: int = Field(1, ge=1, description="replicas of each shard (2+: a shard outlives a lost node)")
     ingress_replicas: int = Field(1, ge=1, description="replicas of the HTTP ingress")
     encoder_cpus: float = Field(1.0, gt=0, description="CPUs per encoder replica (its ONNX Runtime threads)")
-    shard_cpus: float = Field(1.0, ge=0, description="CPUs per shard replica (its HNSW search threads)")
+    shard_cpus: float = Field(1.0, ge=0, description="CPUs per shard replica (its index search threads)")
     ingress_cpus: float = Field(0.5, ge=0, description="CPUs per ingress replica")
     shard_resources: dict[str, float] = Field(
         default_factory=dict,

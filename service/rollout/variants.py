@@ -13,8 +13,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from service.engine.batcher import BatcherConfig, MicroBatcher
-from service.engine.search import Predictor, StageTimes
+from service.engine import BatcherConfig, MicroBatcher, Predictor, StageTimes
 from service.rollout import CANDIDATE, PRIMARY
 
 __all__ = ["CANDIDATE", "PRIMARY", "Variants", "VariantSlot", "route", "key_fraction"]

@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from export.compact import compact_bundle
-from service.engine import AppendBatch, AppendLog, AppendLogError, AppendLogHeld, load_predictor
+from service.engine import AppendBatch, AppendLogError, AppendLogHeld, load_predictor
 from service.engine.append_log import check_bundle_id
+from service.engine.offline import AppendLog
 
 LABEL = ("zz-log-label", "zz-log-label: a label appended in a log test")
 
