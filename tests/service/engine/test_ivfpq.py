@@ -103,6 +103,19 @@ def test_appended_keys_are_found_hidden_while_marked_and_must_come_in_id_order(b
         index.add(queries[:1], [FIRST_KEY])
 
 
+def test_an_index_with_appended_keys_saves_to_files_that_load_and_answer_the_same(built, tmp_path):
+    """What a bundle holds of a compressed index (faiss's file, every key's float16 vector) is
+    written back by save, appended keys included, and loads as the same index."""
+    out, params, _, queries = built
+    index = load(built)
+    index.add(queries[:5], FIRST_KEY + KEYS + np.arange(5))
+    index.save(tmp_path / "index.faiss", tmp_path / "rerank.npy")
+    again = IvfPqIndex.load(tmp_path / "index.faiss", tmp_path / "rerank.npy", DIM, params, FIRST_KEY, KEYS + 5)
+    assert again.count == KEYS + 5
+    for one, two in zip(index.search(queries, 10, breadth=50), again.search(queries, 10, breadth=50), strict=True):
+        np.testing.assert_array_equal(one, two)
+
+
 def test_fewer_candidates_than_asked_are_padded_with_no_key(built):
     found, distances = load(built, nprobe=1).search(built[3][:2], KEYS, breadth=1)
     assert (found == -1).any() and np.isinf(distances[found == -1]).all()
