@@ -5,9 +5,9 @@ values; export imports of training only the torch model code it exports
 (export/serving_graph.py); bench imports nothing of training (what it reads of a run is in xmc)."""
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.import_probe import import_all
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("xmc", "bundle", "service", "training", "export", "bench", "loadtest")
@@ -59,55 +59,21 @@ def test_the_layer_check_sees_an_import_inside_a_function(tmp_path):
     assert stages_imported(module) == {"training"}
 
 
-PROBE = r"""
-import importlib, importlib.abc, pkgutil, sys
-
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("torch", "transformers", "service", "training", "export", "bench"):
-            raise ImportError(f"blocked import of {name}")
-        return None
-
-sys.meta_path.insert(0, Block())
-import xmc
-names = [m.name for m in pkgutil.walk_packages(xmc.__path__, "xmc.")]
-for name in names:
-    importlib.import_module(name)
-print(" ".join(names))
-"""
-
-
 def test_xmc_imports_without_torch_or_any_stage():
-    result = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = import_all(("xmc",), blocked=("torch", "transformers", "service", "training", "export", "bench"))
     assert result.returncode == 0, result.stderr
     assert "xmc.metrics" in result.stdout and "xmc.evaluate" in result.stdout
 
 
-BUNDLE_PROBE = r"""
-import importlib, importlib.abc, pkgutil, sys
-
-BLOCKED = (
+# what the bundle format must not need: torch, any serving runtime, any stage
+BUNDLE_BLOCKED = (
     "torch", "transformers", "onnxruntime", "tokenizers", "hnswlib", "faiss", "fastapi", "starlette", "uvicorn",
     "ray", "xmc", "service", "training", "export", "bench", "loadtest",
-)
-
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            raise ImportError(f"blocked import of {name}")
-        return None
-
-sys.meta_path.insert(0, Block())
-import bundle
-names = [m.name for m in pkgutil.walk_packages(bundle.__path__, "bundle.")]
-for name in names:
-    importlib.import_module(name)
-print(" ".join(names))
-"""
+)  # fmt: skip
 
 
 def test_the_bundle_format_imports_without_torch_any_stage_or_serving_runtime():
     """No HTTP, no ONNX Runtime, no index library: the format is numpy, scipy and pydantic."""
-    result = subprocess.run([sys.executable, "-c", BUNDLE_PROBE], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = import_all(("bundle",), blocked=BUNDLE_BLOCKED)
     assert result.returncode == 0, result.stderr
     assert "bundle.manifest" in result.stdout and "bundle.ivfpq_file" in result.stdout
