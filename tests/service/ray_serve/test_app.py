@@ -41,6 +41,7 @@ SHARDS = 2
 INGRESS_LIMITS = {"ingress_max_ongoing_requests": 4, "ingress_max_queued_requests": 4}
 # Node death is noticed within ~1.5 s instead of the production 15 s (5 missed checks of 3 s).
 MAX_REQUESTS_PER_CLIENT = 500
+REQUEST_TIMEOUT_MS = 15_000
 AFTER_THE_CRASH_S = 3.0
 FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 # Metrics reach the export port every second instead of every 10.
@@ -73,6 +74,9 @@ def cluster(sharded_bundle):
     """(cluster, worker nodes, base URL) with the application running."""
     environment = pytest.MonkeyPatch()
     environment.setenv("RAY_USAGE_STATS_ENABLED", "0")  # no reporting from a test cluster
+    # These tests check answers and failover, not latency: beside a CPU hog the production
+    # default (1 s to encode and fan out) turned answers into 503s. The replicas inherit it.
+    environment.setenv("XMCSERVE_REQUEST_TIMEOUT_MS", str(REQUEST_TIMEOUT_MS))
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
