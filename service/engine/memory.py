@@ -44,7 +44,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from bundle import StringColumn, UidLookup, XmcserveError
-from service.engine.index.protocol import KeyIndex, by_distance_then_key
+from service.engine.index.protocol import KeyIndex
 from service.engine.rae import ValueRows, labels_of_keys
 
 log = logging.getLogger(__name__)
@@ -359,9 +359,7 @@ class Memory:
             fetch, ef = fetch_and_ef(n + newer, ef, self._view.num_keys)
             # One thread: the search runs on the batcher's own thread beside the encode threads.
             keys, distances = self.index.search(vectors, fetch, ef, threads=1)
-        # best first by the float32 distances (a compressed index ranks by exact similarities, of
-        # which two may round to one distance)
-        keys, distances = by_distance_then_key(keys, distances)
+        # best first by distance, then key: every KeyIndex answers in that order
         sims = (1.0 - distances).astype(np.float32)
         if newer:
             keys, sims = _only_visible(keys, sims, view.num_keys, n)

@@ -38,7 +38,7 @@ from bundle import (  # noqa: E402
     empty_lists_size,
     load_rerank_vectors,
 )
-from service.engine.index.protocol import best_first  # noqa: E402
+from service.engine.index.protocol import best_first, by_distance_then_key  # noqa: E402
 
 
 def factory_string(nlist: int, pq_m: int) -> str:
@@ -210,7 +210,9 @@ class IvfPqIndex:
         """The ``n`` nearest keys of each query (global ids, int64; −1 where fewer were found) and
         their distances ``1 − inner product`` (as hnswlib's ip space gives them; +inf for none):
         the best ``max(breadth, n)`` candidates by code in ``nprobe`` cells, re-ranked by their
-        stored vectors.
+        stored vectors. Best first by the distances returned, equal ones in key order, as every
+        :class:`~service.engine.index.protocol.KeyIndex` answers (the re-rank selects by the exact
+        similarities, of which two may round to one distance).
 
         One thread unless told otherwise (hnswlib's default is every core): a query's scan takes
         a fraction of a millisecond, and OpenMP's threads spin-wait for each other, which on a
@@ -221,7 +223,7 @@ class IvfPqIndex:
         with faiss_threads(threads):
             nprobe = min(self.nprobe, self.index.nlist)
             _, candidates = self.index.search(queries, depth, params=faiss.SearchParametersIVF(nprobe=nprobe))
-        return self.rerank(queries, candidates, n)
+        return by_distance_then_key(*self.rerank(queries, candidates, n))
 
     def rerank(self, queries: np.ndarray, candidates: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """:func:`exact_rerank` of local ``candidates`` by this index's stored vectors, hidden keys
