@@ -24,7 +24,7 @@ PORT ?= 8000
 
 .PHONY: prereqs install images image-check compose-check serve serve-ray bundle test lint evaluate sample clean bench-serving bench-ann bench-ab loadtest \
 	train train-smoke trained-bundle bench-quality peers-venv bench-ab-own-cores bench-overload bench-ray-scale bench-million \
-	bench-ann-compressed bench-ten-million
+	bench-ann-compressed bench-ten-million bench-gpu
 
 # What a fresh machine lacks, said before pip fails half-way through compiling hnswlib.
 PREREQS_HINT := see README.md, Prerequisites (Debian/Ubuntu: apt-get install python3-venv python3-dev g++)
@@ -84,6 +84,18 @@ bench-serving:
 	$(MAKE) EXTRAS=cpu,train,dev,bench install bundle
 	$(if $(BASELINE_REF),test -d $(BASELINE_TREE) || git worktree add --detach $(BASELINE_TREE) $(BASELINE_REF))
 	$(PY) -m bench.serving --bundle $(BUNDLE) --null-encoder $(if $(BASELINE_REF),--baseline-tree $(BASELINE_TREE))
+
+# On a CUDA machine, in at most 8 minutes (bench/gpu.py): a CUDA bundle of the sample built and served
+# on the CUDA execution provider (peak, idle p50, p99 at 70 % of peak, the null-encoder peak), then
+# 1, 2, 4, 8 CPU server processes on cores of their own; one JSON, bench/results/gpu.json. A venv of
+# its own: onnxruntime-gpu and the other venvs' onnxruntime ship the same module, never both in one.
+# torch is TORCH_PIN's build: a CUDA one encodes the bundle on the GPU, a CPU one on the CPU (the JSON
+# says which). BENCH_GPU_ARGS=--dry-run runs the same stages on the CPU in under two minutes.
+GPU_VENV ?= .venv-gpu
+BENCH_GPU_ARGS ?=
+bench-gpu:
+	$(MAKE) VENV=$(GPU_VENV) EXTRAS=gpu,train install
+	$(GPU_VENV)/bin/python -m bench.gpu $(BENCH_GPU_ARGS)
 
 # Single server vs Ray Serve with 1, 2 and 4 shards at 1M synthetic labels (builds take ~35 min
 # on 2 cores; built bundles are kept in /tmp/xmcserve-ray-scale).
@@ -235,4 +247,4 @@ bench-quality: $(STAMP) $(PEERS_VENV)/.installed
 	$(PY) -m bench.quality --peers-python $(PEERS_VENV)/bin/python $(QUALITY_ARGS)
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) bundles runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS_VENV) $(GPU_VENV) bundles runs .pytest_cache .ruff_cache

@@ -30,10 +30,10 @@ NULL_SERVER = ROOT / "bench" / "lib" / "null_encoder.py"
 GRANIAN = "granian"
 
 
-def start_null_server(tree: Path, bundle: Path, vectors: Path, log_path: Path, extra_env: dict):
+def start_null_server(tree: Path, bundle: Path, vectors: Path, log_path: Path, extra_env: dict, timeout_s: float = 180):
     """``tree``'s server (its own ``service`` package) with the null encoder, and an append log
     directory of its own (two servers of one bundle cannot share its log). ``tree`` may be
-    :data:`GRANIAN`: this tree's app under granian."""
+    :data:`GRANIAN`: this tree's app under granian. ``timeout_s``: how long it may take to be ready."""
     appends = log_path.with_suffix(".appends")
     shutil.rmtree(appends, ignore_errors=True)
     source = ROOT if tree == GRANIAN else tree
@@ -42,7 +42,7 @@ def start_null_server(tree: Path, bundle: Path, vectors: Path, log_path: Path, e
     if tree == GRANIAN:
         command = [str(Path(sys.executable).parent / "granian"), "--interface", "asgi", "--factory", "--loop", "uvloop"]
         command += ["--http1-header-read-timeout", "10000", "--no-ws", "bench.lib.null_encoder:create_app"]
-    return start_server(bundle.resolve(), log_path, extra_env=env, command=command, cwd=source, timeout_s=180)
+    return start_server(bundle.resolve(), log_path, extra_env=env, command=command, cwd=source, timeout_s=timeout_s)
 
 
 def cpu_per_request_us(url: str, bodies: list[bytes], rps: float, seconds: float) -> tuple[float, dict]:
