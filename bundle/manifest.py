@@ -26,6 +26,9 @@ immutable directory::
                      its single regression tree here as arrays
     lexical.npz      a lexical fusion's unit term vectors of the keys, key id order (CSR, keys x
     lexical-<i>.npz  terms); a sharded bundle has one file per shard, its keys' rows
+    sparse.npz       optional (``fusion.sparse``): a sparse linear ranker over the lexical fusion's
+                     term space, the weights (CSR, terms x labels) and one bias per label
+                     (service.engine.sparse), a second source of the fusion's candidates
     head.npz/.json   the linear head inside encoder.onnx (xmc.checkpoint format); not read
                      by the service, there for torch tools that rebuild the same vectors
 """
@@ -64,6 +67,7 @@ VALUES_FILE = "values.npz"
 FUSION_FILE = "fusion.npz"
 FUSION_MODEL_FILE = "fusion.onnx"
 LEXICAL_FILE = "lexical.npz"
+SPARSE_FILE = "sparse.npz"
 
 IndexKind = Literal["labels", "rae_memory"]
 # how the labels are stored: labels.jsonl, read into arrays at load; or those arrays themselves,
@@ -76,6 +80,9 @@ RaeMode = Literal["joint", "split"]
 # the score fusion's model: one regression tree (NGAME App. C), gradient-boosted regression trees,
 # or LambdaMART (gradient-boosted trees with a ranking objective, each query a group)
 FusionModelKind = Literal["tree", "gbdt", "lambdarank"]
+# how a sparse ranker's weights were fitted: one-vs-rest logistic regression over every
+# (text, label) pair, or each label's centroid of its texts (PIFA; export.sparse_fit)
+SparseFitKind = Literal["one_vs_rest", "centroid"]
 
 
 class _Strict(BaseModel):
@@ -137,6 +144,20 @@ class RaeParams(_Strict):
     )
 
 
+class SparseRankerParams(_Strict):
+    """A sparse linear ranker (service.engine.sparse): margin_l(q) = Σ_t q_t W[t, l] + b_l over the
+    unit idf-weighted term vector q of the lexical fusion's term space; each query's top ``depth``
+    labels by margin join the candidates the fusion rescores, and every candidate's margin and
+    rank are features of φ."""
+
+    file: str = Field(SPARSE_FILE, description="W (CSR, terms x labels, float32) and b (labels) as one npz")
+    depth: int = Field(ge=1, description="labels each query's margins add to the candidates")
+    labels: int = Field(ge=1, description="labels the weights cover (label ids 0 .. labels - 1; later ones have none)")
+    fit: SparseFitKind = Field(description="how W and b were fitted: one_vs_rest | centroid")
+    fit_params: dict = Field(default_factory=dict, description="the fit's parameters, as given")
+    fitted_on: str = Field(description="the texts the weights were fitted on (never the dev or test split)")
+
+
 class FusionParams(_Strict):
     """Score fusion of an RAE memory (service.engine.fusion): fused = p̂ + T(φ)."""
 
@@ -162,6 +183,9 @@ class FusionParams(_Strict):
         None,
         description="the keys' term vector files of a fusion with lexical features, one per shard in shard "
         "order (one for an unsharded bundle); None: no lexical features",
+    )
+    sparse: SparseRankerParams | None = Field(
+        None, description="a sparse linear ranker over the lexical term space, a second candidate source; None: none"
     )
 
     @model_validator(mode="before")
@@ -276,6 +300,12 @@ class Manifest(_Strict):
                 raise ValueError("a lexical fusion has one key term file per shard")
             if len(set(self.fusion.lexical)) != len(self.fusion.lexical):
                 raise ValueError("two shards name the same key term file")
+        if self.fusion is not None and self.fusion.sparse is not None:
+            if self.fusion.lexical is None:
+                raise ValueError("a sparse ranker reads the lexical fusion's term space: it needs lexical features")
+            if self.fusion.sparse.labels > self.counts.labels:
+                covered = self.fusion.sparse.labels
+                raise ValueError(f"the sparse ranker covers {covered} labels, the bundle has {self.counts.labels}")
         return self
 
     @model_validator(mode="after")
@@ -351,6 +381,7 @@ def required_files(manifest: Manifest) -> list[str]:
     if manifest.fusion is not None:
         fusion = manifest.fusion
         files += [fusion.file, *([fusion.model] if fusion.model else []), *(fusion.lexical or [])]
+        files += [fusion.sparse.file] if fusion.sparse is not None else []
     return files
 
 

@@ -46,6 +46,7 @@ from bundle import (
     FusionModelKind,
     FusionParams,
     Manifest,
+    SparseRankerParams,
     lexical_file_names,
     read_manifest,
     shard_list,
@@ -65,9 +66,11 @@ from export.held_out import (
     FitOn,
     HeldOutMemory,
     HeldOutSearch,
+    SparseSpec,
     add_held_out_memory_option,
     unfitted_fusion,
 )
+from export.sparse_fit import SparseFitParams
 from export.writer import refuse_existing
 from service.engine import AppendLogError, Predictor, load_predictor
 from service.engine.offline import OPTIONAL_GROUPS, ScoreFusion, carried_lineage
@@ -97,6 +100,9 @@ class FuseParams:
             or ``exclude`` only
         held_out_memory: the memory the held-out instances are searched against
             (:data:`export.held_out.HeldOutMemory`)
+        sparse_depth: candidates a query gets from a sparse linear ranker over the lexical term
+            space (:mod:`service.engine.sparse`), fitted here on the memory's texts; None: none
+        sparse_fit: how that ranker is fitted (:class:`~export.sparse_fit.SparseFitParams`)
     """
 
     model: FusionModelKind = DEFAULT_FUSION.model
@@ -105,12 +111,30 @@ class FuseParams:
     rerank_depth: int | None = DEFAULT_FUSION.rerank_depth
     fit_on: FitOn = "both"
     held_out_memory: HeldOutMemory = DEFAULT_HELD_OUT_MEMORY
+    sparse_depth: int | None = DEFAULT_FUSION.sparse_depth
+    sparse_fit: SparseFitParams = field(default_factory=SparseFitParams)
 
     def __post_init__(self) -> None:
         # checked here, before the bundle is loaded and its held-out instances searched
         unknown = set(self.model_params) - set(DEFAULT_PARAMS[self.model])
         if unknown:
             raise FuseError(f"--model {self.model} takes no {sorted(unknown)}")
+        if self.sparse_depth is not None and "lexical" not in self.groups:
+            raise FuseError("a sparse ranker scores the lexical term space: it needs the lexical features")
+        if ("sparse" in self.groups) and self.sparse_depth is None:
+            raise FuseError("the sparse features come with a sparse ranker: give it a depth (--sparse-depth)")
+        if self.sparse_depth is not None and self.sparse_depth < 1:
+            raise FuseError(f"--sparse-depth must be at least 1 (0: no sparse ranker), not {self.sparse_depth}")
+
+    @property
+    def feature_groups(self) -> tuple[str, ...]:
+        """φ's groups: :attr:`groups`, and ``sparse`` with a sparse ranker."""
+        sparse = self.sparse_depth is not None and "sparse" not in self.groups
+        return (*self.groups, *(("sparse",) if sparse else ()))
+
+    @property
+    def sparse_spec(self) -> SparseSpec | None:
+        return SparseSpec(self.sparse_depth, self.sparse_fit) if self.sparse_depth is not None else None
 
 
 @dataclass
@@ -136,13 +160,17 @@ def fit_fusion(predictor: Predictor, train: XMCDataset, rows: np.ndarray, params
     counts and lexicon."""
     started = time.perf_counter()
     memory = params.held_out_memory
-    served, key_rows = unfitted_fusion(predictor, train, params.groups, params.rerank_depth)
-    search = HeldOutSearch.of(predictor, train, rows, (served, key_rows), memory)
+    served, key_rows = unfitted_fusion(
+        predictor, train, params.feature_groups, params.rerank_depth, sparse=params.sparse_spec
+    )
+    search = HeldOutSearch.of(predictor, train, rows, (served, key_rows), memory, params.sparse_fit)
     pairs = search.pairs(predictor, train, params.fit_on)
     fitted = fit_model(params.model, pairs, served.features, params.model_params)
     model, parity = onnx_fusion_model(fitted, pairs.X)
     log.info("fusion %s fitted on %d pairs (%s); ONNX parity %.3g", params.model, len(pairs.y), memory, parity)
-    fusion = ScoreFusion(model, served.log_frequency, served.lexicon, served.features, params.rerank_depth)
+    fusion = ScoreFusion(
+        model, served.log_frequency, served.lexicon, served.features, params.rerank_depth, served.sparse
+    )
     return FusionFit(
         fusion, fitted, parity, key_rows, len(rows), len(pairs.y), pairs.found, time.perf_counter() - started
     )
@@ -161,6 +189,19 @@ def check_memory(predictor: Predictor, train: XMCDataset) -> None:
             f"the bundle's memory holds {manifest.counts.train_instances} instances, the split "
             f"{len(train)}: build it from the whole split (max_train 0)"
         )
+
+
+def sparse_params(params: FuseParams, labels: int, fitted_on: str) -> SparseRankerParams | None:
+    """The manifest's description of the sparse ranker ``params`` fit (None: no ranker)."""
+    if params.sparse_depth is None:
+        return None
+    return SparseRankerParams(
+        depth=params.sparse_depth,
+        labels=labels,
+        fit=params.sparse_fit.kind(labels),
+        fit_params=params.sparse_fit.as_dict(),
+        fitted_on=fitted_on,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,6 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave out the lexical features (and the key term files they read): the tree reads the RAE features only",
     )
     parser.add_argument(
+        "--sparse-depth",
+        type=int,
+        default=DEFAULT_FUSION.sparse_depth or 0,
+        help="candidates a query gets from a sparse linear ranker over the lexical term space, fitted here "
+        f"(service.engine.sparse); 0: none (default {DEFAULT_FUSION.sparse_depth or 0})",
+    )
+    parser.add_argument(
         "--fit-on",
         choices=get_args(FitOn),
         default="both",
@@ -240,6 +288,7 @@ def params_of_arguments(args: argparse.Namespace) -> FuseParams:
         rerank_depth=args.rerank_depth or None,  # 0: every candidate
         fit_on=args.fit_on,
         held_out_memory=args.held_out_memory,
+        sparse_depth=(args.sparse_depth or None) if not args.no_lexical else None,
     )
 
 
@@ -282,6 +331,7 @@ def fuse_bundle(
         queries=fit.queries,
         pairs=fit.pairs,
         lexical=lexical_file_names(len(shards)) if "lexical" in params.groups else None,
+        sparse=sparse_params(params, len(train.labels), f"the memory's {len(train)} instances and the labels' texts"),
     )
     fused = derive_fused_bundle(bundle, out, fit.fusion, fusion_params, fit.key_terms, force, appends_dir)
     return fused, fit

@@ -21,12 +21,14 @@ BASE_GROUPS: tuple[str, ...] = ("rae", "lexical")
 @dataclasses.dataclass(frozen=True)
 class FusionChoice:
     """A fusion as ``bench.fusion_models`` compares them and ``export.fuse`` fits one: its model and
-    the model's parameters, its feature groups and its rerank depth (None: T rescores every candidate)."""
+    the model's parameters, its feature groups, its rerank depth (None: T rescores every candidate)
+    and the candidates a query gets from a sparse ranker (None: none; :mod:`service.engine.sparse`)."""
 
     model: FusionModelKind
     groups: tuple[str, ...]
     params: dict
     rerank_depth: int | None = None
+    sparse_depth: int | None = None
 
     @property
     def extra_groups(self) -> tuple[str, ...]:
@@ -40,7 +42,8 @@ class FusionChoice:
         size = f"-{self.params['trees']}x{self.params['leaves']}" if "trees" in self.params else ""
         depth = f"@{depth_name(self.rerank_depth)}"
         groups = "+".join(g for g in self.groups if g in BASE_GROUPS) + ("+" + extra if extra else "")
-        return f"{self.model}{size}{depth}[{groups}]"
+        sparse = f"+sparse@{self.sparse_depth}" if self.sparse_depth else ""
+        return f"{self.model}{size}{depth}[{groups}]{sparse}"
 
 
 def depth_name(rerank_depth: int | None) -> str:

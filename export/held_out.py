@@ -29,6 +29,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from bundle import TOKENIZER_FILE
+from export.sparse_fit import SparseFitParams, fit_for_memory
 from service.engine import Predictor
 from service.engine.offline import (
     KeyTerms,
@@ -165,10 +166,11 @@ def pairs_of(
         vectors, _ = predictor.bundle.encoder.encode(texts)
         widest = max(len(e) for e in excluded)
         keys, sims = search_without(predictor, vectors, rae.top_b + widest, block if in_memory else None, hidden)
-        lexical = None
+        lexical, terms = None, None
         if unfitted.lexicon is not None:
-            lexical = key_terms.similarities(unfitted.lexicon.query_terms(texts), keys)
-        neighbours = Neighbours(keys, sims, view.labels_of_keys(keys), view.values, lexical, ef=0)
+            terms = unfitted.lexicon.query_terms(texts)
+            lexical = key_terms.similarities(terms, keys)
+        neighbours = Neighbours(keys, sims, view.labels_of_keys(keys), view.values, lexical, 0, terms)
         # the candidates T will rescore when served (the top rerank depth by p̂, or all) and their φ
         rows_of_block = fusion_candidates(manifest, neighbours, excluded, unfitted)
         scores, X = rows_of_block.candidates, rows_of_block.features
@@ -196,17 +198,29 @@ def pairs_of(
     )
 
 
+@dataclass(frozen=True)
+class SparseSpec:
+    """A fusion's sparse ranker as it is to be fitted: its depth and fit parameters."""
+
+    depth: int
+    fit: SparseFitParams
+
+
 def unfitted_fusion(
     predictor: Predictor,
     train: XMCDataset,
     groups: tuple[str, ...],
     rerank_depth: int | None = None,
     hidden: np.ndarray | None = None,
+    sparse: SparseSpec | None = None,
 ) -> tuple[ScoreFusion, sp.csr_matrix | None]:
     """The fusion's features over ``predictor``'s memory, before a model (``groups``: its
     feature groups; with ``lexical``, the lexicon of the memory's texts; ``rerank_depth``: the
     candidates it rescores; ``hidden``: instance rows of the memory to count and fit the lexicon
-    without, as if it lacked them), and the keys' term vectors of a lexical one."""
+    and the sparse ranker without, as if it lacked them; ``sparse``: the sparse ranker to fit on
+    the memory's texts, with the ``sparse`` group), and the keys' term vectors of a lexical one."""
+    if ("sparse" in groups) != (sparse is not None):
+        raise ValueError("the sparse features go with a sparse ranker to fit, and only with one")
     bundle = predictor.bundle
     num_train = bundle.manifest.counts.train_instances
     counted = np.setdiff1d(np.arange(num_train), hidden if hidden is not None else [])
@@ -217,7 +231,16 @@ def unfitted_fusion(
         seen = [train.texts[r] for r in counted] + list(bundle.label_texts)
         lexicon = Lexicon.fit(bundle.path / TOKENIZER_FILE, bundle.manifest.tokenizer.max_length, seen)
         key_rows = lexicon.rows(texts)
-    return ScoreFusion(None, log_frequency, lexicon, features_of_groups(groups), rerank_depth), key_rows
+    ranker = None
+    if sparse is not None:
+        if lexicon is None:
+            raise ValueError("a sparse ranker is fitted over the lexical term space: it needs the lexical group")
+        memory_texts = [train.texts[r] for r in counted]
+        ranker, _ = fit_for_memory(
+            lexicon, memory_texts, train.Y[counted], list(bundle.label_texts), sparse.depth, sparse.fit
+        )
+    fusion = ScoreFusion(None, log_frequency, lexicon, features_of_groups(groups), rerank_depth, ranker)
+    return fusion, key_rows
 
 
 @dataclass
@@ -238,15 +261,20 @@ class HeldOutSearch:
         rows: np.ndarray,
         served: tuple[ScoreFusion, sp.csr_matrix | None],
         memory: HeldOutMemory = DEFAULT_HELD_OUT_MEMORY,
+        sparse_fit: SparseFitParams | None = None,
     ) -> HeldOutSearch:
         """The search of ``rows`` against ``memory``, whose features are those of ``served`` (an
         :func:`unfitted_fusion` of the whole memory and its key rows, used as they are when no key
-        is hidden)."""
+        is hidden; ``sparse_fit``: how its sparse ranker, if it has one, is fitted again without
+        the hidden keys)."""
         unfitted, key_rows = served
+        if unfitted.sparse is not None and sparse_fit is None:
+            raise ValueError("a fusion with a sparse ranker is searched with its fit parameters")
         hidden = None
         if memory == "without_holdout":
             hidden = np.sort(rows)
-            unfitted, key_rows = unfitted_fusion(predictor, train, unfitted.groups, unfitted.rerank_depth, hidden)
+            spec = SparseSpec(unfitted.sparse.depth, sparse_fit) if unfitted.sparse is not None else None
+            unfitted, key_rows = unfitted_fusion(predictor, train, unfitted.groups, unfitted.rerank_depth, hidden, spec)
         return cls(rows, unfitted, KeyTerms(key_rows) if key_rows is not None else None, hidden)
 
     def pairs(self, predictor: Predictor, train: XMCDataset, fit_on: FitOn) -> HeldOutPairs:

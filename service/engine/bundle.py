@@ -106,11 +106,14 @@ def load_fusion(path: Path, manifest: Manifest, verify: bool = True) -> ScoreFus
     except ValueError as exc:
         raise BundleError(f"{path}: {exc}; this service computes {list(FEATURE_GROUPS)}") from None
     if verify:
-        verify_checksums(path, manifest, [params.file, params.model, TOKENIZER_FILE])
+        sparse = [params.sparse.file] if params.sparse is not None else []
+        verify_checksums(path, manifest, [params.file, params.model, TOKENIZER_FILE, *sparse])
     try:
         fusion = ScoreFusion.load(
             path, params, manifest.counts.labels, (path / TOKENIZER_FILE, manifest.tokenizer.max_length)
         )
+    except BundleError:
+        raise
     except Exception as exc:  # numpy, zip, ONNX Runtime and tokenizers errors alike: the file is refused
         raise BundleError(f"{path}: cannot load score fusion {params.model} / {params.file} ({exc})") from None
     if (fusion.lexicon is not None) != (params.lexical is not None):

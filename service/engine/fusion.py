@@ -46,8 +46,18 @@ the validation split of ``bench.fusion_models`` says it helps) read the same arr
   similarity), m in :data:`THRESHOLD_MARGINS`
 * ``query``: the query's best retrieved similarity and log(1 + its number of candidates)
 
-No feature reads a label's vector or term vector beyond the retrieved keys: the Ray ingress has
-only what the shards answer.
+A fusion with a sparse linear ranker (:mod:`service.engine.sparse`, over the lexicon's term space)
+has a second source of candidates: each query's top ``depth`` labels by the ranker's margin join
+the memory's (a label no near key carries can be found by its literal pieces), and φ gains
+(:data:`SPARSE_FEATURES`):
+
+* ``sparse_margin``: the ranker's margin q·w_l + b_l of the candidate
+* ``sparse_rank``: log(1 + its rank among the query's margins), log(1 + depth) beyond its top depth
+
+A candidate only the ranker found has p̂ = 0 and the memory's features of a label no key carries.
+
+No feature reads a label's vector or term vector beyond the retrieved keys and the ranker's
+weights of the query's terms: the Ray ingress has only what the shards answer and the fusion.
 
 A fusion with a rerank depth M (``FusionParams.rerank_depth``) is a two-stage ranking: T rescores
 only each query's top max(M, k) candidates by p̂ (:meth:`ScoreFusion.candidates`), and only those
@@ -72,8 +82,9 @@ import numpy as np
 import scipy.sparse as sp
 
 from bundle import FusionParams
-from service.engine.lexical import Lexicon
+from service.engine.lexical import Lexicon, QueryTerms
 from service.engine.rae import KeptKeys, ValueRows
+from service.engine.sparse import SparseMargins, SparseRanker, stored_positions
 
 FEATURES = (
     "instance_vote",
@@ -91,6 +102,7 @@ RANK_FEATURES = ("rae_rank", "instance_vote_rank", "label_similarity_rank")
 THRESHOLD_MARGINS = (0.02, 0.05, 0.1)
 THRESHOLD_FEATURES = tuple(f"instance_votes_within_{m:g}" for m in THRESHOLD_MARGINS)
 QUERY_FEATURES = ("query_best_similarity", "query_candidates")
+SPARSE_FEATURES = ("sparse_margin", "sparse_rank")
 # φ's column groups, in the order a fusion's columns follow; "rae" is always first
 FEATURE_GROUPS: dict[str, tuple[str, ...]] = {
     "rae": FEATURES,
@@ -98,8 +110,10 @@ FEATURE_GROUPS: dict[str, tuple[str, ...]] = {
     "ranks": RANK_FEATURES,
     "thresholds": THRESHOLD_FEATURES,
     "query": QUERY_FEATURES,
+    "sparse": SPARSE_FEATURES,
 }
-OPTIONAL_GROUPS = tuple(group for group in FEATURE_GROUPS if group != "rae")
+# the groups a fusion may add to "rae"; "sparse" comes with a sparse ranker, not by choice of features
+OPTIONAL_GROUPS = tuple(group for group in FEATURE_GROUPS if group not in ("rae", "sparse"))
 # softmax temperature of the lexical vote (lexical cosines spread over [0, 1] like the dense ones)
 LEXICAL_TAU = 0.05
 # ε of the log features: below any softmax weight that moves a ranking, above float32's zero
@@ -182,12 +196,18 @@ class ScoreFusion:
     lexicon: Lexicon | None = None
     features: tuple[str, ...] = ()
     rerank_depth: int | None = None
+    sparse: SparseRanker | None = None  # a second candidate source, over the lexicon's term space
 
     def __post_init__(self) -> None:
         if not self.features:
-            object.__setattr__(self, "features", features_of_groups(["lexical"] if self.lexicon is not None else []))
+            groups = ["lexical"] if self.lexicon is not None else []
+            object.__setattr__(self, "features", features_of_groups(groups + (["sparse"] if self.sparse else [])))
         if ("lexical" in groups_of(self.features)) != (self.lexicon is not None):
             raise ValueError("a fusion has the lexical features exactly when it has a lexicon")
+        if ("sparse" in groups_of(self.features)) != (self.sparse is not None):
+            raise ValueError("a fusion has the sparse features exactly when it has a sparse ranker")
+        if self.sparse is not None and self.lexicon is None:
+            raise ValueError("a sparse ranker scores the lexicon's term vectors: it needs a lexicon")
         if self.rerank_depth is not None and self.rerank_depth < 1:
             raise ValueError(f"a rerank depth must be at least 1, not {self.rerank_depth}")
 
@@ -205,6 +225,10 @@ class ScoreFusion:
             arrays["idf"] = self.lexicon.idf
         (directory / params.model).write_bytes(self.model.serialized)
         np.savez_compressed(directory / params.file, **arrays)
+        if (self.sparse is not None) != (params.sparse is not None):
+            raise ValueError("a fusion with a sparse ranker is saved with its parameters, and only one")
+        if self.sparse is not None:
+            self.sparse.save(directory / params.sparse.file)
 
     @classmethod
     def load(
@@ -223,16 +247,39 @@ class ScoreFusion:
             raise ValueError("a lexical fusion needs the bundle's tokenizer")
         model = OnnxTreeEnsemble.from_bytes((directory / params.model).read_bytes(), len(features))
         lexicon = Lexicon(*tokenizer, idf) if idf is not None else None
-        return cls(model, log_frequency, lexicon, features, params.rerank_depth)
+        sparse = None
+        if params.sparse is not None:
+            if idf is None:
+                raise ValueError("a sparse ranker needs the lexical fusion's term space")
+            ranker = params.sparse
+            sparse = SparseRanker.load(directory / ranker.file, len(idf), ranker.labels, ranker.depth)
+        return cls(model, log_frequency, lexicon, features, params.rerank_depth, sparse)
 
-    def candidates(self, scores: sp.csr_matrix, ks: Sequence[int] | None = None) -> sp.csr_matrix:
+    def sparse_margins(
+        self, terms: list[QueryTerms] | None, width: int, exclude: Sequence[Collection[int]]
+    ) -> SparseMargins | None:
+        """The sparse ranker's margins of a batch's queries (None without a ranker), over a label
+        space ``width`` wide, each query's ``exclude`` labels left out of its top."""
+        if self.sparse is None:
+            return None
+        if terms is None or len(terms) != len(exclude):
+            raise ValueError("this fusion's sparse ranker needs one term vector per query")
+        return self.sparse.margins(terms, width, exclude)
+
+    def candidates(
+        self, scores: sp.csr_matrix, ks: Sequence[int] | None = None, margins: SparseMargins | None = None
+    ) -> sp.csr_matrix:
         """The candidates T rescores: with a rerank depth M, each query's top max(M, k) of
         ``scores`` by p̂ (``ks``: each query's k; None: M), ties broken by label id as
-        :func:`~service.engine.rae.top_k_of_row` breaks them; without one, all of ``scores``."""
+        :func:`~service.engine.rae.top_k_of_row` breaks them; without one, all of ``scores``.
+        With ``margins`` (a sparse ranker's), joined by each query's top labels by margin, whose
+        p̂ is their stored score, 0 for a label the memory's keys do not carry."""
         if self.rerank_depth is None:
-            return scores
-        widths = [self.rerank_depth] * scores.shape[0] if ks is None else [max(self.rerank_depth, k) for k in ks]
-        return top_of_rows(scores, widths)
+            chosen = scores
+        else:
+            widths = [self.rerank_depth] * scores.shape[0] if ks is None else [max(self.rerank_depth, k) for k in ks]
+            chosen = top_of_rows(scores, widths)
+        return chosen if margins is None else joined_candidates(scores, chosen, margins.top)
 
     def rescore(
         self,
@@ -241,21 +288,41 @@ class ScoreFusion:
         values: ValueRows,
         tau: float,
         ks: Sequence[int] | None = None,
+        margins: SparseMargins | None = None,
     ) -> sp.csr_matrix:
         """:meth:`candidates` of ``scores`` (:func:`~service.engine.rae.aggregate_kept` of
-        ``kept``), each stored score replaced by its fused score."""
-        fused = self.candidates(scores, ks)
+        ``kept``; ``margins``: the sparse ranker's, with one), each stored score replaced by its
+        fused score."""
+        fused = self.candidates(scores, ks, margins)
         if fused is scores:
             fused = scores.copy()
         # one call of the model for the whole batch (the rows of φ follow scores' storage)
-        fused.data = fused.data + self.model.predict(self.features_of(fused, kept, values, tau))
+        fused.data = fused.data + self.model.predict(self.features_of(fused, kept, values, tau, margins))
         return fused
 
-    def features_of(self, scores: sp.csr_matrix, kept: list[KeptKeys], values: ValueRows, tau: float) -> np.ndarray:
+    def features_of(
+        self,
+        scores: sp.csr_matrix,
+        kept: list[KeptKeys],
+        values: ValueRows,
+        tau: float,
+        margins: SparseMargins | None = None,
+    ) -> np.ndarray:
         """φ (columns :attr:`features`) of every label stored in ``scores``, in its storage order."""
         if self.lexicon is not None and any(row.lexical is None for row in kept):
             raise ValueError("this fusion's lexical features need the retrieved keys' lexical similarities")
-        return batch_features(scores, kept, values, tau, self.log_frequency, self.groups)
+        phi = batch_features(scores, kept, values, tau, self.log_frequency, self.groups)
+        if self.sparse is None:
+            return phi
+        if margins is None:
+            raise ValueError("this fusion's sparse features need the sparse ranker's margins")
+        query = np.repeat(np.arange(scores.shape[0], dtype=np.int64), np.diff(scores.indptr))
+        labels = scores.indices.astype(np.int64)
+        rank = np.full(len(labels), float(self.sparse.depth))
+        found, at = stored_positions(margins.top, query, labels)
+        rank[found] = margins.top_ranks[at]
+        sparse = np.stack([self.sparse.margin_of(margins, query, labels), np.log1p(rank)], axis=1)
+        return np.concatenate([phi, sparse], axis=1)
 
 
 def batch_features(
@@ -342,6 +409,26 @@ def batch_features(
         np.maximum.at(top, batch.query, batch.sims)
         columns += [np.where(np.isinf(top), 0.0, top)[slots.rows], np.log1p(np.diff(scores.indptr))[slots.rows]]
     return np.stack(columns, axis=1)
+
+
+def joined_candidates(scores: sp.csr_matrix, chosen: sp.csr_matrix, extra: sp.csr_matrix) -> sp.csr_matrix:
+    """The union of ``chosen`` (a cut of ``scores``) and ``extra``'s labels per row, label ids
+    sorted per row, each stored with its value in ``scores`` (0 where ``scores`` has none: an
+    explicit entry, so that it is a candidate)."""
+    width = max(scores.shape[1], extra.shape[1])
+    rows = np.concatenate(
+        [np.repeat(np.arange(m.shape[0], dtype=np.int64), np.diff(m.indptr)) for m in (chosen, extra)]
+    )
+    labels = np.concatenate([chosen.indices, extra.indices]).astype(np.int64)
+    pairs = np.unique(rows * width + labels)
+    query, label = pairs // width, pairs % width
+    values = np.zeros(len(pairs), dtype=scores.dtype)
+    ordered = scores.copy()
+    ordered.sort_indices()
+    found, at = stored_positions(ordered, query, label)
+    values[found] = ordered.data[at]
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(query, minlength=scores.shape[0]))]).astype(np.int64)
+    return sp.csr_matrix((values, label.astype(np.int32), indptr), shape=(scores.shape[0], width))
 
 
 def top_of_rows(scores: sp.csr_matrix, widths: Sequence[int]) -> sp.csr_matrix:

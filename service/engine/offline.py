@@ -1,6 +1,7 @@
 """What building, fusing, compacting and measuring a bundle use of the engine beyond serving
 (``export/``, ``bench/``): the runtime bundle and its encoder, the key index and its builders, the
-one ranking of fetched keys and the score fusion's candidates and features, the lexical terms,
+one ranking of fetched keys and the score fusion's candidates and features, the lexical terms and
+the sparse ranker over them,
 and the append logs a compaction or a bundle-to-bundle tool carries on. Front ends use
 :mod:`service.engine` only."""
 
@@ -29,6 +30,7 @@ from service.engine.loading import SOURCE_LOGS, carried_lineage, load_for_readin
 from service.engine.memory import fetch_and_ef
 from service.engine.search import FusionRows, Neighbours, fusion_candidates, neighbours_needed, rank_batch
 from service.engine.shards import merge_answers
+from service.engine.sparse import SparseRanker
 
 __all__ = [
     # the runtime bundle and its encoder
@@ -65,6 +67,7 @@ __all__ = [
     "Lexicon",
     "KeyTerms",
     "save_key_terms",
+    "SparseRanker",
     # append logs and lineages
     "AppendLog",
     "lineage_log_path",

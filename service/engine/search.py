@@ -173,9 +173,13 @@ class Predictor:
         t0 = time.perf_counter()
         keys, sims, ran_at = self.knn_per_query(vectors, neighbours_needed(manifest, ks, exclude), efs, view)
         t1 = time.perf_counter()
+        if self.lexicon is not None and terms is None:
+            if texts is None or len(texts) != n:
+                raise ValueError("this bundle's score fusion is lexical: search needs the query texts")
+            terms = self.lexicon.query_terms(list(texts))
         lexical = self.lexical_similarities(keys, view, texts, terms)
         widest = max(ran_at, default=0)
-        found = Neighbours(keys, sims, view.labels_of_keys(keys), view.values, lexical, widest)
+        found = Neighbours(keys, sims, view.labels_of_keys(keys), view.values, lexical, widest, terms)
         rankings = rank_batch(manifest, found, ks, exclude, self.bundle.fusion)
         times = StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1)
         return Prediction(rankings, times, widest, view, ran_at)
@@ -247,7 +251,8 @@ class Neighbours:
     first: ``rows``, each key's row of ``values`` (−1: no key); ``sims``, its inner-product
     similarity; ``labels``, its label id (−1: an instance key, or no key). ``values``: the value
     rows of an RAE memory (None: a label index); ``lexical``: the keys' lexical similarities to
-    the queries (a lexical fusion only); ``ef``: the HNSW breadth the search ran at."""
+    the queries (a lexical fusion only); ``ef``: the HNSW breadth the search ran at; ``terms``:
+    the queries' term vectors (a fusion with a sparse ranker scores them)."""
 
     rows: np.ndarray
     sims: np.ndarray
@@ -255,16 +260,21 @@ class Neighbours:
     values: ValueRows | None
     lexical: np.ndarray | None
     ef: int
+    terms: list[QueryTerms] | None = None
 
 
-def merged_neighbours(answers: Sequence[ShardAnswer], n: int, view: MemoryView) -> Neighbours:
+def merged_neighbours(
+    answers: Sequence[ShardAnswer], n: int, view: MemoryView, terms: list[QueryTerms] | None = None
+) -> Neighbours:
     """The shards' answers merged into the ``n`` nearest keys per query
     (:func:`~service.engine.shards.merge_answers`), as :func:`rank_batch` reads them: the
-    value rows are the ones the shards sent, each key's row its position among them."""
+    value rows are the ones the shards sent, each key's row its position among them; ``terms``:
+    the queries' term vectors, for a fusion that reads them."""
     merged = merge_answers(list(answers), n)
     values = ValueRows(merged.rows) if merged.rows is not None else None
     labels = view.labels_of_keys(merged.keys)
-    return Neighbours(merged.positions, merged.sims, labels, values, merged.lexical, max(a.ef for a in answers))
+    ef = max(a.ef for a in answers)
+    return Neighbours(merged.positions, merged.sims, labels, values, merged.lexical, ef, terms)
 
 
 @dataclass
@@ -303,7 +313,8 @@ def rank_batch(
         return rankings
     kept, scores = aggregated(manifest, found, exclude)
     if fusion is not None:
-        scores = fusion.rescore(scores, kept, found.values, manifest.rae.tau, ks)
+        margins = fusion.sparse_margins(found.terms, scores.shape[1], exclude)
+        scores = fusion.rescore(scores, kept, found.values, manifest.rae.tau, ks, margins)
     return [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
 
 
@@ -317,8 +328,9 @@ def fusion_candidates(
     if manifest.index_kind != "rae_memory":
         raise ValueError("a score fusion ranks an RAE memory: a label index has no feature rows")
     kept, scores = aggregated(manifest, found, exclude)
-    candidates = fusion.candidates(scores)
-    return FusionRows(candidates, fusion.features_of(candidates, kept, found.values, manifest.rae.tau))
+    margins = fusion.sparse_margins(found.terms, scores.shape[1], exclude)
+    candidates = fusion.candidates(scores, margins=margins)
+    return FusionRows(candidates, fusion.features_of(candidates, kept, found.values, manifest.rae.tau, margins))
 
 
 def aggregated(

@@ -131,13 +131,14 @@ def tiny_memory(distilbert_dir, train, tmp_path_factory):
 def sharded_fused(tiny_memory, sample_dir, run_dir, tmp_path_factory):
     """The 3-shard memory with a LambdaMART fusion over every feature group."""
     out = tmp_path_factory.mktemp("fused") / "tiny-3shards-fused"
-    extra = [group for group in FEATURE_GROUPS if group not in ("rae", "lexical")]
+    extra = [group for group in FEATURE_GROUPS if group not in ("rae", "lexical", "sparse")]
     return fuse(
         tiny_memory,
         sample_dir,
         run_dir,
         out,
         *("--model", "lambdarank", "--trees", "30", "--rerank-depth", "12", "--extra-features", *extra),
+        *("--sparse-depth", "20"),
     )
 
 
@@ -319,11 +320,13 @@ def test_a_sharded_bundle_is_fused_with_a_key_term_file_per_shard_and_ranks_alik
 ):
     """What the Ray front end does (each shard scores its own keys' lexical similarity, the
     ingress merges and ranks with the fusion it loads in its own ONNX Runtime session) gives the
-    single process's answers, for a LambdaMART fusion over every feature group."""
+    single process's answers, for a LambdaMART fusion over every feature group, a sparse ranker's
+    candidates among them (the ingress scores the query terms it sent the shards)."""
     manifest = load_bundle(sharded_fused).manifest
     assert manifest.fusion.lexical == ["lexical-0.npz", "lexical-1.npz", "lexical-2.npz"]
     assert manifest.fusion.kind == "lambdarank" and groups_of(manifest.fusion.features) == tuple(FEATURE_GROUPS)
     assert manifest.fusion.rerank_depth == 12  # the ingress cuts to the same candidates
+    assert manifest.fusion.sparse.depth == 20 and manifest.fusion.sparse.labels == manifest.counts.labels
     predictor = load_predictor(sharded_fused)
     texts = load_jsonl_split(sample_dir, "dev").texts[:16]
     vectors, _, _ = predictor.encode(texts)
@@ -339,7 +342,7 @@ def test_a_sharded_bundle_is_fused_with_a_key_term_file_per_shard_and_ranks_alik
     terms = ingress_fusion.lexicon.query_terms(texts)
     answers = [s.search_many([ShardQuery(vectors, fetch, ef, terms)])[0] for s in searchers]
     view = base_view(uids, label_texts, manifest.counts.memory_rows, None)
-    got = rank_batch(manifest, merged_neighbours(answers, neighbours, view), ks, exclude, ingress_fusion)
+    got = rank_batch(manifest, merged_neighbours(answers, neighbours, view, terms), ks, exclude, ingress_fusion)
     for a, b in zip(expected, got, strict=True):
         assert a.ids.tolist() == b.ids.tolist()
         np.testing.assert_allclose(a.scores, b.scores, rtol=1e-6)

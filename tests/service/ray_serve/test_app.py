@@ -67,7 +67,9 @@ def sharded_bundle(sample_dir, distilbert_dir, tmp_path_factory):
     run = tmp_path_factory.mktemp("run")
     (run / HOLDOUT_FILE).write_text("\n".join(train.uids[::20]))
     out = source.with_name("rae-2-shards-fused")
-    fuse_bundle(source, run, train, out, FuseParams("lambdarank", {"trees": 20}, groups=tuple(FEATURE_GROUPS)))
+    fuse_bundle(
+        source, run, train, out, FuseParams("lambdarank", {"trees": 20}, groups=tuple(FEATURE_GROUPS), sparse_depth=10)
+    )
     return out
 
 

@@ -1,0 +1,62 @@
+"""export.sparse_fit: one-vs-rest logistic regression ranks each label's own texts first and
+learns a bias; the centroid fit is each label's unit mean (its own text added), so a zero-shot
+label has weights; ``auto`` picks by the label count; small weights are pruned."""
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from export.sparse_fit import SparseFitParams, fit_sparse_ranker
+
+
+def unit_rows(M: np.ndarray) -> sp.csr_matrix:
+    return sp.csr_matrix((M / np.maximum(np.linalg.norm(M, axis=1, keepdims=True), 1e-12)).astype(np.float32))
+
+
+@pytest.fixture
+def toy():
+    """Three labels, each owning two terms its texts always have, plus shared noise terms."""
+    rng = np.random.default_rng(0)
+    n, terms = 90, 12
+    labels = rng.integers(0, 3, n)
+    X = rng.random((n, terms)) * (rng.random((n, terms)) < 0.2)
+    X[np.arange(n), 2 * labels] += 1.0
+    X[np.arange(n), 2 * labels + 1] += 1.0
+    Y = sp.csr_matrix((np.ones(n), (np.arange(n), labels)), shape=(n, 4))  # label 3: no instance
+    label_rows = unit_rows(_label_text_rows(terms))
+    return unit_rows(X), Y, label_rows, labels
+
+
+def _label_text_rows(terms: int) -> np.ndarray:
+    rows = np.zeros((4, terms))
+    for label in range(4):
+        rows[label, 2 * label] = 1.0
+    return rows
+
+
+def test_one_vs_rest_ranks_each_labels_own_texts_first(toy):
+    X, Y, label_rows, labels = toy
+    fit = fit_sparse_ranker(X, Y, label_rows, SparseFitParams(method="one_vs_rest", prune=0.0))
+    assert fit.kind == "one_vs_rest" and fit.weights.shape == (12, 4)
+    margins = (X @ fit.weights).toarray() + fit.bias
+    assert (margins[:, :3].argmax(axis=1) == labels).mean() == 1.0
+    assert fit.bias[3] < fit.bias[:3].min()  # the zero-shot label: one positive text against 90 negatives
+
+
+def test_the_centroid_is_each_labels_unit_mean_with_its_own_text(toy):
+    X, Y, label_rows, _ = toy
+    params = SparseFitParams(method="centroid", prune=0.0, label_weight=0.5)
+    fit = fit_sparse_ranker(X, Y, label_rows, params)
+    W = fit.weights.toarray()
+    mean = (Y.T @ X).toarray()[0]
+    expected = mean / np.linalg.norm(mean) + 0.5 * label_rows.toarray()[0]
+    np.testing.assert_allclose(W[:, 0], expected / np.linalg.norm(expected), rtol=1e-5)
+    assert W[6, 3] > 0 and np.all(fit.bias == 0)  # the zero-shot label: its own text's term
+
+
+def test_auto_picks_one_vs_rest_for_small_label_sets_and_pruning_drops_small_weights(toy):
+    X, Y, label_rows, _ = toy
+    assert SparseFitParams(one_vs_rest_max_labels=4).kind(4) == "one_vs_rest"
+    assert SparseFitParams(one_vs_rest_max_labels=3).kind(4) == "centroid"
+    fit = fit_sparse_ranker(X, Y, label_rows, SparseFitParams(method="centroid", prune=0.3))
+    assert fit.weights.nnz and np.all(np.abs(fit.weights.data) >= 0.3)

@@ -1,0 +1,99 @@
+"""service.engine.sparse: a sparse linear ranker's margins are the dense product's, a query's row is
+the same bits alone and in any batch, its top leaves out the excluded labels and ranks by margin
+(ties by label id), labels without weights get the lowest bias, and a broken file is refused."""
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from bundle import BundleError
+from service.engine.lexical import QueryTerms
+from service.engine.sparse import SparseRanker, stored_positions, top_margins
+
+
+def random_ranker(rng, terms=60, labels=25, depth=5, density=0.2) -> SparseRanker:
+    weights = sp.random(terms, labels, density=density, format="csr", dtype=np.float32, random_state=rng)
+    weights.data -= 0.3
+    return SparseRanker(weights, rng.normal(size=labels).astype(np.float32), depth)
+
+
+def random_queries(rng, n, terms=60) -> list[QueryTerms]:
+    out = []
+    for _ in range(n):
+        ids = np.sort(rng.choice(terms + 5, size=rng.integers(0, 8), replace=False))  # some beyond the weights
+        weights = rng.random(len(ids)).astype(np.float32)
+        out.append(QueryTerms(ids, weights / max(np.linalg.norm(weights), 1e-9)))
+    return out
+
+
+def dense(queries, terms) -> np.ndarray:
+    Q = np.zeros((len(queries), terms), dtype=np.float64)
+    for i, q in enumerate(queries):
+        inside = q.ids < terms
+        Q[i, q.ids[inside]] = q.weights[inside]
+    return Q
+
+
+def test_margins_are_the_dense_product_plus_the_bias_and_the_top_is_by_margin():
+    rng = np.random.default_rng(0)
+    ranker = random_ranker(rng)
+    queries = random_queries(rng, 12)
+    exclude = [set() for _ in queries]
+    exclude[3] = {0, 1, 2}
+    margins = ranker.margins(queries, width=30, exclude=exclude)
+    expected = dense(queries, 60) @ ranker.weights.toarray() + ranker.bias
+    assert margins.all.shape == (12, 30)
+    for i in range(12):
+        query, labels = np.full(30, i), np.arange(30)
+        got = ranker.margin_of(margins, query, labels)
+        np.testing.assert_allclose(got[:25], expected[i], rtol=1e-5, atol=1e-6)
+        assert np.all(got[25:] == ranker.bias.min())  # labels appended after export have no weights
+        start, end = margins.top.indptr[i], margins.top.indptr[i + 1]
+        top, ranks = margins.top.indices[start:end], margins.top_ranks[start:end]
+        assert not set(top) & exclude[i]
+        stored = margins.all.indices[margins.all.indptr[i] : margins.all.indptr[i + 1]]
+        allowed = [label for label in stored if label not in exclude[i]]
+        best = sorted(allowed, key=lambda label: (-got[label], label))[: ranker.depth]
+        assert [top[np.argsort(ranks)][r] for r in range(len(top))] == best
+
+
+def test_a_querys_margins_are_the_same_bits_alone_and_in_any_batch():
+    rng = np.random.default_rng(1)
+    ranker = random_ranker(rng, terms=200, labels=80, density=0.3)
+    queries = random_queries(rng, 20, terms=200)
+    together = ranker.margins(queries, 80, [()] * 20)
+    for i, query in enumerate(queries):
+        alone = ranker.margins([query], 80, [()])
+        row = slice(together.all.indptr[i], together.all.indptr[i + 1])
+        assert together.all.indices[row].tolist() == alone.all.indices.tolist()
+        assert together.all.data[row].tobytes() == alone.all.data.tobytes()
+
+
+def test_ties_in_the_top_go_to_the_lower_label_id():
+    margins = sp.csr_matrix(np.array([[0.5, 0.9, 0.5, 0.5, 0.1]], dtype=np.float32))
+    top, ranks = top_margins(margins, 3, [()])
+    assert top.indices.tolist() == [0, 1, 2] and ranks.tolist() == [1, 0, 2]
+
+
+def test_stored_positions_finds_exactly_the_stored_pairs():
+    matrix = sp.csr_matrix(np.array([[0, 2, 0], [3, 0, 4]], dtype=np.float32))
+    found, at = stored_positions(matrix, np.array([0, 0, 1, 1, 1]), np.array([0, 1, 0, 1, 2]))
+    assert found.tolist() == [False, True, True, False, True]
+    assert matrix.data[at].tolist() == [2, 3, 4]
+
+
+def test_the_file_round_trips_and_a_wrong_shape_or_bias_is_refused(tmp_path):
+    rng = np.random.default_rng(2)
+    ranker = random_ranker(rng)
+    path = tmp_path / "sparse.npz"
+    ranker.save(path)
+    loaded = SparseRanker.load(path, 60, 25, depth=5)
+    assert (loaded.weights != ranker.weights).nnz == 0 and loaded.bias.tobytes() == ranker.bias.tobytes()
+    with pytest.raises(BundleError, match="shape"):
+        SparseRanker.load(path, 61, 25, depth=5)
+    with np.load(path) as z:
+        arrays = dict(z)
+    arrays["bias"] = np.full(25, np.nan, dtype=np.float32)
+    np.savez(path, **arrays)
+    with pytest.raises(BundleError, match="bias"):
+        SparseRanker.load(path, 60, 25, depth=5)
