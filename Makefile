@@ -23,7 +23,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 
 .PHONY: prereqs install images image-check compose-check serve serve-ray bundle test lint evaluate sample clean bench-serving bench-ann bench-ab loadtest \
-	train train-smoke trained-bundle bench-quality peers-venv bench-ab-own-cores bench-overload bench-ray-scale bench-million \
+	train train-smoke trained-bundle fit bench-quality peers-venv bench-ab-own-cores bench-overload bench-ray-scale bench-million \
 	bench-ann-compressed bench-ten-million bench-gpu
 
 # What a fresh machine lacks, said before pip fails half-way through compiling hnswlib.
@@ -238,6 +238,13 @@ $(TRAINED_BUNDLE)/manifest.json: $(TRAINED_BUNDLE)-memory/manifest.json
 		--out $(TRAINED_BUNDLE) $(FUSE_ARGS)
 
 trained-bundle: $(TRAINED_BUNDLE)/manifest.json
+
+# A user's own data (docs/own-data.md layout) to a trained, fused bundle in one command: training
+# sized to the data, the trained RAE memory, the score fusion with its sparse ranker (export.fit
+# prints the plan and an estimate of the wall time first). RUN: the training run's directory.
+RUN ?=
+fit: $(SERVE_STAMP)
+	$(PY) -m export.fit --data $(DATA) --bundle $(BUNDLE) $(if $(RUN),--run $(RUN))
 
 # Dev-split quality of the peers and of xmcserve's bundles -> bench/results/quality-debian-dev.*
 # The RAE settings of the trained memory are the best of `python -m training.sweep` on dev.

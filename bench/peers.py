@@ -10,7 +10,11 @@ which the serving/training environment does not. Systems:
 * ``pecos-xr-linear-sklearn-tfidf``: the same model on the scikit-learn features below, which
   suit these short package titles much better (about +9 P@1);
 * ``omikuji-bonsai``: Omikuji with unbalanced clustering, cluster_k 100, depth 3 (Bonsai);
-* ``omikuji-parabel``: Omikuji's defaults (balanced 2-means trees, Parabel).
+* ``omikuji-parabel``: Omikuji's defaults (balanced 2-means trees, Parabel);
+* ``tfidf-ovr-logreg``: scikit-learn TF-IDF of word 1–2-grams and character 3–5-grams (within word
+  boundaries), one-vs-rest logistic regression (liblinear): the simplest classic baseline, where
+  its dense coefficients (labels x features, float64) fit in ``--ovr-max-gb``; otherwise its row
+  says it was skipped and why.
 
 The others use scikit-learn TF-IDF of word 1–2-grams (min_df 2, sublinear tf) fitted on the
 training texts. Each model ranks ``k`` + (the largest filter list) labels, the split's filter pairs are
@@ -99,6 +103,43 @@ def omikuji_model(X, Y, Xt, depth: int, threads: int, bonsai: bool) -> list[list
     return out
 
 
+def word_and_char_tfidf(train: XMCDataset, dev: XMCDataset) -> tuple[sp.csr_matrix, sp.csr_matrix]:
+    from sklearn.pipeline import FeatureUnion
+
+    union = FeatureUnion(
+        [
+            ("word", TfidfVectorizer(ngram_range=(1, 2), min_df=2, sublinear_tf=True, dtype=np.float32)),
+            (
+                "char",
+                TfidfVectorizer(analyzer="char_wb", ngram_range=(3, 5), min_df=2, sublinear_tf=True, dtype=np.float32),
+            ),
+        ]
+    )
+    return union.fit_transform(train.texts).tocsr(), union.transform(dev.texts).tocsr()
+
+
+class DoesNotFit(RuntimeError):
+    """A peer whose model would not fit in this machine's memory budget."""
+
+
+def ovr_logreg(X, Y, Xt, depth: int, threads: int, max_gb: float = 8.0) -> list[list[int]]:
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.multiclass import OneVsRestClassifier
+
+    seen = np.flatnonzero(np.asarray(Y.sum(axis=0)).ravel() > 0)  # a label never positive cannot be fitted
+    need_gb = len(seen) * X.shape[1] * 8 / 2**30
+    if need_gb > max_gb:
+        raise DoesNotFit(
+            f"one-vs-rest coefficients {len(seen)} labels x {X.shape[1]} features x 8 B = {need_gb:.0f} GiB "
+            f"> {max_gb:g} GiB"
+        )
+    model = OneVsRestClassifier(LogisticRegression(solver="liblinear", C=10.0), n_jobs=threads)
+    model.fit(X, Y[:, seen])
+    scores = model.decision_function(Xt)
+    top = np.argsort(-scores, axis=1, kind="stable")[:, :depth]
+    return [seen[row].tolist() for row in top]
+
+
 # name -> (featurizer, model, featurization note)
 SYSTEMS = {
     "pecos-xr-linear": (pecos_tfidf, pecos_xr_linear, "PECOS Tfidf vectorizer, 1-2-grams"),
@@ -112,6 +153,11 @@ SYSTEMS = {
         sklearn_tfidf,
         lambda X, Y, Xt, depth, threads: omikuji_model(X, Y, Xt, depth, threads, bonsai=False),
         "sklearn TF-IDF 1-2-grams, min_df 2, sublinear",
+    ),
+    "tfidf-ovr-logreg": (
+        word_and_char_tfidf,
+        ovr_logreg,
+        "sklearn TF-IDF word 1-2 + char_wb 3-5-grams, min_df 2, sublinear; liblinear C 10",
     ),
 }
 
@@ -138,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=os.cpu_count() or 1, help="training and prediction threads (default: all cores)"
     )
     parser.add_argument("--out", type=Path, required=True, help="result JSON file")
+    parser.add_argument("--ovr-max-gb", type=float, default=8.0, help="memory budget of tfidf-ovr-logreg")
     args = parser.parse_args(argv)
     train = load_jsonl_split(args.data, "trn")
     dev = load_jsonl_split(args.data, args.split, labels=train.labels)
@@ -149,7 +196,13 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         featurize, train_and_predict, features = SYSTEMS[name]
         X, Xt = featurize(train, dev)
-        candidates = train_and_predict(X, Y, Xt, depth, args.threads)
+        try:
+            budget = {"max_gb": args.ovr_max_gb} if train_and_predict is ovr_logreg else {}
+            candidates = train_and_predict(X, Y, Xt, depth, args.threads, **budget)
+        except DoesNotFit as exc:
+            results[name] = {"skipped": str(exc), "notes": features}
+            print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
+            continue
         seconds = time.perf_counter() - started
         ranked = drop_excluded(candidates, exclude, args.k)
         results[name] = {

@@ -1,0 +1,173 @@
+"""From a user's data to a trained, fused bundle, in one command:
+
+    make fit DATA=data/mine BUNDLE=bundles/mine [RUN=runs/mine]
+    python -m export.fit --data data/mine --bundle bundles/mine [--run runs/mine]
+
+``--data`` is a folder in the layout of docs/own-data.md (``xmc.convert`` writes it); its ``trn``
+split is learnt from, its ``dev`` split (if any) only reported on. Three stages, each the project's
+own command with its defaults, so what this builds is what they build:
+
+1. **train** (:mod:`training.train`): the CPU recipe of ``training/configs/debian-unidec.yaml``
+   (the top transformer layer fine-tuned with the heads, the lower ones frozen and their states
+   cached once) sized to the data (:func:`sized_training`): the epochs so that a run sees about
+   as many instances as the recipe's six epochs over Debian-Related's, and a share of the
+   training split held out for the fusion;
+2. **memory** (:mod:`export.build`): the trained encoder's RAE memory of the whole split, with the
+   RAE settings the recipe's sweep chose (:data:`MEMORY_ARGS`);
+3. **fusion** (:mod:`export.fuse`): the default score fusion with its sparse linear ranker, fitted
+   on the held-out instances (never the dev split).
+
+Before anything runs it prints the plan and an estimate of each stage's wall time, from the rates
+measured on this project's 2-core CPU (:data:`SECONDS_PER`): a bigger machine is faster. Each stage
+shows its own progress bars. The run directory (default ``runs/<bundle name>``) keeps the
+checkpoint, the held-out list and the memory bundle (``<bundle>-memory``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from export.build import main as build_main
+from export.fuse import main as fuse_main
+from export.fusion_fit import FuseError
+from training.train import main as train_main
+from xmc.data import load_train_and_dev
+
+log = logging.getLogger("xmcserve.fit")
+
+RECIPE = Path("training/configs/debian-unidec.yaml")
+# The recipe's six epochs over Debian-Related's 37,816 training instances: the instances a run sees.
+INSTANCES_SEEN = 6 * 37_816
+EPOCHS_RANGE = (2, 10)
+# Held-out instances for the fusion: 5 % of the split, at least 2 and at most the recipe's 2,000.
+HOLDOUT_SHARE, HOLDOUT_RANGE = 0.05, (2, 2000)
+# The RAE memory of the trained encoder (the Makefile's TRAINED_MEMORY_ARGS; training.sweep's choice).
+MEMORY_ARGS = ("--rae-mode", "split", "--rae-tau", "0.04", "--rae-top-b", "200", "--rae-lambda", "0.2")
+# Wall seconds per text on this project's 2-core CPU (2026-11-27, Debian-Related): caching the
+# frozen layers' states (instances + labels), one training epoch (per training instance), encoding
+# the memory (instances + labels), and fusing (per instance: held-out search, sparse fit, ONNX).
+SECONDS_PER = {"cache": 0.0052, "epoch": 0.0091, "memory": 0.0089, "fusion": 0.004}
+
+
+@dataclass
+class FitPlan:
+    """What :func:`fit` runs: the training overrides and each stage's estimated seconds."""
+
+    instances: int
+    labels: int
+    epochs: int
+    holdout: int
+    overrides: list[str]
+    estimate: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        total = sum(self.estimate.values())
+        stages = ", ".join(f"{name} ~{seconds / 60:.0f} min" for name, seconds in self.estimate.items())
+        return (
+            f"{self.instances} training instances, {self.labels} labels: {self.epochs} epochs, "
+            f"{self.holdout} instances held out for the fusion. Estimated wall time on a 2-core CPU: "
+            f"~{total / 60:.0f} min ({stages})"
+        )
+
+
+def sized_training(instances: int, labels: int) -> tuple[int, int]:
+    """(epochs, held-out instances) for a training split of ``instances`` texts."""
+    epochs = min(max(round(INSTANCES_SEEN / max(instances, 1)), EPOCHS_RANGE[0]), EPOCHS_RANGE[1])
+    holdout = min(max(math.ceil(HOLDOUT_SHARE * instances), HOLDOUT_RANGE[0]), HOLDOUT_RANGE[1])
+    if holdout >= instances:
+        raise FuseError(f"{instances} training instances: too few to hold {holdout} out for the fusion")
+    return epochs, holdout
+
+
+def plan_fit(data: Path, run: Path, has_dev: bool, extra: list[str]) -> FitPlan:
+    """The training run's overrides for ``data`` (its ``trn`` split), and the estimates."""
+    train, _ = load_train_and_dev(data, "trn", "")
+    n, labels = len(train), train.num_labels
+    epochs, holdout = sized_training(n, labels)
+    overrides = [
+        f"data_dir={data}",
+        f"dev_split={'dev' if has_dev else ''}",
+        f"out_dir={run}",
+        f"cache_dir={run / 'cache'}",
+        f"epochs={epochs}",
+        f"holdout={holdout}",
+        f"batch_size={min(512, max(8, (n - holdout) // 4))}",
+        *extra,
+    ]
+    texts = n + labels
+    estimate = {
+        "cache": SECONDS_PER["cache"] * texts,
+        "train": SECONDS_PER["epoch"] * (n - holdout) * epochs,
+        "memory": SECONDS_PER["memory"] * texts,
+        "fusion": SECONDS_PER["fusion"] * n,
+    }
+    return FitPlan(n, labels, epochs, holdout, overrides, estimate)
+
+
+def fit(data: Path, bundle: Path, run: Path, force: bool = False, train_set: list[str] | None = None) -> dict:
+    """Train on ``data``, build the trained memory and fuse it into ``bundle`` (see the module
+    docstring); returns each stage's seconds. Raises :class:`FuseError` (or the stage's own error)
+    when a stage is refused."""
+    if bundle.exists() and not force:
+        raise FileExistsError(f"{bundle} exists (--force replaces it)")
+    has_dev = (data / "dev.json.gz").exists()
+    plan = plan_fit(data, run, has_dev, list(train_set or []))
+    log.info("plan: %s", plan.describe())
+    print(plan.describe(), file=sys.stderr, flush=True)
+    seconds: dict[str, float] = {}
+    memory = bundle.with_name(bundle.name + "-memory")
+
+    def stage(name: str, command, argv: list[str]) -> None:
+        started = time.perf_counter()
+        log.info("%s: %s", name, " ".join(argv))
+        status = command(argv)
+        if status not in (None, 0):
+            raise RuntimeError(f"stage {name} exited {status}")
+        seconds[name] = round(time.perf_counter() - started, 1)
+
+    stage("train", train_main, ["--config", str(RECIPE), *sum((["--set", o] for o in plan.overrides), [])])
+    build = ["--data", str(data), "--checkpoint", str(run / "best"), "--out", str(memory)]
+    stage("memory", build_main, [*build, "--index-kind", "rae_memory", *MEMORY_ARGS, *(["--force"] * force)])
+    fuse = ["--bundle", str(memory), "--run", str(run), "--data", str(data), "--out", str(bundle)]
+    stage("fusion", fuse_main, [*fuse, *(["--force"] * force)])
+    return {"bundle": str(bundle), "run": str(run), "plan": plan.describe(), "seconds": seconds}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, required=True, help="dataset folder (docs/own-data.md layout)")
+    parser.add_argument("--bundle", type=Path, required=True, help="the fused bundle to write")
+    parser.add_argument("--run", type=Path, default=None, help="training run directory (default runs/<bundle name>)")
+    parser.add_argument(
+        "--set",
+        dest="train_set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a training parameter",
+    )
+    parser.add_argument("--force", action="store_true", help="replace an existing bundle")
+    parser.add_argument("--plan", action="store_true", help="print the plan and the estimate, run nothing")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    run = args.run or Path("runs") / args.bundle.name
+    try:
+        if args.plan:
+            has_dev = (args.data / "dev.json.gz").exists()
+            print(plan_fit(args.data, run, has_dev, args.train_set).describe())
+            return
+        summary = fit(args.data, args.bundle, run, args.force, args.train_set)
+    except (FuseError, FileExistsError, FileNotFoundError, RuntimeError, ValueError) as exc:
+        raise SystemExit(f"export.fit: {exc}") from None
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
