@@ -57,7 +57,7 @@ from export.held_out import (
     HeldOutPairs,
     add_held_out_memory_option,
 )
-from service.engine.offline import FEATURE_GROUPS, OPTIONAL_GROUPS, ScoreFusion, features_of_groups
+from service.engine.offline import OPTIONAL_GROUPS, ScoreFusion, features_of_groups
 from xmc.checkpoint import HOLDOUT_FILE
 from xmc.data import label_frequencies, load_jsonl_split
 from xmc.metrics import HEADLINE, compute_all
@@ -94,9 +94,14 @@ def fold_of_instances(instances: int, folds: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).permutation(instances) % folds
 
 
-def columns_of(groups: tuple[str, ...]) -> np.ndarray:
-    """The columns of φ over every group that ``groups``' features are."""
-    every = features_of_groups(FEATURE_GROUPS)
+# the groups the held-out pairs are computed with: every group but the sparse ranker's, which
+# comes with a ranker to fit (bench.candidate_sources adds it)
+PAIR_GROUPS = ("rae", *OPTIONAL_GROUPS)
+
+
+def columns_of(groups: tuple[str, ...], computed: tuple[str, ...] = PAIR_GROUPS) -> np.ndarray:
+    """The columns of φ over the ``computed`` groups that ``groups``' features are."""
+    every = features_of_groups(computed)
     return np.array([every.index(name) for name in features_of_groups(groups)])
 
 
@@ -129,12 +134,13 @@ def validate(
     frequencies: np.ndarray,
     num_train: int,
     share: float = 1.0,
+    computed: tuple[str, ...] = PAIR_GROUPS,
 ) -> dict:
     """``candidate``'s cross-fitted validation metrics per protocol (``share``: of the training
-    folds' instances it is fitted on)."""
+    folds' instances it is fitted on; ``computed``: the groups ``pairs``' columns are)."""
     instances = len(fold)
     features = features_of_groups(candidate.groups)
-    pairs = with_columns(pairs, columns_of(candidate.groups))
+    pairs = with_columns(pairs, columns_of(candidate.groups, computed))
     rae_score = pairs.X[:, features.index("rae_score")]
     out_of_fold = np.zeros(len(pairs.y))
     rng = np.random.default_rng(1)
@@ -229,7 +235,7 @@ def choose(
             f"{list(guarded)} not below {REFERENCE.name}'s"
         )
     for group in (g for g in OPTIONAL_GROUPS if g not in BASE_GROUPS):
-        trial = dataclasses.replace(chosen, groups=tuple(g for g in FEATURE_GROUPS if g in chosen.groups + (group,)))
+        trial = dataclasses.replace(chosen, groups=tuple(g for g in PAIR_GROUPS if g in chosen.groups + (group,)))
         score = run(trial)
         if score > best + min_gain:
             chosen, best = trial, score
@@ -251,7 +257,7 @@ def validation_metrics(pairs: HeldOutPairs, scores: np.ndarray, frequencies: np.
 def unfused_validation(pairs: HeldOutPairs, frequencies: np.ndarray, num_train: int) -> dict:
     """The memory's own ranking (p̂ alone) of the held-out searches: what every candidate's
     validation gain is measured from."""
-    rae_score = features_of_groups(FEATURE_GROUPS).index("rae_score")
+    rae_score = features_of_groups(PAIR_GROUPS).index("rae_score")
     return validation_metrics(pairs, pairs.X[:, rae_score], frequencies, num_train)
 
 

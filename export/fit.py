@@ -46,6 +46,8 @@ RECIPE = Path("training/configs/debian-unidec.yaml")
 # The recipe's six epochs over Debian-Related's 37,816 training instances: the instances a run sees.
 INSTANCES_SEEN = 6 * 37_816
 EPOCHS_RANGE = (2, 10)
+# The recipe's dimensions of each head (de_dim, clf_dim: a 64-d serving vector).
+HEAD_DIM = 32
 # Held-out instances for the fusion: 5 % of the split, at least 2 and at most the recipe's 2,000.
 HOLDOUT_SHARE, HOLDOUT_RANGE = 0.05, (2, 2000)
 # The RAE memory of the trained encoder (the Makefile's TRAINED_MEMORY_ARGS; training.sweep's choice).
@@ -54,6 +56,9 @@ MEMORY_ARGS = ("--rae-mode", "split", "--rae-tau", "0.04", "--rae-top-b", "200",
 # frozen layers' states (instances + labels), one training epoch (per training instance), encoding
 # the memory (instances + labels), and fusing (per instance: held-out search, sparse fit, ONNX).
 SECONDS_PER = {"cache": 0.0052, "epoch": 0.0091, "memory": 0.0089, "fusion": 0.004}
+# And what each stage costs whatever the data's size (loading the encoder, exporting and
+# quantizing the ONNX graph and checking its parity, fitting the fusion's model).
+SECONDS_FIXED = {"cache": 30.0, "train": 60.0, "memory": 90.0, "fusion": 15.0}
 
 
 @dataclass
@@ -69,28 +74,36 @@ class FitPlan:
 
     def describe(self) -> str:
         total = sum(self.estimate.values())
-        stages = ", ".join(f"{name} ~{seconds / 60:.0f} min" for name, seconds in self.estimate.items())
+
+        def minutes(seconds: float) -> str:
+            return f"~{seconds / 60:.0f} min" if seconds >= 60 else f"~{seconds:.0f} s"
+
+        stages = ", ".join(f"{name} {minutes(seconds)}" for name, seconds in self.estimate.items())
         return (
             f"{self.instances} training instances, {self.labels} labels: {self.epochs} epochs, "
             f"{self.holdout} instances held out for the fusion. Estimated wall time on a 2-core CPU: "
-            f"~{total / 60:.0f} min ({stages})"
+            f"{minutes(total)} ({stages})"
         )
 
 
-def sized_training(instances: int, labels: int) -> tuple[int, int]:
-    """(epochs, held-out instances) for a training split of ``instances`` texts."""
+def sized_training(instances: int, labels: int) -> tuple[int, int, int]:
+    """(epochs, held-out instances, each head's dimensions) for a training split of ``instances``
+    texts and ``labels`` labels. The heads start from a PCA of the texts' vectors, which needs more
+    vectors than dimensions: a tiny data set gets narrower heads than the recipe's 32 + 32."""
     epochs = min(max(round(INSTANCES_SEEN / max(instances, 1)), EPOCHS_RANGE[0]), EPOCHS_RANGE[1])
     holdout = min(max(math.ceil(HOLDOUT_SHARE * instances), HOLDOUT_RANGE[0]), HOLDOUT_RANGE[1])
     if holdout >= instances:
         raise FuseError(f"{instances} training instances: too few to hold {holdout} out for the fusion")
-    return epochs, holdout
+    vectors = instances - holdout + labels
+    head_dim = min(HEAD_DIM, 2 ** max(int(math.log2(max(vectors // 2, 1))), 1))
+    return epochs, holdout, head_dim
 
 
 def plan_fit(data: Path, run: Path, has_dev: bool, extra: list[str]) -> FitPlan:
     """The training run's overrides for ``data`` (its ``trn`` split), and the estimates."""
     train, _ = load_train_and_dev(data, "trn", "")
     n, labels = len(train), train.num_labels
-    epochs, holdout = sized_training(n, labels)
+    epochs, holdout, head_dim = sized_training(n, labels)
     overrides = [
         f"data_dir={data}",
         f"dev_split={'dev' if has_dev else ''}",
@@ -99,6 +112,7 @@ def plan_fit(data: Path, run: Path, has_dev: bool, extra: list[str]) -> FitPlan:
         f"epochs={epochs}",
         f"holdout={holdout}",
         f"batch_size={min(512, max(8, (n - holdout) // 4))}",
+        *([f"de_dim={head_dim}", f"clf_dim={head_dim}"] if head_dim < HEAD_DIM else []),
         *extra,
     ]
     texts = n + labels
@@ -108,6 +122,7 @@ def plan_fit(data: Path, run: Path, has_dev: bool, extra: list[str]) -> FitPlan:
         "memory": SECONDS_PER["memory"] * texts,
         "fusion": SECONDS_PER["fusion"] * n,
     }
+    estimate = {stage: seconds + SECONDS_FIXED[stage] for stage, seconds in estimate.items()}
     return FitPlan(n, labels, epochs, holdout, overrides, estimate)
 
 

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from loadtest.localserver import free_port
+from service.engine import load_predictor
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.slow
@@ -61,7 +62,7 @@ def test_the_worked_example_from_a_csv_to_a_served_bundle_runs_as_written(tmp_pa
     (workdir / ".venv").symlink_to(Path(sys.prefix))
     (workdir / "docs").symlink_to(ROOT / "docs")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    prepare, serve = blocks()
+    prepare, serve, _ = blocks()
     assert len((ROOT / "docs" / "examples" / "own-data" / "packages.csv").read_text().splitlines()) == 20
     for command, shown in commands(prepare):
         printed = run(command, workdir, env)
@@ -96,3 +97,26 @@ def ready(port: int, server: subprocess.Popen, log: Path) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_make_fit_plans_and_builds_a_trained_fused_bundle_of_the_worked_example(tmp_path):
+    """The page's ``export.fit --plan`` line, then the command itself (what ``make fit`` runs): a
+    trained memory fused with a sparse ranker, served answers from it."""
+    workdir = tmp_path / "repo"
+    workdir.mkdir()
+    (workdir / ".venv").symlink_to(Path(sys.prefix))
+    (workdir / "docs").symlink_to(ROOT / "docs")
+    (workdir / "training").symlink_to(ROOT / "training")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    prepare, _, plan = blocks()
+    run(commands(prepare)[0][0], workdir, env)  # the conversion
+    ((command, shown),) = commands(plan)
+    printed = run(command, workdir, env)
+    assert shown and all(line in printed for line in shown), (shown, printed)
+    summary = json.loads(run(command.replace(" --plan", ""), workdir, env).splitlines()[-1])
+    bundle = workdir / summary["bundle"]
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["source"]["head"] != "pca" and manifest["fusion"]["sparse"]["labels"] == 12
+    predictor = load_predictor(bundle)
+    ranking = predictor.predict(["python3-requests: elegant and simple HTTP library for Python3"], 3).rankings[0]
+    assert len(ranking.ids) == 3

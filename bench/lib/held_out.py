@@ -12,6 +12,7 @@ from export.held_out import (
     HeldOutMemory,
     HeldOutPairs,
     HeldOutSearch,
+    SparseSpec,
     unfitted_fusion,
 )
 from service.engine import load_predictor
@@ -30,12 +31,20 @@ def held_out_instances(bundle: Path, run: Path, data: Path):
 
 
 def held_out_features(
-    predictor, train, rows, rerank_depth: int | None = None, memory: HeldOutMemory = DEFAULT_HELD_OUT_MEMORY
+    predictor,
+    train,
+    rows,
+    rerank_depth: int | None = None,
+    memory: HeldOutMemory = DEFAULT_HELD_OUT_MEMORY,
+    sparse: SparseSpec | None = None,
 ) -> tuple[ScoreFusion, KeyTerms, HeldOutPairs]:
     """(served, key_terms, pairs): the fusion with every feature group as it would be served (the
     whole memory's counts and lexicon), not fitted yet, its key terms, and the held-out instances'
     candidate pairs from both searches against ``memory`` (each search's top ``rerank_depth`` by
-    p̂; None: all)."""
-    served, key_rows = unfitted_fusion(predictor, train, tuple(FEATURE_GROUPS), rerank_depth)
-    search = HeldOutSearch.of(predictor, train, rows, (served, key_rows), memory)
+    p̂; None: all; ``sparse``: joined by a sparse ranker's top labels, its features the last
+    columns)."""
+    groups = tuple(g for g in FEATURE_GROUPS if g != "sparse" or sparse is not None)
+    served, key_rows = unfitted_fusion(predictor, train, groups, rerank_depth, sparse=sparse)
+    fit = sparse.fit if sparse is not None else None
+    search = HeldOutSearch.of(predictor, train, rows, (served, key_rows), memory, fit)
     return served, KeyTerms(key_rows), search.pairs(predictor, train, "both")

@@ -1,0 +1,160 @@
+"""Which candidate sources should a fused bundle have? An ablation over one trained memory, chosen
+on a cross-fitted validation split of the held-out training instances, never on dev.
+
+    python -m bench.candidate_sources --bundle <memory bundle> --run <training run> \\
+        [--data ../shared/data/debian-related] [--sparse-depths 50 100] [--dev]
+
+Variants, each the default fusion (:data:`export.fusion_fit.DEFAULT_FUSION`, LambdaMART over the
+RAE and lexical features of each search's top 200 by p̂) over its own candidates:
+
+* ``memory``: the memory's candidates alone (the default until now);
+* ``memory+sparse@D``: joined by a sparse ranker's top D (:mod:`service.engine.sparse`, fitted on
+  the training texts alone, ``label_texts`` off);
+* ``memory+sparse+labels@D``: the same ranker with each label's own text among its texts (the
+  lexical match on label text: a zero-shot label gets weights).
+
+For each: the validation metrics of :func:`bench.fusion_models.validate` (5 folds, both protocols,
+the candidates' recall of the relevant labels), and the choice by
+:func:`bench.fusion_models.selection_score`. With ``--dev``: every variant fitted on all its pairs
+and served in the memory's place (the ranker of the whole memory, as ``export.fuse`` writes it),
+evaluated on dev through the service's code path (both protocols; P@1/3/5, nDCG@5, PSP@1/3/5,
+R@10/100), with the batched q/s of that evaluation (encode + search, 64 a batch) and the idle p50
+(one text a call) measured in the same run; the memory alone (p̂, no fusion) beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+from bench.fusion_models import (
+    PAIR_GROUPS,
+    columns_of,
+    fold_of_instances,
+    selection_score,
+    unfused_validation,
+    validate,
+    with_columns,
+)
+from bench.lib.held_out import held_out_features, held_out_instances
+from export.evaluate import evaluate_bundle
+from export.fusion_fit import DEFAULT_FUSION, FuseError, fit_model
+from export.fusion_to_onnx import onnx_fusion_model
+from export.held_out import SparseSpec
+from export.sparse_fit import SparseFitParams
+from service.engine import Predictor
+from service.engine.offline import ScoreFusion, features_of_groups
+from xmc.data import label_frequencies, load_jsonl_split
+
+DEV_METRICS = ("P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@3", "PSP@5", "R@10", "R@100")
+IDLE_QUERIES = 200
+
+
+def variants(depths: list[int]) -> dict[str, SparseSpec | None]:
+    out: dict[str, SparseSpec | None] = {"memory": None}
+    for depth in depths:
+        out[f"memory+sparse@{depth}"] = SparseSpec(depth, SparseFitParams(label_texts=False))
+        out[f"memory+sparse+labels@{depth}"] = SparseSpec(depth, SparseFitParams())
+    return out
+
+
+def idle_p50_ms(predictor: Predictor, texts: list[str]) -> float:
+    """The median ms of one text a call (an idle server's request, without HTTP)."""
+    for text in texts[:10]:
+        predictor.predict([text], 10)
+    timings = []
+    for text in texts:
+        started = time.perf_counter()
+        predictor.predict([text], 10)
+        timings.append(1e3 * (time.perf_counter() - started))
+    return round(statistics.median(timings), 3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bundle", type=Path, required=True, help="the trained rae_memory bundle (unfused)")
+    parser.add_argument("--run", type=Path, required=True, help="its training run (holdout.txt)")
+    parser.add_argument("--data", type=Path, default=Path("../shared/data/debian-related"), help="dataset dir")
+    parser.add_argument("--sparse-depths", type=int, nargs="+", default=[50, 100], help="sparse ranker depths")
+    parser.add_argument("--folds", type=int, default=5, help="cross-fitting folds of the held-out instances")
+    parser.add_argument("--dev", action="store_true", help="also evaluate every variant on dev (never for the choice)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/candidate-sources.json"), help="result JSON")
+    args = parser.parse_args(argv)
+    try:
+        train, predictor, rows = held_out_instances(args.bundle, args.run, args.data)
+    except FuseError as exc:
+        raise SystemExit(f"bench.candidate_sources: {exc}") from None
+    frequencies, num_train = label_frequencies(train.Y), len(train)
+    fold = fold_of_instances(len(rows), args.folds)
+    dev = load_jsonl_split(args.data, "dev", labels=train.labels) if args.dev else None
+    results: dict[str, dict] = {}
+    if dev is not None:
+        memory_only = evaluate_bundle(predictor.bundle, dev, train, k=100)
+        results["memory, no fusion"] = {"dev": dev_row(memory_only, idle_p50_ms(predictor, dev.texts[:IDLE_QUERIES]))}
+    for name, spec in variants(args.sparse_depths).items():
+        started = time.perf_counter()
+        served, key_terms, pairs = held_out_features(predictor, train, rows, DEFAULT_FUSION.rerank_depth, sparse=spec)
+        computed = PAIR_GROUPS + (("sparse",) if spec is not None else ())
+        candidate = dataclasses.replace(
+            DEFAULT_FUSION,
+            groups=DEFAULT_FUSION.groups + (("sparse",) if spec is not None else ()),
+            sparse_depth=spec.depth if spec is not None else None,
+        )
+        fitted = validate(candidate, pairs, fold, frequencies, num_train, computed=computed)
+        row = {
+            "candidate": candidate.name,
+            "pairs": len(pairs.y),
+            "relevant_among_candidates": round(100 * pairs.found, 2),
+            "unfused_validation": unfused_validation(
+                with_columns(pairs, columns_of(PAIR_GROUPS, computed)), frequencies, num_train
+            ),
+            **fitted,
+            "score": round(selection_score(fitted["validation"]), 3),
+            "pair_seconds": round(time.perf_counter() - started, 1),
+        }
+        if dev is not None:
+            features = features_of_groups(candidate.groups)
+            fitting = with_columns(pairs, columns_of(candidate.groups, computed))
+            model, _ = onnx_fusion_model(fit_model(candidate.model, fitting, features, candidate.params), fitting.X)
+            fusion = ScoreFusion(
+                model, served.log_frequency, served.lexicon, features, candidate.rerank_depth, served.sparse
+            )
+            fused = Predictor(dataclasses.replace(predictor.bundle, fusion=fusion, key_terms=key_terms))
+            evaluation = evaluate_bundle(fused.bundle, dev, train, k=100)
+            row["dev"] = dev_row(evaluation, idle_p50_ms(fused, dev.texts[:IDLE_QUERIES]))
+        results[name] = row
+        print(name, json.dumps({k: row[k] for k in ("relevant_among_candidates", "validation", "score")}), flush=True)
+    chosen = max((name for name in results if "score" in results[name]), key=lambda name: results[name]["score"])
+    result = {
+        "bundle": str(args.bundle),
+        "run": str(args.run),
+        "data": str(args.data),
+        "held_out_instances": len(rows),
+        "folds": args.folds,
+        "machine": platform.processor() or platform.machine(),
+        "chosen": chosen,
+        "chosen_by": "validation score (mean of P@1 and P@5, filter after) on the held-out instances",
+        "variants": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print("chosen", chosen)
+    return 0
+
+
+def dev_row(evaluation: dict, idle_p50: float) -> dict:
+    return {
+        "batched_queries_per_second": evaluation["queries_per_second"],
+        "idle_p50_ms": idle_p50,
+        "filter_after": {m: evaluation["metrics"][m] for m in DEV_METRICS},
+        "exclude_before": {m: evaluation["metrics_exclude_before"][m] for m in DEV_METRICS},
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
