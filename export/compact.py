@@ -23,6 +23,7 @@ with is refused: there is nothing to fold.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -127,10 +128,12 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
 
 
 def carried_fusion(fusion: ScoreFusion, num_labels: int) -> ScoreFusion:
-    """The same model (and lexicon, features) with frequency 0 for the labels appended since export: what
-    the live memory used for them, so the compacted bundle answers as the grown one did."""
+    """The same model (and lexicon, features, rerank depth, sparse ranker) with frequency 0 for the
+    labels appended since export: what the live memory used for them, so the compacted bundle answers
+    as the grown one did (the sparse ranker still covers the labels it was fitted on, and only those)."""
     appended = np.zeros(num_labels - len(fusion.log_frequency), dtype=np.float32)
-    return ScoreFusion(fusion.model, np.concatenate([fusion.log_frequency, appended]), fusion.lexicon, fusion.features)
+    log_frequency = np.concatenate([fusion.log_frequency, appended])
+    return dataclasses.replace(fusion, log_frequency=log_frequency)
 
 
 def canonical_order(view: MemoryView) -> tuple[np.ndarray, np.ndarray]:

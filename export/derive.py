@@ -173,7 +173,7 @@ def fusion_files(manifest: Manifest) -> set[str]:
     if manifest.fusion is None:
         return set()
     fusion = manifest.fusion
-    return {fusion.file, fusion.model, *(fusion.lexical or [])}
+    return {fusion.file, fusion.model, *(fusion.lexical or []), *([fusion.sparse.file] if fusion.sparse else [])}
 
 
 def link_or_copy(src: Path, dst: Path) -> None:

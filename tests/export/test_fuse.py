@@ -114,7 +114,15 @@ def as_before_the_onnx_fusion(fused: Path, old: Path) -> Path:
     return old
 
 
-@pytest.fixture(params=["fused", "plain_fused"])
+@pytest.fixture(scope="module")
+def sparse_fused(sample_bundle, sample_dir, run_dir, tmp_path_factory):
+    """The default bundle with the default fusion over the memory's candidates and a sparse
+    ranker's top 20 (its centroid fit: the sample has 12,078 labels)."""
+    out = tmp_path_factory.mktemp("fused") / "sparse"
+    return fuse(sample_bundle, sample_dir, run_dir, out, "--sparse-depth", "20")
+
+
+@pytest.fixture(params=["fused", "plain_fused", "sparse_fused"])
 def any_fused(request):
     return request.getfixturevalue(request.param)
 
@@ -453,3 +461,35 @@ def test_a_fused_bundle_scores_a_query_the_same_alone_and_in_any_batch(fused, sa
     each query's own rows only: batching stays invisible behind a fusion too."""
     texts = load_jsonl_split(sample_dir, "dev").texts[:120]
     assert assert_batch_invariant(Predictor(load_bundle(fused)), texts, batches=15) > 200
+
+
+def test_a_sparse_ranker_adds_candidates_no_near_key_carries_and_stays_batch_invariant(
+    sparse_fused, sample_bundle, sample_dir
+):
+    """The sparse ranker's top labels join the memory's: some answers hold labels the memory's
+    keys never voted for (p̂ = 0), its file is checked like every bundle file, and a query's
+    answer is the same alone and in any batch."""
+    bundle = load_bundle(sparse_fused)
+    params = bundle.manifest.fusion
+    assert params.sparse.depth == 20 and params.sparse.fit == "centroid" and params.sparse.labels == 12078
+    assert params.features[-2:] == ["sparse_margin", "sparse_rank"] and "sparse.npz" in bundle.manifest.files
+    texts = load_jsonl_split(sample_dir, "dev").texts[:60]
+    voted = Predictor(load_bundle(sample_bundle)).predict(texts, 100000).rankings  # every label the keys carry
+    fused = Predictor(bundle).predict(texts, 50).rankings
+    outside = sum(len(set(f.ids.tolist()) - set(v.ids.tolist())) for f, v in zip(fused, voted, strict=True))
+    assert outside > 0
+    assert assert_batch_invariant(Predictor(bundle), texts, batches=6) > 100
+
+
+def test_a_sparse_ranker_file_that_does_not_match_its_manifest_is_refused(sparse_fused, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(sparse_fused, broken)
+    with np.load(broken / "sparse.npz") as z:
+        arrays = dict(z)
+    arrays["shape"] = np.array([arrays["shape"][0], arrays["shape"][1] - 1])
+    np.savez_compressed(broken / "sparse.npz", **arrays)
+    manifest = json.loads((broken / MANIFEST_FILE).read_text())
+    manifest["files"]["sparse.npz"] = sha256_file(broken / "sparse.npz")  # a consistent but wrong file
+    (broken / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="sparse"):
+        load_bundle(broken, verify=False)
