@@ -143,8 +143,50 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(result))
     print("chosen", chosen)
     return 0
+
+
+def markdown(result: dict) -> str:
+    """The ablation as the docs show it: validation (the choice) and dev (never used for it)."""
+    lines = [
+        "Validation: the held-out training instances, 5-fold cross-fitted (P@1 / P@5 / PSP@5 / R@100; "
+        "filter after | exclude before); candidates: the share of relevant labels among a search's candidates.",
+        "",
+        "| variant | candidates | validation, filter after | validation, exclude before | score |",
+        "| --- | ---: | --- | --- | ---: |",
+    ]
+    for name, row in result["variants"].items():
+        if "validation" not in row:
+            continue
+        v = row["validation"]
+        cells = [
+            " / ".join(f"{v[p][m]:.2f}" for m in ("P@1", "P@5", "PSP@5", "R@100"))
+            for p in ("filter_after", "exclude_before")
+        ]
+        chosen = " **chosen**" if name == result["chosen"] else ""
+        found = row["relevant_among_candidates"]
+        lines.append(f"| {name}{chosen} | {found:.2f} | {cells[0]} | {cells[1]} | {row['score']:.2f} |")
+    dev_rows = [(name, row["dev"]) for name, row in result["variants"].items() if "dev" in row]
+    if dev_rows:
+        lines += [
+            "",
+            "Dev (measured after the choice; filter after, then exclude before):",
+            "",
+            "| variant | protocol | " + " | ".join(DEV_METRICS) + " | batched q/s | idle p50 ms |",
+            "| --- | --- |" + " ---: |" * (len(DEV_METRICS) + 2),
+        ]
+        for name, dev in dev_rows:
+            for protocol in ("filter_after", "exclude_before"):
+                figures = " | ".join(f"{dev[protocol][m]:.2f}" for m in DEV_METRICS)
+                timing = (
+                    f"{dev['batched_queries_per_second']} | {dev['idle_p50_ms']}"
+                    if protocol == "filter_after"
+                    else " | "
+                )
+                lines.append(f"| {name} | {protocol.replace('_', ' ')} | {figures} | {timing} |")
+    return "\n".join(lines) + "\n"
 
 
 def dev_row(evaluation: dict, idle_p50: float) -> dict:
