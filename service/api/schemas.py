@@ -7,7 +7,8 @@ limits its OpenAPI schema documents.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -20,7 +21,7 @@ from bundle import Manifest
 from service.engine import MAX_LABELS_PER_INSTANCE, AppendBatch, MemoryView
 
 if TYPE_CHECKING:
-    from service.engine import Ranking
+    from service.engine import BatchAnswer, Ranking
 from service.api.limits import LimitSettings
 
 try:
@@ -249,10 +250,41 @@ async def predict_response_off_loop(
     return await asyncio.to_thread(predict_response, manifest, variant, k, ef, rankings, view)
 
 
+# Answers with at most this many labels (texts x k) are serialised on their batch's thread, once
+# it is searched, so the event loop only writes the bytes; a larger one would hold back the other
+# answers of its batch and the next batch's search, and is serialised as before (above).
+BATCH_THREAD_LABELS = 1024
+
+
+def body_renderer(variant: str, k: int, texts: int) -> Callable[[BatchAnswer], bytes] | None:
+    """The ``render`` of a request's batcher job (:meth:`~service.engine.MicroBatcher.submit`):
+    its answer's :func:`predict_body`, made on the batch's thread; None for an answer too large
+    for it (:data:`BATCH_THREAD_LABELS`)."""
+    if texts * k > BATCH_THREAD_LABELS:
+        return None
+    return functools.partial(render_body, variant, k)
+
+
+def render_body(variant: str, k: int, answer: BatchAnswer) -> bytes:
+    return predict_body(answer.predictor.bundle.manifest, variant, k, answer.ef, answer.rankings, answer.view)
+
+
+def json_response(body: bytes) -> Response:
+    """An answer whose JSON is already serialised."""
+    return Response(body, media_type="application/json")
+
+
 def predict_response(
     manifest: Manifest, variant: str, k: int, ef: int, rankings: Sequence[Ranking], view: MemoryView
 ) -> Response:
-    """A :class:`PredictResponse` as JSON, serialised directly by orjson: FastAPI would otherwise
+    """A :class:`PredictResponse` as JSON (:func:`predict_body`)."""
+    return json_response(predict_body(manifest, variant, k, ef, rankings, view))
+
+
+def predict_body(
+    manifest: Manifest, variant: str, k: int, ef: int, rankings: Sequence[Ranking], view: MemoryView
+) -> bytes:
+    """A :class:`PredictResponse`'s JSON, serialised directly by orjson: FastAPI would otherwise
     validate the ~k label objects of every answer again (the model stays the documented schema).
     ``view``: the labels the rankings' ids refer to."""
     uids, texts = view.label_uids, view.label_texts
@@ -273,7 +305,7 @@ def predict_response(
         "ef": ef,
         "results": results,
     }
-    return Response(orjson.dumps(body), media_type="application/json")
+    return orjson.dumps(body)
 
 
 class ReloadRequest(BaseModel):

@@ -100,7 +100,8 @@ class BatchTimeline:
 @dataclass
 class BatchAnswer:
     """One request's share of a batch; ``ef`` is what the batch's search ran at (at least the
-    request's own)."""
+    request's own). ``rendered``: what the request's ``render`` made of it on the batch's thread
+    (None without one)."""
 
     rankings: list[Ranking]
     times: StageTimes
@@ -110,6 +111,7 @@ class BatchAnswer:
     predictor: Predictor
     ef: int
     view: MemoryView  # the memory the ids refer to: ``view.label_uids[id]``
+    rendered: Any = None
 
 
 @dataclass(eq=False)  # identity hashing: jobs live in a set while they run
@@ -120,6 +122,7 @@ class _Job:
     exclude: Collection[str] | list[Collection[str]]
     future: asyncio.Future
     enqueued: float
+    render: Callable[[BatchAnswer], Any] | None = None
 
 
 @dataclass(eq=False)
@@ -229,11 +232,16 @@ class MicroBatcher:
         ef: int | None,
         exclude: Collection[str] | list[Collection[str]],
         timeout_s: float | None = None,
+        render: Callable[[BatchAnswer], Any] | None = None,
     ) -> BatchAnswer:
         """Queue one request; ``exclude`` holds label *uids*, one collection for all texts or one
         per text (:func:`~service.engine.search.excluded_label_ids`), mapped to ids by the bundle
         that runs the batch (a reload may swap bundles between submit and run). ``timeout_s``:
-        how long it may wait to start (None: as long as it takes)."""
+        how long it may wait to start (None: as long as it takes). ``render``: called on the
+        batch's thread with the request's answer once the batch is searched, before the answer
+        goes to the event loop; its result is the answer's ``rendered`` (the HTTP front end's
+        response body, so the loop only writes it), and an exception it raises fails this
+        request alone."""
         if len(self._jobs) >= self.config.max_queue:
             raise QueueFullError(len(self._jobs), retry_after_s=1)
         if timeout_s is not None and self.expected_wait_s() > timeout_s:
@@ -241,7 +249,7 @@ class MicroBatcher:
             self._on_drop("deadline")
             raise DeadlineExceededError(0.0)
         loop = asyncio.get_running_loop()
-        job = _Job(texts, k, ef, exclude, loop.create_future(), time.perf_counter())
+        job = _Job(texts, k, ef, exclude, loop.create_future(), time.perf_counter(), render)
         with self._lock:
             if self._stopping:
                 raise BatcherStoppedError("service shutting down")
@@ -408,15 +416,17 @@ class MicroBatcher:
     def _search(self, encoded: _Encoded) -> None:
         encoded.timeline.searching = time.perf_counter()
         try:
-            answers: list[BatchAnswer] | Exception = _search_batch(encoded)
+            answers: list[BatchAnswer | Exception] | Exception = _search_batch(encoded)
         except Exception as exc:
             answers = exc
         encoded.timeline.searched = time.perf_counter()
+        if not isinstance(answers, Exception):
+            _render(encoded.jobs, answers)
         self._answer(encoded.jobs, answers)
 
     # --- back on the event loop ----------------------------------------------------------------
 
-    def _answer(self, batch: list[_Job], answers: list[BatchAnswer] | Exception) -> None:
+    def _answer(self, batch: list[_Job], answers: list[BatchAnswer | Exception] | Exception) -> None:
         with self._lock:
             self._searching.difference_update(batch)
             self.in_flight_batches -= 1
@@ -426,16 +436,21 @@ class MicroBatcher:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
             self._loop.call_soon_threadsafe(callback, *args)
 
-    def _resolve(self, batch: list[_Job], answers: list[BatchAnswer] | Exception) -> None:
+    def _resolve(self, batch: list[_Job], answers: list[BatchAnswer | Exception] | Exception) -> None:
         if isinstance(answers, Exception):
             for job in batch:
                 if not job.future.done():
                     job.future.set_exception(answers)
             return
-        first = answers[0]
-        self._on_batch_done(first.batch_texts, first.times)
+        first = next((answer for answer in answers if not isinstance(answer, Exception)), None)
+        if first is not None:
+            self._on_batch_done(first.batch_texts, first.times)
         for job, answer in zip(batch, answers, strict=True):
-            if not job.future.done():  # its caller may have stopped waiting
+            if job.future.done():  # its caller may have stopped waiting
+                continue
+            if isinstance(answer, Exception):  # its render failed
+                job.future.set_exception(answer)
+            else:
                 job.future.set_result(answer)
 
 
@@ -446,6 +461,17 @@ def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> Non
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def _render(jobs: list[_Job], answers: list[BatchAnswer | Exception]) -> None:
+    """Each answer's ``rendered``, by its request's ``render`` (on the batch's thread); an answer
+    whose render raised is replaced by the exception."""
+    for i, (job, answer) in enumerate(zip(jobs, answers, strict=True)):
+        if job.render is not None:
+            try:
+                answer.rendered = job.render(answer)
+            except Exception as exc:
+                answers[i] = exc
 
 
 def _search_batch(encoded: _Encoded) -> list[BatchAnswer]:

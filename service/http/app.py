@@ -29,8 +29,10 @@ from service.api.front_door import FrontDoorMiddleware
 from service.api.schemas import (
     SERVICE_VERSION,
     PredictResponse,
+    body_renderer,
     build_predict_request,
     document_models,
+    json_response,
     predict_response_off_loop,
     request_body_openapi,
 )
@@ -53,6 +55,10 @@ log = logging.getLogger("xmcserve")
 
 
 async def to_response(answer: BatchAnswer, variant: str, k: int) -> Response:
+    """The answer's response: its body as the batch's thread serialised it, or (an answer too
+    large for that) serialised now, off the loop when large."""
+    if answer.rendered is not None:
+        return json_response(answer.rendered)
     bundle = answer.predictor.bundle
     return await predict_response_off_loop(bundle.manifest, variant, k, answer.ef, answer.rankings, answer.view)
 
@@ -236,7 +242,8 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
             request.state.request_texts = texts
         started = time.perf_counter()
         timeout_s = (body.timeout_ms or settings.limits.request_timeout_ms) / 1000
-        submitted = slot.batcher.submit(texts, body.k, body.ef, body.exclude, timeout_s)
+        render = body_renderer(slot.name, body.k, len(texts))  # the answer's JSON, made on the batch's thread
+        submitted = slot.batcher.submit(texts, body.k, body.ef, body.exclude, timeout_s, render)
         try:
             answer = await answer_unless_gone(request, submitted)
         except (QueueFullError, DeadlineExceededError) as exc:
