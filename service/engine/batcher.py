@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -43,6 +44,8 @@ from service.engine.encoder import EncodeTimes
 from service.engine.lexical import QueryTerms
 from service.engine.memory import MemoryView
 from service.engine.search import Predictor, Ranking, StageTimes, excluded_label_ids
+
+log = logging.getLogger(__name__)
 
 
 class QueueFullError(XmcserveError, RuntimeError):
@@ -164,9 +167,11 @@ class MicroBatcher:
     or when it is still queued at its deadline (``"deadline"``, :class:`DeadlineExceededError`).
     A request already computing is answered however late: its batch is paid for.
 
-    ``on_batch_done(texts, times)`` gets each answered batch's size and stage times.
-    Call :meth:`start` and :meth:`submit` from one event loop; answers and ``on_batch_done`` /
-    ``on_drop`` calls happen on that loop."""
+    ``on_batch_done(texts, times)`` gets each answered batch's size and stage times, on the thread
+    that searched the batch (before its answers reach the loop: the loop does nothing per batch
+    but hand the answers over), so it must be thread-safe (Prometheus metrics are).
+    Call :meth:`start` and :meth:`submit` from one event loop; answers and ``on_drop`` calls
+    happen on that loop."""
 
     def __init__(
         self,
@@ -421,6 +426,10 @@ class MicroBatcher:
             answers = exc
         encoded.timeline.searched = time.perf_counter()
         if not isinstance(answers, Exception):
+            try:
+                self._on_batch_done(len(encoded.vectors), answers[0].times)
+            except Exception:  # the batch's answers stand; the stage thread must not die of it
+                log.exception("on_batch_done failed")
             _render(encoded.jobs, answers)
         self._answer(encoded.jobs, answers)
 
@@ -442,9 +451,6 @@ class MicroBatcher:
                 if not job.future.done():
                     job.future.set_exception(answers)
             return
-        first = next((answer for answer in answers if not isinstance(answer, Exception)), None)
-        if first is not None:
-            self._on_batch_done(first.batch_texts, first.times)
         for job, answer in zip(batch, answers, strict=True):
             if job.future.done():  # its caller may have stopped waiting
                 continue
