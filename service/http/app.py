@@ -38,6 +38,8 @@ from service.api.schemas import (
 )
 from service.engine import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
 from service.http.admin import add_admin_routes, require_admin
+from service.http.disconnect import EXTENSION as CLIENT_GONE
+from service.http.disconnect import ClientGone
 from service.http.guards import LoadShed
 from service.http.metrics import Metrics, RequestObserver
 from service.http.rollout_page import add_rollout_routes
@@ -95,6 +97,30 @@ async def answer_unless_gone(request: Request, submitted) -> BatchAnswer | None:
     finally:
         waiting = False
         watch.cancel()
+
+
+async def answer_unless_disconnected(client_gone: ClientGone, submitted) -> BatchAnswer | None:
+    """:func:`answer_unless_gone` with the server's signal that the client left
+    (:mod:`service.http.disconnect`) instead of a watcher task: the request is cancelled from the
+    protocol's callback, which takes it out of the queue if it has not started."""
+    task = asyncio.current_task()
+    gone = False
+
+    def on_gone() -> None:
+        nonlocal gone
+        gone = True
+        task.cancel()
+
+    client_gone.add(on_gone)
+    try:
+        return await submitted
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()  # the cancel was ours: the request ends with its 499, not as cancelled
+        return None
+    finally:
+        client_gone.discard(on_gone)  # called back no more once the answer (or the error) is in
 
 
 def build_shadow(settings: Settings, metrics: Metrics) -> ShadowMirror:
@@ -244,8 +270,12 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         timeout_s = (body.timeout_ms or settings.limits.request_timeout_ms) / 1000
         render = body_renderer(slot.name, body.k, len(texts))  # the answer's JSON, made on the batch's thread
         submitted = slot.batcher.submit(texts, body.k, body.ef, body.exclude, timeout_s, render)
+        client_gone = request.scope.get("extensions", {}).get(CLIENT_GONE)
         try:
-            answer = await answer_unless_gone(request, submitted)
+            if client_gone is not None:  # the server's own signal, no watcher task
+                answer = await answer_unless_disconnected(client_gone, submitted)
+            else:
+                answer = await answer_unless_gone(request, submitted)
         except (QueueFullError, DeadlineExceededError) as exc:
             if isinstance(exc, QueueFullError):
                 metrics.rejected.labels(variant=slot.name).inc()

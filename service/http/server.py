@@ -19,6 +19,11 @@ the requests before it, which were handed to the app and may have changed someth
 instead of cutting their answers off. Only the current request's header bytes count against the
 header cap, never a body, whichever chunks they arrive in.
 
+Each request's scope carries its connection's :class:`~service.http.disconnect.ClientGone`
+(``scope["extensions"]["xmcserve.client_gone"]``), which the protocol fires when the connection is
+lost: a handler waiting for its batch learns that its client left without a task per request
+waiting on ``receive()``.
+
 Nor does uvicorn bound a response's sending: a client that asks for a large answer and never
 reads it keeps the answer in the transport's buffer for as long as it keeps the connection open
 (closing a transport waits until its buffer is sent), so such clients, up to the connection cap,
@@ -35,6 +40,7 @@ import functools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from service.http.disconnect import EXTENSION, ClientGone
 from service.http.settings import LogSettings, ServerSettings
 from service.observability.logs import configure_logging
 
@@ -68,6 +74,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self._client_gone = ClientGone()
         self._header_deadline = None
         self._write_deadline = None
         # header accounting: see data_received
@@ -107,6 +114,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope["extensions"] = {EXTENSION: self._client_gone}
         self._header_bytes, self._began_here = 0, True
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -247,6 +255,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._stop_waiting()
         self._stop_write_deadline()
         super().connection_lost(exc)
+        self._client_gone.lost()  # the requests still waiting for their answers stop waiting
 
 
 def protocol_for(settings: ServerSettings) -> type[GuardedProtocol]:
