@@ -20,7 +20,9 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.routing import request_response
 
 from bundle import BundleError
 from service.api.body_guards import decode_body, validation_error
@@ -309,6 +311,14 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         response = await to_response(answer, slot.name, body.k)
         tracing.batch_answered(answer, resumed, slot.name)  # the request's queue wait, batch stages and respond
         return response
+
+    # The endpoint reads its own body and returns its own Response, so FastAPI's handler around it
+    # (solving the dependencies of a `request` parameter, which builds the query parameters and
+    # cookies, and two exit stacks) was only work on the event loop per request: the route keeps
+    # FastAPI's matching, its scope["route"] and its documentation, and runs the endpoint as
+    # Starlette runs one (its errors rendered by the same exception handlers).
+    predict_route = next(r for r in app.router.routes if isinstance(r, APIRoute) and r.path == "/predict")
+    predict_route.app = request_response(predict)
 
     @app.get("/healthz")
     async def healthz() -> dict:
