@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -126,6 +129,11 @@ class _Job:
     future: asyncio.Future
     enqueued: float
     render: Callable[[BatchAnswer], Any] | None = None
+    taken: bool = False  # by an encode thread: from then on it is answered, however late
+
+    def settled(self) -> bool:
+        """Out of the queue: taken by an encode thread, or withdrawn (its future done)."""
+        return self.taken or self.future.done()
 
 
 @dataclass(eq=False)
@@ -156,6 +164,9 @@ BACKGROUND_MAX_WAIT_S = 0.5
 HANDOFF_BATCHES = 2
 # How often a thread blocked on a full hand-off looks whether the batcher is stopping.
 STOP_POLL_S = 0.1
+# How early a loop timer may fire (uvloop's clock counts milliseconds): a queued request whose
+# deadline is this close when the deadline timer fires is refused then, as its own timer did.
+DEADLINE_RESOLUTION_S = 0.001
 
 
 class MicroBatcher:
@@ -191,6 +202,13 @@ class MicroBatcher:
         self._searching: set[_Job] = set()  # encoded, waiting for or in the search
         self._background_running: set[_Background] = set()
         self._handoff: queue.Queue[_Encoded | None] = queue.Queue(maxsize=HANDOFF_BATCHES)
+        # The queued requests' deadlines (loop time, order, job): a heap behind one timer on the
+        # loop, set for the earliest of them (loop-side only; jobs that left the queue are dropped
+        # from its top as requests come and when the timer fires).
+        self._deadlines: list[tuple[float, int, _Job]] = []
+        self._deadline_order = itertools.count()
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._deadline_at = math.inf
         self._handed_off = 0  # batches given to the search thread and not yet searched
         self._idle_encoders = 0  # encode threads waiting for work
         self._threads: list[threading.Thread] = []
@@ -218,6 +236,9 @@ class MicroBatcher:
     async def stop(self) -> None:
         """Fail every request not yet answered with :class:`BatcherStoppedError` and let the stage
         threads end; a batch still computing finishes on its thread, unobserved."""
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        self._deadlines.clear()
         with self._lock:
             self._stopping = True
             self._lock.notify_all()
@@ -260,16 +281,13 @@ class MicroBatcher:
                 raise BatcherStoppedError("service shutting down")
             self._jobs.append(job)
             self._lock.notify()
-        # a timer rather than a second awaitable: the deadline costs one handle a request
-        deadline = loop.call_later(timeout_s, self._expire, job) if timeout_s is not None else None
+        if timeout_s is not None:
+            self._add_deadline(loop, job, loop.time() + timeout_s)
         try:
             return await job.future
         except asyncio.CancelledError:
             self._withdraw(job, "client_gone")
             raise
-        finally:
-            if deadline is not None:
-                deadline.cancel()
 
     async def run_when_idle(self, work: Callable[[], Any]) -> Any:
         """``work()``'s result, run on an encode thread when no request is queued (or once it has
@@ -310,9 +328,34 @@ class MicroBatcher:
             job.future.set_exception(error)
         self._on_drop(reason)
 
-    def _expire(self, job: _Job) -> None:
-        """The job's deadline (on the loop): refused if it is still queued, else left to finish."""
-        self._withdraw(job, "deadline", DeadlineExceededError(time.perf_counter() - job.enqueued))
+    def _add_deadline(self, loop: asyncio.AbstractEventLoop, job: _Job, when: float) -> None:
+        """The job's deadline behind the batcher's one timer (on the loop): a heap entry a request
+        instead of a timer handle made and cancelled a request; the timer moves only for a deadline
+        earlier than the one it is set for. The jobs that already left the queue are dropped from
+        the heap's top first, so the heap holds no answer for long."""
+        heap = self._deadlines
+        while heap and heap[0][2].settled():
+            heapq.heappop(heap)
+        heapq.heappush(heap, (when, next(self._deadline_order), job))
+        if when < self._deadline_at:
+            if self._deadline_timer is not None:
+                self._deadline_timer.cancel()
+            self._deadline_at = when
+            self._deadline_timer = loop.call_at(when, self._expire_due, loop)
+
+    def _expire_due(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The deadline timer (on the loop): every job still queued at its deadline is refused
+        (the others are left to finish), and the timer is set for the earliest deadline left."""
+        self._deadline_timer, self._deadline_at = None, math.inf
+        heap = self._deadlines
+        due = loop.time() + DEADLINE_RESOLUTION_S  # a timer may fire this much before its time
+        while heap and (heap[0][0] <= due or heap[0][2].settled()):
+            _, _, job = heapq.heappop(heap)
+            if not job.settled():
+                self._withdraw(job, "deadline", DeadlineExceededError(time.perf_counter() - job.enqueued))
+        if heap:
+            self._deadline_at = heap[0][0]
+            self._deadline_timer = loop.call_at(self._deadline_at, self._expire_due, loop)
 
     # --- encode stage (its own thread) ---------------------------------------------------------
 
@@ -352,6 +395,7 @@ class MicroBatcher:
         """The oldest job and the queued ones that fit (called with the lock held; waiting for
         more releases it, so requests keep arriving)."""
         batch = [self._jobs.popleft()]
+        batch[0].taken = True
         size = len(batch[0].texts)
         deadline = time.perf_counter() + self.config.max_wait_ms / 1000
         while size < self.config.max_batch_size and not self._stopping:
@@ -359,6 +403,7 @@ class MicroBatcher:
                 if size + len(self._jobs[0].texts) > self.config.max_batch_size:
                     break
                 job = self._jobs.popleft()
+                job.taken = True
                 batch.append(job)
                 size += len(job.texts)
                 continue
