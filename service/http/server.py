@@ -51,6 +51,10 @@ HEADERS_TOO_LARGE = (
 )
 
 
+# How early a loop timer may fire (uvloop's clock counts milliseconds).
+TIMER_RESOLUTION_S = 0.001
+
+
 def cancelled(timer) -> None:
     """Cancel a pending ``call_later`` handle (None: nothing pending); returns None to store."""
     if timer is not None:
@@ -75,7 +79,9 @@ class GuardedProtocol(HttpToolsProtocol):
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._client_gone = ClientGone()
-        self._header_deadline = None
+        self._header_deadline = None  # the connection's one header timer (see _await_headers)
+        self._header_timer_at = 0.0  # when it fires
+        self._headers_due: float | None = None  # when the awaited headers are late; None: none awaited
         self._write_deadline = None
         # header accounting: see data_received
         self._header_bytes: int | None = None  # the incomplete headers' bytes in earlier chunks; None: none
@@ -193,17 +199,34 @@ class GuardedProtocol(HttpToolsProtocol):
         else:
             answer()
 
-    # header deadline
+    # header deadline: one timer per connection, not one made and cancelled per request. Awaiting
+    # the next request's headers moves the time they are due; the timer moves only to an earlier
+    # time, and when it fires before the headers are due it is set again for then.
 
-    def _await_headers(self) -> None:
-        self._stop_waiting()
-        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_late)
+    def _await_headers(self, within_s: float | None = None) -> None:
+        due = self.loop.time() + (self.header_timeout_s if within_s is None else within_s)
+        self._headers_due = due
+        if self._header_deadline is None or due < self._header_timer_at:
+            self._set_header_timer(due)
+
+    def _set_header_timer(self, when: float) -> None:
+        cancelled(self._header_deadline)
+        self._header_timer_at = when
+        self._header_deadline = self.loop.call_at(when, self._headers_late)
 
     def _stop_waiting(self) -> None:
-        self._header_deadline = cancelled(getattr(self, "_header_deadline", None))
+        """No headers awaited (the timer, if set, finds nothing to do when it fires)."""
+        self._headers_due = None
 
     def _headers_late(self) -> None:
         self._header_deadline = None
+        due = self._headers_due
+        if due is None:
+            return
+        if due > self.loop.time() + TIMER_RESOLUTION_S:  # awaited again since the timer was set
+            self._set_header_timer(due)
+            return
+        self._headers_due = None
         if self.cycle is None or self.cycle.response_complete:
             self.transport.close()
 
@@ -229,7 +252,7 @@ class GuardedProtocol(HttpToolsProtocol):
         if self.cycle is None or self.cycle.response_complete:
             self._draining = True
             self._stop_waiting()
-            self._header_deadline = self.loop.call_later(self.drain_grace_s, self._headers_late)
+            self._await_headers(self.drain_grace_s)
             return
         super().shutdown()
 
@@ -253,6 +276,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc) -> None:
         self._stop_waiting()
+        self._header_deadline = cancelled(getattr(self, "_header_deadline", None))
         self._stop_write_deadline()
         super().connection_lost(exc)
         self._client_gone.lost()  # the requests still waiting for their answers stop waiting
