@@ -199,6 +199,7 @@ class MicroBatcher:
         self._jobs: deque[_Job] = deque()
         self._background: deque[_Background] = deque()
         self._encoding: set[_Job] = set()  # taken by an encode thread
+        self._texts_ahead = 0  # texts of the jobs queued or encoding (expected_wait_s)
         self._searching: set[_Job] = set()  # encoded, waiting for or in the search
         self._background_running: set[_Background] = set()
         self._handoff: queue.Queue[_Encoded | None] = queue.Queue(maxsize=HANDOFF_BATCHES)
@@ -243,6 +244,7 @@ class MicroBatcher:
             self._stopping = True
             self._lock.notify_all()
             pending = [*self._jobs, *self._encoding, *self._searching, *self._background, *self._background_running]
+            self._texts_ahead -= sum(len(job.texts) for job in self._jobs)  # encoding ones leave as they end
             self._jobs.clear()
             self._background.clear()
         with contextlib.suppress(queue.Full):  # wakes an idle search thread; a busy one sees _stopping
@@ -280,6 +282,7 @@ class MicroBatcher:
             if self._stopping:
                 raise BatcherStoppedError("service shutting down")
             self._jobs.append(job)
+            self._texts_ahead += len(texts)
             self._lock.notify()
         if timeout_s is not None:
             self._add_deadline(loop, job, loop.time() + timeout_s)
@@ -310,9 +313,8 @@ class MicroBatcher:
     def expected_wait_s(self) -> float:
         """How long a request queued now would wait to start: the texts ahead of it (queued and
         encoding) at the recent encode time per text, spread over the encode threads."""
-        with self._lock:
-            ahead = sum(len(job.texts) for job in self._jobs) + sum(len(job.texts) for job in self._encoding)
-        return ahead * self._seconds_per_text / self.config.workers
+        # a count kept as jobs come and go (read without the lock: asked twice a request)
+        return self._texts_ahead * self._seconds_per_text / self.config.workers
 
     def _withdraw(self, job: _Job, reason: str, error: Exception | None = None) -> None:
         """Take a job that has not started out of the queue (nothing when it already runs): its
@@ -322,6 +324,7 @@ class MicroBatcher:
                 self._jobs.remove(job)
             except ValueError:
                 return
+            self._texts_ahead -= len(job.texts)
         if error is None:
             job.future.cancel()
         elif not job.future.done():
@@ -421,6 +424,7 @@ class MicroBatcher:
         except Exception as exc:  # the model failed: every request of the batch gets the error
             with self._lock:
                 self._encoding.difference_update(batch)
+                self._texts_ahead -= len(texts)
             self._answer(batch, exc)
             return
         timeline.encoded = time.perf_counter()
@@ -428,6 +432,7 @@ class MicroBatcher:
         with self._lock:
             self._seconds_per_text += 0.2 * (per_text - self._seconds_per_text) if self._seconds_per_text else per_text
             self._encoding.difference_update(batch)
+            self._texts_ahead -= len(texts)
             self._searching.update(batch)
             # Nothing waits (no request queued, no batch before the search thread) and another
             # encode thread is idle for whatever arrives next: searching here saves the batch a
