@@ -1,7 +1,8 @@
 """The null-encoder measurement (bench.non_encoder_cost's, and bench.serving's --null-encoder
 part): each tree's server with its ONNX call replaced by a vector lookup
-(bench.lib.null_encoder), held at a fixed open-loop rate for its CPU per request, loaded closed
-loop for its peak, and profiled by stage.
+(bench.lib.null_encoder), held at a fixed open-loop rate for its CPU per request (the whole
+process's, and its event loop thread's alone), loaded closed loop for its peak, and profiled by
+stage.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from bench.lib.loadgen import closed_loop, open_loop
 from bench.lib.null_encoder import VECTORS_ENV, write_vectors
-from bench.lib.profiling import fold, record, server_cpu_s
+from bench.lib.profiling import fold, loop_cpu_s, record, server_cpu_s
 from loadtest.localserver import ROOT, start_server, stop_server
 from xmc.data import load_jsonl_split
 
@@ -45,10 +46,19 @@ def start_null_server(tree: Path, bundle: Path, vectors: Path, log_path: Path, e
     return start_server(bundle.resolve(), log_path, extra_env=env, command=command, cwd=source, timeout_s=timeout_s)
 
 
-def cpu_per_request_us(url: str, bodies: list[bytes], rps: float, seconds: float) -> tuple[float, dict]:
-    cpu0 = server_cpu_s(url)
+def cpu_per_request_us(
+    url: str, bodies: list[bytes], rps: float, seconds: float, pid: int | None = None
+) -> tuple[float, dict]:
+    """The server's CPU µs per answered request at ``rps`` (open loop), and the load's summary;
+    with ``pid`` (the server's process) the summary also has ``loop_cpu_us_per_request``: its
+    main thread's, which runs uvicorn's event loop (granian's app runs in a worker process: its
+    main thread's figure is not the loop's)."""
+    cpu0, loop0 = server_cpu_s(url), loop_cpu_s(pid) if pid else 0.0
     row = asyncio.run(open_loop(url, bodies, rps, seconds)).summary()
-    return (server_cpu_s(url) - cpu0) * 1e6 / max(row["ok"], 1), row
+    answered = max(row["ok"], 1)
+    if pid:
+        row["loop_cpu_us_per_request"] = round((loop_cpu_s(pid) - loop0) * 1e6 / answered, 1)
+    return (server_cpu_s(url) - cpu0) * 1e6 / answered, row
 
 
 def profile(server, bodies: list[bytes], rps: float, seconds: float, collapsed: Path) -> dict:
@@ -72,21 +82,27 @@ def measure(
         for server in servers.values():
             asyncio.run(closed_loop(server.url, bodies, 8, 3.0))  # warm-up
         cpu_us: dict[str, list[float]] = {name: [] for name in trees}
+        loop_us: dict[str, list[float]] = {name: [] for name in trees}
         peak: dict[str, list[float]] = {name: [] for name in trees}
         paced: dict[str, list[dict]] = {name: [] for name in trees}
         names = list(trees)
         for round_ in range(args.rounds):
             order = names[round_ % len(names) :] + names[: round_ % len(names)]
             for name in order:
-                url = servers[name].url
-                us, row = cpu_per_request_us(url, bodies, args.rps, args.null_seconds)
+                url, pid = servers[name].url, servers[name].process.pid
+                us, row = cpu_per_request_us(url, bodies, args.rps, args.null_seconds, pid)
                 cpu_us[name].append(round(us, 1))
+                loop_us[name].append(row["loop_cpu_us_per_request"])
                 paced[name].append(row)
-                closed = asyncio.run(closed_loop(url, bodies, args.null_concurrency, args.null_seconds)).summary()
-                peak[name].append(closed["qps"])
-                print(json.dumps({"round": round_, "tree": name, "cpu_us_per_request": us, "peak_qps": closed}))
+                if args.cpu_only:
+                    closed = None
+                else:
+                    closed = asyncio.run(closed_loop(url, bodies, args.null_concurrency, args.null_seconds)).summary()
+                    peak[name].append(closed["qps"])
+                line = {"round": round_, "tree": name, "cpu_us_per_request": us}
+                print(json.dumps({**line, "loop_cpu_us_per_request": loop_us[name][-1], "peak_qps": closed}))
         profiles = {}
-        for name, server in servers.items():
+        for name, server in ({} if args.cpu_only else servers).items():
             share = profile(server, bodies, args.rps, args.null_seconds, work / f"null-{name}.txt")
             median_us = statistics.median(cpu_us[name])
             profiles[name] = {
@@ -99,8 +115,10 @@ def measure(
     result = {
         "cpu_us_per_request": cpu_us,
         "median_cpu_us_per_request": {name: statistics.median(v) for name, v in cpu_us.items()},
+        "loop_cpu_us_per_request": loop_us,
+        "median_loop_cpu_us_per_request": {name: statistics.median(v) for name, v in loop_us.items()},
         "peak_qps": peak,
-        "median_peak_qps": {name: statistics.median(v) for name, v in peak.items()},
+        "median_peak_qps": {name: statistics.median(v) for name, v in peak.items() if v},
         "paced": paced,
         "profiles": profiles,
     }
@@ -110,6 +128,8 @@ def measure(
         result["cpu_per_request_this_over_baseline_per_round"] = [
             round(a / b, 3) for a, b in zip(cpu_us["this"], cpu_us["baseline"], strict=True)
         ]
+        loop = result["median_loop_cpu_us_per_request"]
+        result["loop_cpu_per_request_this_over_baseline"] = round(loop["this"] / loop["baseline"], 3)
     return result
 
 
@@ -123,6 +143,11 @@ def add_arguments(parser: argparse.ArgumentParser, rounds: bool = True) -> None:
     parser.add_argument("--null-seconds", type=float, default=10.0, help="seconds of each load")
     parser.add_argument(
         "--null-concurrency", type=int, default=64, help="closed-loop concurrency of the null-encoder peak"
+    )
+    parser.add_argument(
+        "--cpu-only",
+        action="store_true",
+        help="only the CPU per request at the fixed rate: no closed-loop peak, no py-spy profile",
     )
     if rounds:
         parser.add_argument("--rounds", type=int, default=3, help="rounds over the trees (order rotated each round)")

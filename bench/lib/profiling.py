@@ -1,10 +1,11 @@
-"""What a server process costs: its CPU seconds (from its /metrics) and a py-spy profile of it
-under load, folded by stage.
+"""What a server process costs: its CPU seconds (from its /metrics), its event loop's alone (from
+/proc), and a py-spy profile of it under load, folded by stage.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -21,6 +22,14 @@ def server_cpu_s(url: str) -> float:
         if line.startswith("process_cpu_seconds_total "):
             return float(line.split()[1])
     raise RuntimeError("no process_cpu_seconds_total in /metrics")
+
+
+def loop_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) so far of process ``pid``'s main thread, the one that runs a
+    uvicorn server's event loop (Linux: ``/proc/<pid>/task/<pid>/stat``)."""
+    with open(f"/proc/{pid}/task/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def stage_of(stack: str) -> str:

@@ -7,7 +7,9 @@ limits its OpenAPI schema documents.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import functools
+import weakref
+from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -20,7 +22,7 @@ from bundle import Manifest
 from service.engine import MAX_LABELS_PER_INSTANCE, AppendBatch, MemoryView
 
 if TYPE_CHECKING:
-    from service.engine import Ranking
+    from service.engine import BatchAnswer, Ranking
 from service.api.limits import LimitSettings
 
 try:
@@ -249,31 +251,103 @@ async def predict_response_off_loop(
     return await asyncio.to_thread(predict_response, manifest, variant, k, ef, rankings, view)
 
 
+# Answers with at most this many labels (texts x k) are serialised on their batch's thread, once
+# it is searched, so the event loop only writes the bytes; a larger one would hold back the other
+# answers of its batch and the next batch's search, and is serialised as before (above).
+BATCH_THREAD_LABELS = 1024
+
+
+def body_renderer(variant: str, k: int, texts: int) -> Callable[[BatchAnswer], bytes] | None:
+    """The ``render`` of a request's batcher job (:meth:`~service.engine.MicroBatcher.submit`):
+    its answer's :func:`predict_body`, made on the batch's thread; None for an answer too large
+    for it (:data:`BATCH_THREAD_LABELS`)."""
+    if texts * k > BATCH_THREAD_LABELS:
+        return None
+    return functools.partial(render_body, variant, k)
+
+
+def render_body(variant: str, k: int, answer: BatchAnswer) -> bytes:
+    return predict_body(answer.predictor.bundle.manifest, variant, k, answer.ef, answer.rankings, answer.view)
+
+
+def json_response(body: bytes) -> Response:
+    """An answer whose JSON is already serialised."""
+    return Response(body, media_type="application/json")
+
+
 def predict_response(
     manifest: Manifest, variant: str, k: int, ef: int, rankings: Sequence[Ranking], view: MemoryView
 ) -> Response:
-    """A :class:`PredictResponse` as JSON, serialised directly by orjson: FastAPI would otherwise
+    """A :class:`PredictResponse` as JSON (:func:`predict_body`)."""
+    return json_response(predict_body(manifest, variant, k, ef, rankings, view))
+
+
+def predict_body(
+    manifest: Manifest, variant: str, k: int, ef: int, rankings: Sequence[Ranking], view: MemoryView
+) -> bytes:
+    """A :class:`PredictResponse`'s JSON, serialised directly by orjson: FastAPI would otherwise
     validate the ~k label objects of every answer again (the model stays the documented schema).
-    ``view``: the labels the rankings' ids refer to."""
+    ``view``: the labels the rankings' ids refer to.
+
+    The bytes are what ``orjson.dumps`` makes of the response as one object, put together from
+    pieces: each label's JSON up to its score is made once per label table
+    (:func:`label_fragments`), the scores are dumped as one list per text, and the rest is joined
+    as orjson joins it (no spaces, keys in order)."""
     uids, texts = view.label_uids, view.label_texts
+    fragments = label_fragments(view)
     results = []
     for ranking in rankings:
         if not np.isfinite(ranking.scores).all():  # orjson would write null; JSON has no NaN
             raise ValueError("a ranking has a score that is not a finite number")
-        labels = [
-            {"id": i, "uid": uids[i], "text": texts[i], "score": s}
-            for i, s in zip(ranking.ids.tolist(), ranking.scores.tolist(), strict=True)
-        ]
-        results.append({"labels": labels})
-    body = {
-        "bundle_id": manifest.bundle_id,
-        "variant": variant,
-        "index_kind": manifest.index_kind,
-        "k": k,
-        "ef": ef,
-        "results": results,
-    }
-    return Response(orjson.dumps(body), media_type="application/json")
+        ids = ranking.ids.tolist()
+        if not ids:
+            results.append(b'{"labels":[]}')
+            continue
+        scores = orjson.dumps(ranking.scores.tolist())[1:-1].split(b",")  # a float's JSON has no comma
+        labels = []
+        for i, score in zip(ids, scores, strict=True):
+            head = fragments.get(i)
+            if head is None:
+                if len(fragments) >= MAX_LABEL_FRAGMENTS:
+                    fragments.clear()
+                head = fragments[i] = b'{"id":%d,"uid":%b,"text":%b,"score":' % (
+                    i,
+                    orjson.dumps(uids[i]),
+                    orjson.dumps(texts[i]),
+                )
+            labels.append(head + score)
+        results.append(b'{"labels":[' + b"},".join(labels) + b"}]}")
+    head = {"bundle_id": manifest.bundle_id, "variant": variant, "index_kind": manifest.index_kind, "k": k, "ef": ef}
+    return orjson.dumps(head)[:-1] + b',"results":[' + b",".join(results) + b"]}"
+
+
+# Labels whose JSON fragment a label table keeps at most (about 150 bytes each); past it they are
+# made again as they are answered.
+MAX_LABEL_FRAGMENTS = 200_000
+# Each label table's fragments, by the identity of its uid column (held weakly: a bundle
+# unloaded takes its fragments with it). A label's uid and text never change once an answer can
+# name it (a live memory only appends labels), so a fragment made once stays right.
+_fragments: dict[int, tuple[weakref.ref, dict[int, bytes]]] = {}
+
+
+def label_fragments(view: MemoryView) -> dict[int, bytes]:
+    """Label id -> its JSON object up to its score (``{"id":…,"uid":…,"text":…,"score":``), for
+    ``view``'s label table; made as labels are answered, from any thread (a dict's get and set
+    are atomic, and two threads that make the same fragment make the same bytes)."""
+    uids = view.label_uids
+    entry = _fragments.get(id(uids))
+    if entry is not None and entry[0]() is uids:
+        return entry[1]
+    try:
+        ref = weakref.ref(uids)
+    except TypeError:  # a plain list (a test's view): nothing to key a cache by
+        return {}
+    for key, (other, _) in list(_fragments.items()):
+        if other() is None:
+            _fragments.pop(key, None)
+    fragments: dict[int, bytes] = {}
+    _fragments[id(uids)] = (ref, fragments)
+    return fragments
 
 
 class ReloadRequest(BaseModel):

@@ -28,6 +28,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
+import logging
+import math
 import queue
 import threading
 import time
@@ -43,6 +47,8 @@ from service.engine.encoder import EncodeTimes
 from service.engine.lexical import QueryTerms
 from service.engine.memory import MemoryView
 from service.engine.search import Predictor, Ranking, StageTimes, excluded_label_ids
+
+log = logging.getLogger(__name__)
 
 
 class QueueFullError(XmcserveError, RuntimeError):
@@ -100,7 +106,8 @@ class BatchTimeline:
 @dataclass
 class BatchAnswer:
     """One request's share of a batch; ``ef`` is what the batch's search ran at (at least the
-    request's own)."""
+    request's own). ``rendered``: what the request's ``render`` made of it on the batch's thread
+    (None without one)."""
 
     rankings: list[Ranking]
     times: StageTimes
@@ -110,6 +117,7 @@ class BatchAnswer:
     predictor: Predictor
     ef: int
     view: MemoryView  # the memory the ids refer to: ``view.label_uids[id]``
+    rendered: Any = None
 
 
 @dataclass(eq=False)  # identity hashing: jobs live in a set while they run
@@ -120,6 +128,12 @@ class _Job:
     exclude: Collection[str] | list[Collection[str]]
     future: asyncio.Future
     enqueued: float
+    render: Callable[[BatchAnswer], Any] | None = None
+    taken: bool = False  # by an encode thread: from then on it is answered, however late
+
+    def settled(self) -> bool:
+        """Out of the queue: taken by an encode thread, or withdrawn (its future done)."""
+        return self.taken or self.future.done()
 
 
 @dataclass(eq=False)
@@ -150,6 +164,9 @@ BACKGROUND_MAX_WAIT_S = 0.5
 HANDOFF_BATCHES = 2
 # How often a thread blocked on a full hand-off looks whether the batcher is stopping.
 STOP_POLL_S = 0.1
+# How early a loop timer may fire (uvloop's clock counts milliseconds): a queued request whose
+# deadline is this close when the deadline timer fires is refused then, as its own timer did.
+DEADLINE_RESOLUTION_S = 0.001
 
 
 class MicroBatcher:
@@ -161,9 +178,11 @@ class MicroBatcher:
     or when it is still queued at its deadline (``"deadline"``, :class:`DeadlineExceededError`).
     A request already computing is answered however late: its batch is paid for.
 
-    ``on_batch_done(texts, times)`` gets each answered batch's size and stage times.
-    Call :meth:`start` and :meth:`submit` from one event loop; answers and ``on_batch_done`` /
-    ``on_drop`` calls happen on that loop."""
+    ``on_batch_done(texts, times)`` gets each answered batch's size and stage times, on the thread
+    that searched the batch (before its answers reach the loop: the loop does nothing per batch
+    but hand the answers over), so it must be thread-safe (Prometheus metrics are).
+    Call :meth:`start` and :meth:`submit` from one event loop; answers and ``on_drop`` calls
+    happen on that loop."""
 
     def __init__(
         self,
@@ -180,9 +199,17 @@ class MicroBatcher:
         self._jobs: deque[_Job] = deque()
         self._background: deque[_Background] = deque()
         self._encoding: set[_Job] = set()  # taken by an encode thread
+        self._texts_ahead = 0  # texts of the jobs queued or encoding (expected_wait_s)
         self._searching: set[_Job] = set()  # encoded, waiting for or in the search
         self._background_running: set[_Background] = set()
         self._handoff: queue.Queue[_Encoded | None] = queue.Queue(maxsize=HANDOFF_BATCHES)
+        # The queued requests' deadlines (loop time, order, job): a heap behind one timer on the
+        # loop, set for the earliest of them (loop-side only; jobs that left the queue are dropped
+        # from its top as requests come and when the timer fires).
+        self._deadlines: list[tuple[float, int, _Job]] = []
+        self._deadline_order = itertools.count()
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self._deadline_at = math.inf
         self._handed_off = 0  # batches given to the search thread and not yet searched
         self._idle_encoders = 0  # encode threads waiting for work
         self._threads: list[threading.Thread] = []
@@ -210,10 +237,14 @@ class MicroBatcher:
     async def stop(self) -> None:
         """Fail every request not yet answered with :class:`BatcherStoppedError` and let the stage
         threads end; a batch still computing finishes on its thread, unobserved."""
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        self._deadlines.clear()
         with self._lock:
             self._stopping = True
             self._lock.notify_all()
             pending = [*self._jobs, *self._encoding, *self._searching, *self._background, *self._background_running]
+            self._texts_ahead -= sum(len(job.texts) for job in self._jobs)  # encoding ones leave as they end
             self._jobs.clear()
             self._background.clear()
         with contextlib.suppress(queue.Full):  # wakes an idle search thread; a busy one sees _stopping
@@ -229,11 +260,16 @@ class MicroBatcher:
         ef: int | None,
         exclude: Collection[str] | list[Collection[str]],
         timeout_s: float | None = None,
+        render: Callable[[BatchAnswer], Any] | None = None,
     ) -> BatchAnswer:
         """Queue one request; ``exclude`` holds label *uids*, one collection for all texts or one
         per text (:func:`~service.engine.search.excluded_label_ids`), mapped to ids by the bundle
         that runs the batch (a reload may swap bundles between submit and run). ``timeout_s``:
-        how long it may wait to start (None: as long as it takes)."""
+        how long it may wait to start (None: as long as it takes). ``render``: called on the
+        batch's thread with the request's answer once the batch is searched, before the answer
+        goes to the event loop; its result is the answer's ``rendered`` (the HTTP front end's
+        response body, so the loop only writes it), and an exception it raises fails this
+        request alone."""
         if len(self._jobs) >= self.config.max_queue:
             raise QueueFullError(len(self._jobs), retry_after_s=1)
         if timeout_s is not None and self.expected_wait_s() > timeout_s:
@@ -241,22 +277,20 @@ class MicroBatcher:
             self._on_drop("deadline")
             raise DeadlineExceededError(0.0)
         loop = asyncio.get_running_loop()
-        job = _Job(texts, k, ef, exclude, loop.create_future(), time.perf_counter())
+        job = _Job(texts, k, ef, exclude, loop.create_future(), time.perf_counter(), render)
         with self._lock:
             if self._stopping:
                 raise BatcherStoppedError("service shutting down")
             self._jobs.append(job)
+            self._texts_ahead += len(texts)
             self._lock.notify()
-        # a timer rather than a second awaitable: the deadline costs one handle a request
-        deadline = loop.call_later(timeout_s, self._expire, job) if timeout_s is not None else None
+        if timeout_s is not None:
+            self._add_deadline(loop, job, loop.time() + timeout_s)
         try:
             return await job.future
         except asyncio.CancelledError:
             self._withdraw(job, "client_gone")
             raise
-        finally:
-            if deadline is not None:
-                deadline.cancel()
 
     async def run_when_idle(self, work: Callable[[], Any]) -> Any:
         """``work()``'s result, run on an encode thread when no request is queued (or once it has
@@ -279,9 +313,8 @@ class MicroBatcher:
     def expected_wait_s(self) -> float:
         """How long a request queued now would wait to start: the texts ahead of it (queued and
         encoding) at the recent encode time per text, spread over the encode threads."""
-        with self._lock:
-            ahead = sum(len(job.texts) for job in self._jobs) + sum(len(job.texts) for job in self._encoding)
-        return ahead * self._seconds_per_text / self.config.workers
+        # a count kept as jobs come and go (read without the lock: asked twice a request)
+        return self._texts_ahead * self._seconds_per_text / self.config.workers
 
     def _withdraw(self, job: _Job, reason: str, error: Exception | None = None) -> None:
         """Take a job that has not started out of the queue (nothing when it already runs): its
@@ -291,15 +324,41 @@ class MicroBatcher:
                 self._jobs.remove(job)
             except ValueError:
                 return
+            self._texts_ahead -= len(job.texts)
         if error is None:
             job.future.cancel()
         elif not job.future.done():
             job.future.set_exception(error)
         self._on_drop(reason)
 
-    def _expire(self, job: _Job) -> None:
-        """The job's deadline (on the loop): refused if it is still queued, else left to finish."""
-        self._withdraw(job, "deadline", DeadlineExceededError(time.perf_counter() - job.enqueued))
+    def _add_deadline(self, loop: asyncio.AbstractEventLoop, job: _Job, when: float) -> None:
+        """The job's deadline behind the batcher's one timer (on the loop): a heap entry a request
+        instead of a timer handle made and cancelled a request; the timer moves only for a deadline
+        earlier than the one it is set for. The jobs that already left the queue are dropped from
+        the heap's top first, so the heap holds no answer for long."""
+        heap = self._deadlines
+        while heap and heap[0][2].settled():
+            heapq.heappop(heap)
+        heapq.heappush(heap, (when, next(self._deadline_order), job))
+        if when < self._deadline_at:
+            if self._deadline_timer is not None:
+                self._deadline_timer.cancel()
+            self._deadline_at = when
+            self._deadline_timer = loop.call_at(when, self._expire_due, loop)
+
+    def _expire_due(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The deadline timer (on the loop): every job still queued at its deadline is refused
+        (the others are left to finish), and the timer is set for the earliest deadline left."""
+        self._deadline_timer, self._deadline_at = None, math.inf
+        heap = self._deadlines
+        due = loop.time() + DEADLINE_RESOLUTION_S  # a timer may fire this much before its time
+        while heap and (heap[0][0] <= due or heap[0][2].settled()):
+            _, _, job = heapq.heappop(heap)
+            if not job.settled():
+                self._withdraw(job, "deadline", DeadlineExceededError(time.perf_counter() - job.enqueued))
+        if heap:
+            self._deadline_at = heap[0][0]
+            self._deadline_timer = loop.call_at(self._deadline_at, self._expire_due, loop)
 
     # --- encode stage (its own thread) ---------------------------------------------------------
 
@@ -339,6 +398,7 @@ class MicroBatcher:
         """The oldest job and the queued ones that fit (called with the lock held; waiting for
         more releases it, so requests keep arriving)."""
         batch = [self._jobs.popleft()]
+        batch[0].taken = True
         size = len(batch[0].texts)
         deadline = time.perf_counter() + self.config.max_wait_ms / 1000
         while size < self.config.max_batch_size and not self._stopping:
@@ -346,6 +406,7 @@ class MicroBatcher:
                 if size + len(self._jobs[0].texts) > self.config.max_batch_size:
                     break
                 job = self._jobs.popleft()
+                job.taken = True
                 batch.append(job)
                 size += len(job.texts)
                 continue
@@ -363,6 +424,7 @@ class MicroBatcher:
         except Exception as exc:  # the model failed: every request of the batch gets the error
             with self._lock:
                 self._encoding.difference_update(batch)
+                self._texts_ahead -= len(texts)
             self._answer(batch, exc)
             return
         timeline.encoded = time.perf_counter()
@@ -370,6 +432,7 @@ class MicroBatcher:
         with self._lock:
             self._seconds_per_text += 0.2 * (per_text - self._seconds_per_text) if self._seconds_per_text else per_text
             self._encoding.difference_update(batch)
+            self._texts_ahead -= len(texts)
             self._searching.update(batch)
             # Nothing waits (no request queued, no batch before the search thread) and another
             # encode thread is idle for whatever arrives next: searching here saves the batch a
@@ -408,15 +471,21 @@ class MicroBatcher:
     def _search(self, encoded: _Encoded) -> None:
         encoded.timeline.searching = time.perf_counter()
         try:
-            answers: list[BatchAnswer] | Exception = _search_batch(encoded)
+            answers: list[BatchAnswer | Exception] | Exception = _search_batch(encoded)
         except Exception as exc:
             answers = exc
         encoded.timeline.searched = time.perf_counter()
+        if not isinstance(answers, Exception):
+            try:
+                self._on_batch_done(len(encoded.vectors), answers[0].times)
+            except Exception:  # the batch's answers stand; the stage thread must not die of it
+                log.exception("on_batch_done failed")
+            _render(encoded.jobs, answers)
         self._answer(encoded.jobs, answers)
 
     # --- back on the event loop ----------------------------------------------------------------
 
-    def _answer(self, batch: list[_Job], answers: list[BatchAnswer] | Exception) -> None:
+    def _answer(self, batch: list[_Job], answers: list[BatchAnswer | Exception] | Exception) -> None:
         with self._lock:
             self._searching.difference_update(batch)
             self.in_flight_batches -= 1
@@ -426,16 +495,18 @@ class MicroBatcher:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
             self._loop.call_soon_threadsafe(callback, *args)
 
-    def _resolve(self, batch: list[_Job], answers: list[BatchAnswer] | Exception) -> None:
+    def _resolve(self, batch: list[_Job], answers: list[BatchAnswer | Exception] | Exception) -> None:
         if isinstance(answers, Exception):
             for job in batch:
                 if not job.future.done():
                     job.future.set_exception(answers)
             return
-        first = answers[0]
-        self._on_batch_done(first.batch_texts, first.times)
         for job, answer in zip(batch, answers, strict=True):
-            if not job.future.done():  # its caller may have stopped waiting
+            if job.future.done():  # its caller may have stopped waiting
+                continue
+            if isinstance(answer, Exception):  # its render failed
+                job.future.set_exception(answer)
+            else:
                 job.future.set_result(answer)
 
 
@@ -446,6 +517,17 @@ def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> Non
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def _render(jobs: list[_Job], answers: list[BatchAnswer | Exception]) -> None:
+    """Each answer's ``rendered``, by its request's ``render`` (on the batch's thread); an answer
+    whose render raised is replaced by the exception."""
+    for i, (job, answer) in enumerate(zip(jobs, answers, strict=True)):
+        if job.render is not None:
+            try:
+                answer.rendered = job.render(answer)
+            except Exception as exc:
+                answers[i] = exc
 
 
 def _search_batch(encoded: _Encoded) -> list[BatchAnswer]:

@@ -20,7 +20,9 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.routing import request_response
 
 from bundle import BundleError
 from service.api.body_guards import decode_body, validation_error
@@ -29,13 +31,17 @@ from service.api.front_door import FrontDoorMiddleware
 from service.api.schemas import (
     SERVICE_VERSION,
     PredictResponse,
+    body_renderer,
     build_predict_request,
     document_models,
+    json_response,
     predict_response_off_loop,
     request_body_openapi,
 )
 from service.engine import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
 from service.http.admin import add_admin_routes, require_admin
+from service.http.disconnect import EXTENSION as CLIENT_GONE
+from service.http.disconnect import ClientGone
 from service.http.guards import LoadShed
 from service.http.metrics import Metrics, RequestObserver
 from service.http.rollout_page import add_rollout_routes
@@ -53,6 +59,10 @@ log = logging.getLogger("xmcserve")
 
 
 async def to_response(answer: BatchAnswer, variant: str, k: int) -> Response:
+    """The answer's response: its body as the batch's thread serialised it, or (an answer too
+    large for that) serialised now, off the loop when large."""
+    if answer.rendered is not None:
+        return json_response(answer.rendered)
     bundle = answer.predictor.bundle
     return await predict_response_off_loop(bundle.manifest, variant, k, answer.ef, answer.rankings, answer.view)
 
@@ -89,6 +99,30 @@ async def answer_unless_gone(request: Request, submitted) -> BatchAnswer | None:
     finally:
         waiting = False
         watch.cancel()
+
+
+async def answer_unless_disconnected(client_gone: ClientGone, submitted) -> BatchAnswer | None:
+    """:func:`answer_unless_gone` with the server's signal that the client left
+    (:mod:`service.http.disconnect`) instead of a watcher task: the request is cancelled from the
+    protocol's callback, which takes it out of the queue if it has not started."""
+    task = asyncio.current_task()
+    gone = False
+
+    def on_gone() -> None:
+        nonlocal gone
+        gone = True
+        task.cancel()
+
+    client_gone.add(on_gone)
+    try:
+        return await submitted
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()  # the cancel was ours: the request ends with its 499, not as cancelled
+        return None
+    finally:
+        client_gone.discard(on_gone)  # called back no more once the answer (or the error) is in
 
 
 def build_shadow(settings: Settings, metrics: Metrics) -> ShadowMirror:
@@ -236,9 +270,14 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
             request.state.request_texts = texts
         started = time.perf_counter()
         timeout_s = (body.timeout_ms or settings.limits.request_timeout_ms) / 1000
-        submitted = slot.batcher.submit(texts, body.k, body.ef, body.exclude, timeout_s)
+        render = body_renderer(slot.name, body.k, len(texts))  # the answer's JSON, made on the batch's thread
+        submitted = slot.batcher.submit(texts, body.k, body.ef, body.exclude, timeout_s, render)
+        client_gone = request.scope.get("extensions", {}).get(CLIENT_GONE)
         try:
-            answer = await answer_unless_gone(request, submitted)
+            if client_gone is not None:  # the server's own signal, no watcher task
+                answer = await answer_unless_disconnected(client_gone, submitted)
+            else:
+                answer = await answer_unless_gone(request, submitted)
         except (QueueFullError, DeadlineExceededError) as exc:
             if isinstance(exc, QueueFullError):
                 metrics.rejected.labels(variant=slot.name).inc()
@@ -272,6 +311,14 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         response = await to_response(answer, slot.name, body.k)
         tracing.batch_answered(answer, resumed, slot.name)  # the request's queue wait, batch stages and respond
         return response
+
+    # The endpoint reads its own body and returns its own Response, so FastAPI's handler around it
+    # (solving the dependencies of a `request` parameter, which builds the query parameters and
+    # cookies, and two exit stacks) was only work on the event loop per request: the route keeps
+    # FastAPI's matching, its scope["route"] and its documentation, and runs the endpoint as
+    # Starlette runs one (its errors rendered by the same exception handlers).
+    predict_route = next(r for r in app.router.routes if isinstance(r, APIRoute) and r.path == "/predict")
+    predict_route.app = request_response(predict)
 
     @app.get("/healthz")
     async def healthz() -> dict:

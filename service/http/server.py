@@ -19,6 +19,11 @@ the requests before it, which were handed to the app and may have changed someth
 instead of cutting their answers off. Only the current request's header bytes count against the
 header cap, never a body, whichever chunks they arrive in.
 
+Each request's scope carries its connection's :class:`~service.http.disconnect.ClientGone`
+(``scope["extensions"]["xmcserve.client_gone"]``), which the protocol fires when the connection is
+lost: a handler waiting for its batch learns that its client left without a task per request
+waiting on ``receive()``.
+
 Nor does uvicorn bound a response's sending: a client that asks for a large answer and never
 reads it keeps the answer in the transport's buffer for as long as it keeps the connection open
 (closing a transport waits until its buffer is sent), so such clients, up to the connection cap,
@@ -35,6 +40,7 @@ import functools
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from service.http.disconnect import EXTENSION, ClientGone
 from service.http.settings import LogSettings, ServerSettings
 from service.observability.logs import configure_logging
 
@@ -43,6 +49,10 @@ HEADERS_TOO_LARGE = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
     b"content-length: " + str(len(_TOO_LARGE_BODY)).encode() + b"\r\nconnection: close\r\n\r\n" + _TOO_LARGE_BODY
 )
+
+
+# How early a loop timer may fire (uvloop's clock counts milliseconds).
+TIMER_RESOLUTION_S = 0.001
 
 
 def cancelled(timer) -> None:
@@ -68,7 +78,10 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self._header_deadline = None
+        self._client_gone = ClientGone()
+        self._header_deadline = None  # the connection's one header timer (see _await_headers)
+        self._header_timer_at = 0.0  # when it fires
+        self._headers_due: float | None = None  # when the awaited headers are late; None: none awaited
         self._write_deadline = None
         # header accounting: see data_received
         self._header_bytes: int | None = None  # the incomplete headers' bytes in earlier chunks; None: none
@@ -107,6 +120,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope["extensions"] = {EXTENSION: self._client_gone}
         self._header_bytes, self._began_here = 0, True
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -185,17 +199,34 @@ class GuardedProtocol(HttpToolsProtocol):
         else:
             answer()
 
-    # header deadline
+    # header deadline: one timer per connection, not one made and cancelled per request. Awaiting
+    # the next request's headers moves the time they are due; the timer moves only to an earlier
+    # time, and when it fires before the headers are due it is set again for then.
 
-    def _await_headers(self) -> None:
-        self._stop_waiting()
-        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_late)
+    def _await_headers(self, within_s: float | None = None) -> None:
+        due = self.loop.time() + (self.header_timeout_s if within_s is None else within_s)
+        self._headers_due = due
+        if self._header_deadline is None or due < self._header_timer_at:
+            self._set_header_timer(due)
+
+    def _set_header_timer(self, when: float) -> None:
+        cancelled(self._header_deadline)
+        self._header_timer_at = when
+        self._header_deadline = self.loop.call_at(when, self._headers_late)
 
     def _stop_waiting(self) -> None:
-        self._header_deadline = cancelled(getattr(self, "_header_deadline", None))
+        """No headers awaited (the timer, if set, finds nothing to do when it fires)."""
+        self._headers_due = None
 
     def _headers_late(self) -> None:
         self._header_deadline = None
+        due = self._headers_due
+        if due is None:
+            return
+        if due > self.loop.time() + TIMER_RESOLUTION_S:  # awaited again since the timer was set
+            self._set_header_timer(due)
+            return
+        self._headers_due = None
         if self.cycle is None or self.cycle.response_complete:
             self.transport.close()
 
@@ -221,7 +252,7 @@ class GuardedProtocol(HttpToolsProtocol):
         if self.cycle is None or self.cycle.response_complete:
             self._draining = True
             self._stop_waiting()
-            self._header_deadline = self.loop.call_later(self.drain_grace_s, self._headers_late)
+            self._await_headers(self.drain_grace_s)
             return
         super().shutdown()
 
@@ -245,8 +276,10 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc) -> None:
         self._stop_waiting()
+        self._header_deadline = cancelled(getattr(self, "_header_deadline", None))
         self._stop_write_deadline()
         super().connection_lost(exc)
+        self._client_gone.lost()  # the requests still waiting for their answers stop waiting
 
 
 def protocol_for(settings: ServerSettings) -> type[GuardedProtocol]:
