@@ -399,9 +399,11 @@ def trained_rows(args, checkpoint: Path, train, dev, halves: bool, int8: bool) -
         for suffix, what in FUSIONS:
             model, params, groups, depth = fusion_of_row(suffix, args)
             memory = args.fusion_held_out_memory
-            fused = fused_bundle_name(best_bundle, suffix, model, params, depth, memory, groups)
+            sparse = DEFAULT_FUSION.sparse_depth if suffix == "-fused" else None  # the default's candidates
+            named = suffix + (f"-sparse{sparse}" if sparse else "")
+            fused = fused_bundle_name(best_bundle, named, model, params, depth, memory, groups)
             if not (fused / "manifest.json").is_file():
-                fuse_params = FuseParams(model, params, groups, depth, held_out_memory=memory)
+                fuse_params = FuseParams(model, params, groups, depth, held_out_memory=memory, sparse_depth=sparse)
                 fuse_bundle(best_bundle, args.run, train, fused, fuse_params, force=True)
             fusion = load_bundle(fused).manifest.fusion
             queries = fusion.queries

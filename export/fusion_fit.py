@@ -63,7 +63,10 @@ DEFAULT_PARAMS: dict[str, dict] = {
 # in ONNX Runtime; docs/score-fusion.md): LambdaMART (60 trees, 15 leaves) over the RAE and lexical
 # features, rescoring each query's top 200 by p̂. No optional group added enough. Its name is the
 # "chosen" of bench/results/fusion-models.json (tests/bench/test_fusion_models.py checks it).
-DEFAULT_FUSION = FusionChoice("lambdarank", BASE_GROUPS, DEFAULT_PARAMS["lambdarank"], 200)
+# Its candidates are the memory's and, since 2026-11-27, a sparse linear ranker's top 100 (a label
+# centroid over the lexical term space, each label's own text among its texts): the choice of
+# bench.candidate_sources on the same held-out validation (bench/results/candidate-sources-debian.json).
+DEFAULT_FUSION = FusionChoice("lambdarank", BASE_GROUPS, DEFAULT_PARAMS["lambdarank"], 200, sparse_depth=100)
 
 
 class FuseError(ValueError):

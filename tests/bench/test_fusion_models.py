@@ -1,6 +1,7 @@
 """bench.fusion_models: every model is validated cross-fitted on the held-out instances under both
 protocols, optional feature groups are tried on the best, and dev is measured only for the choice."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from bench.fusion_models import MODELS, fold_of_instances, main, ranked_by
 from export.fusion_fit import DEFAULT_FUSION, FusionChoice
 from export.held_out import HeldOutPairs
+from export.sparse_fit import SparseFitParams
 from service.engine.fusion import OPTIONAL_GROUPS
 
 
@@ -88,5 +90,16 @@ def test_rerank_depths_and_sizes_are_compared_and_the_budget_rules_out_dear_mode
 def test_the_default_fusion_is_the_choice_bench_fusion_models_recorded():
     """export.fusion_fit.DEFAULT_FUSION is defined once; the run that chose it recorded its name."""
     recorded = json.loads((Path(__file__).resolve().parents[2] / "bench/results/fusion-models.json").read_text())
-    assert DEFAULT_FUSION.name == recorded["chosen"] == "lambdarank-60x15@200[rae+lexical]"
+    model = dataclasses.replace(DEFAULT_FUSION, sparse_depth=None)  # bench.fusion_models chose the model
+    assert model.name == recorded["chosen"] == "lambdarank-60x15@200[rae+lexical]"
+    assert DEFAULT_FUSION.name == "lambdarank-60x15@200[rae+lexical]+sparse@100"
+
+
+def test_the_default_fusions_candidates_are_the_choice_bench_candidate_sources_recorded():
+    """Its candidate sources (the memory's and a sparse ranker's top 100, each label's own text among
+    its texts) are the choice of bench.candidate_sources on the held-out validation."""
+    root = Path(__file__).resolve().parents[2]
+    recorded = json.loads((root / "bench/results/candidate-sources-debian.json").read_text())
+    assert recorded["chosen"] == f"memory+sparse+labels@{DEFAULT_FUSION.sparse_depth}"
+    assert SparseFitParams().label_texts and SparseFitParams().kind(42242) == "centroid"
     assert FusionChoice("tree", ("rae", "lexical", "rank"), {"depth": 7}, None).name == "tree@all[rae+lexical+rank]"

@@ -34,6 +34,7 @@ from service.engine.fusion import (
     FEATURE_GROUPS,
     FEATURES,
     LEXICAL_FEATURES,
+    SPARSE_FEATURES,
     OnnxTreeEnsemble,
     groups_of,
     memory_log_frequency,
@@ -72,7 +73,19 @@ def fuse(bundle, sample_dir, run_dir, out, *options: str):
 def fused(sample_bundle, sample_dir, run_dir, tmp_path_factory):
     """The default bundle with a lexical fusion by NGAME's single tree over every candidate."""
     out = tmp_path_factory.mktemp("fused") / "sample-fused"
-    return fuse(sample_bundle, sample_dir, run_dir, out, "--model", "tree", "--rerank-depth", "0", "--extra-features")
+    return fuse(
+        sample_bundle,
+        sample_dir,
+        run_dir,
+        out,
+        "--model",
+        "tree",
+        "--rerank-depth",
+        "0",
+        "--extra-features",
+        "--sparse-depth",
+        "0",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +277,7 @@ def test_a_rerank_depth_is_fitted_on_and_serves_each_querys_top_candidates_by_ra
             assert set(got.ids.tolist()) <= set(base.ids[:width].tolist())  # only the top max(depth, k) by p̂
 
 
-def test_the_default_fusion_is_the_validation_s_choice_lambdamart_over_the_top_200(
+def test_the_default_fusion_is_the_validation_s_choice_lambdamart_over_the_top_200_and_a_sparse_rankers_100(
     tiny_memory, sample_dir, run_dir, tmp_path
 ):
     out = fuse(tiny_memory, sample_dir, run_dir, tmp_path / "default")
@@ -273,7 +286,8 @@ def test_the_default_fusion_is_the_validation_s_choice_lambdamart_over_the_top_2
         (params.kind, params.rerank_depth) == (DEFAULT_FUSION.model, DEFAULT_FUSION.rerank_depth) == ("lambdarank", 200)
     )
     assert params.model_params == DEFAULT_PARAMS["lambdarank"]
-    assert params.features == list(FEATURES + LEXICAL_FEATURES)
+    assert params.features == list(FEATURES + LEXICAL_FEATURES + SPARSE_FEATURES)
+    assert params.sparse.depth == DEFAULT_FUSION.sparse_depth == 100 and params.sparse.fit_params["label_texts"]
     assert (params.model_params["trees"], params.model_params["leaves"]) == (60, 15)
     assert len(set(tree_ensemble(out)["nodes_treeids"])) == DEFAULT_PARAMS["lambdarank"]["trees"]
     assert "searched against the memory without them" in params.fitted_on
