@@ -48,7 +48,7 @@ from export.fusion_to_onnx import onnx_fusion_model
 from export.held_out import SparseSpec
 from export.sparse_fit import SparseFitParams
 from service.engine import Predictor
-from service.engine.offline import ScoreFusion, features_of_groups
+from service.engine.offline import ScoreFusion, features_of_groups, load_bundle
 from xmc.data import label_frequencies, load_jsonl_split
 
 DEV_METRICS = ("P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@3", "PSP@5", "R@10", "R@100")
@@ -75,6 +75,29 @@ def idle_p50_ms(predictor: Predictor, texts: list[str]) -> float:
     return round(statistics.median(timings), 3)
 
 
+def serving_cost(bundles: list[Path], texts: list[str], rounds: int = 3, batch: int = 32) -> dict:
+    """Each bundle's batched q/s (``batch`` texts a call, encode + search + fusion) and idle p50
+    (one text a call), measured in turns (A B A B …, ``rounds`` times) in one process, so that a
+    machine's drift falls on every bundle alike; the median of the rounds."""
+    predictors = {str(path): Predictor(load_bundle(path)) for path in bundles}
+    figures: dict[str, dict[str, list[float]]] = {name: {"qps": [], "p50": []} for name in predictors}
+    for _ in range(rounds):
+        for name, predictor in predictors.items():
+            started = time.perf_counter()
+            for start in range(0, len(texts), batch):
+                predictor.predict(texts[start : start + batch], 10)
+            figures[name]["qps"].append(len(texts) / (time.perf_counter() - started))
+            figures[name]["p50"].append(idle_p50_ms(predictor, texts[:IDLE_QUERIES]))
+    return {
+        name: {
+            "batched_queries_per_second": round(statistics.median(f["qps"]), 1),
+            "idle_p50_ms": round(statistics.median(f["p50"]), 3),
+            "rounds": rounds,
+        }
+        for name, f in figures.items()
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", type=Path, required=True, help="the trained rae_memory bundle (unfused)")
@@ -84,7 +107,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folds", type=int, default=5, help="cross-fitting folds of the held-out instances")
     parser.add_argument("--dev", action="store_true", help="also evaluate every variant on dev (never for the choice)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/candidate-sources.json"), help="result JSON")
+    parser.add_argument(
+        "--serving-cost",
+        type=Path,
+        nargs="+",
+        help="instead: these built bundles' batched q/s and idle p50 in turns, added to --out's serving_cost",
+    )
     args = parser.parse_args(argv)
+    if args.serving_cost:
+        texts = load_jsonl_split(args.data, "dev").texts[:1024]
+        result = json.loads(args.out.read_text()) if args.out.is_file() else {}
+        result["serving_cost"] = {"machine": platform.processor() or platform.machine()}
+        result["serving_cost"] |= serving_cost(args.serving_cost, texts)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result["serving_cost"], indent=2))
+        return 0
     try:
         train, predictor, rows = held_out_instances(args.bundle, args.run, args.data)
     except FuseError as exc:
