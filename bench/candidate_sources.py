@@ -100,8 +100,10 @@ def serving_cost(bundles: list[Path], texts: list[str], rounds: int = 3, batch: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bundle", type=Path, required=True, help="the trained rae_memory bundle (unfused)")
-    parser.add_argument("--run", type=Path, required=True, help="its training run (holdout.txt)")
+    parser.add_argument(
+        "--bundle", type=Path, help="the trained rae_memory bundle (unfused; required but with --serving-cost)"
+    )
+    parser.add_argument("--run", type=Path, help="its training run, holdout.txt (not with --serving-cost)")
     parser.add_argument("--data", type=Path, default=Path("../shared/data/debian-related"), help="dataset dir")
     parser.add_argument("--sparse-depths", type=int, nargs="+", default=[50, 100], help="sparse ranker depths")
     parser.add_argument("--folds", type=int, default=5, help="cross-fitting folds of the held-out instances")
@@ -122,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result["serving_cost"], indent=2))
         return 0
+    if args.bundle is None or args.run is None:
+        parser.error("--bundle and --run are required (but with --serving-cost)")
     try:
         train, predictor, rows = held_out_instances(args.bundle, args.run, args.data)
     except FuseError as exc:

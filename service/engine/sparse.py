@@ -135,7 +135,15 @@ def top_margins(
         if exclude[i]:
             mask = ~np.isin(labels, np.fromiter(exclude[i], dtype=np.int64))
             allowed, labels, values = allowed[mask], labels[mask], values[mask]
-        order = np.lexsort((labels, -values))[:depth]
+        if len(values) > depth:
+            # the depth-th highest margin in O(n), then exactly the entries a full sort would keep:
+            # every one above it and, of those equal to it, the lowest label ids (labels are sorted)
+            kth = np.partition(values, len(values) - depth)[len(values) - depth]
+            above = np.flatnonzero(values > kth)
+            tied = np.flatnonzero(values == kth)[: depth - len(above)]
+            chosen = np.concatenate([above, tied])
+            allowed, labels, values = allowed[chosen], labels[chosen], values[chosen]
+        order = np.lexsort((labels, -values))
         by_label = np.argsort(labels[order], kind="stable")
         keep.append(allowed[order][by_label])
         ranks.append(by_label)  # the j-th kept entry (label order) is order[by_label[j]]: that rank

@@ -263,9 +263,8 @@ def test_a_boosted_fusion_is_an_onnx_ensemble_of_its_trees(kind, tiny_memory, sa
 def test_a_rerank_depth_is_fitted_on_and_serves_each_querys_top_candidates_by_rae_score(
     tiny_memory, sample_dir, run_dir, tmp_path
 ):
-    out = fuse(
-        tiny_memory, sample_dir, run_dir, tmp_path / "deep", "--model", "gbdt", "--trees", "8", "--rerank-depth", "6"
-    )
+    options = ("--model", "gbdt", "--trees", "8", "--rerank-depth", "6", "--sparse-depth", "0")  # p̂'s top alone
+    out = fuse(tiny_memory, sample_dir, run_dir, tmp_path / "deep", *options)
     params = load_bundle(out).manifest.fusion
     assert params.rerank_depth == 6 and params.pairs <= 6 * 2 * 150  # both searches of 150 held-out instances
     texts = load_jsonl_split(sample_dir, "dev").texts[:20]
