@@ -32,7 +32,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.fusion_models import (
+from bench.lib.fusion_validation import (
     PAIR_GROUPS,
     columns_of,
     fold_of_instances,

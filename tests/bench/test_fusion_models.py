@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.fusion_models import MODELS, fold_of_instances, main, ranked_by
+from bench.fusion_models import MODELS, main
+from bench.lib.fusion_validation import fold_of_instances, ranked_by
 from export.fusion_fit import DEFAULT_FUSION, FusionChoice
 from export.held_out import HeldOutPairs
 from export.sparse_fit import SparseFitParams
