@@ -29,6 +29,7 @@ import argparse
 import json
 import logging
 import math
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,7 +38,6 @@ from pathlib import Path
 from export.build import main as build_main
 from export.fuse import main as fuse_main
 from export.fusion_fit import FuseError
-from training.train import main as train_main
 from xmc.data import load_train_and_dev
 
 log = logging.getLogger("xmcserve.fit")
@@ -147,7 +147,12 @@ def fit(data: Path, bundle: Path, run: Path, force: bool = False, train_set: lis
             raise RuntimeError(f"stage {name} exited {status}")
         seconds[name] = round(time.perf_counter() - started, 1)
 
-    stage("train", train_main, ["--config", str(RECIPE), *sum((["--set", o] for o in plan.overrides), [])])
+    def train(argv: list[str]) -> int:
+        # its own process: export/ does not import training/ (data flows training -> export), and
+        # the run's threads, CUDA and logging are its own
+        return subprocess.run([sys.executable, "-m", "training.train", *argv], check=False).returncode
+
+    stage("train", train, ["--config", str(RECIPE), *sum((["--set", o] for o in plan.overrides), [])])
     build = ["--data", str(data), "--checkpoint", str(run / "best"), "--out", str(memory)]
     stage("memory", build_main, [*build, "--index-kind", "rae_memory", *MEMORY_ARGS, *(["--force"] * force)])
     fuse = ["--bundle", str(memory), "--run", str(run), "--data", str(data), "--out", str(bundle)]
