@@ -423,10 +423,8 @@ def joined_candidates(scores: sp.csr_matrix, chosen: sp.csr_matrix, extra: sp.cs
     pairs = np.unique(rows * width + labels)
     query, label = pairs // width, pairs % width
     values = np.zeros(len(pairs), dtype=scores.dtype)
-    ordered = scores.copy()
-    ordered.sort_indices()
-    found, at = stored_positions(ordered, query, label)
-    values[found] = ordered.data[at]
+    at, found = _StoredSlots(scores)(query, label)  # scores' storage needs no sorting, nor a copy
+    values[found] = scores.data[at]
     indptr = np.concatenate([[0], np.cumsum(np.bincount(query, minlength=scores.shape[0]))]).astype(np.int64)
     return sp.csr_matrix((values, label.astype(np.int32), indptr), shape=(scores.shape[0], width))
 

@@ -10,8 +10,8 @@ are computed once, from the tokenization the encoder already made:
     margin_l(q) = Σ_t q_t · W[t, l] + b_l
 
 ``W`` (terms x labels, CSR) and ``b`` are fitted at export (:mod:`export.sparse_fit`): one-vs-rest
-logistic regression on small label sets, the positives and a shortlist of hard negatives per
-instance on large ones (XR-Linear's ranker trained on its matcher's negatives). A query's margins
+logistic regression on small label sets, each label's centroid of its texts (PECOS's PIFA) on
+large ones. A query's margins
 are one sparse product over the rows of its own terms, in scipy's compiled code: no Python object
 per label, and a query's row depends on nothing else in its batch (each output row is summed over
 that query's terms in term order). Its top :attr:`SparseRanker.depth` labels join the fusion's
