@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -38,7 +39,10 @@ def start_null_server(tree: Path, bundle: Path, vectors: Path, log_path: Path, e
     appends = log_path.with_suffix(".appends")
     shutil.rmtree(appends, ignore_errors=True)
     source = ROOT if tree == GRANIAN else tree
-    env = {**extra_env, VECTORS_ENV: str(vectors), "PYTHONPATH": str(source), "XMCSERVE_APPEND_LOG_DIR": str(appends)}
+    # the tree first, so its service package is the one served; the inherited path after it, so
+    # packages installed outside the interpreter's site-packages (PYTHONPATH=<folder>) still import
+    python_path = os.pathsep.join(p for p in (str(source), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**extra_env, VECTORS_ENV: str(vectors), "PYTHONPATH": python_path, "XMCSERVE_APPEND_LOG_DIR": str(appends)}
     command = [sys.executable, str(NULL_SERVER)]
     if tree == GRANIAN:
         command = [str(Path(sys.executable).parent / "granian"), "--interface", "asgi", "--factory", "--loop", "uvloop"]
