@@ -262,10 +262,32 @@ def author_name(author: str | None) -> str:
     return name
 
 
-def instance_text(title: str, author: str | None) -> str:
+def joined_names(names: list[str]) -> str:
+    """['A'] -> 'A'; ['A', 'B'] -> 'A and B'; ['A', 'B', 'C'] -> 'A, B and C'."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def instance_text(title: str, authors: str | None | list[str | None]) -> str:
+    """The title, then ``, by`` and the work's authors in catalog order (none: the title alone)."""
     text = clean_title(title)
-    name = author_name(author)
-    return f"{text}, by {name}" if text and name else text
+    raw = authors if isinstance(authors, list) else [authors]
+    names = list(dict.fromkeys(name for name in map(author_name, raw) if name))
+    return f"{text}, by {joined_names(names)}" if text and names else text
+
+
+def works(metadata: dict[str, list]) -> dict[int, tuple[str, list[str | None], str]]:
+    """One entry per ebook number: (title, [author, ...], language), in catalog order. The table
+    has one row per (work, author): a work of two authors is two rows, which would otherwise be
+    two instances with one uid, possibly in two splits with the same headings."""
+    out: dict[int, tuple[str, list[str | None], str]] = {}
+    for gid, title, author, language in zip(
+        metadata["gutenberg_id"], metadata["title"], metadata["author"], metadata["language"], strict=True
+    ):
+        if gid in out:
+            out[gid][1].append(author)
+        else:
+            out[gid] = (title, [author], language)
+    return out
 
 
 def build(metadata: dict[str, list], subjects: dict[str, list], seed: int, min_trn: int):
@@ -281,15 +303,13 @@ def build(metadata: dict[str, list], subjects: dict[str, list], seed: int, min_t
 
     merged: dict[str, list] = {}  # text key -> [min id, text, headings]
     n_english = 0
-    for gid, title, author, language in zip(
-        metadata["gutenberg_id"], metadata["title"], metadata["author"], metadata["language"], strict=True
-    ):
+    for gid, (title, authors, language) in works(metadata).items():
         if language != "en" or not title:
             continue
         n_english += 1
         if gid not in headings:
             continue
-        text = instance_text(title, author)
+        text = instance_text(title, authors)
         if not text:
             continue
         entry = merged.setdefault(text.casefold(), [gid, text, []])

@@ -112,7 +112,8 @@ def write_rda(path: Path, name: str, columns: dict) -> None:
 
 
 def catalog(tmp_path: Path) -> Path:
-    """Twelve works: English and not, with and without headings, two editions of one work."""
+    """Thirteen works: English and not, with and without headings, two editions of one work, and
+    one work of two authors (two rows of the metadata table, as the catalog has them)."""
     works = [
         # id, title, author, language, headings
         (1, "The Time Machine", "Wells, H. G. (Herbert George)", "en", ["Science fiction", "Time travel -- Fiction"]),
@@ -133,6 +134,8 @@ def catalog(tmp_path: Path) -> Path:
         (10, "Voyage au centre de la Terre", "Verne, Jules", "fr", ["Science fiction"]),
         (11, "No Headings Here", "Nobody, A.", "en", []),
         (12, "Lone Heading", "Someone, B.", "en", ["A heading seen once"]),
+        (13, "The Federalist Papers", "Hamilton, Alexander", "en", ["Science fiction", "Bible stories"]),
+        (13, "The Federalist Papers", "Madison, James", "en", []),
     ]
     raw = tmp_path / "raw"
     raw.mkdir()
@@ -181,6 +184,31 @@ def test_texts_merge_and_label_rules():
         module.instance_text("The Time Machine", "Wells, H. G. (Herbert George)") == "The Time Machine, by H. G. Wells"
     )
     assert module.instance_text("Sea Stories", None) == "Sea Stories"
+    authors = ["Hamilton, Alexander", "Madison, James", None, "Jay, John"]
+    assert module.instance_text("The Federalist Papers", authors) == (
+        "The Federalist Papers, by Alexander Hamilton, James Madison and John Jay"
+    )
+
+
+def test_a_work_of_several_authors_is_one_instance():
+    module = load_script()
+    metadata = {
+        "gutenberg_id": [5, 7, 5],
+        "title": ["The Communist Manifesto", "Sea Stories", "The Communist Manifesto"],
+        "author": ["Marx, Karl", None, "Engels, Friedrich"],
+        "language": ["en", "en", "en"],
+    }
+    subjects = {
+        "gutenberg_id": [5, 5, 7],
+        "subject_type": ["lcsh", "lcsh", "lcsh"],
+        "subject": ["Socialism", "Communism", "Sea stories"],
+    }
+    assert module.works(metadata)[5] == ("The Communist Manifesto", ["Marx, Karl", "Engels, Friedrich"], "en")
+    _, splits, stats = module.build(metadata, subjects, seed=1, min_trn=1)
+    uids = [uid for part in splits.values() for uid, _, _ in part]
+    # two works, not three instances (one per author row, two of them with the uid 5)
+    assert stats["english_works"] == 2 and stats["with_lcsh_after_merge"] == 2
+    assert len(uids) == len(set(uids))
 
 
 def test_script_writes_the_layout_the_readers_load(tmp_path):
@@ -189,20 +217,22 @@ def test_script_writes_the_layout_the_readers_load(tmp_path):
     command = [sys.executable, str(SCRIPT), "--raw", str(raw), "--out", str(out), "--any-snapshot", "--seed", "3"]
     done = subprocess.run(command, check=True, capture_output=True, text=True, timeout=60)
     stats = json.loads(done.stdout)
-    # 11 English works, 10 with headings; 6 and 7 are one text case-insensitively, as are 8 and 9
-    assert stats["english_works"] == 11 and stats["with_lcsh_after_merge"] == 8
+    # 12 English works, 11 with headings; 6 and 7 are one text case-insensitively, as are 8 and 9;
+    # 13's two rows (one per author) are one work
+    assert stats["english_works"] == 12 and stats["with_lcsh_after_merge"] == 9
     splits = {name: load_jsonl_split(out, name) for name in ("trn", "dev", "tst")}
     labels = splits["trn"].labels
     assert labels.uids == sorted(labels.uids) and labels.uids == labels.texts
     assert "PR" not in labels.uids and "A heading seen once" not in labels.uids
     trn_counts = splits["trn"].Y.sum(axis=0).A1
     assert trn_counts.min() >= 2  # every label has at least two positives in trn
+    assert all(len(set(s.uids)) == len(s.uids) for s in splits.values())  # one row a work
     uids = [set(s.uids) for s in splits.values()]
     assert not (uids[0] & uids[1] or uids[0] & uids[2] or uids[1] & uids[2])
     for split in splits.values():
         assert all(split.Y.getnnz(axis=1) >= 1) and len(split.filter_pairs) == 0
         assert "10" not in split.uids and "7" not in split.uids and "9" not in split.uids
-    assert sum(len(s) for s in splits.values()) == 8 - sum(d["instances"] for d in stats["dropped"].values())
+    assert sum(len(s) for s in splits.values()) == 9 - sum(d["instances"] for d in stats["dropped"].values())
     for name in ("trn", "dev", "tst"):
         assert (out / f"filter_labels_{name}.txt").read_text() == ""
     first = {name: gzip.decompress((out / f"{name}.json.gz").read_bytes()) for name in ("lbl", "trn")}
