@@ -36,10 +36,11 @@ once: the serving dependencies of pyproject.toml, what ``export.build`` imports 
 extra (when it builds), and ONNX Runtime with a CUDA provider it can create (``onnxruntime-gpu``,
 never beside ``onnxruntime``: they ship the same module). ``make bench-gpu`` installs them into
 ``.venv-gpu``. The GPU machines lent to this project reach no package registry and carry at most
-64 MiB per call, and their image's onnxruntime is the CPU build: the script then says what to
-bring, and onnxruntime-gpu's wheel (255 MB) does not fit that limit, so it has not yet run there.
-Where the wheels can be brought, unpack them into a folder and run the module from the repository's
-root with that folder first on the path: ``PYTHONPATH=<folder> python3 -m bench.gpu``.
+64 MiB per call, and their image's onnxruntime is the CPU build: ``python -m bench.gpu_payload``
+prepares the wheels (onnxruntime-gpu's CUDA provider cut to the GPU's own cubins), the bundle and
+the scripts as a few calls' worth of files, and the module then runs from the repository's root
+with that folder first on the path: ``PYTHONPATH=<folder> python3 -m bench.gpu --bundle <dir>``
+(bench/results/gpu.json, one H100, 2026-11-27).
 
 Exit status: 0 when every stage ran or was skipped for the budget; 1 when a stage failed (its
 error is in the JSON); 2 when this machine lacks what the run needs, or for bad arguments.
