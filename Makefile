@@ -77,7 +77,9 @@ evaluate: $(SERVE_STAMP) $(BUNDLE)/manifest.json
 # Benchmarks write JSON (and PNG) under bench/results/; run one at a time (they share 2 cores).
 # With BASELINE_REF (a commit), the CPU per request of everything but the encoder is measured for
 # this tree and that commit in the same run (bench.non_encoder_cost), the commit checked out in a
-# temporary worktree.
+# temporary worktree; in the same rounds, the floors (a bare ASGI app, a bare FastAPI route, under
+# the same uvicorn settings) and each server's CPU by thread, so both trees' machinery is their
+# CPU per request minus the floor's.
 BASELINE_REF ?=
 BASELINE_TREE := /tmp/xmcserve-baseline-$(BASELINE_REF)
 bench-serving:

@@ -1,19 +1,27 @@
 """What a request costs besides the encoder: the real server with a null encoder
-(:mod:`bench.lib.null_encoder`), this tree's code against another checkout's in the same run.
+(:mod:`bench.lib.null_encoder`), this tree's code against another checkout's in the same run, and
+both against the floor of the stack they run on.
 
     python -m bench.non_encoder_cost [--bundle bundles/default] [--baseline-tree DIR]
-        [--rps 150] [--null-seconds 10] [--rounds 3] [--cpu-only]
+        [--rps 150] [--null-seconds 10] [--rounds 3] [--cpu-only] [--no-floors]
         [--out bench/results/serving-null-encoder.json]
 
 Each tree's server serves the bundle with the ONNX call replaced by a lookup of the vectors the
 real encoder gives the dev texts, so tokenizing, HTTP, validation, batching, search, RAE, fusion
 and serialisation do their real work. In alternating rounds, each server is held at a fixed
-open-loop rate (the server's CPU seconds, from its own ``process_cpu_seconds_total``, over the
-requests answered: **µs CPU per request**; its event loop thread's alone from ``/proc``) and then
-loaded closed loop (**peak q/s**). A py-spy profile of each at the fixed rate splits that CPU by
-stage. ``--cpu-only``: the CPU at the fixed rate alone (no peak, no profile), for A/B rounds on a
+open-loop rate: **µs CPU per request** (the process's CPU from ``/proc`` over the requests
+answered), its event loop thread's, and each of its threads' (named by the Python thread:
+loop, encode, search, native pools; :mod:`bench.lib.thread_cpu`); then it is loaded closed loop
+(**peak q/s**). In the same rounds the **floors** (:mod:`bench.lib.floors`: a bare ASGI app and
+one bare FastAPI route, under the uvicorn settings of our server) are held at the same rate: a
+tree's CPU per request minus a floor's, round by round, is its own machinery
+(``machinery_cpu_us_per_request``). A py-spy profile of each tree at the fixed rate (no idle
+samples) splits each thread's CPU by stage (``profiles.<tree>.cpu_split``: µs per request by
+thread, by stage, and the largest leaves of what no stage claims).
+
+``--cpu-only``: the CPU at the fixed rate alone (no peak, no profile), for A/B rounds on a
 machine busy with other work. ``--baseline-tree``: a checkout of the code to compare with
-(``git worktree add --detach DIR REF``); without it, this tree alone.
+(``git worktree add --detach DIR REF``); without it, this tree alone. ``--no-floors``: no floors.
 """
 
 from __future__ import annotations
@@ -46,6 +54,12 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(summary(result), indent=2))
+
+
+def summary(result: dict) -> dict:
+    """What the run prints: the medians, the ratios, each tree's machinery over the floors, the
+    thread rows and each tree's CPU by stage."""
     keys = (
         "median_cpu_us_per_request",
         "median_loop_cpu_us_per_request",
@@ -53,7 +67,21 @@ def main() -> None:
         "cpu_per_request_this_over_baseline",
         "loop_cpu_per_request_this_over_baseline",
     )
-    print(json.dumps({k: result.get(k) for k in keys}, indent=2))
+    machinery = {
+        tree: {floor: figures["median"] for floor, figures in floors.items()}
+        for tree, floors in (result.get("machinery_cpu_us_per_request") or {}).items()
+    }
+    threads = {
+        name: {row: values["cpu_us_per_request"] for row, values in rows.items()}
+        for name, rows in result["median_thread_cpu_us_per_request"].items()
+    }
+    stages = {name: profile["cpu_split"]["by_stage"] for name, profile in result["profiles"].items()}
+    return {
+        **{k: result.get(k) for k in keys},
+        "median_machinery_cpu_us_per_request": machinery,
+        "median_thread_cpu_us_per_request": threads,
+        "stage_cpu_us_per_request": stages,
+    }
 
 
 if __name__ == "__main__":

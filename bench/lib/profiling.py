@@ -1,17 +1,25 @@
-"""What a server process costs: its CPU seconds (from its /metrics), its event loop's alone (from
-/proc), and a py-spy profile of it under load, folded by stage.
+"""What a server process costs: its CPU seconds (from its /metrics), and a py-spy profile of it
+under load, folded by stage; that profile's samples also spread over each thread's own CPU
+(:func:`stage_cpu_us`, the threads' CPU from :mod:`bench.lib.thread_cpu`).
+
+py-spy records without ``--idle``, so it drops the samples of a thread the system shows asleep
+(on a lock, the GIL, ``epoll``) or whose top frame is a known wait. A thread that is runnable
+but waiting for a core (taken by another process on a busy machine) is still sampled, so the
+shares of samples between threads are shares of time on or waiting for a core, not of CPU:
+:func:`stage_cpu_us` uses the samples only to split each thread's own CPU between stages.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
+import re
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
 from bench.lib.loadgen import open_loop
+from bench.lib.thread_cpu import EXITED, label
 
 
 def server_cpu_s(url: str) -> float:
@@ -24,12 +32,7 @@ def server_cpu_s(url: str) -> float:
     raise RuntimeError("no process_cpu_seconds_total in /metrics")
 
 
-def loop_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) so far of process ``pid``'s main thread, the one that runs a
-    uvicorn server's event loop (Linux: ``/proc/<pid>/task/<pid>/stat``)."""
-    with open(f"/proc/{pid}/task/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+OTHER = "http_asyncio_other"  # the stage of a sample no marker matched
 
 
 def stage_of(stack: str) -> str:
@@ -38,7 +41,7 @@ def stage_of(stack: str) -> str:
         for stage, markers in STAGES:
             if any(m in frame for m in markers):
                 return stage
-    return "http_asyncio_other"
+    return OTHER
 
 
 def fold(collapsed: Path) -> dict:
@@ -61,6 +64,60 @@ def fold(collapsed: Path) -> dict:
         "stages": shares(stages, 20),
         "threads": shares(threads, 10),
         "leaves": shares(leaves, 25),
+    }
+
+
+# py-spy's thread frame with ``--threads``: ``thread (<native id>): <Python name>``
+THREAD_FRAME = re.compile(r"thread \((\d+)\)(?:: (.*))?")
+NATIVE = "native threads (no Python frames)"
+UNSAMPLED = "threads never sampled"
+
+
+def samples_by_thread(collapsed: Path) -> dict[str, dict]:
+    """py-spy's collapsed samples per thread row (:func:`bench.lib.thread_cpu.label` of the
+    thread's Python name, the rows of :func:`bench.lib.thread_cpu.deltas`): ``{row: {"stages":
+    Counter, "leaves": Counter}}``, the leaves those of the samples of no stage (:data:`OTHER`)."""
+    rows: dict[str, dict] = {}
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        frames = stack.split(";")
+        thread = next((m for frame in frames[:2] if (m := THREAD_FRAME.fullmatch(frame))), None)
+        name = label(thread.group(2) or f"thread {thread.group(1)}") if thread else "unknown thread"
+        row = rows.setdefault(name, {"stages": Counter(), "leaves": Counter()})
+        stage = stage_of(stack)
+        row["stages"][stage] += int(count)
+        if stage == OTHER:
+            row["leaves"][frames[-1]] += int(count)
+    return rows
+
+
+def stage_cpu_us(thread_us: dict[str, float], samples: dict[str, dict], top_leaves: int = 12) -> dict:
+    """Each thread row's CPU (µs per request, ``thread_us``) spread over the stages of its own
+    samples, and summed by stage: µs of CPU per request per stage (``by_stage``), per thread and
+    stage (``by_thread``), and the largest leaves of the unmatched stage (``other_leaves``). A
+    row with CPU but no sample is a stage of its own (:data:`NATIVE` for a thread without Python,
+    :data:`UNSAMPLED` for a Python thread py-spy never caught running, :data:`EXITED`)."""
+    by_stage: Counter = Counter()
+    leaves: Counter = Counter()
+    by_thread: dict[str, dict] = {}
+    for row, us in thread_us.items():
+        counts = samples.get(row, {}).get("stages", Counter())
+        total = sum(counts.values())
+        if total == 0:
+            stage = EXITED if row == EXITED else NATIVE if row.startswith("native: ") else UNSAMPLED
+            split = {stage: us}
+        else:
+            split = {stage: us * n / total for stage, n in counts.items()}
+            for leaf, n in samples[row]["leaves"].items():
+                leaves[leaf] += us * n / total
+        by_thread[row] = {stage: round(v, 1) for stage, v in sorted(split.items(), key=lambda kv: -kv[1])}
+        by_stage.update(split)
+    return {
+        "by_stage": {stage: round(v, 1) for stage, v in by_stage.most_common()},
+        "by_thread": by_thread,
+        "other_leaves": {leaf: round(v, 1) for leaf, v in leaves.most_common(top_leaves)},
     }
 
 
