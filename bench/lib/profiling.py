@@ -1,5 +1,6 @@
 """What a server process costs: its CPU seconds (from its /metrics), its event loop's alone (from
-/proc), and a py-spy profile of it under load, folded by stage.
+/proc), any server's CPU seconds and peak resident memory with its children (from /proc), and a
+py-spy profile of it under load, folded by stage.
 """
 
 from __future__ import annotations
@@ -30,6 +31,45 @@ def loop_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/task/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every live process below it (Linux: ``/proc/<pid>/task/*/children``)."""
+    pids, todo = [], [pid]
+    while todo and len(pids) < 4096:
+        current = todo.pop()
+        pids.append(current)
+        for children in Path(f"/proc/{current}/task").glob("*/children"):
+            try:
+                todo.extend(int(child) for child in children.read_text().split())
+            except OSError:  # the thread or the process ended meanwhile
+                continue
+    return pids
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) so far of ``pid`` and its live children."""
+    total = 0
+    for member in process_tree(pid):
+        try:
+            with open(f"/proc/{member}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def tree_peak_rss_mib(pid: int) -> float:
+    """Peak resident memory (``VmHWM``) of ``pid`` and of its live children, summed, in MiB."""
+    kib = 0
+    for member in process_tree(pid):
+        try:
+            status = Path(f"/proc/{member}/status").read_text()
+        except OSError:
+            continue
+        kib += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+    return round(kib / 1024, 1)
 
 
 def stage_of(stack: str) -> str:
