@@ -23,7 +23,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 
 .PHONY: prereqs install images image-check compose-check serve serve-ray bundle test lint evaluate sample clean bench-serving bench-ann bench-ab loadtest \
-	train train-smoke trained-bundle fit bench-quality peers-venv bench-ab-own-cores bench-overload bench-ray-scale bench-million \
+	train train-smoke trained-bundle fit bench-quality peers-venv infinity-venv bench-infinity bench-ab-own-cores bench-overload bench-ray-scale bench-million \
 	bench-ann-compressed bench-ten-million bench-gpu
 
 # What a fresh machine lacks, said before pip fails half-way through compiling hnswlib.
@@ -209,6 +209,28 @@ $(PEERS_VENV)/.installed:
 
 peers-venv: $(PEERS_VENV)/.installed
 
+# The serving peer, infinity-emb with its optimum (ONNX Runtime) engine, in an environment of its own:
+# infinity pins numpy < 2. TORCH_PIN keeps optimum's torch the CPU build (infinity-emb 0.0.78 works
+# with it); the other pins are the versions measured (bench/results/serving-infinity-peer.json),
+# onnxruntime the serving venv's own, so both servers run the same ONNX Runtime.
+INFINITY_VENV ?= .venv-infinity
+INFINITY_PINS := "infinity-emb[server,optimum]==0.0.78" optimum==2.1.0 optimum-onnx==0.1.0 onnxruntime==1.32.0 \
+	transformers==4.57.6 tokenizers==0.22.2 uvicorn==0.32.1 fastapi==0.165.0 numpy==1.26.4
+$(INFINITY_VENV)/.installed:
+	test -x $(INFINITY_VENV)/bin/python || $(PYTHON) -m venv $(INFINITY_VENV)
+	$(INFINITY_VENV)/bin/pip install --quiet --disable-pip-version-check "$(TORCH_PIN)" $(INFINITY_PINS)
+	touch $@
+
+infinity-venv: $(INFINITY_VENV)/.installed
+
+# /predict beside infinity-emb's /embeddings on the same MiniLM weights (int8 ONNX, this project's
+# export recipe), the same cores and dev texts, in alternating turns (bench.serving --peer infinity).
+# The peer's model folder is made on the first run (torch, from the train extra) in /tmp/xmcserve-bench.
+PEER_ARGS ?= --seconds 6 --rounds 2
+bench-infinity: $(INFINITY_VENV)/.installed
+	$(MAKE) EXTRAS=cpu,train,dev,bench install bundle
+	$(PY) -m bench.serving --bundle $(BUNDLE) --peer infinity --peer-venv $(INFINITY_VENV) $(PEER_ARGS)
+
 # UniDEC training on the full Debian-Related split (CPU: frozen lower layers, cached), and the
 # two-minute smoke configuration the tests use. NPROC=N trains data-parallel on N processes
 # (torchrun + DDP: one per GPU over NCCL, or CPU processes over gloo); batch_size stays the global batch.
@@ -256,4 +278,4 @@ bench-quality: $(STAMP) $(PEERS_VENV)/.installed
 	$(PY) -m bench.quality --peers-python $(PEERS_VENV)/bin/python $(QUALITY_ARGS)
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) $(GPU_VENV) bundles runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS_VENV) $(INFINITY_VENV) $(GPU_VENV) bundles runs .pytest_cache .ruff_cache

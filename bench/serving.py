@@ -24,6 +24,18 @@ the bundle side by side (access lines off; JSON access lines on; JSON access lin
 to an OTLP/HTTP receiver on 127.0.0.1), loaded in turn, closed loop at the peak concurrency, the
 order rotated each round; the result is each configuration's throughput against the first's in
 the same round.
+
+``--peer infinity`` measures instead xmcserve's ``/predict`` beside a peer server on the same
+model, machine and cores (:mod:`bench.lib.infinity_peer`: infinity-emb's ``/embeddings``, its
+optimum engine serving all-MiniLM-L6-v2 exported to int8 ONNX by this project's recipe, from its
+own virtualenv, ``make infinity-venv``). Both servers run side by side, pinned to the same cores
+(``--cpus``, default the first two this process may use); at each closed-loop concurrency of
+``--levels`` (1 gives the idle p50), one server then the other, the order reversed every other
+round, so each round's pair shares the machine's state of the moment. The result is, per round
+and as medians, each one's peak and idle p50, their ratios, each one's peak resident memory, and
+the CPU each spent while the other was loaded (what an idle neighbour cost). Without the peer's
+virtualenv it prints why it skipped and writes nothing; --out defaults to
+bench/results/serving-infinity-peer.json.
 """
 
 from __future__ import annotations
@@ -37,18 +49,19 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from bench.lib import non_encoder
+from bench.lib import infinity_peer, non_encoder
 from bench.lib.encoder_alone import encoder_alone
 from bench.lib.loadgen import closed_loop, open_loop
-from bench.lib.profiling import server_cpu_s
+from bench.lib.profiling import server_cpu_s, tree_cpu_s, tree_peak_rss_mib
 from bench.lib.recall import ann_recall
-from loadtest.localserver import free_port, start_server, stop_server
+from loadtest.localserver import free_port, parse_cpus, start_server, stop_server
 from service.engine import EncoderOptions
 from service.engine.offline import load_bundle
 from service.http.settings import Settings
@@ -219,6 +232,183 @@ def observability_cost(
     }
 
 
+PEERS = ("infinity",)
+PEER_OUT = Path("bench/results/serving-infinity-peer.json")
+ANSWER_MIN_COSINE = 0.999  # the peer's vectors against the prepared graph run here, one text a call
+
+
+def peer_cpus(spec: str | None) -> set[int]:
+    """The cores both servers are pinned to: ``spec`` (a CPU list), else the first two this
+    process may run on."""
+    return parse_cpus(spec) or set(sorted(os.sched_getaffinity(0))[:2])
+
+
+def layout_on(cpus: set[int], extra_env: dict) -> tuple[int, int]:
+    """The (batch workers, intra-op threads) xmcserve takes when pinned to ``cpus``."""
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        return served_layout(extra_env)
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+@dataclass
+class Turn:
+    """One server of a comparison in turns: where it listens, what it is sent, its process."""
+
+    url: str
+    path: str
+    bodies: list[bytes]
+    pid: int
+
+
+def in_turns(servers: dict[str, Turn], levels: list[int], seconds: float, rounds: int) -> tuple[dict, dict]:
+    """At each concurrency of ``levels``, a closed loop of ``seconds`` on each server in turn (in
+    ``servers``' order, reversed every other round); each load is given up ``seconds`` + 60 s
+    after it starts. Returns each server's rows by round and the CPU seconds each spent while
+    another was loaded."""
+    rows: dict[str, list[list[dict]]] = {name: [[] for _ in range(rounds)] for name in servers}
+    idle_cpu_s = dict.fromkeys(servers, 0.0)
+    names = list(servers)
+    for turn in servers.values():  # warm-up
+        asyncio.run(asyncio.wait_for(closed_loop(turn.url, turn.bodies, 4, 2.0, path=turn.path), 60))
+    for round_ in range(rounds):
+        order = names if round_ % 2 == 0 else names[::-1]
+        for level in levels:
+            for name in order:
+                turn = servers[name]
+                others = {other: tree_cpu_s(servers[other].pid) for other in names if other != name}
+                load = closed_loop(turn.url, turn.bodies, level, seconds, path=turn.path)
+                row = asyncio.run(asyncio.wait_for(load, seconds + 60)).summary()
+                for other, cpu0 in others.items():
+                    idle_cpu_s[other] += tree_cpu_s(servers[other].pid) - cpu0
+                print(json.dumps({"round": round_, "server": name, **row}), flush=True)
+                rows[name][round_].append(row)
+    return rows, {name: round(cpu, 2) for name, cpu in idle_cpu_s.items()}
+
+
+def turn_figures(rows_by_round: list[list[dict]]) -> dict:
+    """One server's peak (the best closed-loop rate of the round) and idle p50 (its one-connection
+    p50) per round, and their medians."""
+    peaks = [max(rows, key=lambda r: r["qps"]) for rows in rows_by_round]
+    idle = [next(r for r in rows if r["concurrency"] == 1) for rows in rows_by_round]
+    return {
+        "peak_qps_by_round": [r["qps"] for r in peaks],
+        "peak_concurrency_by_round": [r["concurrency"] for r in peaks],
+        "idle_p50_ms_by_round": [r["p50_ms"] for r in idle],
+        "median_peak_qps": round(statistics.median(r["qps"] for r in peaks), 1),
+        "median_idle_p50_ms": round(statistics.median(r["p50_ms"] for r in idle), 2),
+    }
+
+
+def peer_ratios(ours: dict, peer: dict) -> dict:
+    """Ours over the peer's, round by round (both measured in the same round) and their medians."""
+    peak = [a / b for a, b in zip(ours["peak_qps_by_round"], peer["peak_qps_by_round"], strict=True)]
+    idle = [a / b for a, b in zip(ours["idle_p50_ms_by_round"], peer["idle_p50_ms_by_round"], strict=True)]
+    return {
+        "peak_over_peer_by_round": [round(r, 3) for r in peak],
+        "median_peak_over_peer": round(statistics.median(peak), 3),
+        "idle_p50_over_peer_by_round": [round(r, 3) for r in idle],
+        "median_idle_p50_over_peer": round(statistics.median(idle), 3),
+        "peak_rss_over_peer": round(ours["peak_rss_mib"] / peer["peak_rss_mib"], 3),
+    }
+
+
+def peer_comparison(
+    bundle: Path,
+    texts: list[str],
+    levels: list[int],
+    seconds: float,
+    rounds: int,
+    extra_env: dict,
+    cpus: set[int],
+    venv: Path,
+    model_dir: Path,
+) -> dict:
+    """xmcserve's /predict and infinity-emb's /embeddings in turns (see the module's docstring),
+    both pinned to ``cpus``; the peer from ``venv`` serving ``model_dir`` (made when missing)."""
+    levels = sorted(set(levels) | {1})  # one connection: the idle p50
+    model = infinity_peer.prepare_model(model_dir, texts)
+    logs = Path("/tmp/xmcserve-bench")
+    logs.mkdir(exist_ok=True)
+    load_before = os.getloadavg()
+    servers, started = {}, {}
+    try:
+        begun = time.perf_counter()
+        servers["xmcserve"] = start_server(bundle, logs / "xmcserve-peer.log", extra_env, timeout_s=180, cpus=cpus)
+        started["xmcserve"] = round(time.perf_counter() - begun, 1)
+        begun = time.perf_counter()
+        servers["infinity"] = infinity_peer.start(venv, model_dir, cpus, logs / "infinity.log")
+        started["infinity"] = round(time.perf_counter() - begun, 1)
+        check = texts[:3]
+        reference = infinity_peer.reference_vectors(model_dir, check)
+        cosines = infinity_peer.answer_cosines(servers["infinity"].url, check, reference)
+        if min(cosines) < ANSWER_MIN_COSINE:
+            raise RuntimeError(f"infinity does not answer the prepared graph's vectors (cosines {cosines})")
+        turns = {
+            "xmcserve": Turn(
+                servers["xmcserve"].url,
+                "/predict",
+                [json.dumps({"text": t, "k": 10}).encode() for t in texts],
+                servers["xmcserve"].process.pid,
+            ),
+            "infinity": Turn(
+                servers["infinity"].url,
+                infinity_peer.ENDPOINT,
+                infinity_peer.request_bodies(texts),
+                servers["infinity"].process.pid,
+            ),
+        }
+        rows, idle_cpu_s = in_turns(turns, levels, seconds, rounds)
+        rss = {name: tree_peak_rss_mib(server.process.pid) for name, server in servers.items()}
+    finally:
+        for server in servers.values():
+            stop_server(server)
+    workers, threads = layout_on(cpus, extra_env)
+    ours = {
+        "endpoint": "/predict",
+        "answers": "the top 10 labels of one text (encoder, HNSW search, RAE aggregation)",
+        "thread_layout": {"batch_workers": workers, "intra_op_threads": threads},
+        "start_s": started["xmcserve"],
+        **turn_figures(rows["xmcserve"]),
+        "peak_rss_mib": rss["xmcserve"],
+        "cpu_s_while_peer_loaded": idle_cpu_s["xmcserve"],
+        "rows_by_round": rows["xmcserve"],
+    }
+    peer = {
+        "endpoint": infinity_peer.ENDPOINT,
+        "answers": "the 384-d mean-pooled, normalised vector of one text",
+        "packages": infinity_peer.version(venv),
+        "command": infinity_peer.launch_command(venv, len(cpus)) + ["--host", "127.0.0.1", "--port", "N"],
+        "env": infinity_peer.launch_env(logs / "infinity-cache", len(cpus)),
+        "intra_op_threads": len(cpus),
+        "max_batch_size": infinity_peer.BATCH_SIZE,
+        "model": model,
+        "answer_cosines_vs_graph_here": cosines,
+        "start_s": started["infinity"],
+        **turn_figures(rows["infinity"]),
+        "peak_rss_mib": rss["infinity"],
+        "cpu_s_while_xmcserve_loaded": idle_cpu_s["infinity"],
+        "rows_by_round": rows["infinity"],
+    }
+    ratios = peer_ratios(ours, peer)
+    return {
+        "cpus": sorted(cpus),
+        "levels": levels,
+        "seconds_per_level": seconds,
+        "rounds": rounds,
+        "load_average_before_after": [round(x, 2) for x in (*load_before, *os.getloadavg())],
+        "xmcserve": ours,
+        "infinity": peer,
+        "ratios": ratios,
+        "target": {
+            "peak_at_least_peer": ratios["median_peak_over_peer"] >= 1.0,
+            "rounds_with_peak_at_least_peer": sum(r >= 1.0 for r in ratios["peak_over_peer_by_round"]),
+        },
+    }
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -242,7 +432,7 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--bundle",
@@ -281,13 +471,72 @@ def main() -> None:
     parser.add_argument(
         "--concurrency", type=int, default=64, help="--observability-cost: closed-loop concurrency (the peak's)"
     )
+    parser.add_argument(
+        "--peer",
+        choices=PEERS,
+        help="measure only /predict beside this peer server in turns (see above); --out defaults to " + str(PEER_OUT),
+    )
+    parser.add_argument(
+        "--peer-venv", type=Path, default=infinity_peer.DEFAULT_VENV, help="--peer: the peer's virtualenv"
+    )
+    parser.add_argument(
+        "--peer-model",
+        type=Path,
+        default=infinity_peer.DEFAULT_MODEL_DIR,
+        help="--peer: the model folder the peer serves (made there when missing)",
+    )
+    parser.add_argument(
+        "--cpus", help="--peer: the cores both servers are pinned to, e.g. 0-1 (default: the first two allowed)"
+    )
     non_encoder.add_arguments(parser, rounds=False)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     extra_env = dict(item.split("=", 1) for item in args.env)
     levels = [int(x) for x in args.levels.split(",")]
 
     texts = load_jsonl_split(args.data, "dev").texts
     bodies = [json.dumps({"text": t, "k": 10}).encode() for t in texts]
+    if args.peer:
+        reason = infinity_peer.unavailable(args.peer_venv, args.peer_model)
+        if reason:
+            print(json.dumps({"peer": args.peer, "skipped": reason}), flush=True)
+            return
+        out = args.out if args.out != parser.get_default("out") else PEER_OUT
+        result = {
+            "machine": {
+                "cpus": os.cpu_count(),
+                "processor": platform.processor() or platform.machine(),
+                "onnxruntime": ort.__version__,
+            },
+            "note": "measured beside other work on a shared machine: compare the two servers within a round "
+            "(their ratios), not absolute figures across runs",
+            "bundle": str(args.bundle),
+            "settings": extra_env,
+            "peer": args.peer,
+            **peer_comparison(
+                args.bundle,
+                texts,
+                levels,
+                args.seconds,
+                args.rounds,
+                extra_env,
+                peer_cpus(args.cpus),
+                args.peer_venv,
+                args.peer_model,
+            ),
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        summary = {
+            name: {k: v for k, v in result[name].items() if k.startswith("median_") or k == "peak_rss_mib"}
+            for name in ("xmcserve", "infinity")
+        }
+        print(json.dumps({**summary, "ratios": result["ratios"], "target": result["target"]}, indent=2))
+        return
     if args.observability_cost:
         out = args.out if args.out != parser.get_default("out") else Path("bench/results/observability-cost.json")
         result = {

@@ -38,11 +38,15 @@ class ParityError(RuntimeError):
     """ONNX Runtime and torch disagree beyond tolerance: the export is refused."""
 
 
-def export_onnx(model: ServingEncoder, tokenizer: Tokenizer, path: Path) -> None:
-    """Write one self-contained ONNX file with dynamic batch and sequence axes."""
+def export_onnx(
+    model: torch.nn.Module, tokenizer: Tokenizer, path: Path, output_name: str = OUTPUT_NAME, per_token: bool = False
+) -> None:
+    """Write one self-contained ONNX file with dynamic batch and sequence axes. ``per_token``: the
+    output has a sequence axis too (a plain encoder's ``last_hidden_state``, for a server that
+    pools by itself); the serving graph's has none."""
     example = tokenize_batch(tokenizer, ["example text for tracing", "a second one"])
     dynamic = {name: {0: "batch", 1: "sequence"} for name in INPUT_NAMES}
-    dynamic[OUTPUT_NAME] = {0: "batch"}
+    dynamic[output_name] = {0: "batch", 1: "sequence"} if per_token else {0: "batch"}
     with warnings.catch_warnings(), torch.inference_mode():
         # The TorchScript exporter is deterministic and exact for BERT-class graphs; its
         # deprecation and tracer warnings are noise here.
@@ -52,7 +56,7 @@ def export_onnx(model: ServingEncoder, tokenizer: Tokenizer, path: Path) -> None
             (example["input_ids"], example["attention_mask"]),
             str(path),
             input_names=INPUT_NAMES,
-            output_names=[OUTPUT_NAME],
+            output_names=[output_name],
             dynamic_axes=dynamic,
             opset_version=OPSET,
             do_constant_folding=True,

@@ -56,11 +56,13 @@ def start_server(
     file_size_limit: int | None = None,
     command: list[str] | None = None,
     cwd: Path = ROOT,
+    ready_path: str = "/readyz",
 ) -> Server:
     """Start xmcserve (``python -m service.http``), ``uvicorn <app> --factory`` for another app,
     or ``command`` (a server taking ``--host`` and ``--port``, run in ``cwd``), on a free
-    loopback port serving ``bundle_dir``; wait for /readyz. ``cpus`` pins the
-    server (and every thread and child it starts) to those cores; ``file_size_limit``: the
+    loopback port serving ``bundle_dir``; wait for ``ready_path`` to answer 200 (another server's
+    own readiness route for ``command``). ``cpus`` pins the server (and every thread and child
+    it starts) to those cores; ``file_size_limit``: the
     largest file the server may write (RLIMIT_FSIZE: a full disk, for fault tests)."""
     port = free_port()
     env = {**os.environ, "XMCSERVE_BUNDLE_DIR": str(bundle_dir), **(extra_env or {})}
@@ -83,7 +85,7 @@ def start_server(
         if process.poll() is not None:
             raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()}")
         try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+            if httpx.get(f"{url}{ready_path}", timeout=1).status_code == 200:
                 return Server(process, url, log_path)
         except httpx.HTTPError:
             pass

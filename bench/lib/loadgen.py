@@ -102,17 +102,20 @@ class LoadResult:
         }
 
 
-def _requests(url: str, bodies: list[bytes]) -> tuple[str, int, itertools.cycle]:
+def _requests(url: str, bodies: list[bytes], path: str = "/predict") -> tuple[str, int, itertools.cycle]:
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     if host not in ("127.0.0.1", "localhost", "::1"):
         raise ValueError(f"load tests target loopback only, not {host}")
-    return host, port, itertools.cycle([encode_request(host, "/predict", b) for b in bodies])
+    return host, port, itertools.cycle([encode_request(host, path, b) for b in bodies])
 
 
-async def closed_loop(url: str, bodies: list[bytes], concurrency: int, seconds: float, max_requests: int = 10**6):
-    """``concurrency`` connections, each sending its next request as soon as the last returns."""
-    host, port, requests = _requests(url, bodies)
+async def closed_loop(
+    url: str, bodies: list[bytes], concurrency: int, seconds: float, max_requests: int = 10**6, path: str = "/predict"
+):
+    """``concurrency`` connections, each sending its next request (a POST to ``path``) as soon as
+    the last returns."""
+    host, port, requests = _requests(url, bodies, path)
     result = LoadResult("closed", concurrency, None, seconds)
     connections = [await Connection.open(host, port) for _ in range(concurrency)]
     cpu0, start = time.process_time(), time.perf_counter()
@@ -140,9 +143,11 @@ async def closed_loop(url: str, bodies: list[bytes], concurrency: int, seconds: 
     return result
 
 
-async def open_loop(url: str, bodies: list[bytes], rps: float, seconds: float, max_connections: int = 256):
-    """Requests at a fixed rate; latency counts from the scheduled send time."""
-    host, port, requests = _requests(url, bodies)
+async def open_loop(
+    url: str, bodies: list[bytes], rps: float, seconds: float, max_connections: int = 256, path: str = "/predict"
+):
+    """Requests (POSTs to ``path``) at a fixed rate; latency counts from the scheduled send time."""
+    host, port, requests = _requests(url, bodies, path)
     result = LoadResult("open", None, rps, seconds)
     idle: list[Connection] = [await Connection.open(host, port) for _ in range(8)]
     opened = len(idle)

@@ -1,5 +1,6 @@
-"""What a server process costs: its CPU seconds (from its /metrics), and a py-spy profile of it
-under load, folded by stage; that profile's samples also spread over each thread's own CPU
+"""What a server process costs: its CPU seconds (from its /metrics), any server's CPU seconds
+and peak resident memory with its children (from /proc), and a py-spy profile of it under load,
+folded by stage; that profile's samples also spread over each thread's own CPU
 (:func:`stage_cpu_us`, the threads' CPU from :mod:`bench.lib.thread_cpu`).
 
 py-spy records without ``--idle``, so it drops the samples of a thread the system shows asleep
@@ -12,6 +13,7 @@ shares of samples between threads are shares of time on or waiting for a core, n
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import subprocess
 import sys
@@ -33,6 +35,45 @@ def server_cpu_s(url: str) -> float:
 
 
 OTHER = "http_asyncio_other"  # the stage of a sample no marker matched
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every live process below it (Linux: ``/proc/<pid>/task/*/children``)."""
+    pids, todo = [], [pid]
+    while todo and len(pids) < 4096:
+        current = todo.pop()
+        pids.append(current)
+        for children in Path(f"/proc/{current}/task").glob("*/children"):
+            try:
+                todo.extend(int(child) for child in children.read_text().split())
+            except OSError:  # the thread or the process ended meanwhile
+                continue
+    return pids
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) so far of ``pid`` and its live children."""
+    total = 0
+    for member in process_tree(pid):
+        try:
+            with open(f"/proc/{member}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def tree_peak_rss_mib(pid: int) -> float:
+    """Peak resident memory (``VmHWM``) of ``pid`` and of its live children, summed, in MiB."""
+    kib = 0
+    for member in process_tree(pid):
+        try:
+            status = Path(f"/proc/{member}/status").read_text()
+        except OSError:
+            continue
+        kib += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+    return round(kib / 1024, 1)
 
 
 def stage_of(stack: str) -> str:

@@ -1,19 +1,23 @@
 """bench.lib.loadgen.spread: loads dealt over load-generator processes share one window and come
-back merged and one by one."""
+back merged and one by one; the loops post to the path they are given."""
 
+import asyncio
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from bench.lib.loadgen import Job, spread
+from bench.lib.loadgen import Job, closed_loop, open_loop, spread
+
+PATHS: list[str] = []
 
 
 class Answer(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as the load generator expects
 
     def do_POST(self):
+        PATHS.append(self.path)
         self.rfile.read(int(self.headers["Content-Length"]))
         body = b'{"ok": true}'
         self.send_response(200)
@@ -59,3 +63,11 @@ def test_a_failing_generator_process_is_reported_at_once(url):
         # nothing listens on port 1: the second process cannot connect
         spread([Job(url, concurrency=1), Job("http://127.0.0.1:1", concurrency=1)], [b"{}"], 20.0, 2, timeout_s=60)
     assert time.monotonic() - started < 15
+
+
+def test_the_loops_post_to_predict_or_to_the_path_given(url):
+    PATHS.clear()
+    asyncio.run(closed_loop(url, [b"{}"], 1, 5.0, max_requests=2))
+    asyncio.run(closed_loop(url, [b"{}"], 1, 5.0, max_requests=2, path="/embeddings"))
+    asyncio.run(open_loop(url, [b"{}"], 20.0, 0.1, path="/embeddings"))
+    assert PATHS == ["/predict"] * 2 + ["/embeddings"] * 4
