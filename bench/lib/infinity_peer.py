@@ -192,8 +192,7 @@ def prepare_model(model_dir: Path, texts: list[str], max_length: int = MAX_LENGT
     import torch
 
     from export.onnx_export import ParityError, export_onnx, fuse_or_keep, quantize_int8
-    from export.serving_graph import load_encoder, load_fast_tokenizer, tokenize_batch
-    from training.unidec import mean_pool
+    from export.serving_graph import load_encoder, load_fast_tokenizer, mean_pool, tokenize_batch
     from xmc.checkpoint import default_encoder_dir
 
     class TokenStates(torch.nn.Module):
