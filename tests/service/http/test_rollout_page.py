@@ -228,7 +228,7 @@ def test_an_operator_compares_watches_and_promotes_in_the_browser(servers, evalu
         return [row.text.lstrip("≠ ") for row in rows]
 
     wait.until(lambda d: "index_kind" in differing_fields(d) and b_id in find(By.ID, "manifest-table").text)
-    assert "dim" not in differing_fields(browser)  # differences only, by default
+    assert "dim" not in wait.until(differing_fields)  # differences only, by default
     find(By.ID, "only-differences").click()
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#manifest-table tr.same"))
     find(By.ID, "only-differences").click()
@@ -239,7 +239,9 @@ def test_an_operator_compares_watches_and_promotes_in_the_browser(servers, evalu
     assert evaluation["evaluated_at"][:10] in quality and "make evaluate BUNDLE=" in quality  # B has none
     # live traffic per variant from the server's counters, and the dashboards' links
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#live-charts svg")) == 3)
-    live_a = find(By.CSS_SELECTOR, "#live-table tr:nth-child(2)").text.split()
+    # read through the wait: the live table is redrawn every 5 s, and a row found just before a
+    # redraw is stale by the time its text is read
+    live_a = wait.until(lambda d: find(By.CSS_SELECTOR, "#live-table tr:nth-child(2)").text.split())
     assert live_a[0] == "A" and int(live_a[1]) >= 12
     link = find(By.CSS_SELECTOR, "#dashboards a")
     assert link.get_attribute("href") == f"{GRAFANA}/d/xmcserve/xmcserve"
