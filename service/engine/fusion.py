@@ -84,7 +84,7 @@ import scipy.sparse as sp
 from bundle import FusionParams
 from service.engine.lexical import Lexicon, QueryTerms
 from service.engine.rae import KeptKeys, ValueRows
-from service.engine.sparse import SparseMargins, SparseRanker, stored_positions
+from service.engine.sparse import SparseMargins, SparseRanker, StoredSlots
 
 FEATURES = (
     "instance_vote",
@@ -319,7 +319,7 @@ class ScoreFusion:
         query = np.repeat(np.arange(scores.shape[0], dtype=np.int64), np.diff(scores.indptr))
         labels = scores.indices.astype(np.int64)
         rank = np.full(len(labels), float(self.sparse.depth))
-        found, at = stored_positions(margins.top, query, labels)
+        at, found = StoredSlots(margins.top)(query, labels)
         rank[found] = margins.top_ranks[at]
         sparse = np.stack([self.sparse.margin_of(margins, query, labels), np.log1p(rank)], axis=1)
         return np.concatenate([phi, sparse], axis=1)
@@ -339,7 +339,7 @@ def batch_features(
     every query's keys are laid end to end and each feature is one grouped numpy operation, so a
     batch costs about what one query does."""
     batch = _BatchKeys.of(kept)
-    slots = _StoredSlots(scores)
+    slots = StoredSlots(scores)
     n, nq = scores.nnz, len(kept)
     instance, label = batch.labels < 0, batch.labels >= 0
     # the features weigh instances and labels apart ("split"), whatever the bundle's mode
@@ -423,7 +423,7 @@ def joined_candidates(scores: sp.csr_matrix, chosen: sp.csr_matrix, extra: sp.cs
     pairs = np.unique(rows * width + labels)
     query, label = pairs // width, pairs % width
     values = np.zeros(len(pairs), dtype=scores.dtype)
-    at, found = _StoredSlots(scores)(query, label)  # scores' storage needs no sorting, nor a copy
+    at, found = StoredSlots(scores)(query, label)  # scores' storage needs no sorting, nor a copy
     values[found] = scores.data[at]
     indptr = np.concatenate([[0], np.cumsum(np.bincount(query, minlength=scores.shape[0]))]).astype(np.int64)
     return sp.csr_matrix((values, label.astype(np.int32), indptr), shape=(scores.shape[0], width))
@@ -493,27 +493,6 @@ class _BatchKeys:
             labels=joined([row.labels for row in kept], np.int64),
             lexical=lexical,
         )
-
-
-class _StoredSlots:
-    """Where (query, label) pairs are stored in a batch's score matrix."""
-
-    def __init__(self, scores: sp.csr_matrix):
-        self.width = scores.shape[1]
-        self.rows = np.repeat(np.arange(scores.shape[0], dtype=np.int64), np.diff(scores.indptr))  # of each entry
-        stored = self.rows * self.width + scores.indices
-        self.order = np.argsort(stored, kind="stable")
-        self.sorted = stored[self.order]
-
-    def __call__(self, query: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The storage positions of those pairs ``(query[j], labels[j])`` that are stored, and
-        which pairs are."""
-        if not len(self.sorted):
-            return np.zeros(0, dtype=np.int64), np.zeros(len(labels), dtype=bool)
-        wanted = query.astype(np.int64) * self.width + labels
-        at = np.minimum(np.searchsorted(self.sorted, wanted), len(self.sorted) - 1)
-        hit = (self.sorted[at] == wanted) & (labels < self.width)
-        return self.order[at[hit]], hit
 
 
 def grouped_softmax(x: np.ndarray, tau: float, group: np.ndarray, groups: int) -> np.ndarray:

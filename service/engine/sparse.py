@@ -117,7 +117,7 @@ class SparseRanker:
         out = np.full(len(labels), self.floor, dtype=np.float64)
         known = labels < self.labels
         out[known] = self.bias[labels[known]]
-        found, at = stored_positions(margins.all, query, labels)
+        at, found = StoredSlots(margins.all)(query, labels)
         out[found] = margins.all.data[at]
         return out
 
@@ -154,15 +154,27 @@ def top_margins(
     return top, (np.concatenate(ranks).astype(np.int64) if ranks else np.zeros(0, dtype=np.int64))
 
 
-def stored_positions(matrix: sp.csr_matrix, query: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Which pairs ``(query[j], labels[j])`` are stored in ``matrix`` (label ids sorted per row),
-    and where: (a mask of the pairs, the storage positions of those found)."""
-    if not matrix.nnz or not len(labels):
-        return np.zeros(len(labels), dtype=bool), np.zeros(0, dtype=np.int64)
-    width = matrix.shape[1]
-    rows = np.repeat(np.arange(matrix.shape[0], dtype=np.int64), np.diff(matrix.indptr))
-    stored = rows * width + matrix.indices  # increasing: rows in order, label ids sorted within each
-    wanted = query.astype(np.int64) * width + labels
-    at = np.minimum(np.searchsorted(stored, wanted), len(stored) - 1)
-    found = stored[at] == wanted
-    return found, at[found]
+class StoredSlots:
+    """Where (query, label) pairs are stored in a queries x labels CSR matrix, whatever its storage
+    order: a batch's p̂ (aggregated in key order) and the ranker's margins (label ids sorted per
+    row, which spares the sort) are looked up alike."""
+
+    def __init__(self, matrix: sp.csr_matrix):
+        self.width = matrix.shape[1]
+        self.rows = np.repeat(np.arange(matrix.shape[0], dtype=np.int64), np.diff(matrix.indptr))  # of each entry
+        stored = self.rows * self.width + matrix.indices
+        if matrix.has_sorted_indices:  # increasing already: rows in order, label ids sorted within each
+            self.order, self.sorted = None, stored
+        else:
+            self.order = np.argsort(stored, kind="stable")
+            self.sorted = stored[self.order]
+
+    def __call__(self, query: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The storage positions of those pairs ``(query[j], labels[j])`` that are stored, and
+        which pairs are (a mask)."""
+        if not len(self.sorted):
+            return np.zeros(0, dtype=np.int64), np.zeros(len(labels), dtype=bool)
+        wanted = query.astype(np.int64) * self.width + labels
+        at = np.minimum(np.searchsorted(self.sorted, wanted), len(self.sorted) - 1)
+        hit = (self.sorted[at] == wanted) & (labels < self.width)
+        return (at[hit] if self.order is None else self.order[at[hit]]), hit

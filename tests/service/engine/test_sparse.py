@@ -8,7 +8,7 @@ import scipy.sparse as sp
 
 from bundle import BundleError
 from service.engine.lexical import QueryTerms
-from service.engine.sparse import SparseRanker, stored_positions, top_margins
+from service.engine.sparse import SparseRanker, StoredSlots, top_margins
 
 
 def random_ranker(rng, terms=60, labels=25, depth=5, density=0.2) -> SparseRanker:
@@ -75,10 +75,21 @@ def test_ties_in_the_top_go_to_the_lower_label_id():
     assert top.indices.tolist() == [0, 1, 2] and ranks.tolist() == [1, 0, 2]
 
 
-def test_stored_positions_finds_exactly_the_stored_pairs():
+def test_stored_slots_find_exactly_the_stored_pairs():
     matrix = sp.csr_matrix(np.array([[0, 2, 0], [3, 0, 4]], dtype=np.float32))
-    found, at = stored_positions(matrix, np.array([0, 0, 1, 1, 1]), np.array([0, 1, 0, 1, 2]))
+    at, found = StoredSlots(matrix)(np.array([0, 0, 1, 1, 1]), np.array([0, 1, 0, 1, 2]))
     assert found.tolist() == [False, True, True, False, True]
+    assert matrix.data[at].tolist() == [2, 3, 4]
+
+
+def test_stored_slots_find_pairs_in_any_storage_order():
+    # row 1 stores label 2 before label 0 (as an aggregation in key order does)
+    matrix = sp.csr_matrix(
+        (np.array([2, 4, 3], dtype=np.float32), np.array([1, 2, 0]), np.array([0, 1, 3])), shape=(2, 3)
+    )
+    assert not matrix.has_sorted_indices
+    at, found = StoredSlots(matrix)(np.array([0, 0, 1, 1, 1, 1]), np.array([0, 1, 0, 1, 2, 3]))
+    assert found.tolist() == [False, True, True, False, True, False]  # label 3 is beyond the width
     assert matrix.data[at].tolist() == [2, 3, 4]
 
 
