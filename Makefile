@@ -24,7 +24,7 @@ PORT ?= 8000
 
 .PHONY: prereqs install images image-check compose-check serve serve-ray bundle test lint evaluate sample clean bench-serving bench-ann bench-ab loadtest \
 	train train-smoke trained-bundle fit bench-quality peers-venv infinity-venv bench-infinity bench-ab-own-cores bench-overload bench-ray-scale bench-million \
-	bench-ann-compressed bench-ten-million bench-gpu
+	bench-ann-compressed bench-ten-million bench-gpu bench-workers
 
 # What a fresh machine lacks, said before pip fails half-way through compiling hnswlib.
 PREREQS_HINT := see README.md, Prerequisites (Debian/Ubuntu: apt-get install python3-venv python3-dev g++)
@@ -87,9 +87,16 @@ bench-serving:
 	$(if $(BASELINE_REF),test -d $(BASELINE_TREE) || git worktree add --detach $(BASELINE_TREE) $(BASELINE_REF))
 	$(PY) -m bench.serving --bundle $(BUNDLE) --null-encoder $(if $(BASELINE_REF),--baseline-tree $(BASELINE_TREE))
 
+# One bundle served by 1 and by 2 worker processes (XMCSERVE_WORKERS), in turns, 3 rounds:
+# idle p50 and closed-loop peak of each, bench/results/serving-workers.json (about 3 minutes).
+WORKERS_ARGS ?=
+bench-workers:
+	$(MAKE) EXTRAS=cpu,train,dev,bench install bundle
+	$(PY) -m bench.workers --bundle $(BUNDLE) $(WORKERS_ARGS)
+
 # On a CUDA machine, in at most 8 minutes (bench/gpu.py): a CUDA bundle of the sample built and served
 # on the CUDA execution provider (peak, idle p50, p99 at 70 % of peak, the null-encoder peak), then
-# 1, 2, 4, 8 CPU server processes on cores of their own; one JSON, bench/results/gpu.json. A venv of
+# one server of 1, 2, 4, 8 CPU worker processes (XMCSERVE_WORKERS) on cores of their own; one JSON, bench/results/gpu.json. A venv of
 # its own: onnxruntime-gpu and the other venvs' onnxruntime ship the same module, never both in one.
 # torch is TORCH_PIN's build: a CUDA one encodes the bundle on the GPU, a CPU one on the CPU (the JSON
 # says which). BENCH_GPU_ARGS=--dry-run runs the same stages on the CPU in under two minutes.

@@ -19,10 +19,12 @@ Runtime's providers). The stages, in this order:
    connection), closed-loop peak q/s over ``levels``, p99 at 70 % of that peak in open loop.
 3. **null_encoder**: the same server with its ONNX call replaced by a vector lookup
    (bench.lib.null_encoder), loaded closed loop: what everything but the encoder allows.
-4. **scaling**: 1, 2, 4, 8 independent server processes of the bundle on the CPU provider, each
-   pinned to its own cores (``sched_setaffinity``), the load generator on cores of its own
-   spreading connections evenly over them: peak q/s per count, and its speed-up over one.
-   Counts needing more cores than this process may use are recorded as capped.
+4. **scaling**: 1, 2, 4, 8 server processes of the bundle on the CPU provider: by default one
+   server of that many workers (``XMCSERVE_WORKERS``, one port, pinned to ``count`` x
+   ``cores_per_server`` cores), or with ``--scaling-mode independent`` that many separate servers,
+   each pinned to its own cores (``sched_setaffinity``); the load generator on cores of its own:
+   peak q/s per count, and its speed-up over one. Counts needing more cores than this process may
+   use are recorded as capped.
 
 The budget (``--budget-s``, default 480 s) is never passed: each stage is sized in seconds up
 front, and a stage (or a process count) that no longer fits in what is left is skipped and
@@ -114,8 +116,10 @@ class GpuBenchParams:
         scaling_provider: the provider of the scaling stage's servers
         scaling_concurrency: closed-loop connections per server in the scaling stage
         scaling_s: seconds of each scaling load
-        cores_per_server: cores each scaling server is pinned to (0: the server cores shared out
-            over the largest count)
+        cores_per_server: cores each scaling server (or worker) is pinned to (0: the server
+            cores shared out over the largest count)
+        scaling_mode: ``workers`` (one server of ``count`` workers on one port) or
+            ``independent`` (``count`` servers, one port each)
         loadgen_cores: cores kept for the scaling stage's load generator (-1: one in eight from 8
             cores on, none below, where it shares the servers' cores)
     """
@@ -154,6 +158,7 @@ class GpuBenchParams:
     scaling_s: float = 8.0
     cores_per_server: int = 0
     loadgen_cores: int = -1
+    scaling_mode: str = "workers"
 
     @classmethod
     def dry(cls, **changes) -> GpuBenchParams:
@@ -653,16 +658,29 @@ def null_encoder_stage(
     }
 
 
-def start_servers(params: GpuBenchParams, budget: Budget, bundle: Path, groups: list, tag: str) -> list:
+def start_servers(
+    params: GpuBenchParams, budget: Budget, bundle: Path, groups: list, tag: str, extra_env: dict | None = None
+) -> list:
     """One server per core group, started side by side; all or none (those up are stopped when
-    one fails)."""
+    one fails). A server of several workers (``XMCSERVE_WORKERS`` in ``extra_env``) is returned
+    once all of them are up."""
     from loadtest.localserver import start_server
 
     def start(i: int):
         name = f"{tag}-{i}"
-        env = server_env(params, params.scaling_provider, name)
+        env = {**server_env(params, params.scaling_provider, name), **(extra_env or {})}
+        workers = int(env.get("XMCSERVE_WORKERS", "1"))
+        if workers > 1:
+            env["XMCSERVE_RUN_DIR"] = str(params.work / f"{name}-run")
         log = params.work / f"{name}.log"
-        return start_server(bundle, log, extra_env=env, cpus=groups[i], timeout_s=budget.left())
+        server = start_server(bundle, log, extra_env=env, cpus=groups[i], timeout_s=budget.left())
+        acks = params.work / f"{name}-run" / "acks"
+        while workers > 1 and len(list(acks.glob("[0-9]*"))) < workers:  # every worker, not only the first
+            if budget.left() <= 0:
+                stop_all([server])
+                raise TimeoutError(f"{workers} workers of {name} not all up within the budget")
+            time.sleep(0.2)
+        return server
 
     with ThreadPoolExecutor(len(groups)) as pool:
         futures = [pool.submit(start, i) for i in range(len(groups))]
@@ -713,13 +731,18 @@ def scaling_stage(params: GpuBenchParams, budget: Budget, bundle: Path, bodies: 
             by_count[str(count)] = {"status": "skipped", "reason": reason}
             continue
         groups = [set(server_cores[i * per_server : (i + 1) * per_server]) for i in range(count)]
-        servers = start_servers(params, budget, bundle, groups if pinned else [None] * count, f"scale{count}")
+        if params.scaling_mode == "workers":  # one server, its workers on all the groups' cores
+            cores = [set().union(*groups)] if pinned else [None]
+            servers = start_servers(params, budget, bundle, cores, f"scale{count}", {"XMCSERVE_WORKERS": str(count)})
+        else:
+            servers = start_servers(params, budget, bundle, groups if pinned else [None] * count, f"scale{count}")
+        urls = [s.url for s in servers] * (count // len(servers))  # a job per process either way
         try:
             providers = sorted({served_provider(s.url) for s in servers})
-            jobs = [Job(s.url, concurrency=params.scaling_concurrency) for s in servers]
+            jobs = [Job(url, concurrency=params.scaling_concurrency) for url in urls]
             processes = min(count, max(1, len(loadgen)))
             cpus = set(loadgen) if loadgen and pinned else None
-            warm = [Job(s.url, concurrency=4) for s in servers]
+            warm = [Job(url, concurrency=4) for url in urls]
             measure(budget, warm, bodies, params.warmup_s, processes, cpus)
             load, per_job = measure(budget, jobs, bodies, params.scaling_s, processes, cpus)
         finally:
@@ -728,6 +751,7 @@ def scaling_stage(params: GpuBenchParams, budget: Budget, bundle: Path, bodies: 
         print(json.dumps({"stage": "scaling", "processes": count, **row}), flush=True)
         by_count[str(count)] = {
             "status": "done",
+            "servers": len(servers),
             "cpus": [sorted(g) for g in groups] if pinned else None,
             "execution_providers": providers,
             "peak_qps": row["qps"],
@@ -741,6 +765,7 @@ def scaling_stage(params: GpuBenchParams, budget: Budget, bundle: Path, bodies: 
             row["efficiency"] = round(row["peak_qps"] / base / int(count), 3)
     return {
         "provider": params.scaling_provider,
+        "mode": params.scaling_mode,
         "pinned": pinned,
         "cores_usable": len(server_cores) + len(loadgen),
         "cores_per_server": per_server,
@@ -872,13 +897,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--provider", choices=("auto", "cpu", "cuda"), help="served provider (default cuda; dry cpu)")
     parser.add_argument("--scaling-provider", choices=("auto", "cpu", "cuda"), help="scaling servers' (default cpu)")
     parser.add_argument("--scaling-processes", type=parse_counts, help="server counts (default 1,2,4,8; dry 1,2)")
+    parser.add_argument(
+        "--scaling-mode",
+        choices=("workers", "independent"),
+        help="scaling: one server of N workers (default) or N servers",
+    )
     return parser
 
 
 def params_from(args: argparse.Namespace) -> GpuBenchParams:
     """The run's or the dry run's defaults, with what the command line gave."""
     options = ("budget_s", "out", "data", "bundle", "work", "checkpoint", "dim", "tiny_rows", "provider")
-    options += ("scaling_provider", "scaling_processes")
+    options += ("scaling_provider", "scaling_processes", "scaling_mode")
     given = {name: getattr(args, name) for name in options if getattr(args, name) is not None}
     if args.no_reuse:
         given["reuse_bundle"] = None

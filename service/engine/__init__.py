@@ -15,7 +15,8 @@ nothing else of the engine (``tests/service/test_engine_surface.py``):
 * ``Predictor.append(AppendBatch)`` — new labels and training instances into the live memory,
   logged (the log directory: :func:`appends_dir_beside` by default) and published atomically;
   an :class:`AppendOutcome` says what was applied; a :class:`MemoryView` is one consistent state
-  of the memory; :data:`MAX_LABELS_PER_INSTANCE` bounds an instance's labels.
+  of the memory; :data:`MAX_LABELS_PER_INSTANCE` bounds an instance's labels; :func:`share_writes`
+  makes this process append in turns with the other workers of its server (``XMCSERVE_WORKERS``).
 * :class:`MicroBatcher` — requests batched onto one predictor in two overlapped stages (encode,
   search), bounded and stoppable, configured by :class:`BatcherConfig`; a :class:`BatchAnswer`
   is one request's share. :class:`EncoderOptions` and :func:`thread_layout` say how the ONNX
@@ -38,7 +39,7 @@ Everything is thread-safe for concurrent ``predict`` calls on one predictor.
 """
 
 from bundle import BundleError, XmcserveError
-from service.engine.append_log import AppendLogError, AppendLogHeld, appends_dir_beside
+from service.engine.append_log import AppendLogError, AppendLogHeld, appends_dir_beside, share_writes
 from service.engine.batcher import (
     BatchAnswer,
     BatcherConfig,
@@ -75,6 +76,7 @@ __all__ = [
     "MemoryView",
     "MAX_LABELS_PER_INSTANCE",
     "appends_dir_beside",
+    "share_writes",
     # batching and the encoder's layout
     "MicroBatcher",
     "BatcherConfig",

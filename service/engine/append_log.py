@@ -17,6 +17,14 @@ a candidate) never touches the log's directory. Readers (compaction, inspection,
 the complete records up to a byte offset (:meth:`AppendLog.scan`), a consistent prefix whatever the
 writer is doing, and never modify the file.
 
+Several processes serving one lineage (``XMCSERVE_WORKERS``: :func:`share_writes`). Then no
+process holds the lock while it serves: each append takes it for the append alone (an exclusive
+``flock``, waited for :data:`LOCK_WAIT_S` at most), applies what the others logged, and writes at
+the end of the one order; the others read what it wrote before their next search
+(:meth:`AppendLog.grown`, :meth:`AppendLog.shared_reading`) under a shared ``flock``, so they never
+read a record its writer may still take back. A process that holds a log in the default mode keeps
+every other process's appends refused, as before.
+
 Bounded reads. A log's tail can be large (a long run without compaction), and replay and catching
 up read it in the serving process, under the admin lock, outside the vetting child's memory cap:
 they read it :data:`READ_CHUNK_BYTES` at a time (:class:`LogScan`) and apply each record as it is
@@ -39,6 +47,7 @@ import logging
 import os
 import re
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -69,6 +78,42 @@ class AppendLogError(XmcserveError, RuntimeError):
 
 class AppendLogHeld(AppendLogError):
     """Another process holds the log open for writing (one writer per lineage)."""
+
+
+# How long an append waits for the log's lock when the processes of a group take it in turns (an
+# append holds it for one fsync'ed write and its apply), and how often it looks.
+LOCK_WAIT_S = 10.0
+LOCK_POLL_S = 0.002
+# How long a search waits to read another process's records (their writer holds the lock for a
+# write and an apply): past it the search runs on what it has and reads them before the next one.
+READ_WAIT_S = 1.0
+
+_shared_writes = False
+
+
+def share_writes() -> None:
+    """Make this process take each log's lock per append instead of holding it while it serves:
+    the processes of one server (``XMCSERVE_WORKERS``) append to a lineage in turns, in one order.
+    Called once, before any log is opened for writing."""
+    global _shared_writes
+    _shared_writes = True
+
+
+def writes_shared() -> bool:
+    return _shared_writes
+
+
+def lock_within(fd: int, operation: int, seconds: float) -> bool:
+    """``flock(fd, operation)``, retried without blocking for ``seconds`` at most."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(LOCK_POLL_S)
 
 
 @dataclass(frozen=True)
@@ -217,19 +262,20 @@ class _Writer:
     flock on it, held until the last :class:`AppendLog` using it is gone."""
 
     def __init__(self, path: Path):
+        self.path = path
         for directory in (path.parent.parent, path.parent):
             if not directory.exists():
                 directory.mkdir(parents=True, exist_ok=True)
                 sync_directory(directory.parent)  # the new entry must be durable too
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # held: the lock taken once, for this writer's life; shared: taken by each hold()
+        self.shared = writes_shared()
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not self.shared:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self.fd)
-            raise AppendLogHeld(
-                f"{path} is held for writing by another process (one writer per lineage): append through "
-                "that process, or serve this bundle with an XMCSERVE_APPEND_LOG_DIR of its own"
-            ) from None
+            raise self.held_elsewhere() from None
         except OSError:
             os.close(self.fd)
             raise
@@ -237,7 +283,29 @@ class _Writer:
         # one write at a time among this process's predictors; re-entrant, as a memory catches up
         # and writes under one hold (AppendLog.exclusive, then AppendLog.write)
         self.lock = threading.RLock()
+        self._depth = 0  # nested holds of this process (shared: the flock is taken by the outermost)
         weakref.finalize(self, os.close, self.fd)
+
+    def held_elsewhere(self) -> AppendLogHeld:
+        return AppendLogHeld(
+            f"{self.path} is held for writing by another process (one writer per lineage): append through "
+            "that process, or serve this bundle with an XMCSERVE_APPEND_LOG_DIR of its own"
+        )
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """This process's turn to write: the thread lock, and with shared writes the file's
+        exclusive lock for as long as the outermost hold lasts."""
+        with self.lock:
+            if self.shared and self._depth == 0 and not lock_within(self.fd, fcntl.LOCK_EX, LOCK_WAIT_S):
+                raise self.held_elsewhere()
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                if self.shared and self._depth == 0:
+                    fcntl.flock(self.fd, fcntl.LOCK_UN)
 
 
 _writers: weakref.WeakValueDictionary[Path, _Writer] = weakref.WeakValueDictionary()
@@ -326,8 +394,37 @@ class AppendLog:
         the records are all taken (a write is refused until then: :meth:`write` checks the size)."""
         if self._writer is None:
             self.open_for_writing()
-        with self._writer.lock:
+        with self._writer.hold():
             yield self._tail(dim, repair=True)
+
+    @property
+    def shared(self) -> bool:
+        """Whether the processes of a group write this log in turns (:func:`share_writes`)."""
+        return writes_shared()
+
+    def grown(self) -> bool:
+        """Whether the file holds more than this memory has applied (another process appended):
+        one ``stat``, the check a search makes before it runs."""
+        try:
+            return os.stat(self.path).st_size != self.size
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+
+    @contextmanager
+    def shared_reading(self) -> Iterator[bool]:
+        """A shared lock on the log while another process's records are read (no writer is then
+        between a write and its taking back); yields False when it was not had within
+        :data:`READ_WAIT_S` (the records are then left for the next read)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            yield False
+            return
+        try:
+            got = lock_within(fd, fcntl.LOCK_SH, READ_WAIT_S)
+            yield got
+        finally:
+            os.close(fd)  # closing releases the lock
 
     def _tail(self, dim: int, repair: bool) -> Iterator[TailRecord]:
         scan = self.scan(self.size)
@@ -358,7 +455,7 @@ class AppendLog:
         if self._writer is None:
             self.open_for_writing()
         writer = self._writer
-        with writer.lock:
+        with writer.hold():
             start = os.fstat(writer.fd).st_size
             if start != self.size:
                 raise AppendLogError(
@@ -392,7 +489,7 @@ class AppendLog:
         self.size = size
 
     def _truncate(self, size: int) -> None:
-        with self._writer.lock:
+        with self._writer.hold():
             os.ftruncate(self._writer.fd, size)
             os.fsync(self._writer.fd)
 

@@ -535,8 +535,9 @@ def _search_batch(encoded: _Encoded) -> list[BatchAnswer]:
     ef (the bundle's default when it gave none), so that no answer depends on what it was batched
     with."""
     jobs, predictor = encoded.jobs, encoded.predictor
-    # Uids map to ids of the memory the batch searches (a live memory grows between batches).
-    view = predictor.view
+    # Uids map to ids of the memory the batch searches (a live memory grows between batches, by
+    # this process's appends and, in a group of workers, the others').
+    view = predictor.latest_view()
     exclude = [ids for job in jobs for ids in excluded_label_ids(view, job.exclude, len(job.texts))]
     ks = [job.k for job in jobs for _ in job.texts]
     efs = [job.ef or predictor.default_ef for job in jobs for _ in job.texts]

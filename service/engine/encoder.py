@@ -45,8 +45,10 @@ def confined_cpu_count() -> int | None:
     return allowed if allowed < (os.cpu_count() or allowed) else None
 
 
-def thread_layout(workers: int, intra_op_threads: int, providers: str) -> tuple[int, int]:
+def thread_layout(workers: int, intra_op_threads: int, providers: str, processes: int = 1) -> tuple[int, int]:
     """(encode workers, intra-op threads of each session call); 0 asks for the default.
+    ``processes``: the server processes sharing the cores (``XMCSERVE_WORKERS``), each given its
+    share of them.
 
     On CPU the default is one worker per core, each call on one thread: a MiniLM call on a batch
     of short titles is too small to split well over cores, and independent calls are not (on 2
@@ -55,7 +57,7 @@ def thread_layout(workers: int, intra_op_threads: int, providers: str) -> tuple[
     two workers, so one batch is prepared while the other runs, and the default pool."""
     if CUDA_PROVIDER in choose_providers(providers):
         return workers or 2, intra_op_threads
-    cores = confined_cpu_count() or os.cpu_count() or 1
+    cores = max(1, (confined_cpu_count() or os.cpu_count() or 1) // processes)
     if not workers:
         workers = max(1, cores // (intra_op_threads or 1))
     return workers, intra_op_threads or max(1, cores // workers)

@@ -8,6 +8,7 @@ import logging
 import multiprocessing
 import os
 import resource
+from contextlib import nullcontext
 from pathlib import Path
 
 from bundle import BundleError, Lineage, Manifest, content_id
@@ -76,20 +77,23 @@ def _load(
         raise BundleError(f"{path}: {exc}") from None
     predictor = Predictor(bundle, own.log if (own is not None and write) else None)
     reads, skipped, replayed = [], [], set()
+    # with shared writes, no other process is between a write and its taking back while this reads
+    reading = own.log.shared_reading() if own is not None and own.log.shared else nullcontext()
     try:
-        for source in [*sources, *([own] if own is not None else [])]:
-            scan = source.scan()
-            if (file := file_identity(source.log.path)) in replayed:
-                # one file named twice (a bundle compacted before lineages, whose own log is its source's)
-                log.warning("%s: %s replayed once only (named twice)", path, source.log.path)
-                for _ in scan:  # read through for its size and digest only
-                    pass
-            else:
-                skipped += replay(predictor, scan, source.min_version, skip)
-            replayed.add(file)
-            reads.append(LogRead(source.log.path, source.log.bundle_id, scan.end, scan.sha256, scan.prefix_sha256))
-        if own is not None:
-            own.log.size = reads[-1].size  # the memory has applied its lineage log up to here
+        with reading:
+            for source in [*sources, *([own] if own is not None else [])]:
+                scan = source.scan()
+                if (file := file_identity(source.log.path)) in replayed:
+                    # one file named twice (a bundle compacted before lineages, whose own log is its source's)
+                    log.warning("%s: %s replayed once only (named twice)", path, source.log.path)
+                    for _ in scan:  # read through for its size and digest only
+                        pass
+                else:
+                    skipped += replay(predictor, scan, source.min_version, skip)
+                replayed.add(file)
+                reads.append(LogRead(source.log.path, source.log.bundle_id, scan.end, scan.sha256, scan.prefix_sha256))
+            if own is not None:
+                own.log.size = reads[-1].size  # the memory has applied its lineage log up to here
     except (AppendLogError, ValueError, KeyError, TypeError) as exc:
         raise BundleError(f"{path}: cannot replay its append log ({exc})") from None
     if skipped:

@@ -304,6 +304,16 @@ class AppendWriter(Protocol):
     def exclusive(self, dim: int) -> AbstractContextManager[Iterable[TailRecord]]:
         """Hold the log for writing; yields the records past ``size``, read as they are taken."""
 
+    @property
+    def shared(self) -> bool:
+        """Whether other processes append to it in turns with this one (``XMCSERVE_WORKERS``)."""
+
+    def grown(self) -> bool:
+        """Whether it holds records past ``size`` (cheap: a search asks before it runs)."""
+
+    def shared_reading(self) -> AbstractContextManager[bool]:
+        """No writer mid-append while the block runs; yields False when that could not be had."""
+
 
 @dataclass(frozen=True)
 class AppendOutcome:
@@ -418,6 +428,17 @@ class Memory:
             return 0
         with self._append_lock:
             return self._apply_logged(self.log.tail(self.index.dim))
+
+    def follow(self) -> int:
+        """Apply what the other processes of a group logged since this memory last read or wrote
+        its log, when they share it (``XMCSERVE_WORKERS``): a batch calls it before it searches, so
+        an append that any process acknowledged is in every search that starts after. One ``stat``
+        when nothing is new; returns how many appends were applied."""
+        log = self.log
+        if log is None or not log.shared or not log.grown():
+            return 0
+        with self._append_lock, log.shared_reading() as readable:
+            return self._apply_logged(log.tail(self.index.dim)) if readable else 0
 
     def _apply_logged(self, records: Iterable[TailRecord]) -> int:
         applied = 0

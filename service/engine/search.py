@@ -100,6 +100,12 @@ class Predictor:
         """The memory as of the last append: labels (uid → id), keys, values."""
         return self.memory.view
 
+    def latest_view(self) -> MemoryView:
+        """:attr:`view` after applying what the other processes of a group appended (a batch's
+        memory: one ``stat`` when there is nothing new, nothing at all in a server of one process)."""
+        self.memory.follow()
+        return self.memory.view
+
     def append(self, batch: AppendBatch, run_chunk: RunChunk | None = None) -> AppendOutcome:
         """Add labels and instances to the memory, durably when it has a log: :meth:`prepare_append`
         then ``memory.commit`` (a server calls the two apart, so it holds its locks only for the

@@ -15,6 +15,8 @@ loaded (docs/operations.md, "Lineage model"), so no acknowledged append is missi
 # model from the endpoint annotation at runtime.
 import hmac
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -30,6 +32,7 @@ from service.engine import (
     LineageDiverged,
     Predictor,
 )
+from service.http.group import GroupError
 from service.http.state import ServingState, load_for_serving, refused_fields
 
 log = logging.getLogger("xmcserve.admin")
@@ -65,13 +68,173 @@ def serving_state(request: Request) -> ServingState:
     return state
 
 
+async def reload_variant(state: ServingState, variant: str, path: Path, vet: bool = True) -> dict:
+    """Load, verify and warm the bundle at ``path`` and swap it into ``variant``; a bundle refused
+    leaves the variant as it was (422). ``vet``: load it in a memory-capped child first (a worker
+    applying another worker's reload skips it: that worker vetted the bundle)."""
+    try:
+        predictor = await load_for_serving(path, state.settings, vet=vet)
+    except BundleError as exc:
+        state.metrics.reloads.labels(variant=variant, outcome="refused").inc()
+        log.warning(
+            "reload of %s refused, variant %s unchanged: %s",
+            path,
+            variant,
+            exc,
+            extra=refused_fields(variant, path, exc),
+        )
+        raise HTTPException(422, f"bundle refused, variant {variant} unchanged: {exc}") from None
+    previous = state.install(variant, predictor, str(path))
+    state.metrics.reloads.labels(variant=variant, outcome="loaded").inc()
+    previous_id = previous.bundle.bundle_id if previous else None
+    log.info(
+        "variant %s reloaded: %s (was %s)",
+        variant,
+        predictor.bundle.bundle_id,
+        previous_id,
+        extra={
+            "event": "reload",
+            "variant": variant,
+            "bundle_id": predictor.bundle.bundle_id,
+            "previous_bundle_id": previous_id,
+        },
+    )
+    return {"variant": variant, "bundle_id": predictor.bundle.bundle_id, "previous_bundle_id": previous_id}
+
+
+async def caught_up(predictor: Predictor | None) -> None:
+    """Apply what the incoming A's lineage logged since it was loaded (another slot's appends)."""
+    if predictor is None:
+        return
+    try:
+        await anyio.to_thread.run_sync(predictor.memory.catch_up)
+    except (AppendLogError, LineageDiverged) as exc:
+        raise HTTPException(503, f"nothing changed: cannot catch up its append log: {exc}") from None
+
+
+async def promote_candidate(state: ServingState) -> dict:
+    """B becomes A (409 without a B)."""
+    await caught_up(state.variants["B"].predictor)
+    try:
+        previous = state.variants.promote()
+    except LookupError as exc:
+        raise HTTPException(409, str(exc)) from None
+    state.publish_bundle_info()
+    promoted = state.variants["A"].bundle_id
+    log.info(
+        "promoted %s to A (was %s)",
+        promoted,
+        previous.bundle.bundle_id,
+        extra={"event": "promote", "bundle_id": promoted, "previous_bundle_id": previous.bundle.bundle_id},
+    )
+    return {"promoted_bundle_id": promoted, "previous_bundle_id": previous.bundle.bundle_id}
+
+
+async def roll_back(state: ServingState) -> dict:
+    """A's previous bundle serves A again (409 without one)."""
+    if state.variants.previous is None:
+        raise HTTPException(409, "no previous A bundle to roll back to (A has not changed since start-up)")
+    await caught_up(state.variants.previous.predictor)
+    replaced = state.variants.rollback()
+    state.publish_bundle_info()
+    restored = state.variants["A"].bundle_id
+    log.info(
+        "rolled A back to %s (was %s)",
+        restored,
+        replaced.bundle.bundle_id,
+        extra={"event": "rollback", "bundle_id": restored, "previous_bundle_id": replaced.bundle.bundle_id},
+    )
+    return {"restored_bundle_id": restored, "previous_bundle_id": replaced.bundle.bundle_id}
+
+
+def configure(state: ServingState, split_b: float | None, shadow_fraction: float | None) -> None:
+    if shadow_fraction is not None and shadow_fraction > 0 and (state.shadow is None or not state.shadow.target):
+        raise HTTPException(409, "no shadow configured: set XMCSERVE_SHADOW_URL")
+    if split_b is not None:
+        state.variants.split_b = split_b
+    if shadow_fraction is not None and state.shadow is not None:
+        state.shadow.set_fraction(shadow_fraction)
+    changed = {k: v for k, v in (("split_b", split_b), ("shadow_fraction", shadow_fraction)) if v is not None}
+    log.info(
+        "config changed: %s",
+        ", ".join(f"{k}={v}" for k, v in changed.items()),
+        extra={"event": "config_change", **changed},
+    )
+
+
+async def apply_change(state: ServingState, change: dict) -> None:
+    """Make a change another worker of the group made and logged (:mod:`service.http.group`)."""
+    op = change.get("op")
+    if op == "reload":
+        await reload_variant(state, change["variant"], Path(change["path"]), vet=False)
+    elif op == "promote":
+        await promote_candidate(state)
+    elif op == "rollback":
+        await roll_back(state)
+    elif op == "config":
+        configure(state, change.get("split_b"), change.get("shadow_fraction"))
+    else:
+        raise GroupError(f"unknown admin change {op!r}")
+
+
+async def follow_group(state: ServingState) -> int:
+    """Apply the changes the group's other workers logged since this one last looked (none in a
+    server of one process), under the lock that serialises this worker's own changes."""
+    group = state.group
+    if group is None or not group.grown():
+        return 0
+    async with state.reload_lock:
+        return await group.follow(lambda change: apply_change(state, change))
+
+
+@asynccontextmanager
+async def admin_change(state: ServingState) -> AsyncIterator[None]:
+    """One change at a time: this worker's lock, and in a group the group's turn, with the other
+    workers' changes applied first (so this one is made on the state the group is in)."""
+    async with state.reload_lock:
+        if state.group is None:
+            yield
+            return
+        async with state.group.turn():
+            await state.group.follow(lambda change: apply_change(state, change))
+            yield
+
+
+async def publish(state: ServingState, change: dict) -> dict:
+    """Log a change just made (inside :func:`admin_change`) for the group's other workers; {} for
+    a server of one process."""
+    if state.group is None:
+        return {}
+    state.group.record(change)
+    state.group.acknowledge()
+    return {"generation": state.group.applied}
+
+
+async def converged(state: ServingState, logged: dict) -> dict:
+    """Wait for the group's workers to apply a logged change; the answer's ``workers`` field."""
+    if state.group is None or not logged:
+        return {}
+    done = await state.group.converged(logged["generation"])
+    if done.applied < done.workers:
+        log.warning(
+            "admin change %d applied by %d of %d workers",
+            done.generation,
+            done.applied,
+            done.workers,
+            extra={"event": "group_lagging", **done.describe()},
+        )
+    return {"workers": done.describe()}
+
+
 def add_admin_routes(app: FastAPI) -> None:
     guarded = [Depends(require_admin)]
     AppendRequest = build_append_request(app.state.settings.limits)
 
     @app.get("/admin/state", dependencies=guarded)
     async def admin_state(request: Request) -> dict:
-        return serving_state(request).describe()
+        state = serving_state(request)
+        await follow_group(state)
+        return state.describe()
 
     @app.post("/admin/reload", dependencies=guarded)
     async def reload(body: ReloadRequest, request: Request) -> dict:
@@ -80,91 +243,28 @@ def add_admin_routes(app: FastAPI) -> None:
             path = confined_bundle_path(state.settings.admin.bundle_root, body.bundle)
         except ValueError as exc:
             raise HTTPException(400, str(exc)) from None
-        async with state.reload_lock:
-            try:
-                predictor = await load_for_serving(path, state.settings)
-            except BundleError as exc:
-                state.metrics.reloads.labels(variant=body.variant, outcome="refused").inc()
-                log.warning(
-                    "reload of %s refused, variant %s unchanged: %s",
-                    path,
-                    body.variant,
-                    exc,
-                    extra=refused_fields(body.variant, path, exc),
-                )
-                raise HTTPException(422, f"bundle refused, variant {body.variant} unchanged: {exc}") from None
-            previous = state.install(body.variant, predictor, str(path))
-        state.metrics.reloads.labels(variant=body.variant, outcome="loaded").inc()
-        previous_id = previous.bundle.bundle_id if previous else None
-        log.info(
-            "variant %s reloaded: %s (was %s)",
-            body.variant,
-            predictor.bundle.bundle_id,
-            previous_id,
-            extra={
-                "event": "reload",
-                "variant": body.variant,
-                "bundle_id": predictor.bundle.bundle_id,
-                "previous_bundle_id": previous_id,
-            },
-        )
-        return {
-            "variant": body.variant,
-            "bundle_id": predictor.bundle.bundle_id,
-            "previous_bundle_id": previous.bundle.bundle_id if previous else None,
-        }
-
-    async def caught_up(predictor: Predictor | None) -> None:
-        """Apply what the incoming A's lineage logged since it was loaded (another slot's appends)."""
-        if predictor is None:
-            return
-        try:
-            await anyio.to_thread.run_sync(predictor.memory.catch_up)
-        except (AppendLogError, LineageDiverged) as exc:
-            raise HTTPException(503, f"nothing changed: cannot catch up its append log: {exc}") from None
+        async with admin_change(state):
+            answer = await reload_variant(state, body.variant, path)
+            logged = await publish(state, {"op": "reload", "variant": body.variant, "path": str(path)})
+        return {**answer, **await converged(state, logged)}
 
     @app.post("/admin/promote", dependencies=guarded)
     async def promote(request: Request) -> dict:
         state = serving_state(request)
-        async with state.reload_lock:
-            await caught_up(state.variants["B"].predictor)
-            try:
-                previous = state.variants.promote()
-            except LookupError as exc:
-                raise HTTPException(409, str(exc)) from None
-            state.publish_bundle_info()
-        promoted = state.variants["A"].bundle_id
-        log.info(
-            "promoted %s to A (was %s)",
-            promoted,
-            previous.bundle.bundle_id,
-            extra={"event": "promote", "bundle_id": promoted, "previous_bundle_id": previous.bundle.bundle_id},
-        )
-        return {
-            "promoted_bundle_id": state.variants["A"].bundle_id,
-            "previous_bundle_id": previous.bundle.bundle_id,
-            **state.describe(),
-        }
+        async with admin_change(state):
+            answer = await promote_candidate(state)
+            logged = await publish(state, {"op": "promote"})
+        return {**answer, **state.describe(), **await converged(state, logged)}
 
     @app.post("/admin/rollback", dependencies=guarded)
     async def rollback(request: Request) -> dict:
         """A's previous bundle (the one a promote or a reload of A replaced, kept loaded) serves A
         again; a second rollback undoes the first."""
         state = serving_state(request)
-        async with state.reload_lock:
-            if state.variants.previous is None:
-                raise HTTPException(409, "no previous A bundle to roll back to (A has not changed since start-up)")
-            await caught_up(state.variants.previous.predictor)
-            replaced = state.variants.rollback()
-            state.publish_bundle_info()
-        restored = state.variants["A"].bundle_id
-        log.info(
-            "rolled A back to %s (was %s)",
-            restored,
-            replaced.bundle.bundle_id,
-            extra={"event": "rollback", "bundle_id": restored, "previous_bundle_id": replaced.bundle.bundle_id},
-        )
-        return {"restored_bundle_id": restored, "previous_bundle_id": replaced.bundle.bundle_id, **state.describe()}
+        async with admin_change(state):
+            answer = await roll_back(state)
+            logged = await publish(state, {"op": "rollback"})
+        return {**answer, **state.describe(), **await converged(state, logged)}
 
     @app.post("/admin/append", dependencies=guarded)
     async def append(body: AppendRequest, request: Request) -> dict:  # type: ignore[valid-type]
@@ -182,7 +282,7 @@ def add_admin_routes(app: FastAPI) -> None:
             vectors = await anyio.to_thread.run_sync(
                 predictor.prepare_append, batch, lambda work: anyio.from_thread.run(idle_time, work)
             )
-            async with state.reload_lock:
+            async with admin_change(state):  # in a group: after the changes the others made first
                 if slot.predictor is not predictor:
                     raise HTTPException(
                         409, f"variant {body.variant} changed bundles during the append: nothing appended"
@@ -248,18 +348,9 @@ def add_admin_routes(app: FastAPI) -> None:
         }
 
     @app.post("/admin/config", dependencies=guarded)
-    async def configure(body: ConfigUpdate, request: Request) -> dict:
+    async def configure_route(body: ConfigUpdate, request: Request) -> dict:
         state = serving_state(request)
-        if body.split_b is not None:
-            state.variants.split_b = body.split_b
-        if body.shadow_fraction is not None and state.shadow is not None:
-            if body.shadow_fraction > 0 and not state.shadow.target:
-                raise HTTPException(409, "no shadow configured: set XMCSERVE_SHADOW_URL")
-            state.shadow.set_fraction(body.shadow_fraction)
-        changed = body.model_dump(exclude_none=True)
-        log.info(
-            "config changed: %s",
-            ", ".join(f"{k}={v}" for k, v in changed.items()),
-            extra={"event": "config_change", **changed},
-        )
-        return state.describe()
+        async with admin_change(state):
+            configure(state, body.split_b, body.shadow_fraction)
+            logged = await publish(state, {"op": "config", **body.model_dump(exclude_none=True)})
+        return {**state.describe(), **await converged(state, logged)}

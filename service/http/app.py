@@ -14,6 +14,8 @@ is logged and skipped: it never takes the primary down) and the shadow mirror; `
 import asyncio
 import functools
 import logging
+import os
+import signal
 import time
 from contextlib import asynccontextmanager
 
@@ -21,7 +23,7 @@ from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.routing import request_response
 
 from bundle import BundleError
@@ -39,11 +41,12 @@ from service.api.schemas import (
     request_body_openapi,
 )
 from service.engine import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
-from service.http.admin import add_admin_routes, require_admin
+from service.http.admin import add_admin_routes, follow_group, require_admin
 from service.http.disconnect import EXTENSION as CLIENT_GONE
 from service.http.disconnect import ClientGone
+from service.http.group import FOLLOW_INTERVAL_S, WorkerGroup
 from service.http.guards import LoadShed
-from service.http.metrics import Metrics, RequestObserver
+from service.http.metrics import SAMPLE_INTERVAL_S, Metrics, RequestObserver
 from service.http.rollout_page import add_rollout_routes
 from service.http.settings import Settings
 from service.http.state import ServingState, load_for_serving, refused_fields
@@ -140,11 +143,35 @@ def least_wait(app: FastAPI) -> float | None:
     return min(waits) if waits else None
 
 
-def create_app(settings: Settings | None = None, tracing: Tracing | None = None) -> FastAPI:
-    """``tracing``: None reads the ``OTEL_*`` environment (off unless an exporter is configured)."""
+async def follow_changes(state: ServingState) -> None:
+    """A group's worker: apply the admin changes the other workers make, as they make them. One
+    that cannot be applied stops this worker (SIGTERM: it drains and exits), and the supervisor
+    starts a new one, which applies the whole admin log before it serves."""
+    while True:
+        await asyncio.sleep(FOLLOW_INTERVAL_S)
+        try:
+            await follow_group(state)
+        except Exception:
+            log.critical("stopping this worker: it could not apply the group's admin change", exc_info=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+
+async def sample_gauges(metrics: Metrics) -> None:
+    while True:
+        metrics.sample_tracked()
+        await asyncio.sleep(SAMPLE_INTERVAL_S)
+
+
+def create_app(
+    settings: Settings | None = None, tracing: Tracing | None = None, group: WorkerGroup | None = None
+) -> FastAPI:
+    """``tracing``: None reads the ``OTEL_*`` environment (off unless an exporter is configured).
+    ``group``: the worker processes this one serves beside (:mod:`service.http.group`); None for a
+    server of one process."""
     settings = settings or Settings()
     tracing = tracing if tracing is not None else Tracing.from_environment("xmcserve")
-    metrics = Metrics()
+    metrics = Metrics(group.metrics_dir if group is not None else None)
     PredictRequest = build_predict_request(settings.limits)
 
     @asynccontextmanager
@@ -152,15 +179,15 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         variants = Variants.create(settings.batcher_config(), metrics.batch_observer, metrics.drop_observer)
         variants.split_b = settings.rollout.split_b
         for name, slot in variants.slots.items():
-            metrics.queue_depth.labels(variant=name).set_function(lambda slot=slot: slot.batcher.depth)
-            metrics.batches_in_flight.labels(variant=name).set_function(
-                lambda slot=slot: slot.batcher.in_flight_batches
-            )
+            metrics.track(metrics.queue_depth.labels(variant=name), lambda slot=slot: slot.batcher.depth)
+            in_flight = metrics.batches_in_flight.labels(variant=name)
+            metrics.track(in_flight, lambda slot=slot: slot.batcher.in_flight_batches)
             # counters exported at 0 from the start, so a rate() has a series before the first event
             metrics.rejected.labels(variant=name)
             metrics.predicted_texts.labels(variant=name)
             metrics.start_at_zero(name)
-        state = ServingState(settings, metrics, variants, live=LiveTraffic(metrics.request_seconds))
+        live = LiveTraffic(metrics.merged(metrics.request_seconds))
+        state = ServingState(settings, metrics, variants, live=live, group=group)
         # nothing serves yet: a primary that fails stops start-up, no need to vet it apart
         try:
             predictor = await load_for_serving(settings.bundle_dir, settings, vet=False)
@@ -183,10 +210,16 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
                     exc,
                     extra=refused_fields(CANDIDATE, candidate_dir, exc),
                 )
-        variants.start()
         state.shadow = build_shadow(settings, metrics)
+        background = [asyncio.create_task(state.live.run())]  # the rollout page's live figures per variant
+        if group is not None:
+            # the group's admin changes so far (a worker started after them, or restarted), then
+            # the others' as they make them
+            await follow_group(state)
+            group.acknowledge()
+            background += [asyncio.create_task(follow_changes(state)), asyncio.create_task(sample_gauges(metrics))]
+        variants.start()
         state.shadow.start()
-        sampling = asyncio.create_task(state.live.run())  # the rollout page's live figures per variant
         app.state.serving = state
         log.info(
             "serving bundle %s on %s",
@@ -208,9 +241,13 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
         yield
         queued = sum(slot.batcher.depth for slot in variants.slots.values())
         log.info("shutting down: draining %d queued requests", queued, extra={"event": "shutdown", "queued": queued})
+        for task in background:
+            task.cancel()
+        if group is not None:
+            group.withdraw()  # admin calls stop waiting for this worker
         await state.shadow.stop()
         await variants.stop()
-        sampling.cancel()
+        metrics.retire()
         app.state.serving = None
         tracing.shutdown()
         log.info("stopped", extra={"event": "stopped"})
@@ -345,13 +382,14 @@ def create_app(settings: Settings | None = None, tracing: Tracing | None = None)
                 "ort_spinning": primary.encoder.options.allow_spinning,
                 "limits": settings.limits.model_dump(),
                 "routing": state.describe(),
+                "worker": state.worker(),
                 "manifest": primary.manifest.model_dump(mode="json"),
             }
         )
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     add_admin_routes(app)
     add_rollout_routes(app)

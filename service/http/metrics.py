@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from pathlib import Path
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -10,6 +14,9 @@ from prometheus_client import (
     Info,
     PlatformCollector,
     ProcessCollector,
+    generate_latest,
+    multiprocess,
+    values,
 )
 
 from service.http.guards import method_label
@@ -20,11 +27,28 @@ STAGE_BUCKETS = (0.0001, 0.0003, 0.0005, 0.001, 0.002, 0.004, 0.006, 0.01, 0.02,
 
 
 class Metrics:
-    def __init__(self) -> None:
+    """``multiprocess_dir``: the group's metrics directory when this is one worker of several
+    (``XMCSERVE_WORKERS``): prometheus-client then keeps every value in a file there, and
+    :meth:`exposition` sums the workers' counters and histograms (and the live workers' gauges)
+    into one view. The client must have been imported with ``PROMETHEUS_MULTIPROC_DIR`` set to it
+    (the supervisor sets it before it starts the workers)."""
+
+    def __init__(self, multiprocess_dir: Path | None = None) -> None:
         self._children: dict[tuple, object] = {}
+        self._sampled: list[tuple[object, Callable[[], float]]] = []
+        self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry()
-        ProcessCollector(registry=self.registry)
-        PlatformCollector(registry=self.registry)
+        if multiprocess_dir is None:
+            ProcessCollector(registry=self.registry)
+            PlatformCollector(registry=self.registry)
+            self.local_registry = self.registry
+        else:
+            in_files = values.ValueClass is not values.MutexValue
+            if os.environ.get("PROMETHEUS_MULTIPROC_DIR") != str(multiprocess_dir) or not in_files:
+                raise RuntimeError(f"prometheus-client was not imported in multiprocess mode for {multiprocess_dir}")
+            # Info is not kept in the files: each worker exports the bundles it serves (the same
+            # in every worker once an admin change has converged)
+            self.local_registry = CollectorRegistry()
         self.request_seconds = Histogram(
             "xmcserve_request_duration_seconds",
             "HTTP request latency by endpoint and status code",
@@ -47,10 +71,18 @@ class Metrics:
             registry=self.registry,
         )
         self.queue_depth = Gauge(
-            "xmcserve_queue_depth", "Requests waiting for a micro-batch", ["variant"], registry=self.registry
+            "xmcserve_queue_depth",
+            "Requests waiting for a micro-batch",
+            ["variant"],
+            registry=self.registry,
+            multiprocess_mode="livesum",
         )
         self.batches_in_flight = Gauge(
-            "xmcserve_batches_in_flight", "Micro-batches being computed", ["variant"], registry=self.registry
+            "xmcserve_batches_in_flight",
+            "Micro-batches being computed",
+            ["variant"],
+            registry=self.registry,
+            multiprocess_mode="livesum",
         )
         self.rejected = Counter(
             "xmcserve_rejected_requests",
@@ -70,9 +102,14 @@ class Metrics:
         )
         # Server-wide: a request's variant is known only once /predict has routed it (per-variant
         # load is queue_depth and batches_in_flight).
-        self.in_flight = Gauge("xmcserve_in_flight_requests", "HTTP requests being handled", registry=self.registry)
+        self.in_flight = Gauge(
+            "xmcserve_in_flight_requests",
+            "HTTP requests being handled",
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
         self.bundle_info = Info(
-            "xmcserve_bundle", "The bundle each variant serves", ["variant"], registry=self.registry
+            "xmcserve_bundle", "The bundle each variant serves", ["variant"], registry=self.local_registry
         )
         self.reloads = Counter(
             "xmcserve_reloads",
@@ -144,6 +181,42 @@ class Metrics:
             registry=self.registry,
         )
 
+    def track(self, gauge, read: Callable[[], float]) -> None:
+        """Export ``read()`` as the gauge's value: read at each scrape in one process; in a group
+        (whose scrapes read the files) written by :meth:`sample_tracked`, which the app calls
+        every :data:`SAMPLE_INTERVAL_S`."""
+        if self.multiprocess_dir is None:
+            gauge.set_function(read)
+        else:
+            self._sampled.append((gauge, read))
+
+    def sample_tracked(self) -> None:
+        for gauge, read in self._sampled:
+            gauge.set(read())
+
+    def exposition(self) -> bytes:
+        """The text /metrics serves: this process's registry, or the group's files summed."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        return generate_latest(self.merged_registry()) + generate_latest(self.local_registry)
+
+    def merged_registry(self) -> CollectorRegistry:
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged, path=str(self.multiprocess_dir))
+        return merged
+
+    def merged(self, metric) -> object:
+        """Something whose ``collect()`` gives ``metric``'s family as /metrics shows it (summed over
+        the group's workers in a group): what the rollout page's live figures read."""
+        if self.multiprocess_dir is None:
+            return metric
+        return _MergedFamily(self, metric._name)
+
+    def retire(self) -> None:
+        """This worker stops: its live gauges leave the group's sums."""
+        if self.multiprocess_dir is not None:
+            multiprocess.mark_process_dead(os.getpid(), str(self.multiprocess_dir))
+
     def child(self, metric, *values: str):
         """``metric.labels(*values)`` (values in the metric's label order), looked up once: the
         client's ``labels()`` checks and locks on every call, a cost paid several times a request."""
@@ -181,6 +254,20 @@ class Metrics:
                 self.child(self.stage_seconds, stage, variant).observe(seconds)
 
         return observe
+
+
+class _MergedFamily:
+    """One metric family read from the group's files (see :meth:`Metrics.merged`)."""
+
+    def __init__(self, metrics: Metrics, name: str):
+        self.metrics, self.name = metrics, name
+
+    def collect(self):
+        return [family for family in self.metrics.merged_registry().collect() if family.name == self.name]
+
+
+# how often a worker of a group writes its tracked gauges (queue depth, batches in flight)
+SAMPLE_INTERVAL_S = 0.5
 
 
 class RequestObserver:

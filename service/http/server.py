@@ -36,13 +36,21 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.http.disconnect import EXTENSION, ClientGone
+from service.http.group import RUN_DIR_ENV, WORKERS_ENV, WorkerGroup
 from service.http.settings import LogSettings, ServerSettings
 from service.observability.logs import configure_logging
+
+log = logging.getLogger("xmcserve")
 
 _TOO_LARGE_BODY = b"request headers over the size limit (XMCSERVE_MAX_HEADER_BYTES)"
 HEADERS_TOO_LARGE = (
@@ -305,12 +313,68 @@ def uvicorn_options(settings: ServerSettings) -> dict:
     }
 
 
+def __getattr__(name: str):
+    # A worker process of a group (spawned, so given its options by import path, not as a class
+    # built in the supervisor) takes its protocol's limits from the environment as the supervisor did.
+    if name == "EnvironmentGuardedProtocol":
+        return protocol_for(ServerSettings())
+    raise AttributeError(name)
+
+
+def create_worker_app():
+    """The app of one worker process of a group (``XMCSERVE_WORKERS`` > 1), started by uvicorn's
+    supervisor: logging as the supervisor's, appends written in turns with the other workers, and
+    the group's shared state (:mod:`service.http.group`)."""
+    from service.engine import share_writes
+    from service.http.app import create_app
+
+    logs = LogSettings()
+    configure_logging(logs.format, logs.level)
+    group = WorkerGroup.from_environment()
+    if group is None:
+        raise RuntimeError(f"a worker app needs {RUN_DIR_ENV} and {WORKERS_ENV} (set by python -m service.http)")
+    share_writes()
+    return create_app(group=group)
+
+
+def serve_workers(host: str, port: int, settings: ServerSettings) -> None:
+    """``settings.workers`` processes on one socket under uvicorn's supervisor (which restarts a
+    worker that dies), sharing a run directory emptied first (:meth:`WorkerGroup.prepare`)."""
+    run_dir = settings.run_dir or Path(tempfile.mkdtemp(prefix="xmcserve-run-"))
+    WorkerGroup.prepare(run_dir)
+    # read by the workers, which the supervisor spawns (a fresh interpreter each): prometheus-client
+    # takes its multiprocess directory from the environment when it is first imported
+    os.environ[RUN_DIR_ENV] = str(run_dir.resolve())
+    os.environ[WORKERS_ENV] = str(settings.workers)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str((run_dir / "metrics").resolve())
+    options = {**uvicorn_options(settings), "http": "service.http.server:EnvironmentGuardedProtocol"}
+    log.info(
+        "starting %d workers on %s:%d, run directory %s",
+        settings.workers,
+        host,
+        port,
+        run_dir,
+        extra={"event": "workers_starting", "workers": settings.workers, "run_dir": str(run_dir)},
+    )
+    try:
+        uvicorn.run("service.http.server:create_worker_app", host=host, port=port, workers=settings.workers, **options)
+    finally:
+        if settings.run_dir is None:  # a directory of this run's own: nothing in it outlives the server
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     settings = ServerSettings()
     parser = argparse.ArgumentParser(prog="python -m service.http", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default=settings.host, help="address to listen on (XMCSERVE_HOST)")
     parser.add_argument("--port", type=int, default=settings.port, help="port to listen on (XMCSERVE_PORT)")
+    parser.add_argument(
+        "--workers", type=int, default=settings.workers, help="server processes on the port (XMCSERVE_WORKERS)"
+    )
     args = parser.parse_args(argv)
     logs = LogSettings()
     configure_logging(logs.format, logs.level)
+    if args.workers > 1:
+        serve_workers(args.host, args.port, settings.model_copy(update={"workers": args.workers}))
+        return
     uvicorn.run("service.http.app:create_app", host=args.host, port=args.port, **uvicorn_options(settings))

@@ -163,6 +163,18 @@ class ServerSettings(BaseSettings):
     graceful_shutdown_s: int = Field(
         20, ge=1, description="on SIGTERM, how long requests in progress may finish before the server stops"
     )
+    workers: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="server processes on the one port, each a whole server (engine, batchers, event loop) with "
+        "one A/B state, one order of appends and one /metrics view between them; a dead one is restarted",
+    )
+    run_dir: Path | None = Field(
+        None,
+        description="with XMCSERVE_WORKERS above 1, the directory the workers share (admin changes, metrics); "
+        "emptied at start; unset: a new temporary directory",
+    )
 
 
 class Settings(BaseSettings):
@@ -189,7 +201,7 @@ class Settings(BaseSettings):
 
     def thread_layout(self) -> tuple[int, int]:
         """(batch workers, intra-op threads) with the defaults resolved (:func:`thread_layout`)."""
-        return thread_layout(self.batching.batch_workers, self.intra_op_threads, self.providers)
+        return thread_layout(self.batching.batch_workers, self.intra_op_threads, self.providers, self.server.workers)
 
     def batcher_config(self) -> BatcherConfig:
         return self.batching.config(self.thread_layout()[0])

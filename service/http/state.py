@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import anyio
 
 from service import engine
 from service.engine import Predictor
+from service.http.group import WorkerGroup
 from service.http.metrics import Metrics
 from service.http.settings import Settings
 from service.rollout.live import LiveTraffic
@@ -75,6 +77,7 @@ class ServingState:
     variants: Variants
     shadow: ShadowMirror | None = None
     live: LiveTraffic | None = None  # each variant's recent /predict traffic, for the rollout page
+    group: WorkerGroup | None = None  # the server's other worker processes (XMCSERVE_WORKERS), if any
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def install(self, name: str, predictor: Predictor, source: str) -> Predictor | None:
@@ -102,6 +105,16 @@ class ServingState:
             return None
         root, path = self.settings.admin.bundle_root.resolve(), Path(source).resolve()
         return str(path.relative_to(root)) if path.is_relative_to(root) else None
+
+    def worker(self) -> dict:
+        """Which process answered: its pid, and in a group, how many workers and the admin changes
+        it has applied."""
+        group = self.group
+        return {
+            "pid": os.getpid(),
+            "workers": group.workers if group else 1,
+            "admin_generation": group.applied if group else None,
+        }
 
     def describe(self) -> dict:
         shadow = self.shadow

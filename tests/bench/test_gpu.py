@@ -49,11 +49,12 @@ def test_the_dry_run_measures_every_stage_within_its_budget(distilbert_dir, samp
 
     scaling = result["scaling"]
     assert scaling["provider"] == "cpu" and set(scaling["by_processes"]) == {"1", "2"}
+    assert scaling["mode"] == "workers"  # one server of 2 workers, not 2 servers
     one = scaling["by_processes"]["1"]
     assert positive(one["peak_qps"]) and one["speedup_over_1"] == 1.0
     two = scaling["by_processes"]["2"]
     if scaling["cores_usable"] >= 2:  # two processes need two cores of their own
-        assert two["status"] == "done" and positive(two["peak_qps"]) and len(two["per_server_qps"]) == 2
+        assert two["status"] == "done" and positive(two["peak_qps"]) and two["servers"] == 1
         assert two["cpus"] is None or not set(two["cpus"][0]) & set(two["cpus"][1])
     else:
         assert two["status"] == "capped"

@@ -44,6 +44,9 @@ class EchoPredictor:
     default_ef = 100
     view = FakeView()
 
+    def latest_view(self):
+        return self.view
+
     def __init__(self, hold: bool = False, fail: bool = False, hold_search: bool = False):
         self.hold, self.fail, self.hold_search = hold, fail, hold_search
         self.batches: list[list[str]] = []

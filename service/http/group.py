@@ -1,0 +1,247 @@
+"""What the worker processes of one server share (``XMCSERVE_WORKERS`` > 1): one A/B state, one
+order of appends, one ``/metrics`` view.
+
+Every worker is a whole server (its own engine, batchers and event loop) on the one listening
+socket; the kernel deals connections among them. What must not differ between them lives in the
+group's run directory (``XMCSERVE_RUN_DIR``), which the supervisor creates empty at start:
+
+- ``admin.log``: the admin changes (reload, promote, rollback, config) in the order they were
+  made, one JSON line each, written and fsync'ed by the worker that made the change, after it
+  made it. Every other worker applies the lines it has not applied yet, in order, with the same
+  code (:meth:`WorkerGroup.follow`, every :data:`FOLLOW_INTERVAL_S`, and first thing in any admin
+  call), so the workers go through the same states; a worker that starts later (one the supervisor
+  restarted after a crash) applies the whole log before it serves. A line's position is its
+  generation.
+- ``admin.lock``: one admin change at a time across the group (an exclusive ``flock``: a worker
+  applies what the others logged, makes its change and logs it under it), appends included, so an
+  append lands in the bundle that serves its variant in the group's order.
+- ``acks/<pid>``: the generation each worker has applied. An admin call answers once every live
+  worker has applied its change (or after :data:`CONVERGE_S`, saying which have not), so a request
+  sent after the answer finds the change on whichever worker takes it.
+- ``metrics/``: prometheus-client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``): counters
+  and histograms are summed over the workers, the gauges of live workers too.
+
+Appends need nothing here: the lineage's append log is written in turns
+(:func:`service.engine.append_log.share_writes`) and read by every worker before each batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+
+from bundle import XmcserveError
+
+log = logging.getLogger("xmcserve.group")
+
+RUN_DIR_ENV = "XMCSERVE_RUN_DIR"
+WORKERS_ENV = "XMCSERVE_WORKERS"
+# how often a worker looks for admin changes another made (one stat when there are none)
+FOLLOW_INTERVAL_S = 0.1
+# how long an admin call waits for the other workers to apply its change (a reload loads a bundle)
+CONVERGE_S = 120.0
+# how long an admin call waits for the group's turn (another worker's reload may hold it)
+TURN_WAIT_S = 300.0
+POLL_S = 0.01
+
+
+class GroupError(XmcserveError, RuntimeError):
+    """The group's shared state cannot be read or written."""
+
+
+@dataclass(frozen=True)
+class Convergence:
+    """How many workers had applied an admin change when its call answered."""
+
+    generation: int
+    applied: int
+    workers: int
+
+    def describe(self) -> dict:
+        return {"generation": self.generation, "applied": self.applied, "workers": self.workers}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+class WorkerGroup:
+    """This worker's view of its group's run directory (see the module docstring)."""
+
+    def __init__(self, run_dir: Path, workers: int, pid: int | None = None):
+        self.run_dir = Path(run_dir)
+        self.workers = workers
+        self.pid = pid or os.getpid()
+        self.log_path = self.run_dir / "admin.log"
+        self.lock_path = self.run_dir / "admin.lock"
+        self.acks_dir = self.run_dir / "acks"
+        self.metrics_dir = self.run_dir / "metrics"
+        self.applied = 0  # admin log lines this worker has applied
+        self._read_offset = 0  # where the first line it has not applied starts
+
+    @classmethod
+    def from_environment(cls) -> WorkerGroup | None:
+        """The group the supervisor started this process in; None for a server of one process."""
+        run_dir, workers = os.environ.get(RUN_DIR_ENV), int(os.environ.get(WORKERS_ENV, "1") or 1)
+        if workers <= 1 or not run_dir:
+            return None
+        return cls(Path(run_dir), workers)
+
+    @staticmethod
+    def prepare(run_dir: Path) -> None:
+        """The supervisor's start: an empty run directory (a new server starts from its settings,
+        as one process does)."""
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("admin.log", "admin.lock"):
+            (run_dir / name).unlink(missing_ok=True)
+        for sub in ("acks", "metrics"):
+            directory = run_dir / sub
+            directory.mkdir(exist_ok=True)
+            for file in directory.iterdir():
+                file.unlink()
+
+    # admin log
+
+    def changes_after(self) -> list[dict]:
+        """The complete lines past what this worker applied, oldest first (a line being written,
+        without its newline yet, is left for later)."""
+        try:
+            with open(self.log_path, "rb") as file:
+                file.seek(self._read_offset)
+                data = file.read()
+        except FileNotFoundError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]
+        try:
+            return [json.loads(line) for line in complete.splitlines()]
+        except ValueError as exc:
+            raise GroupError(f"{self.log_path}: unreadable admin change ({exc})") from None
+
+    def grown(self) -> bool:
+        try:
+            return self.log_path.stat().st_size > self._read_offset
+        except FileNotFoundError:
+            return False
+
+    def mark_applied(self, change: dict) -> None:
+        self._read_offset += len(encoded(change))
+        self.applied += 1
+
+    def record(self, change: dict) -> int:
+        """Log a change this worker made (it holds the turn and has applied every earlier one);
+        returns its generation."""
+        line = encoded(change)
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            if os.fstat(fd).st_size != self._read_offset:
+                raise GroupError(f"{self.log_path} holds changes this worker has not applied")
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._read_offset += len(line)
+        self.applied += 1
+        return self.applied
+
+    # acknowledgements
+
+    def acknowledge(self) -> None:
+        """Publish the generation this worker has applied (written whole: a rename)."""
+        self.acks_dir.mkdir(exist_ok=True)
+        temporary = self.acks_dir / f".{self.pid}.tmp"
+        temporary.write_text(str(self.applied))
+        os.replace(temporary, self.acks_dir / str(self.pid))
+
+    def withdraw(self) -> None:
+        (self.acks_dir / str(self.pid)).unlink(missing_ok=True)
+
+    def acknowledged(self) -> dict[int, int]:
+        """Each live worker's applied generation (the files of dead ones are removed)."""
+        out = {}
+        for file in self.acks_dir.glob("[0-9]*"):
+            pid = int(file.name)
+            if not alive(pid):
+                file.unlink(missing_ok=True)
+                continue
+            try:
+                out[pid] = int(file.read_text() or 0)
+            except (FileNotFoundError, ValueError):
+                continue
+        return out
+
+    async def converged(self, generation: int, timeout_s: float = CONVERGE_S, clock=time.monotonic) -> Convergence:
+        """Wait until every live worker has applied ``generation`` (at most ``timeout_s``)."""
+        deadline = clock() + timeout_s
+        while True:
+            acks = self.acknowledged()
+            applied = sum(1 for g in acks.values() if g >= generation)
+            if applied >= len(acks) or clock() >= deadline:
+                return Convergence(generation, applied, len(acks))
+            await asyncio.sleep(POLL_S)
+
+    # the turn
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """The group's one admin change at a time: an exclusive lock on ``admin.lock``, waited for
+        off the event loop (:data:`TURN_WAIT_S` at most)."""
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            deadline = time.monotonic() + TURN_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise GroupError("another worker's admin change is taking too long") from None
+                    await anyio.sleep(POLL_S)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    async def follow(self, apply: Callable[[dict], Awaitable[None]]) -> int:
+        """Apply, in order, the changes the other workers logged since this one last looked, then
+        publish how far it got; returns how many."""
+        if not self.grown():
+            return 0
+        changes = self.changes_after()
+        for change in changes:
+            try:
+                await apply(change)
+            except Exception:
+                # the worker that logged it made it: this one keeps its place in the log and
+                # says so; its acknowledgement stays behind, so admin calls report it
+                log.exception(
+                    "worker %d could not apply admin change %d (%s)",
+                    self.pid,
+                    self.applied + 1,
+                    change.get("op"),
+                    extra={"event": "group_change_failed", "generation": self.applied + 1, "change": change},
+                )
+                self.acknowledge()
+                raise
+            self.mark_applied(change)
+        self.acknowledge()
+        return len(changes)
+
+
+def encoded(change: dict) -> bytes:
+    return json.dumps(change, sort_keys=True, separators=(",", ":")).encode() + b"\n"

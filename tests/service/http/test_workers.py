@@ -1,0 +1,214 @@
+"""XMCSERVE_WORKERS=2 on a real server: the two worker processes on one port answer as one server.
+An append acknowledged by either is in the next /predict of both, in one order (ids never
+differ); an admin change made through either is in force in both when its call answers; /metrics
+sums both; a worker killed with SIGKILL is replaced by one that serves the same state."""
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from loadtest.localserver import start_server, stop_server
+from tests.conftest import wait_for
+
+TOKEN = "workers-token"
+ADMIN = {"X-Admin-Token": TOKEN}
+WORKERS = 2
+TRIES = 200  # new connections opened to find each worker (the kernel deals them out)
+
+
+def start(bundle_root, tmp_path, name="workers"):
+    run_dir = tmp_path / f"{name}-run"
+    env = {
+        "XMCSERVE_BUNDLE_ROOT": str(bundle_root),
+        "XMCSERVE_ADMIN_TOKEN": TOKEN,
+        "XMCSERVE_APPEND_LOG_DIR": str(tmp_path / "appends"),
+        "XMCSERVE_WORKERS": str(WORKERS),
+        "XMCSERVE_RUN_DIR": str(run_dir),
+    }
+    server = start_server(bundle_root / "tiny-rae", tmp_path / f"{name}.log", extra_env=env, timeout_s=180)
+    wait_for(lambda: len(list((run_dir / "acks").glob("[0-9]*"))) == WORKERS, limit_s=120)
+    return server
+
+
+def pid_of(client: httpx.Client) -> int:
+    return client.get("/info").json()["worker"]["pid"]
+
+
+def clients_per_worker(url: str) -> dict[int, httpx.Client]:
+    """A keep-alive client (one connection, so one worker) for each worker."""
+    found: dict[int, httpx.Client] = {}
+    for _ in range(TRIES):
+        client = httpx.Client(base_url=url, timeout=60, limits=httpx.Limits(max_connections=1))
+        pid = pid_of(client)
+        if pid in found:
+            client.close()
+        else:
+            found[pid] = client
+        if len(found) == WORKERS:
+            return found
+    for client in found.values():
+        client.close()
+    raise AssertionError(f"found {len(found)} of {WORKERS} workers in {TRIES} connections")
+
+
+def top_uids(client: httpx.Client, text: str, k: int = 5) -> list[str]:
+    r = client.post("/predict", json={"text": text, "k": k})
+    assert r.status_code == 200, r.text
+    return [label["uid"] for label in r.json()["results"][0]["labels"]]
+
+
+def memory(client: httpx.Client, variant: str = "A") -> dict:
+    return client.get("/info").json()["routing"]["variants"][variant]["memory"]
+
+
+def label(i: int) -> dict:
+    return {"labels": [{"uid": f"zz-w-{i}", "text": f"zz-w-{i}: a label appended through worker traffic"}]}
+
+
+@pytest.fixture
+def server(bundle_root, tmp_path):
+    srv = start(bundle_root, tmp_path)
+    yield srv
+    stop_server(srv)
+
+
+def test_an_append_through_one_worker_is_in_the_next_predict_of_every_worker(server):
+    workers = clients_per_worker(server.url)
+    try:
+        first, second = workers.values()
+        text = label(0)["labels"][0]["text"]
+        assert "zz-w-0" not in top_uids(second, text)
+        r = first.post("/admin/append", json={**label(0), "append_id": "w-0"}, headers=ADMIN)
+        assert r.status_code == 200, r.text
+        assert top_uids(second, text)[0] == "zz-w-0"  # no wait: the next batch reads the log first
+        # a retry through the other worker is the same append, with the same id
+        again = second.post("/admin/append", json={**label(0), "append_id": "w-0"}, headers=ADMIN).json()
+        assert again["repeated"] is True and again["label_ids"] == r.json()["label_ids"]
+        assert memory(first) == memory(second)
+    finally:
+        for client in workers.values():
+            client.close()
+
+
+def test_appends_racing_through_both_workers_get_one_order_and_distinct_ids(server):
+    workers = clients_per_worker(server.url)
+    per_worker = 15
+    ids: dict[str, int] = {}
+    failures: list[str] = []
+
+    def append_through(client: httpx.Client, offset: int) -> None:
+        for i in range(offset, offset + per_worker):
+            r = client.post("/admin/append", json={**label(i), "append_id": f"w-{i}"}, headers=ADMIN)
+            if r.status_code != 200:
+                failures.append(r.text)
+                return
+            ids.update(r.json()["label_ids"])
+
+    try:
+        threads = [
+            threading.Thread(target=append_through, args=(client, n * per_worker))
+            for n, client in enumerate(workers.values())
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not failures and len(ids) == WORKERS * per_worker, failures[:3]
+        assert len(set(ids.values())) == len(ids)  # never one id for two labels
+        for client in workers.values():
+            top_uids(client, "any text")  # a batch: the worker reads what the other logged
+            mem = memory(client)
+            assert mem["version"] == WORKERS * per_worker and mem["appended_labels"] == WORKERS * per_worker, mem
+            # and every label under the id it was acknowledged with, in this worker too
+            for i in (0, WORKERS * per_worker - 1):
+                again = client.post("/admin/append", json={**label(i), "append_id": f"w-{i}"}, headers=ADMIN).json()
+                assert again["repeated"] and again["label_ids"] == {f"zz-w-{i}": ids[f"zz-w-{i}"]}, again
+    finally:
+        for client in workers.values():
+            client.close()
+
+
+def test_admin_changes_through_one_worker_are_in_force_in_every_worker_when_answered(server):
+    workers = clients_per_worker(server.url)
+    try:
+        first, second = workers.values()
+        start_a = first.get("/info").json()["routing"]["variants"]["A"]["bundle_id"]
+        r = first.post("/admin/reload", json={"bundle": "tiny-labels", "variant": "B"}, headers=ADMIN)
+        assert r.status_code == 200, r.text
+        assert r.json()["workers"]["applied"] == WORKERS
+        candidate = r.json()["bundle_id"]
+        assert second.get("/info").json()["routing"]["variants"]["B"]["bundle_id"] == candidate
+        r = second.post("/admin/config", json={"split_b": 0.25}, headers=ADMIN)
+        assert r.status_code == 200 and r.json()["workers"]["applied"] == WORKERS, r.text
+        assert first.get("/info").json()["routing"]["split_b"] == 0.25
+        r = second.post("/admin/promote", headers=ADMIN)
+        assert r.status_code == 200, r.text
+        for client in (first, second):
+            routing = client.get("/info").json()["routing"]
+            assert routing["variants"]["A"]["bundle_id"] == candidate and routing["split_b"] == 0.0
+        r = first.post("/admin/rollback", headers=ADMIN)
+        assert r.status_code == 200, r.text
+        for client in (first, second):
+            assert client.get("/info").json()["routing"]["variants"]["A"]["bundle_id"] == start_a
+        # a refused change is made nowhere and logged nowhere
+        r = second.post("/admin/reload", json={"bundle": "corrupt", "variant": "B"}, headers=ADMIN)
+        assert r.status_code == 422
+        assert {client.get("/info").json()["worker"]["admin_generation"] for client in (first, second)} == {4}
+    finally:
+        for client in workers.values():
+            client.close()
+
+
+def test_metrics_of_either_worker_count_the_requests_of_both(server):
+    workers = clients_per_worker(server.url)
+    try:
+        for client in workers.values():
+            for i in range(3):
+                top_uids(client, f"text {i}")
+        for client in workers.values():
+            text = client.get("/metrics").text
+            assert f'xmcserve_predicted_texts_total{{variant="A"}} {3.0 * WORKERS}' in text, text[:2000]
+            assert 'xmcserve_bundle_info{bundle_id="' in text
+    finally:
+        for client in workers.values():
+            client.close()
+
+
+def test_a_killed_worker_is_replaced_by_one_in_the_same_state(server, bundle_root):
+    workers = clients_per_worker(server.url)
+    try:
+        first, second = workers.values()
+        r = first.post("/admin/reload", json={"bundle": "tiny-labels", "variant": "B"}, headers=ADMIN)
+        assert r.status_code == 200, r.text
+        assert first.post("/admin/append", json={**label(7), "append_id": "w-7"}, headers=ADMIN).status_code == 200
+        victim = pid_of(second)
+        second.close()
+        os.kill(victim, signal.SIGKILL)
+        # uvicorn's supervisor starts another worker; it applies the admin log and the append log
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                replacement = clients_per_worker(server.url)
+            except (AssertionError, httpx.HTTPError):
+                time.sleep(0.5)
+                continue
+            if victim not in replacement:
+                break
+            for client in replacement.values():
+                client.close()
+        else:
+            raise AssertionError("no replacement worker within 120 s")
+        try:
+            for pid, client in replacement.items():
+                routing = client.get("/info").json()["routing"]
+                assert routing["variants"]["B"]["bundle_id"] == r.json()["bundle_id"], pid
+                assert top_uids(client, label(7)["labels"][0]["text"])[0] == "zz-w-7", pid
+        finally:
+            for client in replacement.values():
+                client.close()
+    finally:
+        first.close()
