@@ -12,10 +12,10 @@ import httpx
 import pytest
 
 from loadtest.localserver import start_server, stop_server
+from service.http.group import alive
 from tests.conftest import wait_for
+from tests.service.http.test_durability import ADMIN, TOKEN, Stream, body  # its append streams, token included
 
-TOKEN = "workers-token"
-ADMIN = {"X-Admin-Token": TOKEN}
 WORKERS = 2
 TRIES = 200  # new connections opened to find each worker (the kernel deals them out)
 
@@ -32,6 +32,11 @@ def start(bundle_root, tmp_path, name="workers"):
     server = start_server(bundle_root / "tiny-rae", tmp_path / f"{name}.log", extra_env=env, timeout_s=180)
     wait_for(lambda: len(list((run_dir / "acks").glob("[0-9]*"))) == WORKERS, limit_s=120)
     return server
+
+
+def live_workers(run_dir) -> set[int]:
+    """The workers that have started serving and are alive."""
+    return {int(f.name) for f in (run_dir / "acks").glob("[0-9]*") if alive(int(f.name))}
 
 
 def pid_of(client: httpx.Client) -> int:
@@ -212,3 +217,45 @@ def test_a_killed_worker_is_replaced_by_one_in_the_same_state(server, bundle_roo
                 client.close()
     finally:
         first.close()
+
+
+def test_sigkilled_workers_during_append_streams_lose_no_acknowledged_append(server):
+    """Two append streams, each on a connection of its own (so on either worker), while a worker
+    is killed three times, maybe in the middle of a write or holding a lock: every acknowledged
+    append is in every worker afterwards, each label once, under one id everywhere."""
+    run_dir = server.log_path.parent / "workers-run"
+    sent: list[int] = []
+    first = 0
+    for _ in range(3):
+        streams = [Stream(server.url, first), Stream(server.url, first + 1000)]
+        for stream in streams:
+            stream.wait_for(3)
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            victim = pid_of(client)
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda victim=victim: not alive(victim), limit_s=60)  # reaped by the supervisor
+        for stream in streams:
+            stream.end()
+            assert not stream.other, stream.other[:3]
+            sent += stream.acked + stream.unanswered
+        # an append in flight on the dead worker's connection: re-sent, it is applied or repeated
+        with httpx.Client(base_url=server.url, timeout=60, headers=ADMIN) as client:
+            for i in [i for stream in streams for i in stream.unanswered]:
+                assert client.post("/admin/append", json=body(i)).status_code == 200
+        first += 2000
+    wait_for(lambda: len(live_workers(run_dir)) == WORKERS, limit_s=120)  # the last replacement is up
+    ids: dict[str, int] = {}
+    workers = clients_per_worker(server.url)
+    try:
+        for client in workers.values():
+            for i in sent:
+                r = client.post("/admin/append", json=body(i), headers=ADMIN)
+                assert r.status_code == 200 and r.json()["repeated"], r.text
+                for uid, label_id in r.json()["label_ids"].items():
+                    assert ids.setdefault(uid, label_id) == label_id  # the same id in every worker
+            mem = memory(client)
+            assert mem["version"] == len(sent) and mem["appended_labels"] == len(sent), mem
+        assert len(set(ids.values())) == len(ids) == len(sent)
+    finally:
+        for client in workers.values():
+            client.close()
