@@ -10,6 +10,10 @@ kernel deals them over the workers). The servers get the documented defaults, ea
 share of the cores (``XMCSERVE_INTRA_OP_THREADS`` / batch workers from ``cores // workers``).
 The JSON has every round and the medians, and each count's peak and idle p50 as a ratio of the
 first count's. Issue 56's check on a 2-core machine: 2 processes do not lose against 1.
+
+``--null-encoder``: the servers' ONNX call replaced by a lookup of the texts' vectors
+(:mod:`bench.lib.null_encoder`): the most any encoder could let that many processes answer, what
+the machinery alone allows.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from bench.lib.loadgen import closed_loop
-from loadtest.localserver import start_server, stop_server
+from bench.lib.non_encoder import start_null_server
+from bench.lib.null_encoder import write_vectors
+from loadtest.localserver import ROOT, start_server, stop_server
 from xmc.data import load_jsonl_split
 
 
@@ -49,6 +55,7 @@ class WorkersBenchParams:
     idle_requests: int = 300
     texts: int = 512
     start_timeout_s: float = 300.0
+    null_encoder: bool = False
 
 
 def bodies_of(params: WorkersBenchParams) -> list[bytes]:
@@ -57,11 +64,16 @@ def bodies_of(params: WorkersBenchParams) -> list[bytes]:
     return [json.dumps({"text": text, "k": 10}).encode() for text in texts]
 
 
-def start(params: WorkersBenchParams, workers: int, log_dir: Path):
+def start(params: WorkersBenchParams, workers: int, log_dir: Path, vectors: Path | None = None):
+    """A server of ``workers`` processes (with the null encoder when ``vectors`` is given), returned
+    once every worker serves."""
     run_dir = log_dir / f"run-{workers}"
     env = {"XMCSERVE_WORKERS": str(workers), "XMCSERVE_RUN_DIR": str(run_dir), "XMCSERVE_LOG_ACCESS": "false"}
     log_path = log_dir / f"server-{workers}.log"
-    server = start_server(params.bundle, log_path, extra_env=env, timeout_s=params.start_timeout_s)
+    if vectors is not None:
+        server = start_null_server(ROOT, params.bundle, vectors, log_path, env, timeout_s=params.start_timeout_s)
+    else:
+        server = start_server(params.bundle, log_path, extra_env=env, timeout_s=params.start_timeout_s)
     deadline = time.monotonic() + params.start_timeout_s
     # every worker up, not only the first to answer /readyz
     while workers > 1 and len(list((run_dir / "acks").glob("[0-9]*"))) < workers:
@@ -88,12 +100,16 @@ def measure(params: WorkersBenchParams, url: str, bodies: list[bytes]) -> dict:
 
 def run(params: WorkersBenchParams, log_dir: Path) -> dict:
     bodies = bodies_of(params)
+    vectors = None
+    if params.null_encoder:
+        vectors = log_dir / "vectors.npz"
+        write_vectors(params.bundle, [json.loads(b)["text"] for b in bodies], vectors)
     rounds: list[dict] = []
     for round_ in range(params.rounds):
         order = params.workers if round_ % 2 == 0 else tuple(reversed(params.workers))
         row = {}
         for workers in order:
-            server = start(params, workers, log_dir)
+            server = start(params, workers, log_dir, vectors)
             try:
                 row[str(workers)] = measure(params, server.url, bodies)
             finally:
@@ -120,14 +136,15 @@ def run(params: WorkersBenchParams, log_dir: Path) -> dict:
 def main(argv: list[str] | None = None) -> None:
     defaults = WorkersBenchParams()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bundle", type=Path, default=defaults.bundle)
-    parser.add_argument("--data", type=Path, default=defaults.data)
+    parser.add_argument("--bundle", type=Path, default=defaults.bundle, help="bundle to serve")
+    parser.add_argument("--data", type=Path, default=defaults.data, help="data set whose dev texts are sent")
     parser.add_argument("--workers", default=",".join(map(str, defaults.workers)), help="worker counts, first = 1x")
-    parser.add_argument("--rounds", type=int, default=defaults.rounds)
-    parser.add_argument("--seconds", type=float, default=defaults.seconds)
-    parser.add_argument("--concurrency", type=int, default=defaults.concurrency)
-    parser.add_argument("--idle-requests", type=int, default=defaults.idle_requests)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/serving-workers.json"))
+    parser.add_argument("--rounds", type=int, default=defaults.rounds, help="times each count is measured")
+    parser.add_argument("--seconds", type=float, default=defaults.seconds, help="each peak load's length")
+    parser.add_argument("--concurrency", type=int, default=defaults.concurrency, help="peak load connections")
+    parser.add_argument("--idle-requests", type=int, default=defaults.idle_requests, help="requests of the idle p50")
+    parser.add_argument("--null-encoder", action="store_true", help="the ONNX call replaced by a lookup")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/serving-workers.json"), help="result JSON")
     args = parser.parse_args(argv)
     params = WorkersBenchParams(
         bundle=args.bundle,
@@ -137,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         seconds=args.seconds,
         concurrency=args.concurrency,
         idle_requests=args.idle_requests,
+        null_encoder=args.null_encoder,
     )
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="bench-workers-") as log_dir:

@@ -83,6 +83,15 @@ def create_app():
     return create()
 
 
+def create_worker_app():
+    """A worker of a group (``XMCSERVE_WORKERS`` > 1) with the null encoder: each worker process
+    is spawned fresh, so it installs the lookup itself (the vector file from the environment)."""
+    from service.http.server import create_worker_app as create
+
+    install(Path(os.environ[VECTORS_ENV]))
+    return create()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vectors", type=Path, default=None, help=f"vector file (default: ${VECTORS_ENV})")
@@ -92,6 +101,20 @@ def main(argv: list[str] | None = None) -> None:
     vectors = args.vectors or os.environ.get(VECTORS_ENV)
     if not vectors:
         parser.error(f"give --vectors or ${VECTORS_ENV}")
+    from service.http.settings import ServerSettings
+
+    settings = ServerSettings()
+    if settings.workers > 1:  # XMCSERVE_WORKERS: every worker installs the lookup itself
+        from service.http.server import serve_workers
+        from service.http.settings import LogSettings
+        from service.observability.logs import configure_logging
+
+        logs = LogSettings()
+        configure_logging(logs.format, logs.level)
+
+        os.environ[VECTORS_ENV] = str(Path(vectors).resolve())
+        serve_workers(args.host, args.port, settings, app="bench.lib.null_encoder:create_worker_app")
+        return
     install(Path(vectors))
     from service.http.server import main as serve
 

@@ -337,9 +337,13 @@ def create_worker_app():
     return create_app(group=group)
 
 
-def serve_workers(host: str, port: int, settings: ServerSettings) -> None:
+def serve_workers(
+    host: str, port: int, settings: ServerSettings, app: str = "service.http.server:create_worker_app"
+) -> None:
     """``settings.workers`` processes on one socket under uvicorn's supervisor (which restarts a
-    worker that dies), sharing a run directory emptied first (:meth:`WorkerGroup.prepare`)."""
+    worker that dies), sharing a run directory emptied first (:meth:`WorkerGroup.prepare`).
+    ``app``: the import path of each worker's app factory (a benchmark's wraps
+    :func:`create_worker_app`)."""
     run_dir = settings.run_dir or Path(tempfile.mkdtemp(prefix="xmcserve-run-"))
     WorkerGroup.prepare(run_dir)
     # read by the workers, which the supervisor spawns (a fresh interpreter each): prometheus-client
@@ -357,7 +361,7 @@ def serve_workers(host: str, port: int, settings: ServerSettings) -> None:
         extra={"event": "workers_starting", "workers": settings.workers, "run_dir": str(run_dir)},
     )
     try:
-        uvicorn.run("service.http.server:create_worker_app", host=host, port=port, workers=settings.workers, **options)
+        uvicorn.run(app, host=host, port=port, workers=settings.workers, **options)
     finally:
         if settings.run_dir is None:  # a directory of this run's own: nothing in it outlives the server
             shutil.rmtree(run_dir, ignore_errors=True)
