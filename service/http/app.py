@@ -44,7 +44,7 @@ from service.engine import BatchAnswer, BatcherStoppedError, DeadlineExceededErr
 from service.http.admin import add_admin_routes, follow_group, require_admin
 from service.http.disconnect import EXTENSION as CLIENT_GONE
 from service.http.disconnect import ClientGone
-from service.http.group import FOLLOW_INTERVAL_S, WorkerGroup
+from service.http.group import FOLLOW_INTERVAL_S, WorkerGroup, alive
 from service.http.guards import LoadShed
 from service.http.metrics import SAMPLE_INTERVAL_S, Metrics, RequestObserver
 from service.http.rollout_page import add_rollout_routes
@@ -213,6 +213,7 @@ def create_app(
         state.shadow = build_shadow(settings, metrics)
         background = [asyncio.create_task(state.live.run())]  # the rollout page's live figures per variant
         if group is not None:
+            metrics.forget_dead(alive)  # a killed worker's gauges (this one may be its replacement)
             # the group's admin changes so far (a worker started after them, or restarted), then
             # the others' as they make them
             await follow_group(state)

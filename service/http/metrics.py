@@ -217,6 +217,21 @@ class Metrics:
         if self.multiprocess_dir is not None:
             multiprocess.mark_process_dead(os.getpid(), str(self.multiprocess_dir))
 
+    def forget_dead(self, alive: Callable[[int], bool]) -> list[int]:
+        """The live gauges of workers that died without :meth:`retire` (killed) leave the sums
+        (their counters and histograms stay: what they counted happened); returns their pids.
+        A worker calls it as it starts, which is when the supervisor replaces a dead one."""
+        if self.multiprocess_dir is None:
+            return []
+        dead = set()
+        for file in Path(self.multiprocess_dir).glob("gauge_live*_*.db"):
+            pid = int(file.stem.rsplit("_", 1)[1])
+            if not alive(pid):
+                dead.add(pid)
+        for pid in dead:
+            multiprocess.mark_process_dead(pid, str(self.multiprocess_dir))
+        return sorted(dead)
+
     def child(self, metric, *values: str):
         """``metric.labels(*values)`` (values in the metric's label order), looked up once: the
         client's ``labels()`` checks and locks on every call, a cost paid several times a request."""
