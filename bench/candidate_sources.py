@@ -11,7 +11,10 @@ RAE and lexical features of each search's top 200 by p̂) over its own candidate
 * ``memory+sparse@D``: joined by a sparse ranker's top D (:mod:`service.engine.sparse`, fitted on
   the training texts alone, ``label_texts`` off);
 * ``memory+sparse+labels@D``: the same ranker with each label's own text among its texts (the
-  lexical match on label text: a zero-shot label gets weights).
+  lexical match on label text: a zero-shot label gets weights);
+* ``memory+keys@K`` and ``memory+sparse+labels@D+keys@K`` (with ``--label-key-depths``): joined by
+  each query's nearest K label keys of a search ``--label-key-fetch`` keys deeper than b (the label
+  index as a source, :class:`service.engine.offline.LabelKeySource`).
 
 For each: the validation metrics of :func:`bench.fusion_models.validate` (5 folds, both protocols,
 the candidates' recall of the relevant labels), and the choice by
@@ -48,18 +51,35 @@ from export.fusion_to_onnx import onnx_fusion_model
 from export.held_out import SparseSpec
 from export.sparse_fit import SparseFitParams
 from service.engine import Predictor
-from service.engine.offline import ScoreFusion, features_of_groups, load_bundle
+from service.engine.offline import LabelKeySource, features_of_groups, load_bundle
 from xmc.data import label_frequencies, load_jsonl_split
 
 DEV_METRICS = ("P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@3", "PSP@5", "R@10", "R@100")
 IDLE_QUERIES = 200
 
 
-def variants(depths: list[int]) -> dict[str, SparseSpec | None]:
-    out: dict[str, SparseSpec | None] = {"memory": None}
+@dataclasses.dataclass(frozen=True)
+class Sources:
+    """A variant's candidate sources beside the memory's: a sparse ranker, the label keys."""
+
+    sparse: SparseSpec | None = None
+    label_keys: LabelKeySource | None = None
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        return (*(("sparse",) if self.sparse else ()), *(("label_keys",) if self.label_keys else ()))
+
+
+def variants(depths: list[int], label_key_depths: list[int], label_key_fetch: int) -> dict[str, Sources]:
+    out: dict[str, Sources] = {"memory": Sources()}
     for depth in depths:
-        out[f"memory+sparse@{depth}"] = SparseSpec(depth, SparseFitParams(label_texts=False))
-        out[f"memory+sparse+labels@{depth}"] = SparseSpec(depth, SparseFitParams())
+        out[f"memory+sparse@{depth}"] = Sources(SparseSpec(depth, SparseFitParams(label_texts=False)))
+        out[f"memory+sparse+labels@{depth}"] = Sources(SparseSpec(depth, SparseFitParams()))
+    for keys in label_key_depths:
+        source = LabelKeySource(keys, label_key_fetch)
+        out[f"memory+keys@{keys}"] = Sources(label_keys=source)
+        for depth in depths:
+            out[f"memory+sparse+labels@{depth}+keys@{keys}"] = Sources(SparseSpec(depth, SparseFitParams()), source)
     return out
 
 
@@ -106,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", type=Path, help="its training run, holdout.txt (not with --serving-cost)")
     parser.add_argument("--data", type=Path, default=Path("../shared/data/debian-related"), help="dataset dir")
     parser.add_argument("--sparse-depths", type=int, nargs="+", default=[50, 100], help="sparse ranker depths")
+    parser.add_argument(
+        "--label-key-depths", type=int, nargs="*", default=[], help="label-key source depths (the label index)"
+    )
+    parser.add_argument(
+        "--label-key-fetch", type=int, default=200, help="keys fetched beyond b for the label-key source"
+    )
     parser.add_argument("--folds", type=int, default=5, help="cross-fitting folds of the held-out instances")
     parser.add_argument("--dev", action="store_true", help="also evaluate every variant on dev (never for the choice)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/candidate-sources.json"), help="result JSON")
@@ -137,13 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     if dev is not None:
         memory_only = evaluate_bundle(predictor.bundle, dev, train, k=100)
         results["memory, no fusion"] = {"dev": dev_row(memory_only, idle_p50_ms(predictor, dev.texts[:IDLE_QUERIES]))}
-    for name, spec in variants(args.sparse_depths).items():
+    for name, sources in variants(args.sparse_depths, args.label_key_depths, args.label_key_fetch).items():
         started = time.perf_counter()
-        served, key_terms, pairs = held_out_features(predictor, train, rows, DEFAULT_FUSION.rerank_depth, sparse=spec)
-        computed = PAIR_GROUPS + (("sparse",) if spec is not None else ())
+        spec = sources.sparse
+        served, key_terms, pairs = held_out_features(
+            predictor, train, rows, DEFAULT_FUSION.rerank_depth, sparse=spec, label_keys=sources.label_keys
+        )
+        computed = PAIR_GROUPS + sources.groups
         candidate = dataclasses.replace(
             DEFAULT_FUSION,
-            groups=DEFAULT_FUSION.groups + (("sparse",) if spec is not None else ()),
+            groups=DEFAULT_FUSION.groups + sources.groups,
             sparse_depth=spec.depth if spec is not None else None,
         )
         fitted = validate(candidate, pairs, fold, frequencies, num_train, computed=computed)
@@ -162,9 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             features = features_of_groups(candidate.groups)
             fitting = with_columns(pairs, columns_of(candidate.groups, computed))
             model, _ = onnx_fusion_model(fit_model(candidate.model, fitting, features, candidate.params), fitting.X)
-            fusion = ScoreFusion(
-                model, served.log_frequency, served.lexicon, features, candidate.rerank_depth, served.sparse
-            )
+            fusion = dataclasses.replace(served, model=model, features=features)
             fused = Predictor(dataclasses.replace(predictor.bundle, fusion=fusion, key_terms=key_terms))
             evaluation = evaluate_bundle(fused.bundle, dev, train, k=100)
             row["dev"] = dev_row(evaluation, idle_p50_ms(fused, dev.texts[:IDLE_QUERIES]))

@@ -158,6 +158,15 @@ class SparseRankerParams(_Strict):
     fitted_on: str = Field(description="the texts the weights were fitted on (never the dev or test split)")
 
 
+class LabelKeysParams(_Strict):
+    """The label index as a candidate source (service.engine.fusion): the memory is searched
+    ``fetch`` keys deeper than its RAE top b, and each query's nearest ``depth`` label keys among
+    them join the candidates the fusion rescores, their similarity and rank features of φ."""
+
+    depth: int = Field(ge=1, description="label keys each query adds to the candidates")
+    fetch: int = Field(ge=0, description="keys searched beyond the RAE top b for them")
+
+
 class FusionParams(_Strict):
     """Score fusion of an RAE memory (service.engine.fusion): fused = p̂ + T(φ)."""
 
@@ -186,6 +195,9 @@ class FusionParams(_Strict):
     )
     sparse: SparseRankerParams | None = Field(
         None, description="a sparse linear ranker over the lexical term space, a second candidate source; None: none"
+    )
+    label_keys: LabelKeysParams | None = Field(
+        None, description="the nearest label keys of a deeper search, a third candidate source; None: none"
     )
 
     @model_validator(mode="before")

@@ -45,6 +45,7 @@ from bundle import (
     FUSION_MODEL_FILE,
     FusionModelKind,
     FusionParams,
+    LabelKeysParams,
     Manifest,
     SparseRankerParams,
     lexical_file_names,
@@ -73,7 +74,7 @@ from export.held_out import (
 from export.sparse_fit import SparseFitParams
 from export.writer import refuse_existing
 from service.engine import AppendLogError, Predictor, load_predictor
-from service.engine.offline import OPTIONAL_GROUPS, ScoreFusion, carried_lineage
+from service.engine.offline import OPTIONAL_GROUPS, LabelKeySource, ScoreFusion, carried_lineage
 from xmc.checkpoint import HOLDOUT_FILE
 from xmc.data import XMCDataset, load_jsonl_split, rows_of_uids
 
@@ -103,6 +104,9 @@ class FuseParams:
         sparse_depth: candidates a query gets from a sparse linear ranker over the lexical term
             space (:mod:`service.engine.sparse`), fitted here on the memory's texts; None: none
         sparse_fit: how that ranker is fitted (:class:`~export.sparse_fit.SparseFitParams`)
+        label_key_depth: nearest label keys a query adds to the candidates (the label index as a
+            source, :class:`~service.engine.fusion.LabelKeySource`); None: none
+        label_key_fetch: keys its search fetches beyond the RAE top b for them
     """
 
     model: FusionModelKind = DEFAULT_FUSION.model
@@ -113,6 +117,8 @@ class FuseParams:
     held_out_memory: HeldOutMemory = DEFAULT_HELD_OUT_MEMORY
     sparse_depth: int | None = DEFAULT_FUSION.sparse_depth
     sparse_fit: SparseFitParams = field(default_factory=SparseFitParams)
+    label_key_depth: int | None = None
+    label_key_fetch: int = 200
 
     def __post_init__(self) -> None:
         # checked here, before the bundle is loaded and its held-out instances searched
@@ -125,12 +131,21 @@ class FuseParams:
             raise FuseError("the sparse features come with a sparse ranker: give it a depth (--sparse-depth)")
         if self.sparse_depth is not None and self.sparse_depth < 1:
             raise FuseError(f"--sparse-depth must be at least 1 (0: no sparse ranker), not {self.sparse_depth}")
+        if self.label_key_depth is not None and (self.label_key_depth < 1 or self.label_key_fetch < 0):
+            raise FuseError("--label-key-depth must be at least 1 (0: none) and --label-key-fetch 0 or more")
 
     @property
     def feature_groups(self) -> tuple[str, ...]:
-        """φ's groups: :attr:`groups`, and ``sparse`` with a sparse ranker."""
+        """φ's groups: :attr:`groups`, ``sparse`` with a sparse ranker, ``label_keys`` with a
+        label-key source."""
         sparse = self.sparse_depth is not None and "sparse" not in self.groups
-        return (*self.groups, *(("sparse",) if sparse else ()))
+        keys = self.label_key_depth is not None and "label_keys" not in self.groups
+        return (*self.groups, *(("sparse",) if sparse else ()), *(("label_keys",) if keys else ()))
+
+    @property
+    def label_keys(self) -> LabelKeySource | None:
+        depth = self.label_key_depth
+        return LabelKeySource(depth, self.label_key_fetch) if depth is not None else None
 
     @property
     def sparse_spec(self) -> SparseSpec | None:
@@ -161,7 +176,12 @@ def fit_fusion(predictor: Predictor, train: XMCDataset, rows: np.ndarray, params
     started = time.perf_counter()
     memory = params.held_out_memory
     served, key_rows = unfitted_fusion(
-        predictor, train, params.feature_groups, params.rerank_depth, sparse=params.sparse_spec
+        predictor,
+        train,
+        params.feature_groups,
+        params.rerank_depth,
+        sparse=params.sparse_spec,
+        label_keys=params.label_keys,
     )
     search = HeldOutSearch.of(predictor, train, rows, (served, key_rows), memory, params.sparse_fit)
     pairs = search.pairs(predictor, train, params.fit_on)
@@ -169,7 +189,13 @@ def fit_fusion(predictor: Predictor, train: XMCDataset, rows: np.ndarray, params
     model, parity = onnx_fusion_model(fitted, pairs.X)
     log.info("fusion %s fitted on %d pairs (%s); ONNX parity %.3g", params.model, len(pairs.y), memory, parity)
     fusion = ScoreFusion(
-        model, served.log_frequency, served.lexicon, served.features, params.rerank_depth, served.sparse
+        model,
+        served.log_frequency,
+        served.lexicon,
+        served.features,
+        params.rerank_depth,
+        served.sparse,
+        served.label_keys,
     )
     return FusionFit(
         fusion, fitted, parity, key_rows, len(rows), len(pairs.y), pairs.found, time.perf_counter() - started
@@ -261,6 +287,18 @@ def build_parser() -> argparse.ArgumentParser:
         f"(service.engine.sparse); 0: none (default {DEFAULT_FUSION.sparse_depth or 0})",
     )
     parser.add_argument(
+        "--label-key-depth",
+        type=int,
+        default=0,
+        help="nearest label keys a query adds to the candidates (the label index as a source); 0: none (default)",
+    )
+    parser.add_argument(
+        "--label-key-fetch",
+        type=int,
+        default=200,
+        help="keys the search fetches beyond the RAE top b for those label keys (default 200)",
+    )
+    parser.add_argument(
         "--fit-on",
         choices=get_args(FitOn),
         default="both",
@@ -289,6 +327,8 @@ def params_of_arguments(args: argparse.Namespace) -> FuseParams:
         fit_on=args.fit_on,
         held_out_memory=args.held_out_memory,
         sparse_depth=(args.sparse_depth or None) if not args.no_lexical else None,
+        label_key_depth=args.label_key_depth or None,
+        label_key_fetch=args.label_key_fetch,
     )
 
 
@@ -332,6 +372,9 @@ def fuse_bundle(
         pairs=fit.pairs,
         lexical=lexical_file_names(len(shards)) if "lexical" in params.groups else None,
         sparse=sparse_params(params, len(train.labels), f"the memory's {len(train)} instances and the labels' texts"),
+        label_keys=LabelKeysParams(depth=params.label_key_depth, fetch=params.label_key_fetch)
+        if params.label_key_depth is not None
+        else None,
     )
     fused = derive_fused_bundle(bundle, out, fit.fusion, fusion_params, fit.key_terms, force, appends_dir)
     return fused, fit

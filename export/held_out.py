@@ -33,6 +33,7 @@ from export.sparse_fit import SparseFitParams, fit_for_memory
 from service.engine import Predictor
 from service.engine.offline import (
     KeyTerms,
+    LabelKeySource,
     Lexicon,
     Neighbours,
     ScoreFusion,
@@ -165,7 +166,8 @@ def pairs_of(
         excluded = [filters[r] if excluding else set() for r in block]
         vectors, _ = predictor.bundle.encoder.encode(texts)
         widest = max(len(e) for e in excluded)
-        keys, sims = search_without(predictor, vectors, rae.top_b + widest, block if in_memory else None, hidden)
+        fetch = rae.top_b + unfitted.extra_fetch + widest  # as deep as the served search (neighbours_needed)
+        keys, sims = search_without(predictor, vectors, fetch, block if in_memory else None, hidden)
         lexical, terms = None, None
         if unfitted.lexicon is not None:
             terms = unfitted.lexicon.query_terms(texts)
@@ -213,14 +215,18 @@ def unfitted_fusion(
     rerank_depth: int | None = None,
     hidden: np.ndarray | None = None,
     sparse: SparseSpec | None = None,
+    label_keys: LabelKeySource | None = None,
 ) -> tuple[ScoreFusion, sp.csr_matrix | None]:
     """The fusion's features over ``predictor``'s memory, before a model (``groups``: its
     feature groups; with ``lexical``, the lexicon of the memory's texts; ``rerank_depth``: the
     candidates it rescores; ``hidden``: instance rows of the memory to count and fit the lexicon
     and the sparse ranker without, as if it lacked them; ``sparse``: the sparse ranker to fit on
-    the memory's texts, with the ``sparse`` group), and the keys' term vectors of a lexical one."""
+    the memory's texts, with the ``sparse`` group; ``label_keys``: a label-key source, with the
+    ``label_keys`` group), and the keys' term vectors of a lexical one."""
     if ("sparse" in groups) != (sparse is not None):
         raise ValueError("the sparse features go with a sparse ranker to fit, and only with one")
+    if ("label_keys" in groups) != (label_keys is not None):
+        raise ValueError("the label-key features go with a label-key source, and only with one")
     bundle = predictor.bundle
     num_train = bundle.manifest.counts.train_instances
     counted = np.setdiff1d(np.arange(num_train), hidden if hidden is not None else [])
@@ -239,7 +245,7 @@ def unfitted_fusion(
         ranker, _ = fit_for_memory(
             lexicon, memory_texts, train.Y[counted], list(bundle.label_texts), sparse.depth, sparse.fit
         )
-    fusion = ScoreFusion(None, log_frequency, lexicon, features_of_groups(groups), rerank_depth, ranker)
+    fusion = ScoreFusion(None, log_frequency, lexicon, features_of_groups(groups), rerank_depth, ranker, label_keys)
     return fusion, key_rows
 
 
@@ -274,7 +280,9 @@ class HeldOutSearch:
         if memory == "without_holdout":
             hidden = np.sort(rows)
             spec = SparseSpec(unfitted.sparse.depth, sparse_fit) if unfitted.sparse is not None else None
-            unfitted, key_rows = unfitted_fusion(predictor, train, unfitted.groups, unfitted.rerank_depth, hidden, spec)
+            unfitted, key_rows = unfitted_fusion(
+                predictor, train, unfitted.groups, unfitted.rerank_depth, hidden, spec, unfitted.label_keys
+            )
         return cls(rows, unfitted, KeyTerms(key_rows) if key_rows is not None else None, hidden)
 
     def pairs(self, predictor: Predictor, train: XMCDataset, fit_on: FitOn) -> HeldOutPairs:

@@ -56,6 +56,15 @@ the memory's (a label no near key carries can be found by its literal pieces), a
 
 A candidate only the ranker found has p̂ = 0 and the memory's features of a label no key carries.
 
+A fusion with a label-key source (:class:`LabelKeySource`, the label index as a source of its
+own) searches the memory ``fetch`` keys deeper than b; each query's nearest ``depth`` label keys
+among those join the candidates (the top b holds only the label keys that come before its
+instances), and φ gains (:data:`LABEL_KEY_FEATURES`):
+
+* ``label_key_similarity``: q·z_l when z_l is among the query's nearest label keys, else the
+  lowest similarity among them
+* ``label_key_rank``: log(1 + its rank among them), log(1 + depth) beyond
+
 No feature reads a label's vector or term vector beyond the retrieved keys and the ranker's
 weights of the query's terms: the Ray ingress has only what the shards answer and the fusion.
 
@@ -103,6 +112,7 @@ THRESHOLD_MARGINS = (0.02, 0.05, 0.1)
 THRESHOLD_FEATURES = tuple(f"instance_votes_within_{m:g}" for m in THRESHOLD_MARGINS)
 QUERY_FEATURES = ("query_best_similarity", "query_candidates")
 SPARSE_FEATURES = ("sparse_margin", "sparse_rank")
+LABEL_KEY_FEATURES = ("label_key_similarity", "label_key_rank")
 # φ's column groups, in the order a fusion's columns follow; "rae" is always first
 FEATURE_GROUPS: dict[str, tuple[str, ...]] = {
     "rae": FEATURES,
@@ -111,9 +121,12 @@ FEATURE_GROUPS: dict[str, tuple[str, ...]] = {
     "thresholds": THRESHOLD_FEATURES,
     "query": QUERY_FEATURES,
     "sparse": SPARSE_FEATURES,
+    "label_keys": LABEL_KEY_FEATURES,
 }
-# the groups a fusion may add to "rae"; "sparse" comes with a sparse ranker, not by choice of features
-OPTIONAL_GROUPS = tuple(group for group in FEATURE_GROUPS if group not in ("rae", "sparse"))
+# the groups that come with a candidate source, not by choice of features
+SOURCE_GROUPS = ("sparse", "label_keys")
+# the groups a fusion may add to "rae"
+OPTIONAL_GROUPS = tuple(group for group in FEATURE_GROUPS if group not in ("rae", *SOURCE_GROUPS))
 # softmax temperature of the lexical vote (lexical cosines spread over [0, 1] like the dense ones)
 LEXICAL_TAU = 0.05
 # ε of the log features: below any softmax weight that moves a ranking, above float32's zero
@@ -186,6 +199,61 @@ class OnnxTreeEnsemble:
 
 
 @dataclass(frozen=True)
+class LabelKeyHits:
+    """Each query's nearest label keys (:meth:`LabelKeySource.hits`): ``top``, a queries x labels
+    CSR of their similarities (label ids sorted per row); ``ranks``, each stored entry's rank among
+    its query's label keys (0: the nearest); ``floor``, each query's lowest similarity among them
+    (0 without any)."""
+
+    top: sp.csr_matrix
+    ranks: np.ndarray
+    floor: np.ndarray
+
+
+@dataclass(frozen=True)
+class LabelKeySource:
+    """The label index as a candidate source: the memory searched ``fetch`` keys deeper than its
+    top b, and each query's nearest ``depth`` label keys among them (its excluded labels' left out)."""
+
+    depth: int
+    fetch: int
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.fetch < 0:
+            raise ValueError(f"a label-key source needs a depth of at least 1 and a fetch of 0 or more: {self}")
+
+    def hits(
+        self, labels: np.ndarray, sims: np.ndarray, exclude: Sequence[Collection[int]], width: int
+    ) -> LabelKeyHits:
+        """:class:`LabelKeyHits` of a batch's fetched keys (``labels``: each key's label id, −1 for
+        an instance key or none; ``sims``: their similarities; both ``nq x n``, best first), over a
+        label space ``width`` wide. A label has one key, so a query's hits are distinct labels."""
+        ids, values, ranks, indptr = [], [], [], [0]
+        floor = np.zeros(len(labels))
+        for i, excluded in enumerate(exclude):
+            keep = labels[i] >= 0
+            if excluded:
+                keep &= ~np.isin(labels[i], np.fromiter(excluded, dtype=np.int64))
+            row_labels, row_sims = labels[i][keep][: self.depth], sims[i][keep][: self.depth]
+            order = np.argsort(row_labels, kind="stable")
+            ids.append(row_labels[order])
+            values.append(row_sims[order])
+            ranks.append(order)
+            indptr.append(indptr[-1] + len(order))
+            floor[i] = row_sims.min() if len(row_sims) else 0.0
+        top = sp.csr_matrix(
+            (
+                np.concatenate(values).astype(np.float32) if values else np.zeros(0, np.float32),
+                np.concatenate(ids).astype(np.int64) if ids else np.zeros(0, np.int64),
+                np.array(indptr, dtype=np.int64),
+            ),
+            shape=(len(labels), width),
+        )
+        top.has_sorted_indices = True
+        return LabelKeyHits(top, np.concatenate(ranks) if ranks else np.zeros(0, np.int64), floor)
+
+
+@dataclass(frozen=True)
 class ScoreFusion:
     """T, the memory's label frequencies (log(1 + count), label id order), for the lexical
     features the lexicon the query terms come from, φ's columns (by default the RAE features,
@@ -197,11 +265,16 @@ class ScoreFusion:
     features: tuple[str, ...] = ()
     rerank_depth: int | None = None
     sparse: SparseRanker | None = None  # a second candidate source, over the lexicon's term space
+    label_keys: LabelKeySource | None = None  # a third: the label index
 
     def __post_init__(self) -> None:
         if not self.features:
             groups = ["lexical"] if self.lexicon is not None else []
-            object.__setattr__(self, "features", features_of_groups(groups + (["sparse"] if self.sparse else [])))
+            groups += ["sparse"] if self.sparse else []
+            groups += ["label_keys"] if self.label_keys else []
+            object.__setattr__(self, "features", features_of_groups(groups))
+        if ("label_keys" in groups_of(self.features)) != (self.label_keys is not None):
+            raise ValueError("a fusion has the label-key features exactly when it has a label-key source")
         if ("lexical" in groups_of(self.features)) != (self.lexicon is not None):
             raise ValueError("a fusion has the lexical features exactly when it has a lexicon")
         if ("sparse" in groups_of(self.features)) != (self.sparse is not None):
@@ -253,7 +326,20 @@ class ScoreFusion:
                 raise ValueError("a sparse ranker needs the lexical fusion's term space")
             ranker = params.sparse
             sparse = SparseRanker.load(directory / ranker.file, len(idf), ranker.labels, ranker.depth)
-        return cls(model, log_frequency, lexicon, features, params.rerank_depth, sparse)
+        keys = params.label_keys
+        label_keys = LabelKeySource(keys.depth, keys.fetch) if keys is not None else None
+        return cls(model, log_frequency, lexicon, features, params.rerank_depth, sparse, label_keys)
+
+    @property
+    def extra_fetch(self) -> int:
+        """Keys a query's search fetches beyond the RAE top b for this fusion (its label-key source)."""
+        return self.label_keys.fetch if self.label_keys is not None else 0
+
+    def label_key_hits(
+        self, labels: np.ndarray, sims: np.ndarray, exclude: Sequence[Collection[int]], width: int
+    ) -> LabelKeyHits | None:
+        """The label-key source's hits of a batch's fetched keys (None without one)."""
+        return self.label_keys.hits(labels, sims, exclude, width) if self.label_keys is not None else None
 
     def sparse_margins(
         self, terms: list[QueryTerms] | None, width: int, exclude: Sequence[Collection[int]]
@@ -267,19 +353,27 @@ class ScoreFusion:
         return self.sparse.margins(terms, width, exclude)
 
     def candidates(
-        self, scores: sp.csr_matrix, ks: Sequence[int] | None = None, margins: SparseMargins | None = None
+        self,
+        scores: sp.csr_matrix,
+        ks: Sequence[int] | None = None,
+        margins: SparseMargins | None = None,
+        hits: LabelKeyHits | None = None,
     ) -> sp.csr_matrix:
         """The candidates T rescores: with a rerank depth M, each query's top max(M, k) of
         ``scores`` by p̂ (``ks``: each query's k; None: M), ties broken by label id as
         :func:`~service.engine.rae.top_k_of_row` breaks them; without one, all of ``scores``.
-        With ``margins`` (a sparse ranker's), joined by each query's top labels by margin, whose
-        p̂ is their stored score, 0 for a label the memory's keys do not carry."""
+        With ``margins`` (a sparse ranker's) and ``hits`` (a label-key source's), joined by each
+        query's top labels by margin and its nearest label keys, whose p̂ is their stored score, 0
+        for a label the memory's top b keys do not carry."""
         if self.rerank_depth is None:
             chosen = scores
         else:
             widths = [self.rerank_depth] * scores.shape[0] if ks is None else [max(self.rerank_depth, k) for k in ks]
             chosen = top_of_rows(scores, widths)
-        return chosen if margins is None else joined_candidates(scores, chosen, margins.top)
+        for extra in (margins.top if margins is not None else None, hits.top if hits is not None else None):
+            if extra is not None:
+                chosen = joined_candidates(scores, chosen, extra)
+        return chosen
 
     def rescore(
         self,
@@ -289,15 +383,16 @@ class ScoreFusion:
         tau: float,
         ks: Sequence[int] | None = None,
         margins: SparseMargins | None = None,
+        hits: LabelKeyHits | None = None,
     ) -> sp.csr_matrix:
         """:meth:`candidates` of ``scores`` (:func:`~service.engine.rae.aggregate_kept` of
-        ``kept``; ``margins``: the sparse ranker's, with one), each stored score replaced by its
-        fused score."""
-        fused = self.candidates(scores, ks, margins)
+        ``kept``; ``margins``: the sparse ranker's, ``hits``: the label-key source's, with them),
+        each stored score replaced by its fused score."""
+        fused = self.candidates(scores, ks, margins, hits)
         if fused is scores:
             fused = scores.copy()
         # one call of the model for the whole batch (the rows of φ follow scores' storage)
-        fused.data = fused.data + self.model.predict(self.features_of(fused, kept, values, tau, margins))
+        fused.data = fused.data + self.model.predict(self.features_of(fused, kept, values, tau, margins, hits))
         return fused
 
     def features_of(
@@ -307,22 +402,31 @@ class ScoreFusion:
         values: ValueRows,
         tau: float,
         margins: SparseMargins | None = None,
+        hits: LabelKeyHits | None = None,
     ) -> np.ndarray:
         """φ (columns :attr:`features`) of every label stored in ``scores``, in its storage order."""
         if self.lexicon is not None and any(row.lexical is None for row in kept):
             raise ValueError("this fusion's lexical features need the retrieved keys' lexical similarities")
-        phi = batch_features(scores, kept, values, tau, self.log_frequency, self.groups)
-        if self.sparse is None:
-            return phi
-        if margins is None:
-            raise ValueError("this fusion's sparse features need the sparse ranker's margins")
+        columns = [batch_features(scores, kept, values, tau, self.log_frequency, self.groups)]
         query = np.repeat(np.arange(scores.shape[0], dtype=np.int64), np.diff(scores.indptr))
         labels = scores.indices.astype(np.int64)
-        rank = np.full(len(labels), float(self.sparse.depth))
-        at, found = StoredSlots(margins.top)(query, labels)
-        rank[found] = margins.top_ranks[at]
-        sparse = np.stack([self.sparse.margin_of(margins, query, labels), np.log1p(rank)], axis=1)
-        return np.concatenate([phi, sparse], axis=1)
+        if self.sparse is not None:
+            if margins is None:
+                raise ValueError("this fusion's sparse features need the sparse ranker's margins")
+            rank = np.full(len(labels), float(self.sparse.depth))
+            at, found = StoredSlots(margins.top)(query, labels)
+            rank[found] = margins.top_ranks[at]
+            columns.append(np.stack([self.sparse.margin_of(margins, query, labels), np.log1p(rank)], axis=1))
+        if self.label_keys is not None:
+            if hits is None:
+                raise ValueError("this fusion's label-key features need the label-key source's hits")
+            similarity = hits.floor[query].astype(np.float64)
+            rank = np.full(len(labels), float(self.label_keys.depth))
+            at, found = StoredSlots(hits.top)(query, labels)
+            similarity[found] = hits.top.data[at]
+            rank[found] = hits.ranks[at]
+            columns.append(np.stack([similarity, np.log1p(rank)], axis=1))
+        return np.concatenate(columns, axis=1) if len(columns) > 1 else columns[0]
 
 
 def batch_features(

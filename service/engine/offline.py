@@ -11,6 +11,7 @@ from service.engine.encoder import MAX_CHUNK, OnnxEncoder
 from service.engine.fusion import (
     FEATURE_GROUPS,
     OPTIONAL_GROUPS,
+    LabelKeySource,
     OnnxTreeEnsemble,
     ScoreFusion,
     features_of_groups,
@@ -68,6 +69,7 @@ __all__ = [
     "KeyTerms",
     "save_key_terms",
     "SparseRanker",
+    "LabelKeySource",
     # append logs and lineages
     "AppendLog",
     "lineage_log_path",

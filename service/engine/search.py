@@ -247,7 +247,10 @@ def neighbours_needed(manifest: Manifest, ks: Sequence[int], exclude: Sequence[C
     still have b left). A batch fetched at once needs the most of them (the shards' fetch, then
     :func:`merged_neighbours`) and is ranked by :func:`rank_batch`."""
     if manifest.index_kind == "rae_memory":
-        return [manifest.rae.top_b + len(e) for e in exclude]
+        # a fusion's label-key source reads the label keys of a deeper search
+        keys = manifest.fusion.label_keys if manifest.fusion is not None else None
+        deeper = keys.fetch if keys is not None else 0
+        return [manifest.rae.top_b + deeper + len(e) for e in exclude]
     return [k + len(e) for k, e in zip(ks, exclude, strict=True)]
 
 
@@ -320,7 +323,8 @@ def rank_batch(
     kept, scores = aggregated(manifest, found, exclude)
     if fusion is not None:
         margins = fusion.sparse_margins(found.terms, scores.shape[1], exclude)
-        scores = fusion.rescore(scores, kept, found.values, manifest.rae.tau, ks, margins)
+        hits = fusion.label_key_hits(found.labels, found.sims, exclude, scores.shape[1])
+        scores = fusion.rescore(scores, kept, found.values, manifest.rae.tau, ks, margins, hits)
     return [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
 
 
@@ -335,8 +339,9 @@ def fusion_candidates(
         raise ValueError("a score fusion ranks an RAE memory: a label index has no feature rows")
     kept, scores = aggregated(manifest, found, exclude)
     margins = fusion.sparse_margins(found.terms, scores.shape[1], exclude)
-    candidates = fusion.candidates(scores, margins=margins)
-    return FusionRows(candidates, fusion.features_of(candidates, kept, found.values, manifest.rae.tau, margins))
+    hits = fusion.label_key_hits(found.labels, found.sims, exclude, scores.shape[1])
+    candidates = fusion.candidates(scores, margins=margins, hits=hits)
+    return FusionRows(candidates, fusion.features_of(candidates, kept, found.values, manifest.rae.tau, margins, hits))
 
 
 def aggregated(

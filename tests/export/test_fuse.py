@@ -135,7 +135,19 @@ def sparse_fused(sample_bundle, sample_dir, run_dir, tmp_path_factory):
     return fuse(sample_bundle, sample_dir, run_dir, out, "--sparse-depth", "20")
 
 
-@pytest.fixture(params=["fused", "plain_fused", "sparse_fused"])
+@pytest.fixture(scope="module")
+def label_keys_fused(sample_bundle, sample_dir, run_dir, tmp_path_factory):
+    """The default bundle with a single-tree fusion over the top 50 by p̂ joined by each query's
+    nearest 200 label keys of a search 200 keys deeper than b (the label index as a source; the
+    sample's top b holds some 150 label keys, so the source reaches past it)."""
+    out = tmp_path_factory.mktemp("fused") / "label-keys"
+    options = ("--model", "tree", "--rerank-depth", "50", "--sparse-depth", "0")
+    return fuse(
+        sample_bundle, sample_dir, run_dir, out, *options, "--label-key-depth", "200", "--label-key-fetch", "200"
+    )
+
+
+@pytest.fixture(params=["fused", "plain_fused", "sparse_fused", "label_keys_fused"])
 def any_fused(request):
     return request.getfixturevalue(request.param)
 
@@ -150,16 +162,16 @@ def tiny_memory(distilbert_dir, train, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sharded_fused(tiny_memory, sample_dir, run_dir, tmp_path_factory):
-    """The 3-shard memory with a LambdaMART fusion over every feature group."""
+    """The 3-shard memory with a LambdaMART fusion over every feature group, both extra sources."""
     out = tmp_path_factory.mktemp("fused") / "tiny-3shards-fused"
-    extra = [group for group in FEATURE_GROUPS if group not in ("rae", "lexical", "sparse")]
+    extra = [group for group in FEATURE_GROUPS if group not in ("rae", "lexical", "sparse", "label_keys")]
     return fuse(
         tiny_memory,
         sample_dir,
         run_dir,
         out,
         *("--model", "lambdarank", "--trees", "30", "--rerank-depth", "12", "--extra-features", *extra),
-        *("--sparse-depth", "20"),
+        *("--sparse-depth", "20", "--label-key-depth", "15", "--label-key-fetch", "20"),
     )
 
 
@@ -342,12 +354,14 @@ def test_a_sharded_bundle_is_fused_with_a_key_term_file_per_shard_and_ranks_alik
     """What the Ray front end does (each shard scores its own keys' lexical similarity, the
     ingress merges and ranks with the fusion it loads in its own ONNX Runtime session) gives the
     single process's answers, for a LambdaMART fusion over every feature group, a sparse ranker's
-    candidates among them (the ingress scores the query terms it sent the shards)."""
+    candidates among them (the ingress scores the query terms it sent the shards) and the nearest
+    label keys of the deeper search the shards answer."""
     manifest = load_bundle(sharded_fused).manifest
     assert manifest.fusion.lexical == ["lexical-0.npz", "lexical-1.npz", "lexical-2.npz"]
     assert manifest.fusion.kind == "lambdarank" and groups_of(manifest.fusion.features) == tuple(FEATURE_GROUPS)
     assert manifest.fusion.rerank_depth == 12  # the ingress cuts to the same candidates
     assert manifest.fusion.sparse.depth == 20 and manifest.fusion.sparse.labels == manifest.counts.labels
+    assert (manifest.fusion.label_keys.depth, manifest.fusion.label_keys.fetch) == (15, 20)
     predictor = load_predictor(sharded_fused)
     texts = load_jsonl_split(sample_dir, "dev").texts[:16]
     vectors, _, _ = predictor.encode(texts)
@@ -506,3 +520,23 @@ def test_a_sparse_ranker_file_that_does_not_match_its_manifest_is_refused(sparse
     (broken / MANIFEST_FILE).write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="sparse"):
         load_bundle(broken, verify=False)
+
+
+def test_label_keys_of_a_deeper_search_join_the_candidates_and_stay_batch_invariant(
+    label_keys_fused, sample_bundle, sample_dir
+):
+    """The label-key source: the manifest says its depth and fetch, φ ends with its two features,
+    the search fetches b + fetch keys, some answers hold a label whose key lies beyond the top b
+    (so the memory alone never voted for it), and a query's answer is the same alone and in any
+    batch."""
+    bundle = load_bundle(label_keys_fused)
+    params = bundle.manifest.fusion
+    assert (params.label_keys.depth, params.label_keys.fetch) == (200, 200) and params.sparse is None
+    assert params.features[-2:] == ["label_key_similarity", "label_key_rank"]
+    assert neighbours_needed(bundle.manifest, [5], [set()]) == [bundle.manifest.rae.top_b + 200]
+    texts = load_jsonl_split(sample_dir, "dev").texts[:60]
+    voted = Predictor(load_bundle(sample_bundle)).predict(texts, 100000).rankings  # every label the top b carry
+    fused = Predictor(bundle).predict(texts, 100000).rankings  # every candidate: the top 50 and the label keys
+    outside = sum(len(set(f.ids.tolist()) - set(v.ids.tolist())) for f, v in zip(fused, voted, strict=True))
+    assert outside > 0
+    assert assert_batch_invariant(Predictor(bundle), texts, batches=6) > 100

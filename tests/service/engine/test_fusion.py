@@ -14,11 +14,13 @@ from export.fusion_fit import FittedModel
 from export.fusion_to_onnx import to_onnx
 from service.engine.fusion import (
     FEATURES,
+    LABEL_KEY_FEATURES,
     LEXICAL_FEATURES,
     LEXICAL_TAU,
     LOG_FLOOR,
     QUERY_FEATURES,
     RANK_FEATURES,
+    LabelKeySource,
     OnnxTreeEnsemble,
     ScoreFusion,
     batch_features,
@@ -373,3 +375,33 @@ def test_a_batch_s_features_are_each_query_s_features_alone():
         np.testing.assert_allclose(
             batch[start:end], batch_features(alone, [row], values, 0.1, log_frequency, groups), rtol=1e-12
         )
+
+
+def test_a_label_key_source_adds_the_nearest_label_keys_beyond_b_with_their_features():
+    """The label index as a source: a query fetches b + fetch keys; its nearest ``depth`` label
+    keys among them (excluded labels left out) join the candidates with p̂ 0 when the top b did
+    not carry them, and φ's last two columns are each candidate's label-key similarity (the
+    lowest hit's when it is not one) and log(1 + its rank among them) (log(1 + depth) beyond)."""
+    values, _ = memory()
+    # fetched, best first: instance 0, label 1, instance 1 | beyond b = 3: label 3, label 0, label 2
+    keys = np.array([0, 3, 1, 5, 2, 4])
+    labels = np.array([-1, 1, -1, 3, 0, 2])
+    sims = np.array([0.9, 0.8, 0.7, 0.6, 0.5, 0.4], dtype=np.float32)
+    source = LabelKeySource(depth=3, fetch=3)
+    hits = source.hits(labels[None], sims[None], [{0}], width=4)  # label 0 excluded
+    assert hits.top.indices.tolist() == [1, 2, 3] and hits.top.data.tolist() == pytest.approx([0.8, 0.4, 0.6])
+    assert hits.ranks.tolist() == [0, 2, 1] and hits.floor.tolist() == pytest.approx([0.4])
+
+    kept = keep_keys(keys[None], sims[None], labels[None], [{0}], 3)  # the top b = 3
+    scores = aggregate_kept(kept, values, 0.1, [{0}], "split")
+    assert 3 not in scores.indices.tolist()  # label 3's key lies beyond b: the memory alone never votes for it
+    fusion = ScoreFusion(leaf(0.0, features_of_groups(["label_keys"])), np.zeros(4), label_keys=source)
+    assert fusion.features[-2:] == LABEL_KEY_FEATURES and fusion.extra_fetch == 3
+    candidates = fusion.candidates(scores, hits=hits)
+    assert 3 in candidates.indices.tolist() and 0 not in candidates.indices.tolist()
+    F = fusion.features_of(candidates, kept, values, 0.1, hits=hits)
+    column = {label: F[j, -2:].tolist() for j, label in enumerate(candidates.indices.tolist())}
+    assert column[1] == pytest.approx([0.8, 0.0]) and column[3] == pytest.approx([0.6, math.log1p(1)])
+    assert column[2] == pytest.approx([0.4, math.log1p(2)])
+    with pytest.raises(ValueError, match="label-key"):
+        ScoreFusion(None, np.zeros(4), features=features_of_groups(["label_keys"]))

@@ -44,7 +44,11 @@ def build(kind: str, sizes: list[int], rng: np.random.Generator):
         values = sp.vstack([0.7 * train, 0.3 * sp.identity(labels, dtype=np.float32, format="csr")]).tocsr()
         rae = SimpleNamespace(top_b=7, tau=0.05, mode="joint", lam=0.7)
     manifest = SimpleNamespace(
-        index_kind=kind, rae=rae, hnsw=SimpleNamespace(ef_search=16), counts=SimpleNamespace(memory_rows=len(keys))
+        index_kind=kind,
+        rae=rae,
+        fusion=None,
+        hnsw=SimpleNamespace(ef_search=16),
+        counts=SimpleNamespace(memory_rows=len(keys)),
     )
     view = base_view([str(i) for i in range(labels)], ["t"] * labels, len(keys), values)
     return keys, indexes, shards, values, manifest, view

@@ -68,7 +68,18 @@ def sharded_bundle(sample_dir, distilbert_dir, tmp_path_factory):
     (run / HOLDOUT_FILE).write_text("\n".join(train.uids[::20]))
     out = source.with_name("rae-2-shards-fused")
     fuse_bundle(
-        source, run, train, out, FuseParams("lambdarank", {"trees": 20}, groups=tuple(FEATURE_GROUPS), sparse_depth=10)
+        source,
+        run,
+        train,
+        out,
+        FuseParams(
+            "lambdarank",
+            {"trees": 20},
+            groups=tuple(FEATURE_GROUPS),
+            sparse_depth=10,
+            label_key_depth=10,
+            label_key_fetch=20,
+        ),
     )
     return out
 
