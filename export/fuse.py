@@ -19,6 +19,11 @@ fusion (one file per shard) and φ gains the lexical features. ``--extra-feature
 cheap optional groups of :data:`service.engine.FEATURE_GROUPS`; ``bench.fusion_models``
 says, on a validation split of the held-out instances, which of them and which model to use.
 
+Candidate sources beside the memory's top b: ``--sparse-depth D`` (a sparse linear ranker's top D,
+fitted here on the memory's texts and the labels' own) and ``--label-key-depth K`` (each query's
+nearest K label keys of a search ``--label-key-fetch`` keys deeper than b: the label index as a
+source). Each adds its features to φ, and the held-out searches are made as deep as the served ones.
+
 ``--rerank-depth M`` makes the fusion a two-stage ranking: T is fitted on, and at serving time
 rescores, each search's top M candidates by p̂ only (the rest are not returned), so an ensemble's
 cost is M rows a query, not every candidate.
