@@ -36,6 +36,7 @@ The fused bundle stays in its source's lineage: it replays and appends to the so
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import time
@@ -193,15 +194,7 @@ def fit_fusion(predictor: Predictor, train: XMCDataset, rows: np.ndarray, params
     fitted = fit_model(params.model, pairs, served.features, params.model_params)
     model, parity = onnx_fusion_model(fitted, pairs.X)
     log.info("fusion %s fitted on %d pairs (%s); ONNX parity %.3g", params.model, len(pairs.y), memory, parity)
-    fusion = ScoreFusion(
-        model,
-        served.log_frequency,
-        served.lexicon,
-        served.features,
-        params.rerank_depth,
-        served.sparse,
-        served.label_keys,
-    )
+    fusion = dataclasses.replace(served, model=model)  # its counts, lexicon, features and sources as fitted
     return FusionFit(
         fusion, fitted, parity, key_rows, len(rows), len(pairs.y), pairs.found, time.perf_counter() - started
     )
