@@ -42,7 +42,7 @@ never beside ``onnxruntime``: they ship the same module). ``make bench-gpu`` ins
 prepares the wheels (onnxruntime-gpu's CUDA provider cut to the GPU's own cubins), the bundle and
 the scripts as a few calls' worth of files, and the module then runs from the repository's root
 with that folder first on the path: ``PYTHONPATH=<folder> python3 -m bench.gpu --bundle <dir>``
-(bench/results/gpu.json, one H100, 2026-11-27).
+(bench/results/gpu.json, one H200, 2026-11-28; gpu-h100.json, one H100, 2026-11-27).
 
 Exit status: 0 when every stage ran or was skipped for the budget; 1 when a stage failed (its
 error is in the JSON); 2 when this machine lacks what the run needs, or for bad arguments.
@@ -122,6 +122,8 @@ class GpuBenchParams:
             ``independent`` (``count`` servers, one port each)
         loadgen_cores: cores kept for the scaling stage's load generator (-1: one in eight from 8
             cores on, none below, where it shares the servers' cores)
+        stages: the measuring stages run (serving, null_encoder, scaling); the others are
+            recorded as not asked for (the bundle stage always runs: it names the bundle)
     """
 
     out: Path = Path("bench/results/gpu.json")
@@ -159,6 +161,7 @@ class GpuBenchParams:
     cores_per_server: int = 0
     loadgen_cores: int = -1
     scaling_mode: str = "workers"
+    stages: tuple[str, ...] = STAGES[1:]
 
     @classmethod
     def dry(cls, **changes) -> GpuBenchParams:
@@ -867,7 +870,10 @@ def run(params: GpuBenchParams) -> dict:
             ("scaling", params.scaling_level_s(), lambda: scaling_stage(params, budget, bundle, bodies)),
         )
         for name, needed_s, body in stages:
-            run_stage(result, name, needed_s, budget, body, params.out)
+            if name in params.stages:
+                run_stage(result, name, needed_s, budget, body, params.out)
+            else:
+                skip_stage(result, name, "not asked for (--stages)", params.out)
     result["summary"] = summary(result)
     result["wall_s"] = round(budget.used(), 1)
     write_result(params.out, result)
@@ -902,13 +908,28 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("workers", "independent"),
         help="scaling: one server of N workers (default) or N servers",
     )
+    parser.add_argument(
+        "--stages", type=parse_stages, help=f"measuring stages to run, comma-separated (default {','.join(STAGES[1:])})"
+    )
+    parser.add_argument(
+        "--cores-per-server", type=int, help="scaling: cores each server or worker is pinned to (default: shared out)"
+    )
     return parser
+
+
+def parse_stages(text: str) -> tuple[str, ...]:
+    stages = tuple(part.strip() for part in text.split(",") if part.strip())
+    unknown = [name for name in stages if name not in STAGES[1:]]
+    if unknown or not stages:
+        known = ", ".join(STAGES[1:])
+        raise argparse.ArgumentTypeError(f"stages are among {known}; not {', '.join(unknown) or repr(text)}")
+    return stages
 
 
 def params_from(args: argparse.Namespace) -> GpuBenchParams:
     """The run's or the dry run's defaults, with what the command line gave."""
     options = ("budget_s", "out", "data", "bundle", "work", "checkpoint", "dim", "tiny_rows", "provider")
-    options += ("scaling_provider", "scaling_processes", "scaling_mode")
+    options += ("scaling_provider", "scaling_processes", "scaling_mode", "stages", "cores_per_server")
     given = {name: getattr(args, name) for name in options if getattr(args, name) is not None}
     if args.no_reuse:
         given["reuse_bundle"] = None

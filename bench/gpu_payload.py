@@ -25,7 +25,9 @@ what ``bench.gpu`` needs there, in an output folder that git ignores (``.gpu/``,
    that completes ONNX Runtime and the wheels (it unpacks them into /tmp/site, uninstalls the image's
    onnxruntime, compiles hnswlib, writes the CUDA libraries' folders to /tmp/ld_path and checks that
    the CUDA provider computes what the CPU does), ``run.sh`` with the last (it unpacks the bundle to
-   /tmp/bundle and runs ``python3 -m bench.gpu --bundle /tmp/bundle``).
+   /tmp/bundle and runs ``python3 -m bench.gpu --bundle /tmp/bundle``; ``BUDGET`` and ``BENCH_ARGS``
+   in its environment set the budget and add arguments, e.g. ``BENCH_ARGS="--stages scaling
+   --scaling-provider cuda --cores-per-server 3"`` for another run on the warm machine).
 
 It prints the device tool's calls, in order: ``run`` with each call's ``carry`` list, ``command`` and
 ``timeout_s`` (also in ``<out>/calls.json``). A session makes them back to back, each as soon as the
@@ -84,7 +86,10 @@ SDIST_ONLY = frozenset({"hnswlib"})
 CUDA_LIBS = ("libcudnn.so.9", "libcublas.so.13", "libcudart.so.13", "libcurand.so.10", "libcufft.so.12")
 # bench.gpu's --work default, where its servers write their logs (passed explicitly by run.sh)
 BENCH_WORK = "/tmp/xmcserve-bench-gpu"
+# onnxruntime first, as the service imports it: on the H200 image (2026-11-28) hnswlib compiled
+# there and then onnxruntime-gpu 1.31.1's _pybind_state segfaults, while the other order runs.
 PROBE_MODULES = (
+    "onnxruntime",
     "hnswlib",
     "faiss",
     "fastapi",
@@ -636,8 +641,8 @@ rm -rf /tmp/bundle && { joined @BUNDLE_PARTS@ | unxz | tar x -C /tmp; } || exit 
 out=${OUT:-/tmp/xmcserve-gpu-out}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/site LD_LIBRARY_PATH=$(cat /tmp/ld_path) PYTHONUNBUFFERED=1
-python3 -m bench.gpu --bundle /tmp/bundle --budget-s "${BUDGET:-@BUDGET@}" --work @WORK@ --out "$out/gpu.json" 2>&1 \
-    | tee "$out/run.log"
+python3 -m bench.gpu --bundle /tmp/bundle --budget-s "${BUDGET:-@BUDGET@}" --work @WORK@ \
+    --out "$out/gpu.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/run.log"
 rc=${PIPESTATUS[0]}
 # at most 8 files come back from $OUT: the servers' logs travel as one archive of their last 2 MB each
 if compgen -G "@WORK@/*.log" > /dev/null; then
@@ -928,7 +933,9 @@ def repo_folder(out: Path, root: Path = ROOT) -> str | None:
         relative = out.resolve().relative_to(root)
     except ValueError:
         return None
-    ignored = subprocess.run(["git", "-C", str(root), "check-ignore", "-q", str(relative)], capture_output=True)
+    # The trailing slash asks about a folder: git matches a folder pattern such as the README's
+    # "/.gpu/" against a path that does not exist yet only when told it is one.
+    ignored = subprocess.run(["git", "-C", str(root), "check-ignore", "-q", f"{relative}/"], capture_output=True)
     if ignored.returncode == 1:
         raise ValueError(
             f"{relative} is not ignored by git: it would travel with every call's tree; "

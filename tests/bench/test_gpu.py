@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.gpu import GpuBenchParams, MissingRequirements, core_plan, main, preflight
+from bench.gpu import GpuBenchParams, MissingRequirements, build_parser, core_plan, main, params_from, preflight
 
 
 def positive(value) -> bool:
@@ -99,3 +99,26 @@ def test_scaling_cores_leave_the_load_generator_its_own_from_eight_cores():
     assert loadgen == [14, 15] and servers == list(range(14)) and per_server == 1
     loadgen, servers, per_server = core_plan(GpuBenchParams.dry(), [0, 1])
     assert loadgen == [] and servers == [0, 1] and per_server == 1
+
+
+def test_stages_not_asked_for_are_skipped_and_say_so(sample_dir, tmp_path):
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    manifest = {"bundle_id": "b", "index_kind": "rae_memory", "dim": 16, "counts": {}, "source": {"encoder": "e"}}
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    out = tmp_path / "gpu.json"
+    args = ["--dry-run", "--bundle", str(bundle), "--data", str(sample_dir), "--out", str(out)]
+    # a budget too short for the scaling stage, so it is skipped for the budget, the others as not asked for
+    assert main([*args, "--budget-s", "8", "--stages", "scaling", "--work", str(tmp_path / "work")]) == 0
+    stages = json.loads(out.read_text())["stages"]
+    assert stages["serving"] == stages["null_encoder"] == {"status": "skipped", "reason": "not asked for (--stages)"}
+    assert stages["scaling"]["reason"].startswith("budget: needs about")
+
+
+def test_unknown_stages_and_the_cores_per_server_reach_the_params(capsys):
+    with pytest.raises(SystemExit) as refused:
+        main(["--stages", "serving,encoder"])
+    assert refused.value.code == 2 and "not encoder" in capsys.readouterr().err
+    params = params_from(build_parser().parse_args(["--stages", "scaling", "--cores-per-server", "3"]))
+    assert params.stages == ("scaling",) and params.cores_per_server == 3
+    assert GpuBenchParams().stages == ("serving", "null_encoder", "scaling")

@@ -33,6 +33,7 @@ from bench.gpu_payload import (
     part_names,
     probe_script,
     prune_fatbin,
+    repo_folder,
     run_script,
     runs_on,
     setup_script,
@@ -293,6 +294,7 @@ def test_the_scripts_parse_and_name_the_parts_of_their_calls(call_bytes, tmp_pat
         assert part in (run if piece.stream == "bundle.tar.xz" else setup)
     assert archives["ort.tar.xz"].sha256 in setup and archives["bundle.tar.xz"].sha256 in run
     assert '--budget-s "${BUDGET:-400}"' in run
+    assert '--out "$out/gpu.json" ${BENCH_ARGS:-} 2>&1' in run  # another run on the warm machine adds its arguments
 
     commands = call_commands(calls, ".gpu", 400)
     assert [command["carry"] for command in commands] == [[f".gpu/c{n}"] for n in range(1, len(calls) + 1)]
@@ -408,3 +410,19 @@ def test_help_starts_with_usage(capsys):
 def test_payload_params_count_megabytes_as_powers_of_ten():
     assert PayloadParams().call_bytes == 61_500_000 and PayloadParams(call_mb=1).call_bytes == 1_000_000
     assert "manylinux_2_28_x86_64" in PayloadParams().platforms and "manylinux1_x86_64" in PayloadParams().platforms
+
+
+def test_the_probe_imports_onnxruntime_before_the_compiled_hnswlib():
+    # the H200 image segfaulted in onnxruntime's init when the hnswlib compiled there came first
+    modules = re.search(r"for module in \((.*?)\):", probe_script()).group(1)
+    assert modules.index("'onnxruntime'") < modules.index("'hnswlib'")
+
+
+def test_the_output_folder_counts_as_ignored_before_it_exists(tmp_path):
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".git" / "info").mkdir(exist_ok=True)
+    (tmp_path / ".git" / "info" / "exclude").write_text("/.gpu/\n")
+    assert not (tmp_path / ".gpu").exists()
+    assert repo_folder(tmp_path / ".gpu", root=tmp_path) == ".gpu"
+    with pytest.raises(ValueError, match="not ignored by git"):
+        repo_folder(tmp_path / "carried", root=tmp_path)
