@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -40,11 +41,11 @@ from service.api.schemas import (
     predict_response_off_loop,
     request_body_openapi,
 )
-from service.engine import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
+from service.engine import BatchAnswer, BatcherStoppedError, DeadlineExceededError, Predictor, QueueFullError
 from service.http.admin import add_admin_routes, follow_group, require_admin
 from service.http.disconnect import EXTENSION as CLIENT_GONE
 from service.http.disconnect import ClientGone
-from service.http.group import FOLLOW_INTERVAL_S, WorkerGroup, alive
+from service.http.group import FOLLOW_INTERVAL_S, START_RETRY_S, Routing, WorkerGroup, alive
 from service.http.guards import LoadShed
 from service.http.metrics import SAMPLE_INTERVAL_S, Metrics, RequestObserver
 from service.http.rollout_page import add_rollout_routes
@@ -146,7 +147,7 @@ def least_wait(app: FastAPI) -> float | None:
 async def follow_changes(state: ServingState) -> None:
     """A group's worker: apply the admin changes the other workers make, as they make them. One
     that cannot be applied stops this worker (SIGTERM: it drains and exits), and the supervisor
-    starts a new one, which applies the whole admin log before it serves."""
+    starts a new one, which loads the state the whole admin log leaves before it serves."""
     while True:
         await asyncio.sleep(FOLLOW_INTERVAL_S)
         try:
@@ -155,6 +156,52 @@ async def follow_changes(state: ServingState) -> None:
             log.critical("stopping this worker: it could not apply the group's admin change", exc_info=True)
             os.kill(os.getpid(), signal.SIGTERM)
             return
+
+
+async def install_routing(state: ServingState, routing: Routing) -> None:
+    """Load the bundles ``routing`` names into their slots: A (a start fails without it), A's
+    previous and B (each served without when refused, as a B at start always was), the split and
+    the shadow share. A bundle named twice is loaded once."""
+    loaded: dict[str, Predictor] = {}
+
+    async def load(source: str, vet: bool) -> Predictor:
+        if source not in loaded:
+            loaded[source] = await load_for_serving(Path(source), state.settings, vet=vet)
+        return loaded[source]
+
+    try:
+        # nothing serves yet: a primary that fails stops start-up, no need to vet it apart
+        primary = await load(routing.primary, vet=False)
+    except BundleError as exc:
+        log.error(
+            "bundle %s refused, not starting: %s",
+            routing.primary,
+            exc,
+            extra=refused_fields(PRIMARY, Path(routing.primary), exc),
+        )
+        raise
+    if routing.previous is not None:
+        try:
+            state.install(PRIMARY, await load(routing.previous, vet=False), routing.previous)
+        except BundleError as exc:
+            log.error(
+                "A's previous bundle refused, serving with no rollback target: %s",
+                exc,
+                extra=refused_fields(PRIMARY, Path(routing.previous), exc),
+            )
+    state.install(PRIMARY, primary, routing.primary)  # the previous one, if any, becomes A's previous
+    if routing.candidate is not None:
+        try:
+            state.install(CANDIDATE, await load(routing.candidate, vet=True), routing.candidate)
+        except BundleError as exc:
+            log.error(
+                "candidate bundle refused, serving A only: %s",
+                exc,
+                extra=refused_fields(CANDIDATE, Path(routing.candidate), exc),
+            )
+    state.variants.split_b = routing.split_b
+    if routing.shadow_fraction is not None and state.shadow is not None:
+        state.shadow.set_fraction(routing.shadow_fraction)
 
 
 async def sample_gauges(metrics: Metrics) -> None:
@@ -177,7 +224,6 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         variants = Variants.create(settings.batcher_config(), metrics.batch_observer, metrics.drop_observer)
-        variants.split_b = settings.rollout.split_b
         for name, slot in variants.slots.items():
             metrics.track(metrics.queue_depth.labels(variant=name), lambda slot=slot: slot.batcher.depth)
             in_flight = metrics.batches_in_flight.labels(variant=name)
@@ -188,40 +234,32 @@ def create_app(
             metrics.start_at_zero(name)
         live = LiveTraffic(metrics.merged(metrics.request_seconds))
         state = ServingState(settings, metrics, variants, live=live, group=group)
-        # nothing serves yet: a primary that fails stops start-up, no need to vet it apart
-        try:
-            predictor = await load_for_serving(settings.bundle_dir, settings, vet=False)
-        except BundleError as exc:
-            log.error(
-                "bundle %s refused, not starting: %s",
-                settings.bundle_dir,
-                exc,
-                extra=refused_fields(PRIMARY, settings.bundle_dir, exc),
-            )
-            raise
-        # sources are absolute: /admin/state turns them into paths /admin/reload takes
-        state.install(PRIMARY, predictor, str(settings.bundle_dir.resolve()))
-        if candidate_dir := settings.rollout.candidate_bundle_dir:
-            try:
-                state.install(CANDIDATE, await load_for_serving(candidate_dir, settings), str(candidate_dir.resolve()))
-            except BundleError as exc:
-                log.error(
-                    "candidate bundle refused, serving A only: %s",
-                    exc,
-                    extra=refused_fields(CANDIDATE, candidate_dir, exc),
-                )
         state.shadow = build_shadow(settings, metrics)
+        # sources are absolute: /admin/state turns them into paths /admin/reload takes
+        candidate_dir = settings.rollout.candidate_bundle_dir
+        routing = Routing(
+            primary=str(settings.bundle_dir.resolve()),
+            candidate=str(candidate_dir.resolve()) if candidate_dir else None,
+            split_b=settings.rollout.split_b,
+        )
+        try:
+            if group is not None:  # the state the group's admin changes so far leave (none for the first)
+                routing = routing.replay(group.take_log())
+            await install_routing(state, routing)
+        except Exception:
+            if group is not None:  # the supervisor restarts a worker at once: not in a busy loop
+                log.critical("worker %d cannot start; exiting in %.0f s", os.getpid(), START_RETRY_S)
+                await asyncio.sleep(START_RETRY_S)
+            raise
         background = [asyncio.create_task(state.live.run())]  # the rollout page's live figures per variant
         if group is not None:
             metrics.forget_dead(alive)  # a killed worker's gauges (this one may be its replacement)
-            # the group's admin changes so far (a worker started after them, or restarted), then
-            # the others' as they make them
-            await follow_group(state)
-            group.acknowledge()
+            group.acknowledge()  # then the others' changes as they make them
             background += [asyncio.create_task(follow_changes(state)), asyncio.create_task(sample_gauges(metrics))]
         variants.start()
         state.shadow.start()
         app.state.serving = state
+        predictor = variants[PRIMARY].predictor
         log.info(
             "serving bundle %s on %s",
             predictor.bundle.bundle_id,

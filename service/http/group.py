@@ -10,8 +10,12 @@ group's run directory (``XMCSERVE_RUN_DIR``), which the supervisor creates empty
   made it. Every other worker applies the lines it has not applied yet, in order, with the same
   code (:meth:`WorkerGroup.follow`, every :data:`FOLLOW_INTERVAL_S`, and first thing in any admin
   call), so the workers go through the same states; a worker that starts later (one the supervisor
-  restarted after a crash) applies the whole log before it serves. A line's position is its
-  generation.
+  restarted after a crash) takes the state the whole log leaves before it serves. A line's
+  position is its generation.
+  A worker that starts later does not repeat the log change by change: it folds it into the
+  state it leaves (:class:`Routing`: which bundle A, B and A's previous serve, the split, the
+  shadow share) and loads only those bundles, so a restart costs the live bundles' loads however
+  long the log, and needs no bundle the group no longer serves (one an operator has deleted).
 - ``admin.lock``: one admin change at a time across the group (an exclusive ``flock``: a worker
   applies what the others logged, makes its change and logs it under it), appends included, so an
   append lands in the bundle that serves its variant in the group's order.
@@ -35,12 +39,13 @@ import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import anyio
 
 from bundle import XmcserveError
+from service.rollout import PRIMARY
 
 log = logging.getLogger("xmcserve.group")
 
@@ -53,6 +58,9 @@ CONVERGE_S = 120.0
 # how long an admin call waits for the group's turn (another worker's reload may hold it)
 TURN_WAIT_S = 300.0
 POLL_S = 0.01
+# how long a worker that cannot start waits before it exits: uvicorn's supervisor restarts a dead
+# worker at once, and one that cannot load the group's A would otherwise do so in a busy loop
+START_RETRY_S = 5.0
 
 
 class GroupError(XmcserveError, RuntimeError):
@@ -69,6 +77,50 @@ class Convergence:
 
     def describe(self) -> dict:
         return {"generation": self.generation, "applied": self.applied, "workers": self.workers}
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where the bundles that A, B and A's previous (the rollback target) serve were loaded from,
+    the share of traffic on B and the shadow share (None: the settings' own): the state a run of
+    admin changes leaves, as :class:`service.rollout.variants.Variants` makes them. Only changes
+    that were made are logged, so every one applies (a promote has a B, a rollback a previous)."""
+
+    primary: str
+    candidate: str | None = None
+    previous: str | None = None
+    split_b: float = 0.0
+    shadow_fraction: float | None = None
+
+    def after(self, change: dict) -> Routing:
+        op = change.get("op")
+        if op == "reload" and change["variant"] == PRIMARY:  # the A it replaces becomes the previous
+            return replace(self, primary=change["path"], previous=self.primary)
+        if op == "reload":
+            return replace(self, candidate=change["path"])
+        if op == "promote":  # B becomes A, B empties, all traffic on A
+            if self.candidate is None:
+                raise GroupError("the admin log promotes with no B loaded")
+            return replace(self, primary=self.candidate, previous=self.primary, candidate=None, split_b=0.0)
+        if op == "rollback":  # a second rollback undoes the first
+            if self.previous is None:
+                raise GroupError("the admin log rolls back with no previous A")
+            return replace(self, primary=self.previous, previous=self.primary)
+        if op == "config":
+            split_b = change.get("split_b")
+            shadow = change.get("shadow_fraction")
+            return replace(
+                self,
+                split_b=self.split_b if split_b is None else split_b,
+                shadow_fraction=self.shadow_fraction if shadow is None else shadow,
+            )
+        raise GroupError(f"unknown admin change {op!r}")
+
+    def replay(self, changes: list[dict]) -> Routing:
+        routing = self
+        for change in changes:
+            routing = routing.after(change)
+        return routing
 
 
 def alive(pid: int) -> bool:
@@ -139,6 +191,14 @@ class WorkerGroup:
             return self.log_path.stat().st_size > self._read_offset
         except FileNotFoundError:
             return False
+
+    def take_log(self) -> list[dict]:
+        """Every change logged so far, counted as applied: a starting worker that builds the
+        state they leave (:class:`Routing`) instead of making them one by one."""
+        changes = self.changes_after()
+        for change in changes:
+            self.mark_applied(change)
+        return changes
 
     def mark_applied(self, change: dict) -> None:
         self._read_offset += len(encoded(change))

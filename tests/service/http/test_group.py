@@ -1,14 +1,19 @@
 """service.http.group on its own: the admin change log read whole lines only and written only by a
 worker that has applied every earlier line, acknowledgements of dead workers dropped, and an admin
-call's wait for the others bounded (an injected clock)."""
+call's wait for the others bounded (an injected clock); the state a log of admin changes leaves
+(what a restarted worker loads) the state Variants reaches by making them one by one."""
 
 import asyncio
 import json
 import os
+import random
 
 import pytest
 
-from service.http.group import GroupError, WorkerGroup, alive
+from service.engine.batcher import BatcherConfig
+from service.http.group import GroupError, Routing, WorkerGroup, alive
+from service.rollout import CANDIDATE, PRIMARY
+from service.rollout.variants import Variants
 
 DEAD = 2**22 + 4321  # above Linux's largest pid: never a live process
 
@@ -75,3 +80,65 @@ def test_a_new_server_starts_from_an_empty_run_directory(run_dir):
     (run_dir / "metrics" / "counter_1.db").write_bytes(b"x")
     WorkerGroup.prepare(run_dir)
     assert not (run_dir / "admin.log").exists() and not list((run_dir / "metrics").iterdir())
+
+
+def made(variants: Variants, change: dict, bundles: dict[str, object]) -> None:
+    """``change`` made on ``variants`` as the admin routes make it (service.http.admin)."""
+    op = change["op"]
+    if op == "reload":
+        variants.install(change["variant"], bundles.setdefault(change["path"], object()), change["path"])
+    elif op == "promote":
+        variants.promote()
+    elif op == "rollback":
+        variants.rollback()
+    else:
+        variants.split_b = change["split_b"]
+
+
+def routing_of(variants: Variants) -> tuple:
+    previous = variants.previous.source if variants.previous else None
+    return variants[PRIMARY].source, variants[CANDIDATE].source, previous, variants.split_b
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_folded_log_leaves_the_state_the_changes_made_one_by_one_leave(seed):
+    rng = random.Random(seed)
+    variants = Variants.create(BatcherConfig(), lambda name: lambda n, t, s, tags: None)
+    bundles: dict[str, object] = {}
+    made(variants, {"op": "reload", "variant": PRIMARY, "path": "/b/start"}, bundles)
+    start, log = Routing(primary="/b/start"), []
+    for _ in range(rng.randrange(1, 30)):
+        # only changes that were made are logged: a promote needs a B, a rollback a previous A
+        ops = ["reload", "config"] + ["promote"] * variants[CANDIDATE].ready + ["rollback"] * bool(variants.previous)
+        op = rng.choice(ops)
+        change = {"op": op}
+        if op == "reload":
+            change |= {"variant": rng.choice([PRIMARY, CANDIDATE]), "path": f"/b/{rng.randrange(4)}"}
+        elif op == "config":
+            change["split_b"] = rng.choice([0.0, 0.1, 0.5])
+        made(variants, change, bundles)
+        log.append(change)
+        folded = start.replay(log)
+        assert routing_of(variants) == (folded.primary, folded.candidate, folded.previous, folded.split_b), log
+    assert start.replay(log).shadow_fraction is None  # no change set it: the settings' own
+
+
+def test_a_config_change_keeps_what_it_does_not_name_and_an_impossible_log_is_refused():
+    routing = Routing(primary="/a", split_b=0.2).after({"op": "config", "shadow_fraction": 0.5})
+    assert (routing.split_b, routing.shadow_fraction) == (0.2, 0.5)
+    assert routing.after({"op": "config", "split_b": 0.3}).shadow_fraction == 0.5
+    with pytest.raises(GroupError, match="no B"):
+        Routing(primary="/a").after({"op": "promote"})
+    with pytest.raises(GroupError, match="no previous"):
+        Routing(primary="/a").after({"op": "rollback"})
+    with pytest.raises(GroupError, match="unknown"):
+        Routing(primary="/a").after({"op": "resize"})
+
+
+def test_taking_the_log_counts_every_whole_line_as_applied(run_dir):
+    leader, starter = WorkerGroup(run_dir, 2, pid=os.getpid()), WorkerGroup(run_dir, 2, pid=os.getpid())
+    leader.record({"op": "reload", "variant": "B", "path": "/b"})
+    leader.record({"op": "promote"})
+    assert [c["op"] for c in starter.take_log()] == ["reload", "promote"] and starter.applied == 2
+    assert not starter.grown() and starter.take_log() == []
+    assert starter.record({"op": "rollback"}) == 3  # it may log next: nothing is left unapplied

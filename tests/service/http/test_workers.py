@@ -4,6 +4,7 @@ differ); an admin change made through either is in force in both when its call a
 sums both; a worker killed with SIGKILL is replaced by one that serves the same state."""
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -20,7 +21,7 @@ WORKERS = 2
 TRIES = 200  # new connections opened to find each worker (the kernel deals them out)
 
 
-def start(bundle_root, tmp_path, name="workers"):
+def start(bundle_root, tmp_path, name="workers", bundle="tiny-rae"):
     run_dir = tmp_path / f"{name}-run"
     env = {
         "XMCSERVE_BUNDLE_ROOT": str(bundle_root),
@@ -29,7 +30,7 @@ def start(bundle_root, tmp_path, name="workers"):
         "XMCSERVE_WORKERS": str(WORKERS),
         "XMCSERVE_RUN_DIR": str(run_dir),
     }
-    server = start_server(bundle_root / "tiny-rae", tmp_path / f"{name}.log", extra_env=env, timeout_s=180)
+    server = start_server(bundle_root / bundle, tmp_path / f"{name}.log", extra_env=env, timeout_s=180)
     wait_for(lambda: len(list((run_dir / "acks").glob("[0-9]*"))) == WORKERS, limit_s=120)
     return server
 
@@ -217,6 +218,66 @@ def test_a_killed_worker_is_replaced_by_one_in_the_same_state(server, bundle_roo
                 client.close()
     finally:
         first.close()
+
+
+def replaced(url: str, victim: int, limit_s: float = 120) -> dict[int, httpx.Client]:
+    """A client per worker once the supervisor has replaced ``victim`` (and it serves)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            workers = clients_per_worker(url)
+        except (AssertionError, httpx.HTTPError):
+            time.sleep(0.5)
+            continue
+        if victim not in workers:
+            return workers
+        for client in workers.values():
+            client.close()
+    raise AssertionError(f"no replacement worker within {limit_s:.0f} s")
+
+
+def test_a_replacement_worker_loads_what_the_group_serves_not_its_history(bundle_root, tmp_path):
+    """The bundle the server started with is reloaded away and deleted, as an operator does with
+    old bundles: a worker killed after that is replaced by one serving the group's A and its
+    rollback target, loaded without the deleted bundle (no restart loop)."""
+    root = tmp_path / "root"
+    for name in ("tiny-rae", "tiny-labels"):
+        shutil.copytree(bundle_root / name, root / name)
+    shutil.copytree(bundle_root / "tiny-rae", root / "start")
+    server = start(root, tmp_path, bundle="start")
+    try:
+        workers = clients_per_worker(server.url)
+        first, second = workers.values()
+        for bundle in ("tiny-rae", "tiny-labels"):
+            r = first.post("/admin/reload", json={"bundle": bundle, "variant": "A"}, headers=ADMIN)
+            assert r.status_code == 200 and r.json()["workers"]["applied"] == WORKERS, r.text
+        served = first.get("/admin/state", headers=ADMIN).json()
+        assert (served["variants"]["A"]["bundle"], served["previous"]["bundle"]) == ("tiny-labels", "tiny-rae")
+        shutil.rmtree(root / "start")
+        victim = pid_of(second)
+        for client in workers.values():
+            client.close()
+        os.kill(victim, signal.SIGKILL)
+        workers = replaced(server.url, victim)
+        try:
+            for pid, client in workers.items():
+                state = client.get("/admin/state", headers=ADMIN).json()
+                assert state["variants"]["A"]["bundle_id"] == served["variants"]["A"]["bundle_id"], pid
+                assert (state["variants"]["A"]["bundle"], state["previous"]["bundle"]) == ("tiny-labels", "tiny-rae")
+                assert client.get("/info").json()["worker"]["admin_generation"] == 2, pid
+            r = first_client(workers).post("/admin/rollback", headers=ADMIN)  # made by both, the new one too
+            assert r.status_code == 200 and r.json()["workers"]["applied"] == WORKERS, r.text
+            for client in workers.values():
+                assert client.get("/admin/state", headers=ADMIN).json()["variants"]["A"]["bundle"] == "tiny-rae"
+        finally:
+            for client in workers.values():
+                client.close()
+    finally:
+        stop_server(server)
+
+
+def first_client(workers: dict[int, httpx.Client]) -> httpx.Client:
+    return next(iter(workers.values()))
 
 
 def test_sigkilled_workers_during_append_streams_lose_no_acknowledged_append(server):
