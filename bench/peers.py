@@ -130,6 +130,10 @@ def ovr_logreg(X, Y, Xt, depth: int, threads: int, max_gb: float = 2.0) -> list[
     from sklearn.multiclass import OneVsRestClassifier
 
     seen = np.flatnonzero(np.asarray(Y.sum(axis=0)).ravel() > 0)  # a label never positive cannot be fitted
+    # canonical (sorted, no duplicates) before joblib hands X to its workers read-only memory-mapped:
+    # liblinear's input check would otherwise sort it in place there, and fail
+    X = X.tocsr(copy=True)
+    X.sum_duplicates()
     label_bytes = X.shape[1] * 8
     chunk = int(max_gb * 2**30 // label_bytes)
     if chunk < 1:

@@ -41,7 +41,7 @@ from service.api.schemas import (
     predict_response_off_loop,
     request_body_openapi,
 )
-from service.engine import BatchAnswer, BatcherStoppedError, DeadlineExceededError, Predictor, QueueFullError
+from service.engine import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
 from service.http.admin import add_admin_routes, follow_group, require_admin
 from service.http.disconnect import EXTENSION as CLIENT_GONE
 from service.http.disconnect import ClientGone
@@ -158,20 +158,16 @@ async def follow_changes(state: ServingState) -> None:
             return
 
 
-async def install_routing(state: ServingState, routing: Routing) -> None:
-    """Load the bundles ``routing`` names into their slots: A (a start fails without it), A's
-    previous and B (each served without when refused, as a B at start always was), the split and
-    the shadow share. A bundle named twice is loaded once."""
-    loaded: dict[str, Predictor] = {}
-
-    async def load(source: str, vet: bool) -> Predictor:
-        if source not in loaded:
-            loaded[source] = await load_for_serving(Path(source), state.settings, vet=vet)
-        return loaded[source]
-
+async def install_routing(state: ServingState, routing: Routing, logged_candidate: bool = False) -> None:
+    """Load the bundles ``routing`` names into their slots: A, A's previous and B, then the split
+    and the shadow share. A start fails without A, and without a B that the group's admin log
+    named (``logged_candidate``: the others serve it, so a worker without it would split traffic
+    differently); the settings' own B (as ever) and A's previous are served without when refused:
+    what this worker answers is the group's, only its rollback target is missing."""
+    settings = state.settings
     try:
         # nothing serves yet: a primary that fails stops start-up, no need to vet it apart
-        primary = await load(routing.primary, vet=False)
+        primary = await load_for_serving(Path(routing.primary), settings, vet=False)
     except BundleError as exc:
         log.error(
             "bundle %s refused, not starting: %s",
@@ -182,7 +178,8 @@ async def install_routing(state: ServingState, routing: Routing) -> None:
         raise
     if routing.previous is not None:
         try:
-            state.install(PRIMARY, await load(routing.previous, vet=False), routing.previous)
+            previous = await load_for_serving(Path(routing.previous), settings, vet=False)
+            state.install(PRIMARY, previous, routing.previous)
         except BundleError as exc:
             log.error(
                 "A's previous bundle refused, serving with no rollback target: %s",
@@ -192,13 +189,18 @@ async def install_routing(state: ServingState, routing: Routing) -> None:
     state.install(PRIMARY, primary, routing.primary)  # the previous one, if any, becomes A's previous
     if routing.candidate is not None:
         try:
-            state.install(CANDIDATE, await load(routing.candidate, vet=True), routing.candidate)
+            # the settings' B is vetted, as a reload's; one from the log was, by the worker that loaded it
+            candidate = await load_for_serving(Path(routing.candidate), settings, vet=not logged_candidate)
+            state.install(CANDIDATE, candidate, routing.candidate)
         except BundleError as exc:
             log.error(
-                "candidate bundle refused, serving A only: %s",
+                "candidate bundle refused, %s: %s",
+                "not starting" if logged_candidate else "serving A only",
                 exc,
                 extra=refused_fields(CANDIDATE, Path(routing.candidate), exc),
             )
+            if logged_candidate:
+                raise
     state.variants.split_b = routing.split_b
     if routing.shadow_fraction is not None and state.shadow is not None:
         state.shadow.set_fraction(routing.shadow_fraction)
@@ -237,15 +239,18 @@ def create_app(
         state.shadow = build_shadow(settings, metrics)
         # sources are absolute: /admin/state turns them into paths /admin/reload takes
         candidate_dir = settings.rollout.candidate_bundle_dir
-        routing = Routing(
+        start = Routing(
             primary=str(settings.bundle_dir.resolve()),
             candidate=str(candidate_dir.resolve()) if candidate_dir else None,
             split_b=settings.rollout.split_b,
         )
         try:
-            if group is not None:  # the state the group's admin changes so far leave (none for the first)
-                routing = routing.replay(group.take_log())
-            await install_routing(state, routing)
+            # a group's worker: the state the admin changes so far leave (none for the first), then
+            # the changes logged while it loaded, before it says how far it got
+            routing = start.replay(group.take_log()) if group is not None else start
+            await install_routing(state, routing, logged_candidate=routing.candidate != start.candidate)
+            if group is not None:
+                await follow_group(state)
         except Exception:
             if group is not None:  # the supervisor restarts a worker at once: not in a busy loop
                 log.critical("worker %d cannot start; exiting in %.0f s", os.getpid(), START_RETRY_S)

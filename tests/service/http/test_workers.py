@@ -238,21 +238,22 @@ def replaced(url: str, victim: int, limit_s: float = 120) -> dict[int, httpx.Cli
 
 def test_a_replacement_worker_loads_what_the_group_serves_not_its_history(bundle_root, tmp_path):
     """The bundle the server started with is reloaded away and deleted, as an operator does with
-    old bundles: a worker killed after that is replaced by one serving the group's A and its
-    rollback target, loaded without the deleted bundle (no restart loop)."""
+    old bundles: a worker killed after that is replaced by one serving the group's A, its rollback
+    target, B and the split, loaded without the deleted bundle (no restart loop). A B the log
+    names that no longer loads keeps a replacement out (it would split traffic differently), and
+    the other worker serves on."""
     root = tmp_path / "root"
-    for name in ("tiny-rae", "tiny-labels"):
-        shutil.copytree(bundle_root / name, root / name)
-    shutil.copytree(bundle_root / "tiny-rae", root / "start")
+    for name in ("tiny-rae", "tiny-labels", "start", "candidate"):
+        shutil.copytree(bundle_root / ("tiny-labels" if name == "tiny-labels" else "tiny-rae"), root / name)
     server = start(root, tmp_path, bundle="start")
     try:
         workers = clients_per_worker(server.url)
         first, second = workers.values()
-        for bundle in ("tiny-rae", "tiny-labels"):
-            r = first.post("/admin/reload", json={"bundle": bundle, "variant": "A"}, headers=ADMIN)
+        for bundle, variant in (("tiny-rae", "A"), ("tiny-labels", "A"), ("candidate", "B")):
+            r = first.post("/admin/reload", json={"bundle": bundle, "variant": variant}, headers=ADMIN)
             assert r.status_code == 200 and r.json()["workers"]["applied"] == WORKERS, r.text
+        assert second.post("/admin/config", json={"split_b": 0.3}, headers=ADMIN).status_code == 200
         served = first.get("/admin/state", headers=ADMIN).json()
-        assert (served["variants"]["A"]["bundle"], served["previous"]["bundle"]) == ("tiny-labels", "tiny-rae")
         shutil.rmtree(root / "start")
         victim = pid_of(second)
         for client in workers.values():
@@ -262,16 +263,25 @@ def test_a_replacement_worker_loads_what_the_group_serves_not_its_history(bundle
         try:
             for pid, client in workers.items():
                 state = client.get("/admin/state", headers=ADMIN).json()
+                assert [state["variants"][v]["bundle"] for v in "AB"] == ["tiny-labels", "candidate"], pid
                 assert state["variants"]["A"]["bundle_id"] == served["variants"]["A"]["bundle_id"], pid
-                assert (state["variants"]["A"]["bundle"], state["previous"]["bundle"]) == ("tiny-labels", "tiny-rae")
-                assert client.get("/info").json()["worker"]["admin_generation"] == 2, pid
+                assert (state["previous"]["bundle"], state["split_b"]) == ("tiny-rae", 0.3), pid
+                assert client.get("/info").json()["worker"]["admin_generation"] == 4, pid
             r = first_client(workers).post("/admin/rollback", headers=ADMIN)  # made by both, the new one too
             assert r.status_code == 200 and r.json()["workers"]["applied"] == WORKERS, r.text
             for client in workers.values():
                 assert client.get("/admin/state", headers=ADMIN).json()["variants"]["A"]["bundle"] == "tiny-rae"
+            shutil.rmtree(root / "candidate")
+            survivor, victim = list(workers)
         finally:
             for client in workers.values():
                 client.close()
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: "cannot start; exiting in 5 s" in server.log_path.read_text(), limit_s=120)
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            for i in range(5):  # the survivor answers meanwhile
+                assert top_uids(client, f"text {i}"), i
+        assert alive(survivor)
     finally:
         stop_server(server)
 
