@@ -140,8 +140,13 @@ def ovr_logreg(X, Y, Xt, depth: int, threads: int, max_gb: float = 2.0) -> list[
         raise DoesNotFit(f"one label's coefficients, {X.shape[1]} features x 8 B, exceed {max_gb:g} GiB")
     top_scores = np.empty((Xt.shape[0], 0))
     top_labels = np.empty((Xt.shape[0], 0), dtype=np.int64)
+    started = time.perf_counter()
     for start in range(0, len(seen), chunk):
         labels = seen[start : start + chunk]
+        if start:  # a fit of many labels takes minutes: say how far it is
+            done = start / len(seen)
+            left = (time.perf_counter() - started) * (1 - done) / done
+            print(f"tfidf-ovr-logreg: {start} of {len(seen)} labels, about {left / 60:.0f} min left", file=sys.stderr)
         if len(labels) == 1:  # OneVsRestClassifier reads one sparse column as a 1-D target, and fails
             model = LogisticRegression(solver="liblinear", C=10.0).fit(X, Y[:, labels].toarray().ravel())
         else:
