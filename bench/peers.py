@@ -126,9 +126,11 @@ class DoesNotFit(RuntimeError):
 
 
 def ovr_logreg(X, Y, Xt, depth: int, threads: int, max_gb: float = 2.0) -> list[list[int]]:
+    from sklearn.base import clone
     from sklearn.linear_model import LogisticRegression
     from sklearn.multiclass import OneVsRestClassifier
 
+    estimator = LogisticRegression(solver="liblinear", C=10.0)  # every label's, in every chunk
     seen = np.flatnonzero(np.asarray(Y.sum(axis=0)).ravel() > 0)  # a label never positive cannot be fitted
     # canonical (sorted, no duplicates) before joblib hands X to its workers read-only memory-mapped:
     # liblinear's input check would otherwise sort it in place there, and fail
@@ -148,10 +150,9 @@ def ovr_logreg(X, Y, Xt, depth: int, threads: int, max_gb: float = 2.0) -> list[
             left = (time.perf_counter() - started) * (1 - done) / done
             print(f"tfidf-ovr-logreg: {start} of {len(seen)} labels, about {left / 60:.0f} min left", file=sys.stderr)
         if len(labels) == 1:  # OneVsRestClassifier reads one sparse column as a 1-D target, and fails
-            model = LogisticRegression(solver="liblinear", C=10.0).fit(X, Y[:, labels].toarray().ravel())
+            model = clone(estimator).fit(X, Y[:, labels].toarray().ravel())
         else:
-            model = OneVsRestClassifier(LogisticRegression(solver="liblinear", C=10.0), n_jobs=threads)
-            model.fit(X, Y[:, labels])
+            model = OneVsRestClassifier(estimator, n_jobs=threads).fit(X, Y[:, labels])
         scores = model.decision_function(Xt).reshape(Xt.shape[0], -1)
         # earlier labels first, and a stable sort: ties keep the order one sort of every label gives
         merged_scores = np.hstack([top_scores, scores])
@@ -159,7 +160,7 @@ def ovr_logreg(X, Y, Xt, depth: int, threads: int, max_gb: float = 2.0) -> list[
         keep = np.argsort(-merged_scores, axis=1, kind="stable")[:, :depth]
         top_scores = np.take_along_axis(merged_scores, keep, axis=1)
         top_labels = np.take_along_axis(merged_labels, keep, axis=1)
-        del model
+        del model  # this chunk's coefficients, before the next chunk's are fitted: one chunk held at a time
     return top_labels.tolist()
 
 

@@ -370,9 +370,10 @@ class ScoreFusion:
         else:
             widths = [self.rerank_depth] * scores.shape[0] if ks is None else [max(self.rerank_depth, k) for k in ks]
             chosen = top_of_rows(scores, widths)
-        for extra in (margins.top if margins is not None else None, hits.top if hits is not None else None):
-            if extra is not None:
-                chosen = joined_candidates(scores, chosen, extra)
+        if margins is not None:
+            chosen = joined_candidates(scores, chosen, margins.top)
+        if hits is not None:
+            chosen = joined_candidates(scores, chosen, hits.top)
         return chosen
 
     def rescore(

@@ -9,13 +9,12 @@ group's run directory (``XMCSERVE_RUN_DIR``), which the supervisor creates empty
   made, one JSON line each, written and fsync'ed by the worker that made the change, after it
   made it. Every other worker applies the lines it has not applied yet, in order, with the same
   code (:meth:`WorkerGroup.follow`, every :data:`FOLLOW_INTERVAL_S`, and first thing in any admin
-  call), so the workers go through the same states; a worker that starts later (one the supervisor
-  restarted after a crash) takes the state the whole log leaves before it serves. A line's
-  position is its generation.
-  A worker that starts later does not repeat the log change by change: it folds it into the
-  state it leaves (:class:`Routing`: which bundle A, B and A's previous serve, the split, the
-  shadow share) and loads only those bundles, so a restart costs the live bundles' loads however
-  long the log, and needs no bundle the group no longer serves (one an operator has deleted).
+  call), so the workers go through the same states. A worker that starts later (one the
+  supervisor restarted after a crash) does not repeat the log change by change: it folds it into
+  the state it leaves (:class:`Routing`: which bundle A, B and A's previous serve, the split, the
+  shadow share) and loads only those bundles before it serves, so a restart costs the live
+  bundles' loads however long the log, and needs no bundle the group no longer serves (one an
+  operator has deleted). A line's position is its generation.
 - ``admin.lock``: one admin change at a time across the group (an exclusive ``flock``: a worker
   applies what the others logged, makes its change and logs it under it), appends included, so an
   append lands in the bundle that serves its variant in the group's order.
