@@ -23,7 +23,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 
 .PHONY: prereqs install images image-check compose-check serve serve-ray bundle test lint evaluate sample clean bench-serving bench-ann bench-ab loadtest \
-	train train-smoke trained-bundle fit bench-quality peers-venv infinity-venv bench-infinity bench-ab-own-cores bench-overload bench-ray-scale bench-million \
+	train train-smoke trained-bundle fit bench-quality bench-quality-fit peers-venv infinity-venv bench-infinity bench-ab-own-cores bench-overload bench-ray-scale bench-million \
 	bench-ann-compressed bench-ten-million bench-gpu bench-workers
 
 # What a fresh machine lacks, said before pip fails half-way through compiling hnswlib.
@@ -283,6 +283,16 @@ QUALITY_ARGS ?= --rae-mode split --rae-tau 0.04 --rae-top-b 200
 bench-quality: $(STAMP) $(PEERS_VENV)/.installed
 	$(MAKE) EXTRAS=cpu,train,dev,bench install
 	$(PY) -m bench.quality --peers-python $(PEERS_VENV)/bin/python $(QUALITY_ARGS)
+
+# A data set no default was tuned on, as a user meets it: every peer, export.build's defaults and
+# make fit's bundle (no setting changed), with and without the default fusion ->
+# bench/results/quality-<folder>-dev.*  Hours on 2 cores (make fit trains; the one-vs-rest peer fits
+# each label alone); the workdir keeps what was built, so a rerun only evaluates.
+QUALITY_DATA ?= data/gutenberg-subjects
+bench-quality-fit: $(STAMP) $(PEERS_VENV)/.installed
+	$(MAKE) EXTRAS=cpu,train,dev,bench install
+	$(PY) -m bench.quality --user-route --data $(QUALITY_DATA) --peers-python $(PEERS_VENV)/bin/python \
+		--workdir bundles/quality-$(notdir $(QUALITY_DATA))
 
 clean:
 	rm -rf $(VENV) $(PEERS_VENV) $(INFINITY_VENV) $(GPU_VENV) bundles runs .pytest_cache .ruff_cache

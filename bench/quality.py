@@ -23,6 +23,16 @@ comparison uses) and, beside it, as a caller's ``exclude`` before aggregation
 The trained checkpoint comes from ``--run`` (trained first with ``--config`` when it has none);
 its ``train_seconds`` is the run's own measurement (cache building + epochs). Writes the JSON,
 a markdown table and a PNG of P@1 / P@5 / PSP@5 against λ next to it.
+
+A data set no default was tuned on is measured as a user meets it (``make bench-quality-fit``)::
+
+    python -m bench.quality --user-route --data data/gutenberg-subjects \
+        --workdir bundles/quality-gutenberg-subjects   # -> bench/results/quality-gutenberg-subjects-dev.*
+
+Rows: every peer, and :data:`USER_ROUTE_ROWS`: ``export.build``'s defaults and ``make fit``'s
+bundle with no setting changed, each with and without the default fusion (:func:`user_route_rows`).
+Hours on 2 cores: ``make fit`` trains, and the one-vs-rest peer fits each label alone; the
+workdir keeps every bundle, the fit's summary and the peers' rows, so a rerun only evaluates.
 """
 
 from __future__ import annotations
@@ -36,9 +46,11 @@ from pathlib import Path
 
 import yaml
 
+from bench.peers import SYSTEMS as PEERS
 from export.build import ExportParams, build_bundle
 from export.derive import derive_rae_bundle
 from export.evaluate import evaluate_bundle
+from export.fit import fit as fit_bundle
 from export.fuse import FuseParams, fuse_bundle
 from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS
 from export.held_out import DEFAULT_HELD_OUT_MEMORY, add_held_out_memory_option
@@ -47,6 +59,7 @@ from xmc.checkpoint import HOLDOUT_FILE, LOG_FILE, PARAMS_FILE, ServingHead
 from xmc.data import load_jsonl_split
 from xmc.metrics import HEADLINE
 
+DEBIAN_OUT = "quality-debian-dev.json"
 LAMBDAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
@@ -74,11 +87,60 @@ def ensure_bundle(out: Path, train, params: ExportParams, checkpoint: Path | Non
     return time.perf_counter() - started
 
 
-def run_peers(python: Path, data: Path, workdir: Path) -> dict:
+def run_peers(python: Path, data: Path, workdir: Path, run=subprocess.run) -> dict:
+    """Every peer's row, run by ``python -m bench.peers`` in the peers' environment; ``peers.json``
+    in ``workdir`` keeps them, and only the systems it lacks are run (the one-vs-rest fit alone
+    takes an hour or more on 2 cores), then merged into it."""
     out = workdir / "peers.json"
-    if not out.is_file():
-        subprocess.run([str(python), "-m", "bench.peers", "--data", str(data), "--out", str(out)], check=True)
-    return json.loads(out.read_text())
+    rows = json.loads(out.read_text()) if out.is_file() else {}
+    missing = [name for name in PEERS if name not in rows]
+    if missing:
+        fresh = workdir / "peers-missing.json"
+        argv = ["-m", "bench.peers", "--data", str(data), "--systems", ",".join(missing), "--out", str(fresh)]
+        run([str(python), *argv], check=True)
+        rows.update(json.loads(fresh.read_text()))
+        out.write_text(json.dumps(rows, indent=2) + "\n")
+        fresh.unlink()
+    return {name: rows[name] for name in PEERS if name in rows}
+
+
+# The rows of a data set as a user meets it (--user-route), and what each is.
+USER_ROUTE_ROWS = {
+    "xmcserve-pretrained-memory": "export.build's defaults: pretrained MiniLM, joint RAE memory, no training",
+    "xmcserve-pretrained-fused": "the same memory + export.fuse's default, fitted on make fit's held-out instances",
+    "xmcserve-fit-memory": "make fit's trained RAE memory, no fusion",
+    "xmcserve-fit": "make fit's bundle, no setting changed: the trained memory + the default fusion and sparse ranker",
+}
+
+
+def user_route_rows(data: Path, workdir: Path, train, dev, fit=fit_bundle) -> tuple[dict, dict]:
+    """A data set as a user meets it (docs/own-data.md): ``export.build``'s defaults, and what
+    ``make fit`` builds with no setting changed (:func:`export.fit.fit`, its training sized to the
+    data), each with and without the default score fusion, so the table says what training and
+    what fusion were worth on data no default was tuned on. Returns the rows and ``make fit``'s
+    summary (its plan and each stage's seconds). Bundles already in ``workdir`` are reused."""
+    pretrained, bundle, run = workdir / "minilm-rae-64d", workdir / "fit", workdir / "fit-run"
+    summary_file = workdir / "fit.json"
+    if not summary_file.is_file():  # written last: a fit that stopped half-way is run again
+        summary = fit(data, bundle, run, force=True)
+        summary["seconds"]["pretrained"] = ensure_bundle(pretrained, train, ExportParams(), None, data)
+        summary_file.write_text(json.dumps(summary, indent=2) + "\n")
+    summary = json.loads(summary_file.read_text())
+    pretrained_fused = workdir / "minilm-rae-64d-fused"
+    if not (pretrained_fused / "manifest.json").is_file():
+        fuse_bundle(pretrained, run, train, pretrained_fused, FuseParams(), force=True)
+    stages = summary["seconds"]
+    bundles = {
+        "xmcserve-pretrained-memory": (pretrained, stages["pretrained"]),
+        "xmcserve-pretrained-fused": (pretrained_fused, stages["pretrained"]),
+        "xmcserve-fit-memory": (bundle.with_name(bundle.name + "-memory"), stages["train"] + stages["memory"]),
+        "xmcserve-fit": (bundle, stages["train"] + stages["memory"] + stages["fusion"]),
+    }
+    rows = {}
+    for name, (path, seconds) in bundles.items():
+        rows[name] = bundle_row(path, dev, train, seconds, USER_ROUTE_ROWS[name])
+        print(name, json.dumps({m: rows[name][m] for m in HEADLINE}), flush=True)
+    return rows, summary
 
 
 def ensure_trained(run: Path, config: Path) -> Path:
@@ -140,6 +202,9 @@ def markdown_table(systems: dict[str, dict]) -> str:
         "| --- | ---: | ---: | ---: | ---: | --- | ---: | --- |",
     ]
     for name, row in systems.items():
+        if "skipped" in row:  # a peer that did not fit this machine says why
+            lines.append(f"| {name} | {' | '.join('—' for _ in HEADLINE)} | — | — | skipped: {row['skipped']} |")
+            continue
         values = " | ".join("n/m" if row[m] is None else f"{row[m]:.2f}" for m in HEADLINE)
         before = " / ".join(f"{row['exclude_before'][m]:.2f}" for m in HEADLINE) if "exclude_before" in row else "—"
         lines.append(f"| {name} | {values} | {before} | {row['train_seconds']:.0f} | {row['notes']} |")
@@ -229,6 +294,13 @@ def main(argv: list[str] | None = None) -> int:
         help="evaluate only the pretrained-MiniLM rows and their λ sweep, replacing theirs in --out",
     )
     parser.add_argument(
+        "--user-route",
+        action="store_true",
+        help="a data set no default was tuned on, as a user meets it: the peers, export.build's defaults and "
+        "make fit's bundle (export.fit in --workdir, no setting changed), each with and without the default "
+        "fusion; --run, --config and the trained rows' options are not used",
+    )
+    parser.add_argument(
         "--ablation-base", type=Path, default=None, help="a training run the --ablation runs are compared with"
     )
     parser.add_argument(
@@ -241,15 +313,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out",
         type=Path,
-        default=Path("bench/results/quality-debian-dev.json"),
-        help="result JSON file; the markdown table and the λ plot are written beside it",
+        default=None,
+        help="result JSON file; the markdown table and the λ plot are written beside it (default: "
+        "bench/results/quality-debian-dev.json; with --user-route, quality-<the data folder's name>-dev.json)",
     )
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = Path("bench/results") / (f"quality-{args.data.name}-dev.json" if args.user_route else DEBIAN_OUT)
     ablations = training_ablations(args.ablation_base, args.ablation) if args.ablation_base else None
     fusion_models = fusion_model_table(json.loads(args.fusion_models.read_text())) if args.fusion_models else None
     args.workdir.mkdir(parents=True, exist_ok=True)
     train = load_jsonl_split(args.data, "trn")
     dev = load_jsonl_split(args.data, "dev", labels=train.labels)
+    if args.user_route:
+        systems = {} if args.skip_peers else run_peers(args.peers_python, args.data, args.workdir)
+        rows, summary = user_route_rows(args.data, args.workdir, train, dev)
+        write_results(args.out, args.data, dev, {**systems, **rows}, {}, extra={"make_fit": summary})
+        return 0
     if args.add_run or args.only_pretrained:
         earlier = json.loads(args.out.read_text())
         if args.add_run:
@@ -561,6 +641,7 @@ def write_results(
     sweeps: dict,
     ablations: dict | None = None,
     fusion_models: dict | None = None,
+    extra: dict | None = None,
 ) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {
@@ -573,11 +654,13 @@ def write_results(
         "fusion_ablation": fusion_ablation(systems),
         "fusion_models": fusion_models,
         "training_ablations": ablations,
+        **(extra or {}),
     }
     out.write_text(json.dumps(result, indent=2) + "\n")
     table = markdown_table(systems) + ablation_markdown(systems, ablations) + fusion_model_markdown(fusion_models)
     out.with_suffix(".md").write_text(table)
-    plot_sweep(sweeps, out.with_name("quality-rae-lambda.png"))
+    if sweeps:  # a user-route run sweeps nothing: the plot of the tuned data set is kept
+        plot_sweep(sweeps, out.with_name("quality-rae-lambda.png"))
     print(table)
 
 

@@ -1,11 +1,28 @@
 """bench.quality: each fused row's bundle is named by its fusion (a changed fusion is rebuilt, not
-reused), the single-tree comparison row keeps NGAME's tree, and the fusion candidates are tabled."""
+reused), the single-tree comparison row keeps NGAME's tree, and the fusion candidates are tabled;
+the peers a workdir lacks are run, and a data set's user-route rows are the bundles they name."""
 
 import argparse
+import json
+import shutil
 from pathlib import Path
 
-from bench.quality import fused_bundle_name, fusion_model_markdown, fusion_model_table, fusion_of_row
+from bench.quality import (
+    PEERS,
+    USER_ROUTE_ROWS,
+    fused_bundle_name,
+    fusion_model_markdown,
+    fusion_model_table,
+    fusion_of_row,
+    markdown_table,
+    run_peers,
+    user_route_rows,
+)
+from export.derive import derive_rae_bundle
+from export.fuse import FuseParams, fuse_bundle
 from export.fusion_fit import DEFAULT_PARAMS
+from service.engine.offline import load_bundle
+from xmc.data import load_jsonl_split
 
 
 def given(**overrides) -> argparse.Namespace:
@@ -98,3 +115,84 @@ def test_the_unfused_memory_and_each_candidate_s_dev_figures_are_tabled_when_mea
     assert f"| no fusion (p̂ alone) | {same} | 71.00 / 36.00 / 26.00 / 78.00 | 0 |" in markdown
     assert f"| tree@all[rae+lexical] | {same} | 71.00 / 36.00 / 26.00 / 78.00 | 0.020 | **chosen** |" in markdown
     assert f"| tree@200[rae+lexical] | {same} |  | 0.010 | PSP@5 below |" in markdown
+
+
+def test_the_peers_lacking_from_peers_json_alone_are_run_and_merged(tmp_path):
+    """A rerun runs only the peers its workdir lacks (the one-vs-rest fit takes an hour or more)."""
+    asked = []
+
+    def run(argv, check):
+        assert check
+        systems = argv[argv.index("--systems") + 1].split(",")
+        asked.append(systems)
+        out = Path(argv[argv.index("--out") + 1])
+        out.write_text(json.dumps({name: {"P@1": float(len(asked))} for name in systems}))
+
+    (tmp_path / "peers.json").write_text(json.dumps({"omikuji-bonsai": {"P@1": 47.6}}))
+    rows = run_peers(Path("python"), Path("data/x"), tmp_path, run=run)
+    assert asked == [[name for name in PEERS if name != "omikuji-bonsai"]]
+    assert list(rows) == list(PEERS)  # bench.peers' order, the kept row in its place
+    assert rows["omikuji-bonsai"] == {"P@1": 47.6} and rows["tfidf-ovr-logreg"] == {"P@1": 1.0}
+    assert run_peers(Path("python"), Path("data/x"), tmp_path, run=run) == rows and len(asked) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["peers.json"]
+
+
+def test_a_skipped_peer_is_a_row_that_says_why():
+    figures = {"P@1": 70.0, "P@5": 35.0, "PSP@5": 25.0, "R@100": 77.0}
+    table = markdown_table(
+        {
+            "omikuji-bonsai": {**figures, "train_seconds": 30.0, "notes": "n"},
+            "tfidf-ovr-logreg": {"skipped": "12 GiB > 8 GiB", "notes": "liblinear"},
+        }
+    )
+    assert "| omikuji-bonsai | 70.00 | 35.00 | 25.00 | 77.00 | — | 30 | n |" in table
+    assert "| tfidf-ovr-logreg | — | — | — | — | — | — | skipped: 12 GiB > 8 GiB |" in table
+
+
+def test_the_user_route_rows_are_make_fit_s_bundles_and_the_pretrained_memory_with_and_without_fusion(
+    memory_and_run, sample_dir, tmp_path
+):
+    """make fit (injected: the tiny memory, its run and the default fusion) is run once; each row is
+    the bundle it names, evaluated on dev, with the stages' seconds it cost."""
+    memory, held_out = memory_and_run
+    train = load_jsonl_split(sample_dir, "trn")
+    dev = load_jsonl_split(sample_dir, "dev", labels=train.labels)
+    shutil.copytree(memory, tmp_path / "minilm-rae-64d")  # as if export.build's defaults had built it
+    fits = []
+
+    def fit(data, bundle, run, force):
+        fits.append((data, bundle, run, force))
+        # a memory of its own (another λ), so no two rows evaluate one bundle
+        derive_rae_bundle(tmp_path / "minilm-rae-64d", bundle.with_name(bundle.name + "-memory"), train.Y, lam=0.3)
+        shutil.copytree(held_out, run)
+        fuse_bundle(bundle.with_name(bundle.name + "-memory"), run, train, bundle, FuseParams(sparse_depth=20))
+        return {"bundle": str(bundle), "seconds": {"train": 100.0, "memory": 20.0, "fusion": 5.0}}
+
+    rows, summary = user_route_rows(sample_dir, tmp_path, train, dev, fit=fit)
+    assert fits == [(sample_dir, tmp_path / "fit", tmp_path / "fit-run", True)]
+    assert list(rows) == list(USER_ROUTE_ROWS)
+    assert summary["seconds"] == {"train": 100.0, "memory": 20.0, "fusion": 5.0, "pretrained": 0.0}
+    seconds = {name: row["train_seconds"] for name, row in rows.items()}
+    assert seconds == {
+        "xmcserve-pretrained-memory": 0.0,
+        "xmcserve-pretrained-fused": 0.0,
+        "xmcserve-fit-memory": 120.0,
+        "xmcserve-fit": 125.0,
+    }
+    built = {
+        "xmcserve-pretrained-memory": tmp_path / "minilm-rae-64d",
+        "xmcserve-pretrained-fused": tmp_path / "minilm-rae-64d-fused",
+        "xmcserve-fit-memory": tmp_path / "fit-memory",
+        "xmcserve-fit": tmp_path / "fit",
+    }
+    for name, path in built.items():
+        assert rows[name]["bundle_id"] == load_bundle(path).manifest.bundle_id, name
+        assert 0 < rows[name]["P@1"] <= 100 and rows[name]["notes"] == USER_ROUTE_ROWS[name]
+    fused = load_bundle(tmp_path / "minilm-rae-64d-fused").manifest.fusion
+    assert fused is not None and fused.queries == 150  # fitted on make fit's held-out instances
+    assert fused.sparse is not None  # export.fuse's default: with the sparse ranker
+    assert len({row["bundle_id"] for row in rows.values()}) == 4
+    again, _ = user_route_rows(sample_dir, tmp_path, train, dev, fit=fit)
+    assert len(fits) == 1 and {n: r["bundle_id"] for n, r in again.items()} == {
+        n: r["bundle_id"] for n, r in rows.items()
+    }
