@@ -211,14 +211,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ovr-max-gb", type=float, default=2.0, help="tfidf-ovr-logreg's coefficients held at once (a chunk of labels)"
     )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the rows --out already has and run only the systems it lacks (the one-vs-rest fit alone is "
+        "an hour or more on 2 cores); each row is written as soon as it is measured",
+    )
     args = parser.parse_args(argv)
+    results = json.loads(args.out.read_text()) if args.keep and args.out.is_file() else {}
+    wanted = args.systems.split(",")
+    measure(args, [name for name in wanted if name not in results], results)
+    return 0
+
+
+def measure(args: argparse.Namespace, systems: list[str], results: dict) -> None:
+    """Run ``systems`` on ``args.data``'s split into ``results``, writing ``args.out`` (every row
+    in :data:`SYSTEMS`' order) after each, so a stopped run keeps what it measured."""
     train = load_jsonl_split(args.data, "trn")
     dev = load_jsonl_split(args.data, args.split, labels=train.labels)
     exclude = dev.filter_sets()
     depth = args.k + max((len(e) for e in exclude), default=0)
     Y = (train.Y > 0).astype(np.float32).tocsr()
-    results = {}
-    for name in args.systems.split(","):
+
+    def write() -> None:
+        ordered = {name: results[name] for name in SYSTEMS if name in results}
+        args.out.write_text(json.dumps({**ordered, **results}, indent=2) + "\n")
+
+    write()
+    for name in systems:
         started = time.perf_counter()
         featurize, train_and_predict, features = SYSTEMS[name]
         X, Xt = featurize(train, dev)
@@ -228,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         except DoesNotFit as exc:
             results[name] = {"skipped": str(exc), "notes": features}
             print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
+            write()
             continue
         seconds = time.perf_counter() - started
         ranked = drop_excluded(candidates, exclude, args.k)
@@ -238,8 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             f"threads; {len(dev.filter_pairs)} filter pairs applied",
         }
         print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    return 0
+        write()
 
 
 if __name__ == "__main__":

@@ -46,7 +46,6 @@ from pathlib import Path
 
 import yaml
 
-from bench.peers import SYSTEMS as PEERS
 from export.build import ExportParams, build_bundle
 from export.derive import derive_rae_bundle
 from export.evaluate import evaluate_bundle
@@ -88,20 +87,12 @@ def ensure_bundle(out: Path, train, params: ExportParams, checkpoint: Path | Non
 
 
 def run_peers(python: Path, data: Path, workdir: Path, run=subprocess.run) -> dict:
-    """Every peer's row, run by ``python -m bench.peers`` in the peers' environment; ``peers.json``
-    in ``workdir`` keeps them, and only the systems it lacks are run (the one-vs-rest fit alone
-    takes an hour or more on 2 cores), then merged into it."""
+    """Every peer's row, by ``python -m bench.peers`` in the peers' environment; ``peers.json`` in
+    ``workdir`` keeps the rows measured, and only the systems it lacks are run (``--keep``: the
+    one-vs-rest fit alone takes an hour or more on 2 cores)."""
     out = workdir / "peers.json"
-    rows = json.loads(out.read_text()) if out.is_file() else {}
-    missing = [name for name in PEERS if name not in rows]
-    if missing:
-        fresh = workdir / "peers-missing.json"
-        argv = ["-m", "bench.peers", "--data", str(data), "--systems", ",".join(missing), "--out", str(fresh)]
-        run([str(python), *argv], check=True)
-        rows.update(json.loads(fresh.read_text()))
-        out.write_text(json.dumps(rows, indent=2) + "\n")
-        fresh.unlink()
-    return {name: rows[name] for name in PEERS if name in rows}
+    run([str(python), "-m", "bench.peers", "--data", str(data), "--out", str(out), "--keep"], check=True)
+    return json.loads(out.read_text())
 
 
 # The rows of a data set as a user meets it (--user-route), and what each is.

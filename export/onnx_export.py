@@ -68,7 +68,8 @@ def random_texts(tokenizer: Tokenizer, count: int, seed: int = 0, max_words: int
     """Texts of random vocabulary words, punctuation and digits, 1 to ``max_words`` words long
     (long ones hit the truncation limit)."""
     rng = random.Random(seed)
-    vocab = [w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 1]
+    # sorted: the vocabulary dict's order differs from one process to the next, and with it the texts
+    vocab = sorted(w for w in tokenizer.get_vocab() if w.isalpha() and len(w) > 1)
     extras = list(",.:;-()/+") + [str(d) for d in range(10)]
     texts = []
     for _ in range(count):

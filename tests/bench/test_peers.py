@@ -1,10 +1,14 @@
 """bench.peers' one-vs-rest baseline fitted in chunks of labels ranks as one OneVsRestClassifier
-over every label does, and refuses only a budget too small for one label."""
+over every label does, and refuses only a budget too small for one label; ``--keep`` runs only the
+systems its result lacks."""
+
+import json
 
 import numpy as np
 import pytest
 import scipy.sparse as sp
 
+from bench import peers
 from bench.peers import DoesNotFit, ovr_logreg
 
 
@@ -38,3 +42,30 @@ def test_a_budget_below_one_label_is_refused():
     X, Y, Xt = data()
     with pytest.raises(DoesNotFit, match="one label's coefficients"):
         ovr_logreg(X, Y, Xt, depth=5, threads=1, max_gb=1e-9)
+
+
+def test_keep_runs_only_the_systems_the_result_lacks_and_writes_them_in_order(sample_dir, tmp_path, monkeypatch):
+    ran = []
+
+    def system(name: str):
+        def featurize(train, dev):
+            return sp.csr_matrix((len(train), 1)), sp.csr_matrix((len(dev), 1))
+
+        def model(X, Y, Xt, depth, threads):
+            ran.append(name)
+            return [[0, 1, 2]] * Xt.shape[0]
+
+        return featurize, model, f"system {name}"
+
+    monkeypatch.setattr(peers, "SYSTEMS", {name: system(name) for name in ("a", "b", "c")})
+    out = tmp_path / "peers.json"
+    kept = {"b": {"P@1": 12.5, "notes": "measured before"}}
+    out.write_text(json.dumps(kept))
+    assert peers.main(["--data", str(sample_dir), "--systems", "c,a,b", "--out", str(out), "--keep"]) == 0
+    rows = json.loads(out.read_text())
+    assert ran == ["c", "a"] and list(rows) == ["a", "b", "c"] and rows["b"] == kept["b"]
+    assert rows["a"]["notes"].startswith("system a; ") and 0 <= rows["a"]["P@1"] <= 100
+    peers.main(["--data", str(sample_dir), "--systems", "a,b,c", "--out", str(out), "--keep"])
+    assert ran == ["c", "a"]  # nothing lacking, nothing run
+    peers.main(["--data", str(sample_dir), "--systems", "b", "--out", str(out)])
+    assert ran == ["c", "a", "b"] and list(json.loads(out.read_text())) == ["b"]  # without --keep: anew

@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 from bench.quality import (
-    PEERS,
     USER_ROUTE_ROWS,
     fused_bundle_name,
     fusion_model_markdown,
@@ -117,24 +116,18 @@ def test_the_unfused_memory_and_each_candidate_s_dev_figures_are_tabled_when_mea
     assert f"| tree@200[rae+lexical] | {same} |  | 0.010 | PSP@5 below |" in markdown
 
 
-def test_the_peers_lacking_from_peers_json_alone_are_run_and_merged(tmp_path):
-    """A rerun runs only the peers its workdir lacks (the one-vs-rest fit takes an hour or more)."""
-    asked = []
+def test_the_peers_run_in_their_environment_keeping_the_rows_the_workdir_has(tmp_path):
+    """bench.peers --keep runs only what peers.json lacks (the one-vs-rest fit takes an hour or more)."""
+    calls = []
 
     def run(argv, check):
-        assert check
-        systems = argv[argv.index("--systems") + 1].split(",")
-        asked.append(systems)
-        out = Path(argv[argv.index("--out") + 1])
-        out.write_text(json.dumps({name: {"P@1": float(len(asked))} for name in systems}))
+        calls.append(argv)
+        Path(argv[argv.index("--out") + 1]).write_text(json.dumps({"omikuji-bonsai": {"P@1": 47.6}}))
 
-    (tmp_path / "peers.json").write_text(json.dumps({"omikuji-bonsai": {"P@1": 47.6}}))
-    rows = run_peers(Path("python"), Path("data/x"), tmp_path, run=run)
-    assert asked == [[name for name in PEERS if name != "omikuji-bonsai"]]
-    assert list(rows) == list(PEERS)  # bench.peers' order, the kept row in its place
-    assert rows["omikuji-bonsai"] == {"P@1": 47.6} and rows["tfidf-ovr-logreg"] == {"P@1": 1.0}
-    assert run_peers(Path("python"), Path("data/x"), tmp_path, run=run) == rows and len(asked) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["peers.json"]
+    rows = run_peers(Path(".venv-peers/bin/python"), Path("data/x"), tmp_path, run=run)
+    out = str(tmp_path / "peers.json")
+    assert calls == [[".venv-peers/bin/python", "-m", "bench.peers", "--data", "data/x", "--out", out, "--keep"]]
+    assert rows == {"omikuji-bonsai": {"P@1": 47.6}}
 
 
 def test_a_skipped_peer_is_a_row_that_says_why():

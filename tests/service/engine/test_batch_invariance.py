@@ -24,7 +24,10 @@ def quantized(sample_bundle, sample_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("quantized")
     paths = {}
     for method in ("int8", "int8-static"):
-        derive_quantized_bundle(sample_bundle, root / method, method, calibration)
+        # these tests are of batching, not of drift (export's own floor, tested in tests/export): the
+        # dynamic graph's least cosine on the parity texts moves with the int8 kernel (0.87-0.91 over
+        # 8 parity seeds on AVX-512 VNNI), too near export's 0.85 for every machine of this kind
+        derive_quantized_bundle(sample_bundle, root / method, method, calibration, least_cosine=0.5)
         paths[method] = root / method
     return paths
 

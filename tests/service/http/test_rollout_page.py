@@ -212,11 +212,16 @@ def test_an_operator_compares_watches_and_promotes_in_the_browser(servers, evalu
     find(By.ID, "unlock").click()
     wait.until(lambda d: find(By.ID, "main").is_displayed() and find(By.ID, "a-bundle").text == a_id)
 
-    # reload B through the page: a corrupt bundle is refused in words, then a good one loads
-    Select(find(By.ID, "bundle")).select_by_value("corrupt")
+    # reload B through the page: a corrupt bundle is refused in words, then a good one loads. The
+    # bundle list is a fetch of its own, after the page unlocks: on a loaded machine it came later
+    def choose_bundle(name: str) -> None:
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f'#bundle option[value="{name}"]'))
+        Select(find(By.ID, "bundle")).select_by_value(name)
+
+    choose_bundle("corrupt")
     find(By.ID, "reload-b").click()
     wait.until(lambda d: "checksum mismatch" in find(By.ID, "action-result").text)
-    Select(find(By.ID, "bundle")).select_by_value("tiny-labels")
+    choose_bundle("tiny-labels")
     find(By.ID, "reload-b").click()
     wait.until(lambda d: find(By.ID, "action-result").text.startswith("B now serves"))
     b_id = httpx.get(f"{primary.url}/admin/state", headers=ADMIN).json()["variants"]["B"]["bundle_id"]

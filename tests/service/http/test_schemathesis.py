@@ -34,8 +34,15 @@ def test_no_server_errors_and_answers_match_the_schema(live_schema):
             max_examples=EXAMPLES_PER_OPERATION, deadline=None, suppress_health_check=list(HealthCheck), database=None
         )
         def check(case):
-            response = case.call_and_validate(checks=[not_a_server_error, response_schema_conformance], timeout=60)
+            response = case.call(timeout=60)
             calls.append(response.status_code)
+            # a deadline the caller set itself (timeout_ms: 1) that the queue could not meet is a 503
+            # by design; on a loaded machine it happened, on an idle one it did not. Its body is still
+            # checked against the schema; every other 5xx is a failure
+            asked = isinstance(case.body, dict) and case.body.get("timeout_ms") is not None
+            missed = response.status_code == 503 and asked and "within its deadline" in response.text
+            checks = [response_schema_conformance] if missed else [not_a_server_error, response_schema_conformance]
+            case.validate_response(response, checks=checks)
 
         check()
         checked.append(operation.label)
