@@ -218,15 +218,21 @@ def main(argv: list[str] | None = None) -> int:
         "an hour or more on 2 cores); each row is written as soon as it is measured",
     )
     args = parser.parse_args(argv)
-    results = json.loads(args.out.read_text()) if args.keep and args.out.is_file() else {}
     wanted = args.systems.split(",")
-    measure(args, [name for name in wanted if name not in results], results)
+    unknown = [name for name in wanted if name not in SYSTEMS]
+    if unknown:  # before --out is touched: a typo must not cost the rows it holds
+        parser.error(f"unknown --systems {unknown}; known: {', '.join(SYSTEMS)}")
+    results = json.loads(args.out.read_text()) if args.keep and args.out.is_file() else {}
+    # a skipped row is tried again: it is refused before any fit, and the budget may have grown
+    measure(args, [name for name in wanted if "skipped" in results.get(name, {"skipped": ""})], results)
     return 0
 
 
 def measure(args: argparse.Namespace, systems: list[str], results: dict) -> None:
     """Run ``systems`` on ``args.data``'s split into ``results``, writing ``args.out`` (every row
     in :data:`SYSTEMS`' order) after each, so a stopped run keeps what it measured."""
+    if not systems:
+        return
     train = load_jsonl_split(args.data, "trn")
     dev = load_jsonl_split(args.data, args.split, labels=train.labels)
     exclude = dev.filter_sets()
@@ -237,7 +243,6 @@ def measure(args: argparse.Namespace, systems: list[str], results: dict) -> None
         ordered = {name: results[name] for name in SYSTEMS if name in results}
         args.out.write_text(json.dumps({**ordered, **results}, indent=2) + "\n")
 
-    write()
     for name in systems:
         started = time.perf_counter()
         featurize, train_and_predict, features = SYSTEMS[name]

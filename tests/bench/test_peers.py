@@ -69,3 +69,26 @@ def test_keep_runs_only_the_systems_the_result_lacks_and_writes_them_in_order(sa
     assert ran == ["c", "a"]  # nothing lacking, nothing run
     peers.main(["--data", str(sample_dir), "--systems", "b", "--out", str(out)])
     assert ran == ["c", "a", "b"] and list(json.loads(out.read_text())) == ["b"]  # without --keep: anew
+    with pytest.raises(SystemExit):  # a typo is refused before the file is touched
+        peers.main(["--data", str(sample_dir), "--systems", "b,d", "--out", str(out)])
+    assert list(json.loads(out.read_text())) == ["b"]
+
+
+def test_each_row_is_written_as_measured_and_a_skipped_one_is_tried_again(sample_dir, tmp_path, monkeypatch):
+    def featurize(train, dev):
+        return sp.csr_matrix((len(train), 1)), sp.csr_matrix((len(dev), 1))
+
+    def ranks(X, Y, Xt, depth, threads):
+        return [[0, 1]] * Xt.shape[0]
+
+    def fails(X, Y, Xt, depth, threads):
+        raise RuntimeError("killed half-way")
+
+    systems = {"a": (featurize, ranks, "A"), "b": (featurize, fails, "B")}
+    monkeypatch.setattr(peers, "SYSTEMS", systems)
+    out = tmp_path / "peers.json"
+    out.write_text(json.dumps({"a": {"skipped": "did not fit then", "notes": "A"}}))
+    with pytest.raises(RuntimeError, match="killed"):
+        peers.main(["--data", str(sample_dir), "--systems", "a,b", "--out", str(out), "--keep"])
+    rows = json.loads(out.read_text())
+    assert list(rows) == ["a"] and "skipped" not in rows["a"]  # measured again, and kept though b failed

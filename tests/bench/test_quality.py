@@ -6,7 +6,9 @@ import argparse
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
+from bench import quality
 from bench.quality import (
     USER_ROUTE_ROWS,
     fused_bundle_name,
@@ -128,6 +130,24 @@ def test_the_peers_run_in_their_environment_keeping_the_rows_the_workdir_has(tmp
     out = str(tmp_path / "peers.json")
     assert calls == [[".venv-peers/bin/python", "-m", "bench.peers", "--data", "data/x", "--out", out, "--keep"]]
     assert rows == {"omikuji-bonsai": {"P@1": 47.6}}
+    # --peer-systems: only those are run and tabled, the file's other rows stay in it
+    assert run_peers(Path("python"), Path("data/x"), tmp_path, "pecos-xr-linear", run=run) == {}
+    assert calls[-1][-2:] == ["--systems", "pecos-xr-linear"]
+
+
+def test_the_user_route_writes_its_rows_under_the_data_folder_s_name_and_keeps_the_lambda_plot(tmp_path, monkeypatch):
+    figures = {"P@1": 50.0, "P@5": 20.0, "PSP@5": 40.0, "R@100": 70.0}
+    row = {**figures, "exclude_before": figures, "train_seconds": 1.0, "notes": "n"}
+    monkeypatch.setattr(quality, "user_route_rows", lambda *args: ({"xmcserve-fit": row}, {"seconds": {"train": 1}}))
+    monkeypatch.setattr(
+        quality, "load_jsonl_split", lambda data, split, labels=None: SimpleNamespace(labels=[], filter_pairs=[])
+    )
+    monkeypatch.chdir(tmp_path)
+    assert quality.main(["--user-route", "--skip-peers", "--data", "data/my-set", "--workdir", "w"]) == 0
+    written = json.loads((tmp_path / "bench/results/quality-my-set-dev.json").read_text())
+    assert written["systems"] == {"xmcserve-fit": row} and written["make_fit"] == {"seconds": {"train": 1}}
+    assert (tmp_path / "bench/results/quality-my-set-dev.md").is_file()
+    assert not (tmp_path / "bench/results/quality-rae-lambda.png").exists()  # the tuned set's plot is left alone
 
 
 def test_a_skipped_peer_is_a_row_that_says_why():
@@ -164,11 +184,12 @@ def test_the_user_route_rows_are_make_fit_s_bundles_and_the_pretrained_memory_wi
     rows, summary = user_route_rows(sample_dir, tmp_path, train, dev, fit=fit)
     assert fits == [(sample_dir, tmp_path / "fit", tmp_path / "fit-run", True)]
     assert list(rows) == list(USER_ROUTE_ROWS)
-    assert summary["seconds"] == {"train": 100.0, "memory": 20.0, "fusion": 5.0, "pretrained": 0.0}
+    fusing = summary["seconds"].pop("pretrained_fusion")  # timed here: the fusion of the pretrained memory
+    assert summary["seconds"] == {"train": 100.0, "memory": 20.0, "fusion": 5.0, "pretrained": 0.0} and fusing > 0
     seconds = {name: row["train_seconds"] for name, row in rows.items()}
     assert seconds == {
         "xmcserve-pretrained-memory": 0.0,
-        "xmcserve-pretrained-fused": 0.0,
+        "xmcserve-pretrained-fused": round(fusing, 1),
         "xmcserve-fit-memory": 120.0,
         "xmcserve-fit": 125.0,
     }
