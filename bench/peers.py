@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown --systems {unknown}; known: {', '.join(SYSTEMS)}")
     results = json.loads(args.out.read_text()) if args.keep and args.out.is_file() else {}
     # a skipped row is tried again: it is refused before any fit, and the budget may have grown
-    measure(args, [name for name in wanted if "skipped" in results.get(name, {"skipped": ""})], results)
+    lacking = [name for name in wanted if name not in results or "skipped" in results[name]]
+    measure(args, lacking, results)
     return 0
 
 
