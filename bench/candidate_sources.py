@@ -113,6 +113,7 @@ def serving_cost(bundles: list[Path], texts: list[str], rounds: int = 3, batch: 
             "batched_queries_per_second": round(statistics.median(f["qps"]), 1),
             "idle_p50_ms": round(statistics.median(f["p50"]), 3),
             "rounds": rounds,
+            "per_round": {"batched_queries_per_second": [round(q, 1) for q in f["qps"]], "idle_p50_ms": f["p50"]},
         }
         for name, f in figures.items()
     }
@@ -141,12 +142,15 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         help="instead: these built bundles' batched q/s and idle p50 in turns, added to --out's serving_cost",
     )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of turns for --serving-cost (the median is reported)"
+    )
     args = parser.parse_args(argv)
     if args.serving_cost:
         texts = load_jsonl_split(args.data, "dev").texts[:1024]
         result = json.loads(args.out.read_text()) if args.out.is_file() else {}
         result["serving_cost"] = {"machine": platform.processor() or platform.machine()}
-        result["serving_cost"] |= serving_cost(args.serving_cost, texts)
+        result["serving_cost"] |= serving_cost(args.serving_cost, texts, rounds=args.rounds)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result["serving_cost"], indent=2))
         return 0

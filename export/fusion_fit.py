@@ -13,6 +13,7 @@ import numpy as np
 
 from bundle import FusionModelKind
 from export.held_out import HeldOutPairs
+from service.engine.offline import SOURCE_GROUPS
 
 # The feature groups every fusion has, the base the optional groups are added to (and named after).
 BASE_GROUPS: tuple[str, ...] = ("rae", "lexical")
@@ -32,8 +33,8 @@ class FusionChoice:
 
     @property
     def extra_groups(self) -> tuple[str, ...]:
-        """The optional feature groups added to the base ones."""
-        return tuple(group for group in self.groups if group not in BASE_GROUPS)
+        """The optional feature groups added to the base ones (a source's own are named by it)."""
+        return tuple(group for group in self.groups if group not in BASE_GROUPS + SOURCE_GROUPS)
 
     @property
     def name(self) -> str:
@@ -55,17 +56,19 @@ def depth_name(rerank_depth: int | None) -> str:
 DEFAULT_PARAMS: dict[str, dict] = {
     "tree": {"depth": 7, "min_leaf": 50},
     "gbdt": {"trees": 100, "depth": 6, "leaves": 31, "min_leaf": 20, "learning_rate": 0.1},
-    "lambdarank": {"trees": 60, "depth": 6, "leaves": 15, "min_leaf": 20, "learning_rate": 0.1},
+    "lambdarank": {"trees": 60, "depth": 6, "leaves": 31, "min_leaf": 20, "learning_rate": 0.1},
 }
-# The default fusion, the one place it is defined (export.fuse's defaults, bench.quality's): the
-# choice bench.fusion_models made on the CPU recipe's held-out instances, searched against the
-# memory without them, among the models the fusion's bill leaves room for (at most 0.15 ms a query
-# in ONNX Runtime; docs/score-fusion.md): LambdaMART (60 trees, 15 leaves) over the RAE and lexical
-# features, rescoring each query's top 200 by p̂. No optional group added enough. Its name is the
-# "chosen" of bench/results/fusion-models.json (tests/bench/test_fusion_models.py checks it).
-# Its candidates are the memory's and, since 2026-11-27, a sparse linear ranker's top 100 (a label
-# centroid over the lexical term space, each label's own text among its texts): the choice of
-# bench.candidate_sources on the same held-out validation (bench/results/candidate-sources-debian.json).
+# The default fusion, the one place it is defined (export.fuse's defaults, bench.quality's, make
+# fit's): the choice bench.fusion_models made on the CPU recipe's held-out instances, searched
+# against the memory without them, over the candidates it serves: the memory's and a sparse linear
+# ranker's top 100 (a label centroid over the lexical term space, each label's own text among its
+# texts; the choice of bench.candidate_sources on the same held-out validation,
+# bench/results/candidate-sources-debian.json). Among the models the serving bill leaves room for
+# (at most 0.3 ms a query in ONNX Runtime): LambdaMART (60 trees, 31 leaves) over the RAE, lexical
+# and sparse features, rescoring each query's top 200 by p̂. No optional group added enough. Its
+# name is the "chosen" of bench/results/fusion-models-sparse.json (2026-11-28; 60 trees of 15
+# leaves before, chosen over the memory's candidates alone in bench/results/fusion-models.json;
+# tests/bench/test_fusion_models.py checks both).
 DEFAULT_FUSION = FusionChoice("lambdarank", BASE_GROUPS, DEFAULT_PARAMS["lambdarank"], 200, sparse_depth=100)
 
 

@@ -11,6 +11,7 @@ from service.engine.encoder import MAX_CHUNK, OnnxEncoder
 from service.engine.fusion import (
     FEATURE_GROUPS,
     OPTIONAL_GROUPS,
+    SOURCE_GROUPS,
     LabelKeySource,
     OnnxTreeEnsemble,
     ScoreFusion,
@@ -63,6 +64,7 @@ __all__ = [
     "OnnxTreeEnsemble",
     "FEATURE_GROUPS",
     "OPTIONAL_GROUPS",
+    "SOURCE_GROUPS",
     "features_of_groups",
     "memory_log_frequency",
     "Lexicon",

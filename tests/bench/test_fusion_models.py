@@ -1,14 +1,13 @@
 """bench.fusion_models: every model is validated cross-fitted on the held-out instances under both
 protocols, optional feature groups are tried on the best, and dev is measured only for the choice."""
 
-import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from bench.fusion_models import MODELS, main
+from bench.fusion_models import MAX_MODEL_MS, MODELS, main
 from bench.lib.fusion_validation import fold_of_instances, ranked_by
 from export.fusion_fit import DEFAULT_FUSION, FusionChoice
 from export.held_out import HeldOutPairs
@@ -89,11 +88,16 @@ def test_rerank_depths_and_sizes_are_compared_and_the_budget_rules_out_dear_mode
 
 
 def test_the_default_fusion_is_the_choice_bench_fusion_models_recorded():
-    """export.fusion_fit.DEFAULT_FUSION is defined once; the run that chose it recorded its name."""
-    recorded = json.loads((Path(__file__).resolve().parents[2] / "bench/results/fusion-models.json").read_text())
-    model = dataclasses.replace(DEFAULT_FUSION, sparse_depth=None)  # bench.fusion_models chose the model
-    assert model.name == recorded["chosen"] == "lambdarank-60x15@200[rae+lexical]"
-    assert DEFAULT_FUSION.name == "lambdarank-60x15@200[rae+lexical]+sparse@100"
+    """export.fusion_fit.DEFAULT_FUSION is defined once; the run that chose it over the candidates it
+    serves (the memory's and the sparse ranker's) recorded its name, under the cap of today."""
+    results = Path(__file__).resolve().parents[2] / "bench/results"
+    recorded = json.loads((results / "fusion-models-sparse.json").read_text())
+    assert DEFAULT_FUSION.name == recorded["chosen"] == "lambdarank-60x31@200[rae+lexical]+sparse@100"
+    assert recorded["sparse_depth"] == DEFAULT_FUSION.sparse_depth and recorded["max_model_ms"] == MAX_MODEL_MS
+    assert recorded["candidates"][recorded["chosen"]]["eligible"]
+    # the choice before the sparse ranker, over the memory's candidates alone, under the 0.15 ms cap
+    before = json.loads((results / "fusion-models.json").read_text())
+    assert before["chosen"] == "lambdarank-60x15@200[rae+lexical]" and before["max_model_ms"] == 0.15
 
 
 def test_the_default_fusions_candidates_are_the_choice_bench_candidate_sources_recorded():
@@ -104,3 +108,22 @@ def test_the_default_fusions_candidates_are_the_choice_bench_candidate_sources_r
     assert recorded["chosen"] == f"memory+sparse+labels@{DEFAULT_FUSION.sparse_depth}"
     assert SparseFitParams().label_texts and SparseFitParams().kind(42242) == "centroid"
     assert FusionChoice("tree", ("rae", "lexical", "rank"), {"depth": 7}, None).name == "tree@all[rae+lexical+rank]"
+
+
+def test_the_model_is_chosen_over_a_sparse_rankers_candidates_too(memory_and_run, sample_dir, tmp_path):
+    """With --sparse-depth every candidate ranks the memory's candidates joined by the ranker's top
+    D, the sparse features in its φ, and dev serves the ranker the pairs were computed with."""
+    bundle, run = memory_and_run
+    out = tmp_path / "fusion-models.json"
+    args = ["--bundle", str(bundle), "--run", str(run), "--data", str(sample_dir), "--out", str(out), "--folds", "2"]
+    plain = tmp_path / "plain.json"
+    assert main([*args[:-4], "--out", str(plain), "--folds", "2", "--rerank-depths", "0", "--ensembles", "6x4"]) == 0
+    assert main([*args, "--rerank-depths", "0", "--ensembles", "6x4", "--sparse-depth", "5", "--dev"]) == 0
+    result, before = json.loads(out.read_text()), json.loads(plain.read_text())
+    assert result["sparse_depth"] == 5 and before["sparse_depth"] is None
+    assert all(c["features"][-1] == "sparse" for c in result["candidates"].values())
+    assert all(name.endswith("+sparse@5") for name in result["candidates"])
+    assert len(result["candidates"]) == len(before["candidates"])  # the same models and groups tried
+    assert result["pairs"]["all"] > before["pairs"]["all"]  # the ranker's labels joined the candidates
+    assert result["positives_among_candidates"]["all"] >= before["positives_among_candidates"]["all"]
+    assert result["dev"]["candidate"] == result["chosen"] and result["dev"]["onnx_parity_max_abs"] <= 1e-4

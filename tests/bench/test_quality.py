@@ -163,7 +163,7 @@ def test_a_skipped_peer_is_a_row_that_says_why():
 
 
 def test_the_user_route_rows_are_make_fit_s_bundles_and_the_pretrained_memory_with_and_without_fusion(
-    memory_and_run, sample_dir, tmp_path
+    memory_and_run, sample_dir, tmp_path, monkeypatch
 ):
     """make fit (injected: the tiny memory, its run and the default fusion) is run once; each row is
     the bundle it names, evaluated on dev, with the stages' seconds it cost."""
@@ -210,3 +210,17 @@ def test_the_user_route_rows_are_make_fit_s_bundles_and_the_pretrained_memory_wi
     assert len(fits) == 1 and {n: r["bundle_id"] for n, r in again.items()} == {
         n: r["bundle_id"] for n, r in rows.items()
     }
+    # the pretrained memory gone, the fit kept: the memory alone is built again, and timed
+    shutil.rmtree(tmp_path / "minilm-rae-64d")
+    built_again = []
+
+    def build(out, *args):
+        built_again.append(out)
+        shutil.copytree(memory, out)
+        return 7.0
+
+    monkeypatch.setattr(quality, "ensure_bundle", build)
+    _, summary = user_route_rows(sample_dir, tmp_path, train, dev, fit=fit)
+    assert len(fits) == 1 and built_again == [tmp_path / "minilm-rae-64d"]
+    assert summary["seconds"]["pretrained"] == 7.0
+    assert json.loads((tmp_path / "fit.json").read_text())["seconds"]["pretrained"] == 7.0
