@@ -125,7 +125,14 @@ class DoesNotFit(RuntimeError):
     """A peer whose model would not fit in this machine's memory budget."""
 
 
-def ovr_logreg(X, Y, Xt, depth: int, threads: int, max_gb: float = 2.0) -> list[list[int]]:
+def ovr_logreg(
+    X, Y, Xt, depth: int, threads: int, max_gb: float = 2.0, state: Path | None = None, timing: dict | None = None
+) -> list[list[int]]:
+    """One-vs-rest logistic regression, fitted in chunks of labels (see the module docstring).
+    With ``state``, the running top ``depth`` is saved there after every chunk, and a run given the
+    same file and the same problem goes on from the chunk after the last one saved (a fit of tens
+    of thousands of labels takes hours on a small machine; a stopped one loses one chunk at most).
+    ``timing["fit_seconds"]``, when given: the fit's seconds, those of the runs it resumed included."""
     from sklearn.base import clone
     from sklearn.linear_model import LogisticRegression
     from sklearn.multiclass import OneVsRestClassifier
@@ -140,13 +147,13 @@ def ovr_logreg(X, Y, Xt, depth: int, threads: int, max_gb: float = 2.0) -> list[
     chunk = int(max_gb * 2**30 // label_bytes)
     if chunk < 1:
         raise DoesNotFit(f"one label's coefficients, {X.shape[1]} features x 8 B, exceed {max_gb:g} GiB")
-    top_scores = np.empty((Xt.shape[0], 0))
-    top_labels = np.empty((Xt.shape[0], 0), dtype=np.int64)
+    problem = ovr_problem(X, Y, Xt, seen, chunk, depth)
+    first, before, top_scores, top_labels = resume_ovr(state, problem, Xt.shape[0])
     started = time.perf_counter()
-    for start in range(0, len(seen), chunk):
+    for start in range(first, len(seen), chunk):
         labels = seen[start : start + chunk]
-        if start:  # a fit of many labels takes minutes: say how far it is
-            done = start / len(seen)
+        if start > first:  # a fit of many labels takes minutes: say how far it is
+            done = (start - first) / (len(seen) - first)
             left = (time.perf_counter() - started) * (1 - done) / done
             print(f"tfidf-ovr-logreg: {start} of {len(seen)} labels, about {left / 60:.0f} min left", file=sys.stderr)
         if len(labels) == 1:  # OneVsRestClassifier reads one sparse column as a 1-D target, and fails
@@ -161,7 +168,44 @@ def ovr_logreg(X, Y, Xt, depth: int, threads: int, max_gb: float = 2.0) -> list[
         top_scores = np.take_along_axis(merged_scores, keep, axis=1)
         top_labels = np.take_along_axis(merged_labels, keep, axis=1)
         del model  # this chunk's coefficients, before the next chunk's are fitted: one chunk held at a time
+        if state is not None:
+            seconds = before + time.perf_counter() - started
+            save_ovr(state, problem, start + len(labels), seconds, top_scores, top_labels)
+    if timing is not None:
+        timing["fit_seconds"] = before + time.perf_counter() - started
     return top_labels.tolist()
+
+
+def ovr_problem(X, Y, Xt, seen: np.ndarray, chunk: int, depth: int) -> np.ndarray:
+    """What a saved state must have been fitted on to be resumed: the shapes, the chunking, and
+    checksums of the features and the labels."""
+    sums = [float(M.sum(dtype=np.float64)) for M in (X, Xt)]
+    return np.array([*X.shape, Xt.shape[0], Y.nnz, len(seen), chunk, depth, X.nnz, Xt.nnz, *sums], dtype=np.float64)
+
+
+def resume_ovr(state: Path | None, problem: np.ndarray, texts: int):
+    """(first label index, seconds so far, top scores, top labels) of a saved state of the same
+    problem; a fresh start when there is none, or one of another problem."""
+    empty = (0, 0.0, np.empty((texts, 0)), np.empty((texts, 0), dtype=np.int64))
+    if state is None or not state.is_file():
+        return empty
+    with np.load(state) as saved:
+        if saved["problem"].shape != problem.shape or not np.array_equal(saved["problem"], problem):
+            print(f"tfidf-ovr-logreg: {state} is another problem's: starting afresh", file=sys.stderr)
+            return empty
+        first = int(saved["next_label"])
+        print(f"tfidf-ovr-logreg: resuming at label {first} from {state}", file=sys.stderr)
+        return first, float(saved["seconds"]), saved["top_scores"], saved["top_labels"]
+
+
+def save_ovr(state: Path, problem, next_label: int, seconds: float, top_scores, top_labels) -> None:
+    """The running top after a chunk, written whole or not at all (a kill mid-write keeps the last)."""
+    state.parent.mkdir(parents=True, exist_ok=True)
+    partial = state.with_name(state.name + ".partial.npz")
+    np.savez(
+        partial, problem=problem, next_label=next_label, seconds=seconds, top_scores=top_scores, top_labels=top_labels
+    )
+    os.replace(partial, state)
 
 
 # name -> (featurizer, model, featurization note)
@@ -215,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         "--keep",
         action="store_true",
         help="keep the rows --out already has and run only the systems it lacks (the one-vs-rest fit alone is "
-        "an hour or more on 2 cores); each row is written as soon as it is measured",
+        "an hour or more on 2 cores); each row is written as soon as it is measured, and the one-vs-rest fit "
+        "saves its progress after every chunk beside --out, so a stopped run goes on where it stopped",
     )
     args = parser.parse_args(argv)
     wanted = args.systems.split(",")
@@ -248,15 +293,20 @@ def measure(args: argparse.Namespace, systems: list[str], results: dict) -> None
         started = time.perf_counter()
         featurize, train_and_predict, features = SYSTEMS[name]
         X, Xt = featurize(train, dev)
+        featurized = time.perf_counter() - started
+        ovr = train_and_predict is ovr_logreg
+        state = ovr_state(args.out, args.split) if ovr and args.keep else None
+        timing: dict = {}
         try:
-            budget = {"max_gb": args.ovr_max_gb} if train_and_predict is ovr_logreg else {}
+            budget = {"max_gb": args.ovr_max_gb, "state": state, "timing": timing} if ovr else {}
             candidates = train_and_predict(X, Y, Xt, depth, args.threads, **budget)
         except DoesNotFit as exc:
             results[name] = {"skipped": str(exc), "notes": features}
             print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
             write()
             continue
-        seconds = time.perf_counter() - started
+        # a resumed fit counts the seconds of the runs before it
+        seconds = featurized + timing["fit_seconds"] if ovr else time.perf_counter() - started
         ranked = drop_excluded(candidates, exclude, args.k)
         results[name] = {
             **score_ranking(ranked, dev, train),
@@ -266,6 +316,13 @@ def measure(args: argparse.Namespace, systems: list[str], results: dict) -> None
         }
         print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
         write()
+        if state is not None:
+            state.unlink(missing_ok=True)  # the row holds what it was kept for
+
+
+def ovr_state(out: Path, split: str) -> Path:
+    """Where ``--keep`` saves the one-vs-rest fit's progress: beside the result file."""
+    return out.with_name(f"{out.stem}.tfidf-ovr-logreg-{split}.npz")
 
 
 if __name__ == "__main__":

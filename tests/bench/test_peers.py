@@ -38,6 +38,37 @@ def test_chunks_of_labels_rank_as_one_classifier_over_every_label():
     assert all(4 not in row for row in expected)
 
 
+def test_a_stopped_fit_goes_on_from_its_last_saved_chunk_and_ranks_as_one_run(tmp_path, monkeypatch):
+    X, Y, Xt = data()
+    three_labels = 3 * X.shape[1] * 8 / 2**30  # 10 fitted labels: chunks end at 3, 6, 9, 10
+    expected = ovr_logreg(X, Y, Xt, depth=6, threads=1, max_gb=three_labels)
+    state, saved, save, stops = tmp_path / "ovr.npz", [], peers.save_ovr, [6]
+
+    class Killed(Exception):
+        pass
+
+    def save_then_stop(state, problem, next_label, *rest):
+        save(state, problem, next_label, *rest)
+        saved.append(next_label)
+        if next_label in stops:  # stopped once, right after its second chunk was saved
+            stops.remove(next_label)
+            raise Killed
+
+    monkeypatch.setattr(peers, "save_ovr", save_then_stop)
+    with pytest.raises(Killed):
+        ovr_logreg(X, Y, Xt, depth=6, threads=1, max_gb=three_labels, state=state)
+    with np.load(state) as kept:
+        before = float(kept["seconds"])
+    timing: dict = {}
+    assert ovr_logreg(X, Y, Xt, depth=6, threads=1, max_gb=three_labels, state=state, timing=timing) == expected
+    assert saved == [3, 6, 9, 10]  # the second run fitted only the chunks after the sixth label
+    assert timing["fit_seconds"] >= before > 0
+    # a state of another problem (another depth) is not resumed: the fit starts afresh
+    saved.clear()
+    assert ovr_logreg(X, Y, Xt, depth=5, threads=1, max_gb=three_labels, state=state) == [r[:5] for r in expected]
+    assert saved == [3, 6, 9, 10]
+
+
 def test_a_budget_below_one_label_is_refused():
     X, Y, Xt = data()
     with pytest.raises(DoesNotFit, match="one label's coefficients"):
@@ -92,3 +123,30 @@ def test_each_row_is_written_as_measured_and_a_skipped_one_is_tried_again(sample
         peers.main(["--data", str(sample_dir), "--systems", "a,b", "--out", str(out), "--keep"])
     rows = json.loads(out.read_text())
     assert list(rows) == ["a"] and "skipped" not in rows["a"]  # measured again, and kept though b failed
+
+
+def test_keep_saves_the_one_vs_rest_progress_beside_the_result_until_its_row_is_written(
+    sample_dir, tmp_path, monkeypatch
+):
+    """The fit itself is faked (the resume is tested above): what measure hands it, and keeps."""
+    calls = []
+
+    def featurize(train, dev):
+        return sp.csr_matrix((len(train), 1)), sp.csr_matrix((len(dev), 1))
+
+    def fit(X, Y, Xt, depth, threads, max_gb, state=None, timing=None):
+        calls.append(state)
+        if state is not None:
+            state.write_bytes(b"progress")  # as a chunk's save would
+        timing["fit_seconds"] = 1234.0  # a resumed fit's seconds include the runs before
+        return [[0, 1, 2]] * Xt.shape[0]
+
+    monkeypatch.setattr(peers, "ovr_logreg", fit)
+    monkeypatch.setattr(peers, "SYSTEMS", {"tfidf-ovr-logreg": (featurize, fit, "one-vs-rest")})
+    out = tmp_path / "peers.json"
+    args = ["--data", str(sample_dir), "--systems", "tfidf-ovr-logreg", "--out", str(out)]
+    assert peers.main([*args, "--keep"]) == 0
+    state = peers.ovr_state(out, "dev")
+    assert calls == [state] and state.parent == out.parent and not state.exists()  # gone: the row holds it
+    assert json.loads(out.read_text())["tfidf-ovr-logreg"]["train_seconds"] >= 1234.0
+    assert peers.main(args) == 0 and calls == [state, None]  # without --keep: nothing saved to resume
