@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=3, help="rounds of turns for --serving-cost (the median is reported)"
     )
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.serving_cost:
         texts = load_jsonl_split(args.data, "dev").texts[:1024]
         result = json.loads(args.out.read_text()) if args.out.is_file() else {}

@@ -27,11 +27,13 @@ removed, the top ``k`` kept, and the metrics come from :mod:`xmc.metrics`, as fo
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -176,29 +178,37 @@ def ovr_logreg(
     return top_labels.tolist()
 
 
-def ovr_problem(X, Y, Xt, seen: np.ndarray, chunk: int, depth: int) -> np.ndarray:
-    """What a saved state must have been fitted on to be resumed: the shapes, the chunking, and
-    checksums of the features and the labels."""
-    sums = [float(M.sum(dtype=np.float64)) for M in (X, Xt)]
-    return np.array([*X.shape, Xt.shape[0], Y.nnz, len(seen), chunk, depth, X.nnz, Xt.nnz, *sums], dtype=np.float64)
+def ovr_problem(X, Y, Xt, seen: np.ndarray, chunk: int, depth: int) -> str:
+    """What a saved state must have been fitted on to be resumed: a digest of the chunking and of
+    every array of the problem (features, labels and their numbering), so a state is never resumed
+    on other data, even one of the same shapes."""
+    digest = hashlib.sha256(np.array([*X.shape, Xt.shape[0], len(seen), chunk, depth], dtype=np.int64).tobytes())
+    for array in (seen, Y.indptr, Y.indices, X.indptr, X.indices, X.data, Xt.indptr, Xt.indices, Xt.data):
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
 
 
-def resume_ovr(state: Path | None, problem: np.ndarray, texts: int):
+def resume_ovr(state: Path | None, problem: str, texts: int):
     """(first label index, seconds so far, top scores, top labels) of a saved state of the same
-    problem; a fresh start when there is none, or one of another problem."""
+    problem; a fresh start when there is none, one of another problem, or one that cannot be read."""
     empty = (0, 0.0, np.empty((texts, 0)), np.empty((texts, 0), dtype=np.int64))
     if state is None or not state.is_file():
         return empty
-    with np.load(state) as saved:
-        if saved["problem"].shape != problem.shape or not np.array_equal(saved["problem"], problem):
-            print(f"tfidf-ovr-logreg: {state} is another problem's: starting afresh", file=sys.stderr)
-            return empty
-        first = int(saved["next_label"])
-        print(f"tfidf-ovr-logreg: resuming at label {first} from {state}", file=sys.stderr)
-        return first, float(saved["seconds"]), saved["top_scores"], saved["top_labels"]
+    try:
+        with np.load(state) as saved:
+            if str(saved["problem"]) != problem:
+                print(f"tfidf-ovr-logreg: {state} is another problem's: starting afresh", file=sys.stderr)
+                return empty
+            first = int(saved["next_label"])
+            resumed = (first, float(saved["seconds"]), saved["top_scores"], saved["top_labels"])
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+        print(f"tfidf-ovr-logreg: {state} cannot be read ({exc}): starting afresh", file=sys.stderr)
+        return empty
+    print(f"tfidf-ovr-logreg: resuming at label {first} from {state}", file=sys.stderr)
+    return resumed
 
 
-def save_ovr(state: Path, problem, next_label: int, seconds: float, top_scores, top_labels) -> None:
+def save_ovr(state: Path, problem: str, next_label: int, seconds: float, top_scores, top_labels) -> None:
     """The running top after a chunk, written whole or not at all (a kill mid-write keeps the last)."""
     state.parent.mkdir(parents=True, exist_ok=True)
     partial = state.with_name(state.name + ".partial.npz")

@@ -67,6 +67,19 @@ def test_a_stopped_fit_goes_on_from_its_last_saved_chunk_and_ranks_as_one_run(tm
     saved.clear()
     assert ovr_logreg(X, Y, Xt, depth=5, threads=1, max_gb=three_labels, state=state) == [r[:5] for r in expected]
     assert saved == [3, 6, 9, 10]
+    # nor one of the same shapes whose labels are numbered otherwise (two label columns swapped)
+    stops.append(6)
+    with pytest.raises(Killed):
+        ovr_logreg(X, Y, Xt, depth=6, threads=1, max_gb=three_labels, state=state)
+    swapped = Y[:, [1, 0, *range(2, Y.shape[1])]].tocsr()
+    saved.clear()
+    again = ovr_logreg(X, swapped, Xt, depth=6, threads=1, max_gb=three_labels, state=state)
+    assert saved == [3, 6, 9, 10] and again == ovr_logreg(X, swapped, Xt, depth=6, threads=1)
+    # and a state that cannot be read is a fresh start, not a failure
+    state.write_bytes(b"not an npz")
+    saved.clear()
+    assert ovr_logreg(X, Y, Xt, depth=6, threads=1, max_gb=three_labels, state=state) == expected
+    assert saved == [3, 6, 9, 10]
 
 
 def test_a_budget_below_one_label_is_refused():
