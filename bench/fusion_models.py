@@ -124,9 +124,6 @@ def reference(sparse_depth: int | None = None) -> FusionChoice:
     return FusionChoice("tree", base_groups(sparse_depth), DEFAULT_PARAMS["tree"], None, sparse_depth)
 
 
-REFERENCE = reference()
-
-
 class NoEligibleCandidate(RuntimeError):
     """No candidate's model meets the cost budget with the guarded metrics kept."""
 
@@ -151,7 +148,7 @@ def choose(
     their columns the ``computed`` groups'."""
     results: dict[str, dict] = {}
     floor: dict[str, float] = {}
-    reference_fusion = reference(candidates[0].sparse_depth) if candidates else REFERENCE
+    reference_fusion = reference(candidates[0].sparse_depth if candidates else None)  # over the same candidates
 
     def run(candidate: FusionChoice) -> float:
         result = validate(candidate, pairs_at[candidate.rerank_depth], fold, frequencies, num_train, computed=computed)
