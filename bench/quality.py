@@ -115,19 +115,23 @@ def user_route_rows(data: Path, workdir: Path, train, dev, fit=fit_bundle) -> tu
     summary (its plan and each stage's seconds). Bundles already in ``workdir`` are reused."""
     pretrained, bundle, run = workdir / "minilm-rae-64d", workdir / "fit", workdir / "fit-run"
     summary_file = workdir / "fit.json"
+
+    def save(summary: dict) -> None:  # after each stage, so a later run keeps what this one timed
+        summary_file.write_text(json.dumps(summary, indent=2) + "\n")
+
     if not summary_file.is_file():  # written last: a fit that stopped half-way is run again
-        summary_file.write_text(json.dumps(fit(data, bundle, run, force=True), indent=2) + "\n")
+        save(fit(data, bundle, run, force=True))
     summary = json.loads(summary_file.read_text())
     # built apart from the fit (0 s when it was there): either may be gone while the other is kept
     if "pretrained" not in summary["seconds"] or not (pretrained / "manifest.json").is_file():
         summary["seconds"]["pretrained"] = round(ensure_bundle(pretrained, train, ExportParams(), None, data), 1)
-        summary_file.write_text(json.dumps(summary, indent=2) + "\n")
+        save(summary)
     pretrained_fused = workdir / "minilm-rae-64d-fused"
     if not (pretrained_fused / "manifest.json").is_file():
         started = time.perf_counter()
         fuse_bundle(pretrained, run, train, pretrained_fused, FuseParams(), force=True)
         summary["seconds"]["pretrained_fusion"] = round(time.perf_counter() - started, 1)
-        summary_file.write_text(json.dumps(summary, indent=2) + "\n")
+        save(summary)
     stages = summary["seconds"]
     bundles = {
         "xmcserve-pretrained-memory": (pretrained, stages["pretrained"]),
