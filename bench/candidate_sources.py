@@ -35,7 +35,11 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.lib.fusion_validation import (
+from bench.lib.held_out import held_out_features, held_out_instances
+from export.evaluate import evaluate_bundle
+from export.fusion_fit import DEFAULT_FUSION, FuseError, fit_model
+from export.fusion_to_onnx import onnx_fusion_model
+from export.fusion_validation import (
     PAIR_GROUPS,
     columns_of,
     fold_of_instances,
@@ -44,10 +48,6 @@ from bench.lib.fusion_validation import (
     validate,
     with_columns,
 )
-from bench.lib.held_out import held_out_features, held_out_instances
-from export.evaluate import evaluate_bundle
-from export.fusion_fit import DEFAULT_FUSION, FuseError, fit_model
-from export.fusion_to_onnx import onnx_fusion_model
 from export.held_out import SparseSpec
 from export.sparse_fit import SparseFitParams
 from service.engine import Predictor

@@ -48,18 +48,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.lib.fusion_validation import (
-    PAIR_GROUPS,
-    VALIDATION_METRICS,
-    columns_of,
-    fold_of_instances,
-    selection_score,
-    unfused_validation,
-    validate,
-    with_columns,
-)
 from bench.lib.held_out import held_out_features, held_out_instances
 from export.evaluate import evaluate_bundle
+from export.fuse import ensemble_sizes
 from export.fusion_fit import (
     BASE_GROUPS,
     DEFAULT_FUSION,
@@ -70,6 +61,16 @@ from export.fusion_fit import (
     fit_model,
 )
 from export.fusion_to_onnx import onnx_fusion_model
+from export.fusion_validation import (
+    PAIR_GROUPS,
+    VALIDATION_METRICS,
+    columns_of,
+    fold_of_instances,
+    selection_score,
+    unfused_validation,
+    validate,
+    with_columns,
+)
 from export.held_out import SparseSpec, add_held_out_memory_option
 from export.sparse_fit import SparseFitParams
 from service.engine.offline import OPTIONAL_GROUPS, ScoreFusion, features_of_groups
@@ -88,14 +89,6 @@ MAX_MODEL_MS = 0.3
 DEFAULT_ENSEMBLES = ("40x15", "40x31", "60x15", "60x31", "100x31")
 DEFAULT_RERANK_DEPTHS = (0, 200)
 MODELS = ("tree", "gbdt", "lambdarank")
-
-
-def ensemble_size(value: str) -> dict:
-    """``TREESxLEAVES`` (e.g. ``30x15``) as fit parameters."""
-    trees, sep, leaves = value.partition("x")
-    if not sep or not trees.isdigit() or not leaves.isdigit() or int(trees) < 1 or int(leaves) < 2:
-        raise argparse.ArgumentTypeError(f"expected TREESxLEAVES such as 30x15, got {value!r}")
-    return {"trees": int(trees), "leaves": int(leaves)}
 
 
 def first_candidates(
@@ -199,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folds", type=int, default=5, help="cross-fitting folds of the held-out instances")
     parser.add_argument(
         "--ensembles",
-        type=ensemble_size,
+        type=ensemble_sizes,
         nargs="+",
-        default=[ensemble_size(size) for size in DEFAULT_ENSEMBLES],
+        default=[ensemble_sizes(size) for size in DEFAULT_ENSEMBLES],
         help=f"sizes TREESxLEAVES of the gbdt / lambdarank candidates (default {' '.join(DEFAULT_ENSEMBLES)})",
     )
     parser.add_argument(

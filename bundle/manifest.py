@@ -167,6 +167,18 @@ class LabelKeysParams(_Strict):
     fetch: int = Field(ge=0, description="keys searched beyond the RAE top b for them")
 
 
+class FusionSizeChoice(_Strict):
+    """How the fusion's ensemble size was chosen (export.fusion_validation.choose_size): each size
+    cross-validated on the held-out instances it was fitted on, the best fitted on them all."""
+
+    folds: int = Field(ge=2, description="folds of the held-out instances, each ranked by a model fitted on the others")
+    selection: str = Field(description="what the choice maximised")
+    validation: dict[str, dict[str, dict[str, float]]] = Field(
+        description="each size (TREESxLEAVES) -> protocol (filter_after, exclude_before) -> metric"
+    )
+    chosen: str = Field(description="the size fitted (TREESxLEAVES)")
+
+
 class FusionParams(_Strict):
     """Score fusion of an RAE memory (service.engine.fusion): fused = p̂ + T(φ)."""
 
@@ -198,6 +210,9 @@ class FusionParams(_Strict):
     )
     label_keys: LabelKeysParams | None = Field(
         None, description="the nearest label keys of a deeper search, a third candidate source; None: none"
+    )
+    size_choice: FusionSizeChoice | None = Field(
+        None, description="how the ensemble's size was chosen on the held-out instances; None: as given"
     )
 
     @model_validator(mode="before")

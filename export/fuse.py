@@ -51,6 +51,7 @@ from bundle import (
     FUSION_MODEL_FILE,
     FusionModelKind,
     FusionParams,
+    FusionSizeChoice,
     LabelKeysParams,
     Manifest,
     SparseRankerParams,
@@ -62,11 +63,13 @@ from export.derive import derive_fused_bundle
 from export.fusion_fit import (
     DEFAULT_FUSION,
     DEFAULT_PARAMS,
+    DEFAULT_SIZES,
     FittedModel,
     FuseError,
     fit_model,
 )
 from export.fusion_to_onnx import onnx_fusion_model
+from export.fusion_validation import CHOICE_FOLDS, SizeChoice, choose_size, selection_score, size_name
 from export.held_out import (
     DEFAULT_HELD_OUT_MEMORY,
     FITTED_ON,
@@ -82,7 +85,7 @@ from export.writer import refuse_existing
 from service.engine import AppendLogError, Predictor, load_predictor
 from service.engine.offline import OPTIONAL_GROUPS, LabelKeySource, ScoreFusion, carried_lineage
 from xmc.checkpoint import HOLDOUT_FILE
-from xmc.data import XMCDataset, load_jsonl_split, rows_of_uids
+from xmc.data import XMCDataset, label_frequencies, load_jsonl_split, rows_of_uids
 
 log = logging.getLogger("xmcserve.fuse")
 
@@ -113,6 +116,12 @@ class FuseParams:
         label_key_depth: nearest label keys a query adds to the candidates (the label index as a
             source, :class:`~service.engine.fusion.LabelKeySource`); None: none
         label_key_fetch: keys its search fetches beyond the RAE top b for them
+        sizes: the ensemble sizes (``trees`` and ``leaves`` over :attr:`model_params`) cross-validated
+            on the held-out instances, the best fitted (:func:`export.fusion_validation.choose_size`;
+            a tie keeps the first): each data set gets the size its own held-out instances prefer.
+            Fewer than two, a single tree, searches fitted on ``exclude`` only (the validation ranks
+            both protocols) or too few held-out instances to fold: the first (or ``model_params``) is
+            fitted unchosen
     """
 
     model: FusionModelKind = DEFAULT_FUSION.model
@@ -125,12 +134,18 @@ class FuseParams:
     sparse_fit: SparseFitParams = field(default_factory=SparseFitParams)
     label_key_depth: int | None = None
     label_key_fetch: int = 200
+    sizes: tuple[dict, ...] = DEFAULT_SIZES
 
     def __post_init__(self) -> None:
         # checked here, before the bundle is loaded and its held-out instances searched
         unknown = set(self.model_params) - set(DEFAULT_PARAMS[self.model])
         if unknown:
             raise FuseError(f"--model {self.model} takes no {sorted(unknown)}")
+        if self.model == "tree":
+            self.sizes = ()  # one tree has no ensemble size to choose
+        for size in self.sizes:
+            if set(size) != {"trees", "leaves"} or size["trees"] < 1 or size["leaves"] < 2:
+                raise FuseError(f"an ensemble size is trees (at least 1) and leaves (at least 2), not {size}")
         if self.sparse_depth is not None and "lexical" not in self.groups:
             raise FuseError("a sparse ranker scores the lexical term space: it needs the lexical features")
         if ("sparse" in self.groups) and self.sparse_depth is None:
@@ -157,6 +172,11 @@ class FuseParams:
     def sparse_spec(self) -> SparseSpec | None:
         return SparseSpec(self.sparse_depth, self.sparse_fit) if self.sparse_depth is not None else None
 
+    @property
+    def choosing(self) -> bool:
+        """Whether the ensemble's size is chosen on the held-out instances (see :attr:`sizes`)."""
+        return len(self.sizes) > 1 and self.fit_on == "both"
+
 
 @dataclass
 class FusionFit:
@@ -171,6 +191,7 @@ class FusionFit:
     positives_found: float  # share of the queries' relevant labels among their candidates
     seconds: float
     extra: dict = field(default_factory=dict)
+    size_choice: SizeChoice | None = None  # how the ensemble's size was chosen; None: as given
 
 
 def fit_fusion(predictor: Predictor, train: XMCDataset, rows: np.ndarray, params: FuseParams) -> FusionFit:
@@ -191,12 +212,25 @@ def fit_fusion(predictor: Predictor, train: XMCDataset, rows: np.ndarray, params
     )
     search = HeldOutSearch.of(predictor, train, rows, (served, key_rows), memory, params.sparse_fit)
     pairs = search.pairs(predictor, train, params.fit_on)
-    fitted = fit_model(params.model, pairs, served.features, params.model_params)
+    model_params, size_choice = params.model_params, None
+    if params.choosing:
+        frequencies = label_frequencies(train.Y)
+        sizes = tuple(params.sizes)
+        size_choice = choose_size(params.model, model_params, sizes, pairs, served.features, frequencies, len(train))
+        model_params = size_choice.params
+        if size_choice.validation:
+            scores = {name: round(selection_score(v), 2) for name, v in size_choice.validation.items()}
+            log.info("fusion size %s chosen on %d folds of the held-out instances: %s", size_choice.chosen,
+                     size_choice.folds, scores)  # fmt: skip
+        else:
+            log.info("%d held-out instances: too few to choose a size on, %s fitted", len(rows), size_choice.chosen)
+    fitted = fit_model(params.model, pairs, served.features, model_params)
     model, parity = onnx_fusion_model(fitted, pairs.X)
     log.info("fusion %s fitted on %d pairs (%s); ONNX parity %.3g", params.model, len(pairs.y), memory, parity)
     fusion = dataclasses.replace(served, model=model)  # its counts, lexicon, features and sources as fitted
+    seconds = time.perf_counter() - started
     return FusionFit(
-        fusion, fitted, parity, key_rows, len(rows), len(pairs.y), pairs.found, time.perf_counter() - started
+        fusion, fitted, parity, key_rows, len(rows), len(pairs.y), pairs.found, seconds, size_choice=size_choice
     )
 
 
@@ -228,6 +262,27 @@ def sparse_params(params: FuseParams, labels: int, fitted_on: str) -> SparseRank
     )
 
 
+def manifest_size_choice(choice: SizeChoice | None) -> FusionSizeChoice | None:
+    """The manifest's record of a size choice (None: no size was validated)."""
+    if choice is None or not choice.validation:
+        return None
+    return FusionSizeChoice(
+        folds=choice.folds,
+        selection="the mean of cross-fitted validation P@1 and P@5 (filter_after, the peers' protocol); a tie "
+        "keeps the first size",
+        validation=choice.validation,
+        chosen=choice.chosen,
+    )
+
+
+def ensemble_sizes(value: str) -> dict:
+    """``TREESxLEAVES`` (e.g. ``60x31``) as an ensemble size (an argparse type)."""
+    trees, sep, leaves = value.partition("x")
+    if not sep or not trees.isdigit() or not leaves.isdigit() or int(trees) < 1 or int(leaves) < 2:
+        raise argparse.ArgumentTypeError(f"expected TREESxLEAVES such as 60x31, got {value!r}")
+    return {"trees": int(trees), "leaves": int(leaves)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", type=Path, required=True, help="the rae_memory bundle to fuse")
@@ -257,6 +312,16 @@ def build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_PARAMS['lambdarank']['leaves']})",
     )
     parser.add_argument("--learning-rate", type=float, help="shrinkage of gbdt / lambdarank (default 0.1)")
+    parser.add_argument(
+        "--sizes",
+        type=ensemble_sizes,
+        nargs="*",
+        default=None,
+        metavar="TREESxLEAVES",
+        help="ensemble sizes cross-validated on the held-out instances (folds of "
+        f"{CHOICE_FOLDS}), the best fitted; none: --trees/--leaves as given (default "
+        f"{' '.join(size_name(size) for size in DEFAULT_SIZES)}, unless --trees or --leaves is given)",
+    )
     parser.add_argument(
         "--rerank-depth",
         type=int,
@@ -317,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
 def params_of_arguments(args: argparse.Namespace) -> FuseParams:
     """The :class:`FuseParams` of the command line (model parameters not given default)."""
     given = {name: getattr(args, name) for name in ("depth", "min_leaf", "trees", "leaves", "learning_rate")}
+    sized = args.trees is not None or args.leaves is not None  # a size given is the size fitted
+    sizes = DEFAULT_SIZES if args.sizes is None and not sized else tuple(args.sizes or ())
     return FuseParams(
         model=args.model,
         model_params={name: value for name, value in given.items() if value is not None},
@@ -327,6 +394,7 @@ def params_of_arguments(args: argparse.Namespace) -> FuseParams:
         sparse_depth=(args.sparse_depth or None) if not args.no_lexical else None,
         label_key_depth=args.label_key_depth or None,
         label_key_fetch=args.label_key_fetch,
+        sizes=sizes,
     )
 
 
@@ -373,6 +441,7 @@ def fuse_bundle(
         label_keys=LabelKeysParams(depth=params.label_key_depth, fetch=params.label_key_fetch)
         if params.label_key_depth is not None
         else None,
+        size_choice=manifest_size_choice(fit.size_choice),
     )
     fused = derive_fused_bundle(bundle, out, fit.fusion, fusion_params, fit.key_terms, force, appends_dir)
     return fused, fit
@@ -399,6 +468,7 @@ def main(argv: list[str] | None = None) -> None:
         "pairs": fit.pairs,
         "positives_among_candidates": round(fit.positives_found, 4),
         "features": list(fit.fusion.features),
+        "size_choice": manifest.fusion.size_choice.model_dump() if manifest.fusion.size_choice else None,
         "seconds": round(fit.seconds, 1),
     }
     print(json.dumps(summary))

@@ -4,33 +4,12 @@ protocols, optional feature groups are tried on the best, and dev is measured on
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from bench.fusion_models import MAX_MODEL_MS, MODELS, main
-from bench.lib.fusion_validation import fold_of_instances, ranked_by
 from export.fusion_fit import DEFAULT_FUSION, FusionChoice
-from export.held_out import HeldOutPairs
 from export.sparse_fit import SparseFitParams
 from service.engine.fusion import OPTIONAL_GROUPS
-
-
-def test_folds_split_the_instances_evenly():
-    fold = fold_of_instances(11, 3)
-    assert sorted(np.bincount(fold).tolist()) == [3, 4, 4]
-
-
-def test_each_search_ranks_its_own_candidates_best_first():
-    pairs = HeldOutPairs(
-        X=np.zeros((5, 1)),
-        y=np.zeros(5),
-        query=np.array([0, 0, 0, 2, 2]),
-        labels=np.array([7, 8, 9, 1, 2]),
-        relevant=[np.array([8]), np.array([], dtype=np.int64), np.array([2])],
-        found=1.0,
-    )
-    ranked = ranked_by(pairs, np.array([0.1, 0.9, 0.5, 0.2, 0.3]), k=2)
-    assert ranked.tolist() == [[8, 9], [-1, -1], [2, 1]]
 
 
 def test_the_choice_is_made_on_validation_and_dev_is_measured_for_it_alone(memory_and_run, sample_dir, tmp_path):

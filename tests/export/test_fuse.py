@@ -26,8 +26,9 @@ from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
 from export.fuse import FuseParams, main
-from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS, FuseError
+from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS, DEFAULT_SIZES, FuseError
 from export.fusion_to_onnx import PARITY_BOUND
+from export.fusion_validation import CHOICE_FOLDS
 from export.held_out import HeldOutSearch, search_without, unfitted_fusion
 from service.engine.bundle import load_bundle, load_fusion, load_labels, load_shard
 from service.engine.fusion import (
@@ -296,13 +297,41 @@ def test_the_default_fusion_is_the_validation_s_choice_lambdamart_over_the_top_2
     assert (
         (params.kind, params.rerank_depth) == (DEFAULT_FUSION.model, DEFAULT_FUSION.rerank_depth) == ("lambdarank", 200)
     )
-    assert params.model_params == DEFAULT_PARAMS["lambdarank"]
     assert params.features == list(FEATURES + LEXICAL_FEATURES + SPARSE_FEATURES)
     assert params.sparse.depth == DEFAULT_FUSION.sparse_depth == 100 and params.sparse.fit_params["label_texts"]
-    # bench/results/fusion-models-sparse.json: chosen over the candidates it serves
-    assert (params.model_params["trees"], params.model_params["leaves"]) == (60, 31)
-    assert len(set(tree_ensemble(out)["nodes_treeids"])) == DEFAULT_PARAMS["lambdarank"]["trees"]
+    # bench/results/fusion-models-sparse.json: chosen over the candidates it serves, 60x31 first; this
+    # data's own held-out instances choose between it and 60x15, on 5 folds, and the manifest says how
+    assert DEFAULT_SIZES[0] == {"trees": 60, "leaves": 31} == {k: DEFAULT_FUSION.params[k] for k in ("trees", "leaves")}
+    choice = params.size_choice
+    assert choice.folds == CHOICE_FOLDS and set(choice.validation) == {"60x31", "60x15"}
+    scores = {size: (v["filter_after"]["P@1"] + v["filter_after"]["P@5"]) / 2 for size, v in choice.validation.items()}
+    assert choice.chosen == max(scores, key=lambda size: (scores[size], size == "60x31"))  # a tie keeps 60x31
+    trees, leaves = map(int, choice.chosen.split("x"))
+    assert params.model_params == DEFAULT_PARAMS["lambdarank"] | {"trees": trees, "leaves": leaves}
+    assert len(set(tree_ensemble(out)["nodes_treeids"])) == trees
     assert "searched against the memory without them" in params.fitted_on
+
+
+def test_a_size_given_is_fitted_unchosen_and_sizes_given_are_chosen_among(tiny_memory, sample_dir, run_dir, tmp_path):
+    given = fuse(tiny_memory, sample_dir, run_dir, tmp_path / "given", "--leaves", "7")
+    assert load_bundle(given).manifest.fusion.size_choice is None
+    assert load_bundle(given).manifest.fusion.model_params["leaves"] == 7
+    none = fuse(tiny_memory, sample_dir, run_dir, tmp_path / "none", "--sizes")
+    assert load_bundle(none).manifest.fusion.size_choice is None
+    assert load_bundle(none).manifest.fusion.model_params == DEFAULT_PARAMS["lambdarank"]
+    among = fuse(tiny_memory, sample_dir, run_dir, tmp_path / "among", "--sizes", "1x2", "20x7")
+    assert set(load_bundle(among).manifest.fusion.size_choice.validation) == {"1x2", "20x7"}
+    with pytest.raises(SystemExit):
+        fuse(tiny_memory, sample_dir, run_dir, tmp_path / "bad", "--sizes", "60")
+
+
+def test_sizes_are_chosen_for_an_ensemble_fitted_on_both_searches_only():
+    assert FuseParams().choosing and FuseParams("gbdt").choosing
+    assert FuseParams("tree").sizes == () and not FuseParams("tree").choosing
+    assert not FuseParams(fit_on="exclude").choosing  # the validation ranks both protocols' searches
+    assert not FuseParams(sizes=({"trees": 60, "leaves": 31},)).choosing
+    with pytest.raises(FuseError, match="ensemble size"):
+        FuseParams(sizes=({"trees": 60},))
 
 
 def test_model_options_are_checked_against_the_model(tiny_memory, sample_dir, run_dir, tmp_path):

@@ -1,12 +1,14 @@
-"""The cross-fitted validation of a score fusion on held-out pairs, shared by the benchmarks that
-choose the fusion's model (``bench.fusion_models``) and its candidate sources
-(``bench.candidate_sources``): each held-out instance is ranked by a model fitted on the other
-folds, and the ranking's metrics are computed per protocol."""
+"""The cross-fitted validation of a score fusion on held-out pairs: each held-out instance is ranked
+by a model fitted on the other folds, and the ranking's metrics are computed per protocol. The
+benchmarks that chose the default fusion's model (``bench.fusion_models``) and its candidate
+sources (``bench.candidate_sources``) validate with it, and :mod:`export.fuse` chooses the
+ensemble's size on a data set's own held-out instances with it (:func:`choose_size`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.sparse as sp
@@ -65,6 +67,31 @@ def relevant_matrix(pairs: HeldOutPairs, labels: int) -> sp.csr_matrix:
     return sp.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(pairs.relevant), labels))
 
 
+def cross_fitted_scores(
+    model: str,
+    params: dict,
+    pairs: HeldOutPairs,
+    features: tuple[str, ...],
+    fold: np.ndarray,
+    share: float = 1.0,
+):
+    """(each pair's T(φ) by a model fitted on the other folds' instances, the last fold's model,
+    which pairs its fold holds): ``pairs``' columns are ``features``; ``share`` of the training
+    folds' instances is fitted on. An instance's searches are in one fold."""
+    instances = len(fold)
+    out_of_fold = np.zeros(len(pairs.y))
+    rng = np.random.default_rng(1)
+    for f in range(fold.max() + 1):
+        fitting = np.flatnonzero(fold != f)
+        if share < 1.0:
+            fitting = rng.choice(fitting, max(1, round(share * len(fitting))), replace=False)
+        searches = np.concatenate([fitting + s * instances for s in range(len(PROTOCOL_OF_SEARCH))])
+        fitted = fit_model(model, pairs.subset(searches), features, params)
+        held = np.isin(pairs.query % instances, np.flatnonzero(fold == f))
+        out_of_fold[held] = fitted.predict(pairs.X[held])
+    return out_of_fold, fitted, held
+
+
 def validate(
     candidate: FusionChoice,
     pairs: HeldOutPairs,
@@ -76,21 +103,11 @@ def validate(
 ) -> dict:
     """``candidate``'s cross-fitted validation metrics per protocol (``share``: of the training
     folds' instances it is fitted on; ``computed``: the groups ``pairs``' columns are)."""
-    instances = len(fold)
     features = features_of_groups(candidate.groups)
     pairs = with_columns(pairs, columns_of(candidate.groups, computed))
     rae_score = pairs.X[:, features.index("rae_score")]
-    out_of_fold = np.zeros(len(pairs.y))
-    rng = np.random.default_rng(1)
     started = time.perf_counter()
-    for f in range(fold.max() + 1):
-        fitting = np.flatnonzero(fold != f)
-        if share < 1.0:
-            fitting = rng.choice(fitting, max(1, round(share * len(fitting))), replace=False)
-        searches = np.concatenate([fitting + s * instances for s in range(len(PROTOCOL_OF_SEARCH))])
-        model = fit_model(candidate.model, pairs.subset(searches), features, candidate.params)
-        held = np.isin(pairs.query % instances, np.flatnonzero(fold == f))
-        out_of_fold[held] = model.predict(pairs.X[held])
+    out_of_fold, model, held = cross_fitted_scores(candidate.model, candidate.params, pairs, features, fold, share)
     seconds = time.perf_counter() - started
     # what serving it costs: the last fold's model in ONNX Runtime as the service runs it, on its fold
     onnx_model, _ = onnx_fusion_model(model, pairs.X[held])
@@ -127,3 +144,55 @@ def unfused_validation(pairs: HeldOutPairs, frequencies: np.ndarray, num_train: 
     validation gain is measured from."""
     rae_score = features_of_groups(PAIR_GROUPS).index("rae_score")
     return validation_metrics(pairs, pairs.X[:, rae_score], frequencies, num_train)
+
+
+# Held-out instances a size choice needs: each of its folds ranks at least this many per fold
+# (fewer, and one instance's luck decides; the first size is fitted unchosen).
+CHOICE_FOLDS, MIN_INSTANCES_PER_FOLD = 5, 10
+
+
+@dataclass
+class SizeChoice:
+    """Which ensemble size :func:`choose_size` chose, and every size's cross-fitted validation."""
+
+    params: dict
+    validation: dict[str, dict] = field(default_factory=dict)  # size name -> metrics per protocol
+    folds: int = 0
+
+    @property
+    def chosen(self) -> str:
+        return size_name(self.params)
+
+
+def size_name(params: dict) -> str:
+    """``60x31``: an ensemble's trees and leaves."""
+    return f"{params['trees']}x{params['leaves']}"
+
+
+def choose_size(
+    model: str,
+    params: dict,
+    sizes: tuple[dict, ...],
+    pairs: HeldOutPairs,
+    features: tuple[str, ...],
+    frequencies: np.ndarray,
+    num_train: int,
+) -> SizeChoice:
+    """The ensemble size (each of ``sizes`` over ``params``) whose cross-fitted validation on
+    ``pairs`` (their columns ``features``) has the best :func:`selection_score`, ties to the first:
+    the choice ``bench.fusion_models`` made for the default, made again on a data set's own held-out
+    instances. Fewer sizes than two, or too few instances to fold, and the first is kept unvalidated."""
+    candidates = [params | size for size in sizes] or [params]
+    instances = len(pairs.relevant) // len(PROTOCOL_OF_SEARCH)
+    if len(candidates) < 2 or instances < CHOICE_FOLDS * MIN_INSTANCES_PER_FOLD:
+        return SizeChoice(candidates[0])
+    fold = fold_of_instances(instances, CHOICE_FOLDS)
+    rae_score = pairs.X[:, features.index("rae_score")]
+    choice, best = SizeChoice(candidates[0], folds=CHOICE_FOLDS), -np.inf
+    for candidate in candidates:
+        out_of_fold, _, _ = cross_fitted_scores(model, candidate, pairs, features, fold)
+        validation = validation_metrics(pairs, rae_score + out_of_fold, frequencies, num_train)
+        choice.validation[size_name(candidate)] = validation
+        if selection_score(validation) > best:
+            best, choice.params = selection_score(validation), candidate
+    return choice
