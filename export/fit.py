@@ -15,7 +15,8 @@ own command with its defaults, so what this builds is what they build:
 2. **memory** (:mod:`export.build`): the trained encoder's RAE memory of the whole split, with the
    RAE settings the recipe's sweep chose (:data:`MEMORY_ARGS`);
 3. **fusion** (:mod:`export.fuse`): the default score fusion with its sparse linear ranker, fitted
-   on the held-out instances (never the dev split).
+   on the held-out instances (never the dev split), its ensemble size the one those instances'
+   cross-fitted validation prefers (:data:`~export.fusion_fit.DEFAULT_SIZES`).
 
 Before anything runs it prints the plan and an estimate of each stage's wall time, from the rates
 measured on this project's 2-core CPU (:data:`SECONDS_PER`): a bigger machine is faster. Each stage

@@ -24,6 +24,13 @@ fitted here on the memory's texts and the labels' own) and ``--label-key-depth K
 nearest K label keys of a search ``--label-key-fetch`` keys deeper than b: the label index as a
 source). Each adds its features to φ, and the held-out searches are made as deep as the served ones.
 
+The ensemble's size is chosen on the same held-out instances (``--sizes``, default
+:data:`~export.fusion_fit.DEFAULT_SIZES`): each size is cross-fitted on 5 folds of them, as
+``bench.fusion_models`` validated the default, and the best by validation P@1 and P@5 is fitted on
+them all; the manifest's ``fusion.size_choice`` keeps every size's figures. A data set gets the
+size its own held-out instances prefer, not the one Debian-Related's did. ``--trees`` or
+``--leaves`` given: that size, unchosen.
+
 ``--rerank-depth M`` makes the fusion a two-stage ranking: T is fitted on, and at serving time
 rescores, each search's top M candidates by p̂ only (the rest are not returned), so an ensemble's
 cost is M rows a query, not every candidate.

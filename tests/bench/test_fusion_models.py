@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from bench.fusion_models import MAX_MODEL_MS, MODELS, main
-from export.fusion_fit import DEFAULT_FUSION, FusionChoice
+from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS, DEFAULT_SIZES, FusionChoice
+from export.fusion_validation import selection_score, size_name
 from export.sparse_fit import SparseFitParams
 from service.engine.fusion import OPTIONAL_GROUPS
 
@@ -77,6 +78,21 @@ def test_the_default_fusion_is_the_choice_bench_fusion_models_recorded():
     # the choice before the sparse ranker, over the memory's candidates alone, under the 0.15 ms cap
     before = json.loads((results / "fusion-models.json").read_text())
     assert before["chosen"] == "lambdarank-60x15@200[rae+lexical]" and before["max_model_ms"] == 0.15
+
+
+def test_each_default_size_is_the_one_a_recorded_data_set_s_own_validation_prefers():
+    """export.fuse chooses among DEFAULT_SIZES per data set because the recorded validations
+    disagree: Debian-Related's prefers 60x31, Gutenberg-Subjects' 60x15."""
+    results = Path(__file__).resolve().parents[2] / "bench/results"
+    preferred = {}
+    for name in ("fusion-models-sparse.json", "fusion-models-sparse-gutenberg.json"):
+        candidates = json.loads((results / name).read_text())["candidates"]
+        scores = {}
+        for size in DEFAULT_SIZES:
+            choice = FusionChoice("lambdarank", DEFAULT_FUSION.groups, DEFAULT_PARAMS["lambdarank"] | size, 200, 100)
+            scores[size_name(size)] = selection_score(candidates[choice.name]["validation"])
+        preferred[name] = max(scores, key=scores.get)
+    assert preferred == {"fusion-models-sparse.json": "60x31", "fusion-models-sparse-gutenberg.json": "60x15"}
 
 
 def test_the_default_fusions_candidates_are_the_choice_bench_candidate_sources_recorded():
