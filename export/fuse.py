@@ -126,9 +126,10 @@ class FuseParams:
         sizes: the ensemble sizes (``trees`` and ``leaves`` over :attr:`model_params`) cross-validated
             on the held-out instances, the best fitted (:func:`export.fusion_validation.choose_size`;
             a tie keeps the first): each data set gets the size its own held-out instances prefer.
-            Fewer than two, a single tree, searches fitted on ``exclude`` only (the validation ranks
-            both protocols) or too few held-out instances to fold: the first (or ``model_params``) is
-            fitted unchosen
+            None (the default): :data:`~export.fusion_fit.DEFAULT_SIZES` for an ensemble whose
+            ``model_params`` name no size, none otherwise (a size given is the size fitted). Fewer
+            than two, searches fitted on ``exclude`` only (the validation ranks both protocols) or
+            too few held-out instances to fold: the first (or ``model_params``) is fitted unchosen
     """
 
     model: FusionModelKind = DEFAULT_FUSION.model
@@ -141,15 +142,18 @@ class FuseParams:
     sparse_fit: SparseFitParams = field(default_factory=SparseFitParams)
     label_key_depth: int | None = None
     label_key_fetch: int = 200
-    sizes: tuple[dict, ...] = DEFAULT_SIZES
+    sizes: tuple[dict, ...] | None = None
 
     def __post_init__(self) -> None:
         # checked here, before the bundle is loaded and its held-out instances searched
         unknown = set(self.model_params) - set(DEFAULT_PARAMS[self.model])
         if unknown:
             raise FuseError(f"--model {self.model} takes no {sorted(unknown)}")
-        if self.model == "tree":
-            self.sizes = ()  # one tree has no ensemble size to choose
+        if self.sizes is None:  # a size given, or a single tree: nothing to choose
+            sized = self.model == "tree" or {"trees", "leaves"} & set(self.model_params)
+            self.sizes = () if sized else DEFAULT_SIZES
+        if self.model == "tree" and self.sizes:
+            raise FuseError("a single tree has no ensemble size to choose (--sizes)")
         for size in self.sizes:
             if set(size) != {"trees", "leaves"} or size["trees"] < 1 or size["leaves"] < 2:
                 raise FuseError(f"an ensemble size is trees (at least 1) and leaves (at least 2), not {size}")
@@ -389,8 +393,6 @@ def build_parser() -> argparse.ArgumentParser:
 def params_of_arguments(args: argparse.Namespace) -> FuseParams:
     """The :class:`FuseParams` of the command line (model parameters not given default)."""
     given = {name: getattr(args, name) for name in ("depth", "min_leaf", "trees", "leaves", "learning_rate")}
-    sized = args.trees is not None or args.leaves is not None  # a size given is the size fitted
-    sizes = DEFAULT_SIZES if args.sizes is None and not sized else tuple(args.sizes or ())
     return FuseParams(
         model=args.model,
         model_params={name: value for name, value in given.items() if value is not None},
@@ -401,7 +403,7 @@ def params_of_arguments(args: argparse.Namespace) -> FuseParams:
         sparse_depth=(args.sparse_depth or None) if not args.no_lexical else None,
         label_key_depth=args.label_key_depth or None,
         label_key_fetch=args.label_key_fetch,
-        sizes=sizes,
+        sizes=None if args.sizes is None else tuple(args.sizes),  # None: FuseParams' rule
     )
 
 

@@ -25,7 +25,7 @@ from bundle.manifest import (
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
-from export.fuse import FuseParams, main
+from export.fuse import FuseParams, build_parser, main, params_of_arguments
 from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS, DEFAULT_SIZES, FuseError
 from export.fusion_to_onnx import PARITY_BOUND
 from export.fusion_validation import CHOICE_FOLDS
@@ -312,22 +312,28 @@ def test_the_default_fusion_is_the_validation_s_choice_lambdamart_over_the_top_2
     assert "searched against the memory without them" in params.fitted_on
 
 
-def test_a_size_given_is_fitted_unchosen_and_sizes_given_are_chosen_among(tiny_memory, sample_dir, run_dir, tmp_path):
-    given = fuse(tiny_memory, sample_dir, run_dir, tmp_path / "given", "--leaves", "7")
-    assert load_bundle(given).manifest.fusion.size_choice is None
-    assert load_bundle(given).manifest.fusion.model_params["leaves"] == 7
-    none = fuse(tiny_memory, sample_dir, run_dir, tmp_path / "none", "--sizes")
-    assert load_bundle(none).manifest.fusion.size_choice is None
-    assert load_bundle(none).manifest.fusion.model_params == DEFAULT_PARAMS["lambdarank"]
-    among = fuse(tiny_memory, sample_dir, run_dir, tmp_path / "among", "--sizes", "1x2", "20x7")
-    assert set(load_bundle(among).manifest.fusion.size_choice.validation) == {"1x2", "20x7"}
+def test_a_size_given_is_fitted_unchosen_and_sizes_given_are_chosen_among(tmp_path):
+    def params(*options: str) -> FuseParams:
+        given = ["--bundle", "b", "--run", "r", "--data", "d", "--out", str(tmp_path / "x"), *options]
+        return params_of_arguments(build_parser().parse_args(given))
+
+    assert params().sizes == DEFAULT_SIZES and params().choosing
+    assert params("--leaves", "7").sizes == () and params("--leaves", "7").model_params == {"leaves": 7}
+    assert params("--trees", "40").sizes == () and not params("--sizes").choosing
+    assert params("--sizes", "1x2", "20x7").sizes == ({"trees": 1, "leaves": 2}, {"trees": 20, "leaves": 7})
+    assert params("--trees", "40", "--sizes", "1x2", "20x7").choosing  # sizes named: chosen over --trees
     with pytest.raises(SystemExit):
-        fuse(tiny_memory, sample_dir, run_dir, tmp_path / "bad", "--sizes", "60")
+        params("--sizes", "60")
+    assert not (tmp_path / "x").exists()
 
 
 def test_sizes_are_chosen_for_an_ensemble_fitted_on_both_searches_only():
     assert FuseParams().choosing and FuseParams("gbdt").choosing
     assert FuseParams("tree").sizes == () and not FuseParams("tree").choosing
+    with pytest.raises(FuseError, match="single tree"):
+        FuseParams("tree", sizes=({"trees": 60, "leaves": 31},))
+    # a size given in the library is fitted, as on the command line
+    assert FuseParams("lambdarank", {"trees": 20}).sizes == () and FuseParams("gbdt", {"depth": 4}).choosing
     assert not FuseParams(fit_on="exclude").choosing  # the validation ranks both protocols' searches
     assert not FuseParams(sizes=({"trees": 60, "leaves": 31},)).choosing
     with pytest.raises(FuseError, match="ensemble size"):
