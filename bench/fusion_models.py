@@ -50,7 +50,6 @@ import numpy as np
 
 from bench.lib.held_out import held_out_features, held_out_instances
 from export.evaluate import evaluate_bundle
-from export.fuse import ensemble_sizes
 from export.fusion_fit import (
     BASE_GROUPS,
     DEFAULT_FUSION,
@@ -59,6 +58,7 @@ from export.fusion_fit import (
     FusionChoice,
     depth_name,
     fit_model,
+    parse_size,
 )
 from export.fusion_to_onnx import onnx_fusion_model
 from export.fusion_validation import (
@@ -192,9 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--folds", type=int, default=5, help="cross-fitting folds of the held-out instances")
     parser.add_argument(
         "--ensembles",
-        type=ensemble_sizes,
+        type=parse_size,
         nargs="+",
-        default=[ensemble_sizes(size) for size in DEFAULT_ENSEMBLES],
+        default=[parse_size(size) for size in DEFAULT_ENSEMBLES],
         help=f"sizes TREESxLEAVES of the gbdt / lambdarank candidates (default {' '.join(DEFAULT_ENSEMBLES)})",
     )
     parser.add_argument(

@@ -51,7 +51,7 @@ from export.derive import derive_rae_bundle
 from export.evaluate import evaluate_bundle
 from export.fit import fit as fit_bundle
 from export.fuse import FuseParams, fuse_bundle
-from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS
+from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS, size_name
 from export.held_out import DEFAULT_HELD_OUT_MEMORY, add_held_out_memory_option
 from service.engine.offline import load_bundle
 from xmc.checkpoint import HOLDOUT_FILE, LOG_FILE, PARAMS_FILE, ServingHead
@@ -63,7 +63,8 @@ LAMBDAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 def bundle_row(path: Path, dev, train, train_seconds: float, notes: str) -> dict:
-    result = evaluate_bundle(load_bundle(path), dev, train, k=100)
+    bundle = load_bundle(path)
+    result = evaluate_bundle(bundle, dev, train, k=100)
     row = {name: result["metrics"][name] for name in HEADLINE}
     return {
         **row,
@@ -74,6 +75,23 @@ def bundle_row(path: Path, dev, train, train_seconds: float, notes: str) -> dict
         "all_metrics": result["metrics"],
         "all_metrics_exclude_before": result["metrics_exclude_before"],
         "queries_per_second": result["queries_per_second"],
+        **fusion_record(bundle.manifest.fusion),
+    }
+
+
+def fusion_record(fusion) -> dict:
+    """What a row keeps of its bundle's fusion: the model and its size, and how the size was chosen."""
+    if fusion is None:
+        return {}
+    chosen = fusion.size_choice
+    return {
+        "fusion": {
+            "kind": fusion.kind,
+            "model_params": fusion.model_params,
+            "size_choice": None
+            if chosen is None
+            else {"chosen": chosen.chosen, "validation": {k: v["filter_after"] for k, v in chosen.validation.items()}},
+        }
     }
 
 
@@ -400,8 +418,9 @@ def fusion_of_row(suffix: str, args) -> tuple[str, dict, tuple[str, ...], int | 
     """(model, params, feature groups, rerank depth) of a fused row."""
     if suffix == "-fused-tree":
         return "tree", {}, ("rae", "lexical"), None
-    if args.fusion_model == "tree":
-        params = {}
+    unsized = args.fusion_trees is None and args.fusion_leaves is None
+    if args.fusion_model == "tree" or (unsized and args.fusion_model == DEFAULT_FUSION.model):
+        params = {}  # a tree has no size; the default model's is chosen by export.fuse (the name says among which)
     else:  # the size in full, export.fuse's default filling what was not given: it names the bundle
         default = DEFAULT_PARAMS[args.fusion_model]
         params = {"trees": args.fusion_trees or default["trees"], "leaves": args.fusion_leaves or default["leaves"]}
@@ -423,6 +442,9 @@ def fused_bundle_name(
     beyond the row's own, and what its held-out instances were searched against), so a changed one
     is rebuilt."""
     size = "".join(f"-{name}{value}" for name, value in sorted(params.items()))
+    choice = FuseParams(model, params) if model != "tree" else None
+    if choice is not None and choice.choosing:  # the sizes chosen among: a changed default is rebuilt too
+        size += "-sizes" + "-".join(size_name(candidate) for candidate in choice.resolved_sizes)
     extra = "".join(f"-{group}" for group in groups if group not in ("rae", "lexical"))
     memory = memory.replace("_", "-")
     return source.with_name(f"{source.name}{suffix}-{model}{size}-depth{depth or 'all'}{extra}-{memory}")

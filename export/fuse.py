@@ -74,9 +74,11 @@ from export.fusion_fit import (
     FittedModel,
     FuseError,
     fit_model,
+    parse_size,
+    size_name,
 )
 from export.fusion_to_onnx import onnx_fusion_model
-from export.fusion_validation import CHOICE_FOLDS, SizeChoice, choose_size, selection_score, size_name
+from export.fusion_validation import CHOICE_FOLDS, SizeChoice, choose_size, selection_score
 from export.held_out import (
     DEFAULT_HELD_OUT_MEMORY,
     FITTED_ON,
@@ -123,13 +125,14 @@ class FuseParams:
         label_key_depth: nearest label keys a query adds to the candidates (the label index as a
             source, :class:`~service.engine.fusion.LabelKeySource`); None: none
         label_key_fetch: keys its search fetches beyond the RAE top b for them
-        sizes: the ensemble sizes (``trees`` and ``leaves`` over :attr:`model_params`) cross-validated
-            on the held-out instances, the best fitted (:func:`export.fusion_validation.choose_size`;
-            a tie keeps the first): each data set gets the size its own held-out instances prefer.
-            None (the default): :data:`~export.fusion_fit.DEFAULT_SIZES` for an ensemble whose
-            ``model_params`` name no size, none otherwise (a size given is the size fitted). Fewer
-            than two, searches fitted on ``exclude`` only (the validation ranks both protocols) or
-            too few held-out instances to fold: the first (or ``model_params``) is fitted unchosen
+        sizes: the ensemble sizes (``trees`` and ``leaves`` over :attr:`model_params`, which then
+            names neither) cross-validated on the held-out instances, the best fitted
+            (:func:`export.fusion_validation.choose_size`; a tie keeps the first): each data set gets
+            the size its own held-out instances prefer. None (the default): the default fusion's
+            :data:`~export.fusion_fit.DEFAULT_SIZES` when the model is the default's and
+            ``model_params`` names no size, none otherwise (:attr:`resolved_sizes`). One size,
+            searches fitted on ``exclude`` only (the validation ranks both protocols) or too few
+            held-out instances to fold: the first is fitted unchosen
     """
 
     model: FusionModelKind = DEFAULT_FUSION.model
@@ -149,14 +152,15 @@ class FuseParams:
         unknown = set(self.model_params) - set(DEFAULT_PARAMS[self.model])
         if unknown:
             raise FuseError(f"--model {self.model} takes no {sorted(unknown)}")
-        if self.sizes is None:  # a size given, or a single tree: nothing to choose
-            sized = self.model == "tree" or {"trees", "leaves"} & set(self.model_params)
-            self.sizes = () if sized else DEFAULT_SIZES
-        if self.model == "tree" and self.sizes:
-            raise FuseError("a single tree has no ensemble size to choose (--sizes)")
-        for size in self.sizes:
-            if set(size) != {"trees", "leaves"} or size["trees"] < 1 or size["leaves"] < 2:
-                raise FuseError(f"an ensemble size is trees (at least 1) and leaves (at least 2), not {size}")
+        if self.sizes is not None:
+            if self.sizes and self.model == "tree":
+                raise FuseError("a single tree has no ensemble size to choose (--sizes)")
+            if self.sizes and {"trees", "leaves"} & set(self.model_params):
+                raise FuseError("give the ensemble's size by --trees / --leaves or by --sizes, not both")
+            for size in self.sizes:
+                valid = set(size) == {"trees", "leaves"} and all(isinstance(v, int) for v in size.values())
+                if not valid or size["trees"] < 1 or size["leaves"] < 2:
+                    raise FuseError(f"an ensemble size is trees (at least 1) and leaves (at least 2), not {size}")
         if self.sparse_depth is not None and "lexical" not in self.groups:
             raise FuseError("a sparse ranker scores the lexical term space: it needs the lexical features")
         if ("sparse" in self.groups) and self.sparse_depth is None:
@@ -184,9 +188,24 @@ class FuseParams:
         return SparseSpec(self.sparse_depth, self.sparse_fit) if self.sparse_depth is not None else None
 
     @property
+    def resolved_sizes(self) -> tuple[dict, ...]:
+        """:attr:`sizes`, None resolved (resolved here, not at construction, so that a
+        ``dataclasses.replace`` of the model or its parameters resolves it again)."""
+        if self.sizes is not None:
+            return tuple(self.sizes)
+        default = self.model == DEFAULT_FUSION.model and not {"trees", "leaves"} & set(self.model_params)
+        return DEFAULT_SIZES if default else ()
+
+    @property
     def choosing(self) -> bool:
         """Whether the ensemble's size is chosen on the held-out instances (see :attr:`sizes`)."""
-        return len(self.sizes) > 1 and self.fit_on == "both"
+        return len(self.resolved_sizes) > 1 and self.fit_on == "both"
+
+    @property
+    def first_params(self) -> dict:
+        """The model's parameters given, with the first size (what is fitted unchosen)."""
+        sizes = self.resolved_sizes
+        return self.model_params | (sizes[0] if sizes else {})
 
 
 @dataclass
@@ -223,11 +242,13 @@ def fit_fusion(predictor: Predictor, train: XMCDataset, rows: np.ndarray, params
     )
     search = HeldOutSearch.of(predictor, train, rows, (served, key_rows), memory, params.sparse_fit)
     pairs = search.pairs(predictor, train, params.fit_on)
-    model_params, size_choice = params.model_params, None
+    model_params, size_choice = params.first_params, None
     if params.choosing:
         frequencies = label_frequencies(train.Y)
-        sizes = tuple(params.sizes)
-        size_choice = choose_size(params.model, model_params, sizes, pairs, served.features, frequencies, len(train))
+        sizes = params.resolved_sizes
+        size_choice = choose_size(
+            params.model, params.model_params, sizes, pairs, served.features, frequencies, len(train)
+        )
         model_params = size_choice.params
         if size_choice.validation:
             scores = {name: round(selection_score(v), 2) for name, v in size_choice.validation.items()}
@@ -286,14 +307,6 @@ def manifest_size_choice(choice: SizeChoice | None) -> FusionSizeChoice | None:
     )
 
 
-def ensemble_sizes(value: str) -> dict:
-    """``TREESxLEAVES`` (e.g. ``60x31``) as an ensemble size (an argparse type)."""
-    trees, sep, leaves = value.partition("x")
-    if not sep or not trees.isdigit() or not leaves.isdigit() or int(trees) < 1 or int(leaves) < 2:
-        raise argparse.ArgumentTypeError(f"expected TREESxLEAVES such as 60x31, got {value!r}")
-    return {"trees": int(trees), "leaves": int(leaves)}
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundle", type=Path, required=True, help="the rae_memory bundle to fuse")
@@ -325,13 +338,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--learning-rate", type=float, help="shrinkage of gbdt / lambdarank (default 0.1)")
     parser.add_argument(
         "--sizes",
-        type=ensemble_sizes,
+        type=parse_size,
         nargs="*",
         default=None,
         metavar="TREESxLEAVES",
-        help="ensemble sizes cross-validated on the held-out instances (folds of "
-        f"{CHOICE_FOLDS}), the best fitted; none: --trees/--leaves as given (default "
-        f"{' '.join(size_name(size) for size in DEFAULT_SIZES)}, unless --trees or --leaves is given)",
+        help=f"ensemble sizes cross-validated on {CHOICE_FOLDS} folds of the held-out instances, the best fitted; "
+        "one: that size; none: the model's default size, unchosen (default for --model "
+        f"{DEFAULT_FUSION.model}: {' '.join(size_name(size) for size in DEFAULT_SIZES)}, unless --trees or "
+        "--leaves is given; not with them)",
     )
     parser.add_argument(
         "--rerank-depth",

@@ -6,6 +6,7 @@ what it ranks by), and the default fusion, defined once here.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass
 
@@ -75,6 +76,19 @@ DEFAULT_FUSION = FusionChoice("lambdarank", BASE_GROUPS, DEFAULT_PARAMS["lambdar
 # above. Each data set gets the one its held-out instances prefer: Debian-Related's chose 60x31 over
 # 60x15 by +0.20 P@1, Gutenberg-Subjects' 60x15 by +0.72 (bench/results/fusion-models-sparse*.json).
 DEFAULT_SIZES: tuple[dict, ...] = ({"trees": 60, "leaves": 31}, {"trees": 60, "leaves": 15})
+
+
+def size_name(params: dict) -> str:
+    """``60x31``: an ensemble's trees and leaves."""
+    return f"{params['trees']}x{params['leaves']}"
+
+
+def parse_size(value: str) -> dict:
+    """An ensemble size named ``TREESxLEAVES`` (e.g. ``60x31``; an argparse type)."""
+    trees, sep, leaves = value.partition("x")
+    if not sep or not trees.isdigit() or not leaves.isdigit() or int(trees) < 1 or int(leaves) < 2:
+        raise argparse.ArgumentTypeError(f"expected TREESxLEAVES such as 60x31, got {value!r}")
+    return {"trees": int(trees), "leaves": int(leaves)}
 
 
 class FuseError(ValueError):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import scipy.sparse as sp
 
-from export.fusion_fit import FusionChoice, fit_model
+from export.fusion_fit import FusionChoice, fit_model, size_name
 from export.fusion_to_onnx import onnx_fusion_model
 from export.held_out import HeldOutPairs
 from service.engine.offline import OPTIONAL_GROUPS, features_of_groups
@@ -164,11 +164,6 @@ class SizeChoice:
         return size_name(self.params)
 
 
-def size_name(params: dict) -> str:
-    """``60x31``: an ensemble's trees and leaves."""
-    return f"{params['trees']}x{params['leaves']}"
-
-
 def choose_size(
     model: str,
     params: dict,
@@ -181,9 +176,13 @@ def choose_size(
     """The ensemble size (each of ``sizes`` over ``params``) whose cross-fitted validation on
     ``pairs`` (their columns ``features``) has the best :func:`selection_score`, ties to the first:
     the choice ``bench.fusion_models`` made for the default, made again on a data set's own held-out
-    instances. Fewer sizes than two, or too few instances to fold, and the first is kept unvalidated."""
+    instances. ``pairs`` must hold both searches of each instance, in :data:`PROTOCOL_OF_SEARCH`'s
+    order (``export.held_out``'s ``both``): the folds are cut by instance. Fewer sizes than two, or
+    too few instances to fold, and the first is kept unvalidated."""
     candidates = [params | size for size in sizes] or [params]
-    instances = len(pairs.relevant) // len(PROTOCOL_OF_SEARCH)
+    instances, odd = divmod(len(pairs.relevant), len(PROTOCOL_OF_SEARCH))
+    if odd:
+        raise ValueError(f"{len(pairs.relevant)} searches: not both searches of each held-out instance")
     if len(candidates) < 2 or instances < CHOICE_FOLDS * MIN_INSTANCES_PER_FOLD:
         return SizeChoice(candidates[0])
     fold = fold_of_instances(instances, CHOICE_FOLDS)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from bench.fusion_models import MAX_MODEL_MS, MODELS, main
-from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS, DEFAULT_SIZES, FusionChoice
-from export.fusion_validation import selection_score, size_name
+from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS, DEFAULT_SIZES, FusionChoice, size_name
+from export.fusion_validation import selection_score
 from export.sparse_fit import SparseFitParams
 from service.engine.fusion import OPTIONAL_GROUPS
 

@@ -58,9 +58,15 @@ def test_each_fused_row_has_its_fusion_and_a_bundle_named_by_it():
     named = fused_bundle_name(source, "-fused", *fused[:2], fused[3], groups=fused[2]).name
     assert named.endswith("-ranks-without-holdout") and named not in names  # its extra group, ranks
     assert fusion_of_row("-fused", given(fusion_model="tree"))[1] == {}  # a tree takes no ensemble size
-    # export.fuse's default size, named in full: a changed default is rebuilt too
-    default = DEFAULT_PARAMS["lambdarank"]
-    size = fusion_of_row("-fused", given(fusion_trees=None, fusion_leaves=None))[1]
+    # no size given: export.fuse chooses among its default sizes, and the name says which (a changed
+    # default is rebuilt too); another model's default size is named in full
+    unsized = fusion_of_row("-fused", given(fusion_trees=None, fusion_leaves=None))
+    assert unsized[1] == {}
+    assert fused_bundle_name(source, "-fused", *unsized[:2], unsized[3]).name.endswith(
+        "-lambdarank-sizes60x31-60x15-depth150-without-holdout"
+    )
+    default = DEFAULT_PARAMS["gbdt"]
+    size = fusion_of_row("-fused", given(fusion_model="gbdt", fusion_trees=None, fusion_leaves=None))[1]
     assert size == {"trees": default["trees"], "leaves": default["leaves"]}
 
 

@@ -4,6 +4,7 @@ the source's RAE scores plus the model, lexical by default (the keys' term vecto
 file per shard); a tree, a regression GBDT or LambdaMART; a bundle from before the ONNX fusion is
 refused with how to re-fuse it; appends and compaction keep it; wrong inputs are refused."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -308,36 +309,52 @@ def test_the_default_fusion_is_the_validation_s_choice_lambdamart_over_the_top_2
     assert choice.chosen == max(scores, key=lambda size: (scores[size], size == "60x31"))  # a tie keeps 60x31
     trees, leaves = map(int, choice.chosen.split("x"))
     assert params.model_params == DEFAULT_PARAMS["lambdarank"] | {"trees": trees, "leaves": leaves}
-    assert len(set(tree_ensemble(out)["nodes_treeids"])) == trees
+    ensemble = tree_ensemble(out)
+    assert len(set(ensemble["nodes_treeids"])) == trees
+    leaf_count = np.bincount(np.array(ensemble["nodes_treeids"])[np.array(ensemble["nodes_modes"]) == b"LEAF"])
+    assert leaf_count.max() <= leaves  # the size chosen is the size fitted
     assert "searched against the memory without them" in params.fitted_on
 
 
-def test_a_size_given_is_fitted_unchosen_and_sizes_given_are_chosen_among(tmp_path):
+def test_a_size_given_is_fitted_unchosen_and_sizes_given_are_chosen_among():
     def params(*options: str) -> FuseParams:
-        given = ["--bundle", "b", "--run", "r", "--data", "d", "--out", str(tmp_path / "x"), *options]
+        given = ["--bundle", "b", "--run", "r", "--data", "d", "--out", "o", *options]
         return params_of_arguments(build_parser().parse_args(given))
 
-    assert params().sizes == DEFAULT_SIZES and params().choosing
-    assert params("--leaves", "7").sizes == () and params("--leaves", "7").model_params == {"leaves": 7}
-    assert params("--trees", "40").sizes == () and not params("--sizes").choosing
-    assert params("--sizes", "1x2", "20x7").sizes == ({"trees": 1, "leaves": 2}, {"trees": 20, "leaves": 7})
-    assert params("--trees", "40", "--sizes", "1x2", "20x7").choosing  # sizes named: chosen over --trees
+    assert params().resolved_sizes == DEFAULT_SIZES and params().choosing
+    leaves = params("--leaves", "7")
+    assert leaves.resolved_sizes == () and leaves.first_params == {"leaves": 7} and not leaves.choosing
+    # none, or one: that size fitted unchosen
+    assert not params("--sizes").choosing and params("--sizes").first_params == {}
+    assert (
+        params("--sizes", "20x7").first_params == {"trees": 20, "leaves": 7} and not params("--sizes", "20x7").choosing
+    )
+    assert params("--sizes", "1x2", "20x7").resolved_sizes == ({"trees": 1, "leaves": 2}, {"trees": 20, "leaves": 7})
+    excluding = params("--fit-on", "exclude", "--sizes", "20x7", "40x15")
+    assert not excluding.choosing and excluding.first_params == {"trees": 20, "leaves": 7}
+    with pytest.raises(FuseError, match="not both"):
+        params("--trees", "40", "--sizes", "1x2", "20x7")
     with pytest.raises(SystemExit):
         params("--sizes", "60")
-    assert not (tmp_path / "x").exists()
 
 
 def test_sizes_are_chosen_for_an_ensemble_fitted_on_both_searches_only():
-    assert FuseParams().choosing and FuseParams("gbdt").choosing
-    assert FuseParams("tree").sizes == () and not FuseParams("tree").choosing
+    assert FuseParams().choosing
+    # another model keeps its own default size (gbdt: 100 trees) unless sizes are named for it
+    assert not FuseParams("gbdt").choosing and FuseParams("gbdt").first_params == {}
+    assert FuseParams("gbdt", sizes=DEFAULT_SIZES).choosing
+    assert FuseParams("tree").resolved_sizes == () and not FuseParams("tree").choosing
     with pytest.raises(FuseError, match="single tree"):
         FuseParams("tree", sizes=({"trees": 60, "leaves": 31},))
-    # a size given in the library is fitted, as on the command line
-    assert FuseParams("lambdarank", {"trees": 20}).sizes == () and FuseParams("gbdt", {"depth": 4}).choosing
+    # a size given in the library is fitted, as on the command line, and a replace resolves it again
+    assert not FuseParams("lambdarank", {"trees": 20}).choosing
+    assert not dataclasses.replace(FuseParams(), model_params={"trees": 20}).choosing
+    assert not dataclasses.replace(FuseParams(), model="tree").choosing
     assert not FuseParams(fit_on="exclude").choosing  # the validation ranks both protocols' searches
     assert not FuseParams(sizes=({"trees": 60, "leaves": 31},)).choosing
-    with pytest.raises(FuseError, match="ensemble size"):
-        FuseParams(sizes=({"trees": 60},))
+    for bad in ({"trees": 60}, {"trees": 60, "leaves": "31"}, {"trees": 0, "leaves": 31}):
+        with pytest.raises(FuseError, match="ensemble size"):
+            FuseParams(sizes=(bad,))
 
 
 def test_model_options_are_checked_against_the_model(tiny_memory, sample_dir, run_dir, tmp_path):

@@ -4,8 +4,9 @@ benchmarks' validate computes), or kept unchosen when there is nothing to choose
 to fold."""
 
 import numpy as np
+import pytest
 
-from export.fusion_fit import FusionChoice
+from export.fusion_fit import FusionChoice, size_name
 from export.fusion_validation import (
     CHOICE_FOLDS,
     MIN_INSTANCES_PER_FOLD,
@@ -14,7 +15,6 @@ from export.fusion_validation import (
     fold_of_instances,
     ranked_by,
     selection_score,
-    size_name,
     validate,
 )
 from export.held_out import HeldOutPairs
@@ -103,3 +103,10 @@ def test_one_size_or_too_few_instances_to_fold_keeps_the_first_unvalidated():
     enough = interaction_pairs(CHOICE_FOLDS * MIN_INSTANCES_PER_FOLD)
     assert choose_size("gbdt", BASE, (ENSEMBLE,), enough, FEATURES, frequencies, 1000).validation == {}
     assert choose_size("gbdt", BASE, (), enough, FEATURES, frequencies, 1000).params == BASE
+
+
+def test_pairs_without_both_searches_of_each_instance_are_refused():
+    pairs = interaction_pairs(CHOICE_FOLDS * MIN_INSTANCES_PER_FOLD)
+    one_search_short = pairs.subset(np.arange(len(pairs.relevant) - 1))
+    with pytest.raises(ValueError, match="both searches"):
+        choose_size("lambdarank", BASE, (STUMP, ENSEMBLE), one_search_short, FEATURES, np.ones(LABELS), 1000)
