@@ -419,8 +419,8 @@ def fusion_of_row(suffix: str, args) -> tuple[str, dict, tuple[str, ...], int | 
     if suffix == "-fused-tree":
         return "tree", {}, ("rae", "lexical"), None
     unsized = args.fusion_trees is None and args.fusion_leaves is None
-    if args.fusion_model == "tree" or (unsized and args.fusion_model == DEFAULT_FUSION.model):
-        params = {}  # a tree has no size; the default model's is chosen by export.fuse (the name says among which)
+    if args.fusion_model == "tree" or (unsized and FuseParams(args.fusion_model).choosing):
+        params = {}  # a tree has no size; export.fuse chooses one where it would (the name says among which)
     else:  # the size in full, export.fuse's default filling what was not given: it names the bundle
         default = DEFAULT_PARAMS[args.fusion_model]
         params = {"trees": args.fusion_trees or default["trees"], "leaves": args.fusion_leaves or default["leaves"]}

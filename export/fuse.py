@@ -74,6 +74,7 @@ from export.fusion_fit import (
     FittedModel,
     FuseError,
     fit_model,
+    is_size,
     parse_size,
     size_name,
 )
@@ -158,8 +159,7 @@ class FuseParams:
             if self.sizes and {"trees", "leaves"} & set(self.model_params):
                 raise FuseError("give the ensemble's size by --trees / --leaves or by --sizes, not both")
             for size in self.sizes:
-                valid = set(size) == {"trees", "leaves"} and all(isinstance(v, int) for v in size.values())
-                if not valid or size["trees"] < 1 or size["leaves"] < 2:
+                if not is_size(size):
                     raise FuseError(f"an ensemble size is trees (at least 1) and leaves (at least 2), not {size}")
         if self.sparse_depth is not None and "lexical" not in self.groups:
             raise FuseError("a sparse ranker scores the lexical term space: it needs the lexical features")

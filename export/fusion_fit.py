@@ -83,12 +83,20 @@ def size_name(params: dict) -> str:
     return f"{params['trees']}x{params['leaves']}"
 
 
+def is_size(size: dict) -> bool:
+    """Whether ``size`` is an ensemble size: integer trees (at least 1) and leaves (at least 2)."""
+    if set(size) != {"trees", "leaves"} or not all(isinstance(value, int) for value in size.values()):
+        return False
+    return size["trees"] >= 1 and size["leaves"] >= 2
+
+
 def parse_size(value: str) -> dict:
     """An ensemble size named ``TREESxLEAVES`` (e.g. ``60x31``; an argparse type)."""
     trees, sep, leaves = value.partition("x")
-    if not sep or not trees.isdigit() or not leaves.isdigit() or int(trees) < 1 or int(leaves) < 2:
+    size = {"trees": int(trees), "leaves": int(leaves)} if sep and trees.isdigit() and leaves.isdigit() else {}
+    if not is_size(size):
         raise argparse.ArgumentTypeError(f"expected TREESxLEAVES such as 60x31, got {value!r}")
-    return {"trees": int(trees), "leaves": int(leaves)}
+    return size
 
 
 class FuseError(ValueError):

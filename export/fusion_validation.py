@@ -192,6 +192,7 @@ def choose_size(
         out_of_fold, _, _ = cross_fitted_scores(model, candidate, pairs, features, fold)
         validation = validation_metrics(pairs, rae_score + out_of_fold, frequencies, num_train)
         choice.validation[size_name(candidate)] = validation
-        if selection_score(validation) > best:
-            best, choice.params = selection_score(validation), candidate
+        score = selection_score(validation)
+        if score > best:
+            best, choice.params = score, candidate
     return choice
