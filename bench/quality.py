@@ -33,6 +33,11 @@ Rows: every peer, and :data:`USER_ROUTE_ROWS`: ``export.build``'s defaults and `
 bundle with no setting changed, each with and without the default fusion (:func:`user_route_rows`).
 Hours on 2 cores: ``make fit`` trains, and the one-vs-rest peer fits each label alone; the
 workdir keeps every bundle, the fit's summary and the peers' rows, so a rerun only evaluates.
+
+A peer measured after the rest (the one-vs-rest fit of Debian-Related's 35,736 labels takes hours)
+joins the table already written, every other row kept as it is::
+
+    python -m bench.quality --only-peers --peer-systems tfidf-ovr-logreg   # --workdir's peers.json
 """
 
 from __future__ import annotations
@@ -114,6 +119,16 @@ def run_peers(python: Path, data: Path, workdir: Path, systems: str | None = Non
     run([str(python), "-m", "bench.peers", "--data", str(data), "--out", str(out), "--keep", *chosen], check=True)
     rows = json.loads(out.read_text())
     return {name: row for name, row in rows.items() if not systems or name in systems.split(",")}
+
+
+def with_peer_rows(systems: dict, peers: dict) -> dict:
+    """``systems`` with ``peers``' rows in: a row it has is replaced where it stands, a new one goes
+    after the peers it has (a peer's row is the one without a bundle), before xmcserve's rows."""
+    merged = {name: peers.get(name, row) for name, row in systems.items()}
+    new = {name: row for name, row in peers.items() if name not in merged}
+    first_bundle = next((i for i, row in enumerate(merged.values()) if "bundle_id" in row), len(merged))
+    ordered = list(merged.items())
+    return dict(ordered[:first_bundle] + list(new.items()) + ordered[first_bundle:])
 
 
 # The rows of a data set as a user meets it (--user-route), and what each is.
@@ -321,6 +336,12 @@ def main(argv: list[str] | None = None) -> int:
         help="evaluate only the pretrained-MiniLM rows and their λ sweep, replacing theirs in --out",
     )
     parser.add_argument(
+        "--only-peers",
+        action="store_true",
+        help="run only the peers (--peer-systems; those the workdir's peers.json has are kept, not re-run) and "
+        "put their rows into the results already in --out; every other row is kept as it is",
+    )
+    parser.add_argument(
         "--user-route",
         action="store_true",
         help="a data set no default was tuned on, as a user meets it: the peers, export.build's defaults and "
@@ -356,6 +377,20 @@ def main(argv: list[str] | None = None) -> int:
         systems = {} if args.skip_peers else run_peers(args.peers_python, args.data, args.workdir, args.peer_systems)
         rows, summary = user_route_rows(args.data, args.workdir, train, dev)
         write_results(args.out, args.data, dev, {**systems, **rows}, {}, extra={"make_fit": summary})
+        return 0
+    if args.only_peers:  # a peer measured later than the rest (the one-vs-rest fit: hours of a large label set)
+        earlier = json.loads(args.out.read_text())
+        peers = run_peers(args.peers_python, args.data, args.workdir, args.peer_systems)
+        write_results(
+            args.out,
+            args.data,
+            dev,
+            with_peer_rows(earlier["systems"], peers),
+            earlier["rae_lambda_sweep"],
+            earlier.get("training_ablations"),
+            earlier.get("fusion_models"),
+            extra={key: earlier[key] for key in ("make_fit",) if key in earlier},
+        )
         return 0
     if args.add_run or args.only_pretrained:
         earlier = json.loads(args.out.read_text())

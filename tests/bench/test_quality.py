@@ -18,6 +18,7 @@ from bench.quality import (
     markdown_table,
     run_peers,
     user_route_rows,
+    with_peer_rows,
 )
 from export.derive import derive_rae_bundle
 from export.fuse import FuseParams, fuse_bundle
@@ -154,6 +155,52 @@ def test_the_user_route_writes_its_rows_under_the_data_folder_s_name_and_keeps_t
     assert written["systems"] == {"xmcserve-fit": row} and written["make_fit"] == {"seconds": {"train": 1}}
     assert (tmp_path / "bench/results/quality-my-set-dev.md").is_file()
     assert not (tmp_path / "bench/results/quality-rae-lambda.png").exists()  # the tuned set's plot is left alone
+
+
+def test_a_peer_row_measured_later_joins_the_peers_and_replaces_its_own_in_place():
+    bundle = {"bundle_id": "b", "P@1": 80.0}
+    systems = {"omikuji-bonsai": {"P@1": 75.0}, "tfidf-ovr-logreg": {"skipped": "s"}, "xmcserve": bundle}
+    assert list(with_peer_rows(systems, {"pecos-xr-linear": {"P@1": 65.0}})) == [
+        "omikuji-bonsai",
+        "tfidf-ovr-logreg",
+        "pecos-xr-linear",
+        "xmcserve",
+    ]
+    replaced = with_peer_rows(systems, {"tfidf-ovr-logreg": {"P@1": 70.0}})
+    assert list(replaced) == list(systems) and replaced["tfidf-ovr-logreg"] == {"P@1": 70.0}
+    assert list(with_peer_rows({"xmcserve": bundle}, {"omikuji-bonsai": {}})) == ["omikuji-bonsai", "xmcserve"]
+
+
+def test_only_peers_adds_their_rows_to_the_results_and_keeps_every_other_part(tmp_path, monkeypatch):
+    figures = {"P@1": 80.0, "P@5": 40.0, "PSP@5": 40.0, "R@100": 86.0}
+    xmcserve = {**figures, "exclude_before": figures, "bundle_id": "b", "train_seconds": 9.0, "notes": "n"}
+    earlier = {
+        "systems": {"omikuji-bonsai": {**figures, "train_seconds": 49.0, "notes": "o"}, "xmcserve-x": xmcserve},
+        "rae_lambda_sweep": {},
+        "training_ablations": {"protocol": "p", "rows": []},
+        "fusion_models": None,
+        "make_fit": {"seconds": {"train": 1}},
+    }
+    out = tmp_path / "quality.json"
+    out.write_text(json.dumps(earlier))
+    ovr = {**figures, "P@1": 70.0, "train_seconds": 14000.0, "notes": "liblinear"}
+    asked = []
+    monkeypatch.setattr(
+        quality, "run_peers", lambda python, data, workdir, systems: asked.append(systems) or {"tfidf-ovr-logreg": ovr}
+    )
+    monkeypatch.setattr(
+        quality, "load_jsonl_split", lambda data, split, labels=None: SimpleNamespace(labels=[], filter_pairs=[1, 2])
+    )
+    argv = ["--only-peers", "--peer-systems", "tfidf-ovr-logreg", "--out", str(out), "--workdir", str(tmp_path)]
+    assert quality.main(argv) == 0
+    written = json.loads(out.read_text())
+    assert asked == ["tfidf-ovr-logreg"]
+    assert list(written["systems"]) == ["omikuji-bonsai", "tfidf-ovr-logreg", "xmcserve-x"]
+    assert written["systems"]["xmcserve-x"] == xmcserve and written["systems"]["tfidf-ovr-logreg"] == ovr
+    assert written["training_ablations"] == earlier["training_ablations"] and written["make_fit"] == {
+        "seconds": {"train": 1}
+    }
+    assert "| tfidf-ovr-logreg | 70.00 |" in out.with_suffix(".md").read_text()
 
 
 def test_a_skipped_peer_is_a_row_that_says_why():
