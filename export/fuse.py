@@ -365,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-lexical",
         action="store_true",
-        help="leave out the lexical features (and the key term files they read): the tree reads the RAE features only",
+        help="leave out the lexical features (and the key term files they read) and the sparse ranker, which "
+        "searches the same term space: the tree reads the RAE features only",
     )
     parser.add_argument(
         "--sparse-depth",
