@@ -122,6 +122,13 @@ def test_reload_ab_split_promote_flow(server):
     # split 30 %: sticky per key, about 30 % of keys on B
     state = post(server, "/admin/config", {"split_b": 0.3}, ADMIN).json()
     assert state["split_b"] == 0.3
+    # mirroring without a shadow is refused whole: the split beside it is not applied either
+    refused = post(server, "/admin/config", {"split_b": 0.9, "shadow_fraction": 0.5}, ADMIN)
+    assert refused.status_code == 409 and "no shadow configured" in refused.text
+    assert httpx.get(f"{server.url}/admin/state", headers=ADMIN).json()["split_b"] == 0.3
+    # forcing a variant is an operator's call: 403 without the token, whatever the missing token's 401 elsewhere
+    unforced = post(server, "/predict", {**TEXT, "variant": "B"})
+    assert unforced.status_code == 403 and "forcing a variant needs the admin token" in unforced.text
     seen = {}
     for i in range(60):
         key = f"user-{i}"
