@@ -373,12 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     train = load_jsonl_split(args.data, "trn")
     dev = load_jsonl_split(args.data, "dev", labels=train.labels)
-    if args.user_route:
-        systems = {} if args.skip_peers else run_peers(args.peers_python, args.data, args.workdir, args.peer_systems)
-        rows, summary = user_route_rows(args.data, args.workdir, train, dev)
-        write_results(args.out, args.data, dev, {**systems, **rows}, {}, extra={"make_fit": summary})
-        return 0
-    if args.only_peers:  # a peer measured later than the rest (the one-vs-rest fit: hours of a large label set)
+    if args.only_peers:  # a peer measured later than the rest (the one-vs-rest fit: hours of a large label set);
+        # with --user-route, into that data set's results
         earlier = json.loads(args.out.read_text())
         peers = run_peers(args.peers_python, args.data, args.workdir, args.peer_systems)
         write_results(
@@ -391,6 +387,11 @@ def main(argv: list[str] | None = None) -> int:
             earlier.get("fusion_models"),
             extra={key: earlier[key] for key in ("make_fit",) if key in earlier},
         )
+        return 0
+    if args.user_route:
+        systems = {} if args.skip_peers else run_peers(args.peers_python, args.data, args.workdir, args.peer_systems)
+        rows, summary = user_route_rows(args.data, args.workdir, train, dev)
+        write_results(args.out, args.data, dev, {**systems, **rows}, {}, extra={"make_fit": summary})
         return 0
     if args.add_run or args.only_pretrained:
         earlier = json.loads(args.out.read_text())

@@ -203,6 +203,24 @@ def test_only_peers_adds_their_rows_to_the_results_and_keeps_every_other_part(tm
     assert "| tfidf-ovr-logreg | 70.00 |" in out.with_suffix(".md").read_text()
 
 
+def test_only_peers_with_the_user_route_goes_into_that_data_set_s_results(tmp_path, monkeypatch):
+    figures = {"P@1": 50.0, "P@5": 20.0, "PSP@5": 40.0, "R@100": 70.0}
+    fit = {**figures, "exclude_before": figures, "bundle_id": "b", "train_seconds": 1.0, "notes": "n"}
+    out = tmp_path / "bench/results/quality-my-set-dev.json"
+    out.parent.mkdir(parents=True)
+    out.write_text(json.dumps({"systems": {"xmcserve-fit": fit}, "rae_lambda_sweep": {}, "make_fit": {"s": 1}}))
+    ovr = {**figures, "train_seconds": 9.0, "notes": "liblinear"}
+    monkeypatch.setattr(quality, "run_peers", lambda *args: {"tfidf-ovr-logreg": ovr})
+    monkeypatch.setattr(
+        quality, "load_jsonl_split", lambda data, split, labels=None: SimpleNamespace(labels=[], filter_pairs=[])
+    )
+    monkeypatch.chdir(tmp_path)
+    assert quality.main(["--user-route", "--only-peers", "--data", "data/my-set", "--workdir", "w"]) == 0
+    written = json.loads(out.read_text())
+    assert list(written["systems"]) == ["tfidf-ovr-logreg", "xmcserve-fit"] and written["make_fit"] == {"s": 1}
+    assert not (tmp_path / "bench/results/quality-rae-lambda.png").exists()
+
+
 def test_a_skipped_peer_is_a_row_that_says_why():
     figures = {"P@1": 70.0, "P@5": 35.0, "PSP@5": 25.0, "R@100": 77.0}
     table = markdown_table(
