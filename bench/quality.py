@@ -18,7 +18,8 @@ comparison uses) and, beside it, as a caller's ``exclude`` before aggregation
   (each λ is a derived bundle: same encoder and index, new value matrix);
 * ``xmcserve-unidec-rae-64d-fused``: that memory with a score fusion (:mod:`export.fuse`, lexical
   features included) fitted on the run's held-out training instances, when the run kept some out
-  (``holdout``); ``…-fused-rae-features``: the same fusion without the lexical features (ablation).
+  (``holdout``); ``…-fused-rae-features``: the same model over the memory's candidates and the RAE
+  features alone (no lexical features, and so no sparse ranker, which searches their term space).
 
 The trained checkpoint comes from ``--run`` (trained first with ``--config`` when it has none);
 its ``train_seconds`` is the run's own measurement (cache building + epochs). Writes the JSON,
@@ -119,6 +120,21 @@ def run_peers(python: Path, data: Path, workdir: Path, systems: str | None = Non
     run([str(python), "-m", "bench.peers", "--data", str(data), "--out", str(out), "--keep", *chosen], check=True)
     rows = json.loads(out.read_text())
     return {name: row for name, row in rows.items() if not systems or name in systems.split(",")}
+
+
+def kept_peers(workdir: Path, systems: str | None) -> dict:
+    """The rows ``workdir``'s ``peers.json`` holds (``systems``, a comma list; None: all), read and
+    never run: a peer still being measured (the one-vs-rest fit resumes from its saved chunks) is
+    not started a second time. Raises FileNotFoundError or KeyError for what it lacks."""
+    path = workdir / "peers.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: run bench.peers --keep --out {path} first")
+    rows = json.loads(path.read_text())
+    wanted = systems.split(",") if systems else list(rows)
+    lacking = [name for name in wanted if name not in rows]
+    if lacking:
+        raise KeyError(f"{path} has no row for {', '.join(lacking)} (still being measured?)")
+    return {name: rows[name] for name in wanted}
 
 
 def with_peer_rows(systems: dict, peers: dict) -> dict:
@@ -338,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only-peers",
         action="store_true",
-        help="run only the peers (--peer-systems; those the workdir's peers.json has are kept, not re-run) and "
-        "put their rows into the results already in --out; every other row is kept as it is",
+        help="put the rows of --workdir's peers.json (--peer-systems; nothing is run) into the results already in "
+        "--out; every other row is kept as it is",
     )
     parser.add_argument(
         "--user-route",
@@ -368,19 +384,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.out is None:
         args.out = Path("bench/results") / (f"quality-{args.data.name}-dev.json" if args.user_route else DEBIAN_OUT)
-    ablations = training_ablations(args.ablation_base, args.ablation) if args.ablation_base else None
-    fusion_models = fusion_model_table(json.loads(args.fusion_models.read_text())) if args.fusion_models else None
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    train = load_jsonl_split(args.data, "trn")
-    dev = load_jsonl_split(args.data, "dev", labels=train.labels)
-    if args.only_peers:  # a peer measured later than the rest (the one-vs-rest fit: hours of a large label set);
-        # with --user-route, into that data set's results
+    if args.only_peers or args.add_run or args.only_pretrained:  # each adds rows to results already written
+        modes = [flag for flag in ("only_peers", "add_run", "only_pretrained", "skip_peers") if getattr(args, flag)]
+        if len(modes) > 1:
+            parser.error(" and ".join("--" + flag.replace("_", "-") for flag in modes) + " exclude each other")
+        if not args.out.is_file():
+            parser.error(f"{args.out} does not exist: there are no results to add rows to")
+        earlier_data = json.loads(args.out.read_text()).get("data")
+        if earlier_data is not None and Path(earlier_data).resolve() != args.data.resolve():
+            parser.error(f"{args.out} holds {earlier_data}'s results, not {args.data}'s (--data)")
+    if args.only_peers:  # nothing to load or measure: the rows are read from the workdir
+        try:
+            peers = kept_peers(args.workdir, args.peer_systems)
+        except (FileNotFoundError, KeyError) as exc:
+            parser.error(str(exc).strip("'\""))
         earlier = json.loads(args.out.read_text())
-        peers = run_peers(args.peers_python, args.data, args.workdir, args.peer_systems)
         write_results(
             args.out,
-            args.data,
-            dev,
+            Path(earlier.get("data", args.data)),
+            earlier["filter_pairs_applied"],
             with_peer_rows(earlier["systems"], peers),
             earlier["rae_lambda_sweep"],
             earlier.get("training_ablations"),
@@ -388,10 +410,15 @@ def main(argv: list[str] | None = None) -> int:
             extra={key: earlier[key] for key in ("make_fit",) if key in earlier},
         )
         return 0
+    ablations = training_ablations(args.ablation_base, args.ablation) if args.ablation_base else None
+    fusion_models = fusion_model_table(json.loads(args.fusion_models.read_text())) if args.fusion_models else None
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    train = load_jsonl_split(args.data, "trn")
+    dev = load_jsonl_split(args.data, "dev", labels=train.labels)
     if args.user_route:
         systems = {} if args.skip_peers else run_peers(args.peers_python, args.data, args.workdir, args.peer_systems)
         rows, summary = user_route_rows(args.data, args.workdir, train, dev)
-        write_results(args.out, args.data, dev, {**systems, **rows}, {}, extra={"make_fit": summary})
+        write_results(args.out, args.data, len(dev.filter_pairs), {**systems, **rows}, {}, extra={"make_fit": summary})
         return 0
     if args.add_run or args.only_pretrained:
         earlier = json.loads(args.out.read_text())
@@ -407,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         write_results(
             args.out,
             args.data,
-            dev,
+            len(dev.filter_pairs),
             {**systems, **rows},
             sweeps,
             ablations or earlier.get("training_ablations"),
@@ -423,7 +450,13 @@ def main(argv: list[str] | None = None) -> int:
     trained, sweep = trained_rows(args, checkpoint, train, dev, halves=True, int8=True)
     systems.update(trained)
     write_results(
-        args.out, args.data, dev, systems, {"UniDEC (trained)": sweep, **pretrained_sweep}, ablations, fusion_models
+        args.out,
+        args.data,
+        len(dev.filter_pairs),
+        systems,
+        {"UniDEC (trained)": sweep, **pretrained_sweep},
+        ablations,
+        fusion_models,
     )
     return 0
 
@@ -446,7 +479,11 @@ TRAINED_SUFFIXES = (
 FUSIONS = (
     ("-fused", "score fusion (export.fuse, ONNX TreeEnsemble)"),
     ("-fused-tree", "NGAME's single regression tree over the RAE and lexical features, every candidate"),
-    ("-fused-rae-features", "the -fused fusion over the RAE features alone (no lexical features)"),
+    (
+        "-fused-rae-features",
+        "the -fused model over the memory's candidates and the RAE features alone (no lexical features, so no "
+        "sparse ranker)",
+    ),
 )
 
 
@@ -618,7 +655,8 @@ def ablation_markdown(systems: dict, ablations: dict | None) -> str:
     if pairs:
         lines += [
             "",
-            "Score fusion off / the chosen fusion over the RAE features alone / NGAME's single tree over every "
+            "Score fusion off / the chosen model over the memory's candidates and RAE features alone / NGAME's "
+            "single tree over every "
             "candidate / the chosen fusion (served bundles, filter after ranking):",
             "",
             "| bundle | P@1 | P@5 | PSP@5 | R@100 |",
@@ -703,7 +741,7 @@ def fusion_model_markdown(table: dict | None) -> str:
 def write_results(
     out: Path,
     data: Path,
-    dev,
+    filter_pairs: int,
     systems: dict,
     sweeps: dict,
     ablations: dict | None = None,
@@ -715,7 +753,7 @@ def write_results(
         "data": str(data),
         "split": "dev",
         "k": 100,
-        "filter_pairs_applied": int(len(dev.filter_pairs)),
+        "filter_pairs_applied": int(filter_pairs),
         "systems": systems,
         "rae_lambda_sweep": sweeps,
         "fusion_ablation": fusion_ablation(systems),

@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from bench import quality
 from bench.quality import (
     USER_ROUTE_ROWS,
@@ -171,10 +173,16 @@ def test_a_peer_row_measured_later_joins_the_peers_and_replaces_its_own_in_place
     assert list(with_peer_rows({"xmcserve": bundle}, {"omikuji-bonsai": {}})) == ["omikuji-bonsai", "xmcserve"]
 
 
+def never(*args, **kwargs):
+    raise AssertionError("--only-peers reads the peers' rows; it runs and loads nothing")
+
+
 def test_only_peers_adds_their_rows_to_the_results_and_keeps_every_other_part(tmp_path, monkeypatch):
     figures = {"P@1": 80.0, "P@5": 40.0, "PSP@5": 40.0, "R@100": 86.0}
     xmcserve = {**figures, "exclude_before": figures, "bundle_id": "b", "train_seconds": 9.0, "notes": "n"}
     earlier = {
+        "data": "data/x",
+        "filter_pairs_applied": 2,
         "systems": {"omikuji-bonsai": {**figures, "train_seconds": 49.0, "notes": "o"}, "xmcserve-x": xmcserve},
         "rae_lambda_sweep": {},
         "training_ablations": {"protocol": "p", "rows": []},
@@ -184,23 +192,39 @@ def test_only_peers_adds_their_rows_to_the_results_and_keeps_every_other_part(tm
     out = tmp_path / "quality.json"
     out.write_text(json.dumps(earlier))
     ovr = {**figures, "P@1": 70.0, "train_seconds": 14000.0, "notes": "liblinear"}
-    asked = []
-    monkeypatch.setattr(
-        quality, "run_peers", lambda python, data, workdir, systems: asked.append(systems) or {"tfidf-ovr-logreg": ovr}
-    )
-    monkeypatch.setattr(
-        quality, "load_jsonl_split", lambda data, split, labels=None: SimpleNamespace(labels=[], filter_pairs=[1, 2])
-    )
+    (tmp_path / "peers.json").write_text(json.dumps({"pecos-xr-linear": {"P@1": 1.0}, "tfidf-ovr-logreg": ovr}))
+    monkeypatch.setattr(quality, "run_peers", never)
+    monkeypatch.setattr(quality, "load_jsonl_split", never)
     argv = ["--only-peers", "--peer-systems", "tfidf-ovr-logreg", "--out", str(out), "--workdir", str(tmp_path)]
-    assert quality.main(argv) == 0
+    assert quality.main([*argv, "--data", "data/x"]) == 0
     written = json.loads(out.read_text())
-    assert asked == ["tfidf-ovr-logreg"]
     assert list(written["systems"]) == ["omikuji-bonsai", "tfidf-ovr-logreg", "xmcserve-x"]
     assert written["systems"]["xmcserve-x"] == xmcserve and written["systems"]["tfidf-ovr-logreg"] == ovr
-    assert written["training_ablations"] == earlier["training_ablations"] and written["make_fit"] == {
-        "seconds": {"train": 1}
-    }
+    kept = ("data", "filter_pairs_applied", "training_ablations", "make_fit")
+    assert {key: written[key] for key in kept} == {key: earlier[key] for key in kept}
     assert "| tfidf-ovr-logreg | 70.00 |" in out.with_suffix(".md").read_text()
+
+
+def test_only_peers_refuses_what_it_cannot_do_before_writing_anything(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "quality.json"
+    earlier = {"data": "data/x", "filter_pairs_applied": 0, "systems": {}, "rae_lambda_sweep": {}}
+    out.write_text(json.dumps(earlier))
+    (tmp_path / "peers.json").write_text(json.dumps({"omikuji-bonsai": {"P@1": 1.0}}))
+    monkeypatch.setattr(quality, "run_peers", never)
+    monkeypatch.setattr(quality, "load_jsonl_split", never)
+    base = ["--only-peers", "--out", str(out), "--workdir", str(tmp_path), "--data", "data/x"]
+    refusals = {
+        "still being measured": [*base, "--peer-systems", "tfidf-ovr-logreg"],  # not in peers.json yet
+        "exclude each other": [*base, "--skip-peers"],
+        "not data/y's": ["--only-peers", "--out", str(out), "--workdir", str(tmp_path), "--data", "data/y"],
+        "does not exist": ["--only-peers", "--out", str(tmp_path / "none.json"), "--data", "data/x"],
+        "peers.json does not exist": [*base[:4], str(tmp_path / "empty"), "--data", "data/x"],
+    }
+    for says, argv in refusals.items():
+        with pytest.raises(SystemExit) as refused:
+            quality.main(argv)
+        assert refused.value.code == 2 and says in capsys.readouterr().err, says
+    assert json.loads(out.read_text()) == earlier
 
 
 def test_only_peers_with_the_user_route_goes_into_that_data_set_s_results(tmp_path, monkeypatch):
@@ -208,12 +232,13 @@ def test_only_peers_with_the_user_route_goes_into_that_data_set_s_results(tmp_pa
     fit = {**figures, "exclude_before": figures, "bundle_id": "b", "train_seconds": 1.0, "notes": "n"}
     out = tmp_path / "bench/results/quality-my-set-dev.json"
     out.parent.mkdir(parents=True)
-    out.write_text(json.dumps({"systems": {"xmcserve-fit": fit}, "rae_lambda_sweep": {}, "make_fit": {"s": 1}}))
+    earlier = {"data": "data/my-set", "filter_pairs_applied": 0, "systems": {"xmcserve-fit": fit}}
+    out.write_text(json.dumps({**earlier, "rae_lambda_sweep": {}, "make_fit": {"s": 1}}))
+    (tmp_path / "w").mkdir()
     ovr = {**figures, "train_seconds": 9.0, "notes": "liblinear"}
-    monkeypatch.setattr(quality, "run_peers", lambda *args: {"tfidf-ovr-logreg": ovr})
-    monkeypatch.setattr(
-        quality, "load_jsonl_split", lambda data, split, labels=None: SimpleNamespace(labels=[], filter_pairs=[])
-    )
+    (tmp_path / "w/peers.json").write_text(json.dumps({"tfidf-ovr-logreg": ovr}))
+    monkeypatch.setattr(quality, "run_peers", never)
+    monkeypatch.setattr(quality, "load_jsonl_split", never)
     monkeypatch.chdir(tmp_path)
     assert quality.main(["--user-route", "--only-peers", "--data", "data/my-set", "--workdir", "w"]) == 0
     written = json.loads(out.read_text())
