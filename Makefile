@@ -210,7 +210,7 @@ sample:
 PEERS_VENV ?= .venv-peers
 $(PEERS_VENV)/.installed:
 	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/pip install --quiet --disable-pip-version-check "numpy<2" "scipy<1.14" scikit-learn omikuji
+	$(PEERS_VENV)/bin/pip install --quiet --disable-pip-version-check "numpy<2" "scipy<1.14" scikit-learn omikuji liblinear-official
 	$(PEERS_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps libpecos==1.2.8
 	touch $@
 
