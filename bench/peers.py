@@ -26,6 +26,7 @@ removed, the top ``k`` kept, and the metrics come from :mod:`xmc.metrics`, as fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -157,50 +158,51 @@ def ovr_logreg(
     chunk = min(MAX_CHUNK, int(max_gb * 2**30 // label_bytes))
     problem = ovr_problem(X, Y, Xt, seen, chunk, depth)
     first, before, top_scores, top_labels = resume_ovr(state, problem, Xt.shape[0])
-    _OVR.update(ovr_context(X, Y, Xt))
     started = time.perf_counter()
-    try:
-        with ovr_workers(threads) as pool:
-            for start in range(first, len(seen), chunk):
-                labels = seen[start : start + chunk]
-                if start > first:  # a fit of many labels takes minutes: say how far it is
-                    done = (start - first) / (len(seen) - first)
-                    left = (time.perf_counter() - started) * (1 - done) / done
-                    print(
-                        f"tfidf-ovr-logreg: {start} of {len(seen)} labels, about {left / 60:.0f} min left",
-                        file=sys.stderr,
-                    )
-                parts = np.array_split(labels, max(1, min(threads, len(labels))))
-                scores = np.hstack(list(pool.map(ovr_scores, parts)) if pool else [ovr_scores(labels)])
-                # earlier labels first, and a stable sort: ties keep the order one sort of every label gives
-                merged_scores = np.hstack([top_scores, scores])
-                merged_labels = np.hstack([top_labels, np.broadcast_to(labels, scores.shape)])
-                keep = np.argsort(-merged_scores, axis=1, kind="stable")[:, :depth]
-                top_scores = np.take_along_axis(merged_scores, keep, axis=1)
-                top_labels = np.take_along_axis(merged_labels, keep, axis=1)
-                if state is not None:
-                    seconds = before + time.perf_counter() - started
-                    save_ovr(state, problem, start + len(labels), seconds, top_scores, top_labels)
-    finally:
-        _OVR.clear()
+    with ovr_context(X, Y, Xt), ovr_workers(threads) as pool:
+        for start in range(first, len(seen), chunk):
+            labels = seen[start : start + chunk]
+            if start > first:  # a fit of many labels takes minutes: say how far it is
+                done = (start - first) / (len(seen) - first)
+                left = (time.perf_counter() - started) * (1 - done) / done
+                print(
+                    f"tfidf-ovr-logreg: {start} of {len(seen)} labels, about {left / 60:.0f} min left",
+                    file=sys.stderr,
+                )
+            parts = np.array_split(labels, max(1, min(threads, len(labels))))
+            scores = np.hstack(list(pool.map(ovr_scores, parts)) if pool else [ovr_scores(labels)])
+            # earlier labels first, and a stable sort: ties keep the order one sort of every label gives
+            merged_scores = np.hstack([top_scores, scores])
+            merged_labels = np.hstack([top_labels, np.broadcast_to(labels, scores.shape)])
+            keep = np.argsort(-merged_scores, axis=1, kind="stable")[:, :depth]
+            top_scores = np.take_along_axis(merged_scores, keep, axis=1)
+            top_labels = np.take_along_axis(merged_labels, keep, axis=1)
+            if state is not None:
+                seconds = before + time.perf_counter() - started
+                save_ovr(state, problem, start + len(labels), seconds, top_scores, top_labels)
     if timing is not None:
         timing["fit_seconds"] = before + time.perf_counter() - started
     return top_labels.tolist()
 
 
-def ovr_context(X, Y, Xt) -> dict:
-    """What :func:`ovr_scores` reads: liblinear's problem over ``X`` (its targets rewritten per
-    label), each label's positive rows, the dev features."""
+@contextlib.contextmanager
+def ovr_context(X, Y, Xt):
+    """Within it, what :func:`ovr_scores` reads (in this process and the workers forked in it):
+    liblinear's problem over ``X`` (its targets rewritten per label), each label's positive rows,
+    the dev features."""
     from liblinear.liblinear import problem
 
     positives = Y.tocsc()
     positives.eliminate_zeros()
-    return {"problem": problem(np.zeros(X.shape[0]), X, bias=1), "Y": positives, "Xt": Xt.tocsr()}
+    _OVR.update(problem=problem(np.zeros(X.shape[0]), X, bias=1), Y=positives, Xt=Xt.tocsr())
+    try:
+        yield
+    finally:
+        _OVR.clear()
 
 
 def ovr_workers(threads: int):
     """``threads`` forked processes that share the problem (liblinear is single-threaded), or none."""
-    import contextlib
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -219,6 +221,7 @@ def ovr_scores(labels: np.ndarray) -> np.ndarray:
     problem, positives, Xt = _OVR["problem"], _OVR["Y"], _OVR["Xt"]
     y = np.ctypeslib.as_array(problem.y, (problem.l,))  # liblinear's own targets, rewritten per label
     libc = ctypes.CDLL(None)
+    options = parameter(LIBLINEAR_OPTIONS)
     out = np.empty((Xt.shape[0], len(labels)))
     for j, label in enumerate(labels):
         y[:] = -1.0
@@ -226,7 +229,7 @@ def ovr_scores(labels: np.ndarray) -> np.ndarray:
         # liblinear's dual solver visits the texts in rand()'s order: each label from the same seed,
         # so its model never depends on which labels this process fitted before it
         libc.srand(1)
-        model = train(problem, parameter(LIBLINEAR_OPTIONS))
+        model = train(problem, options)
         n = model.nr_feature
         w = np.ctypeslib.as_array(model.w, (n + 1,))  # the features' weights, then the bias feature's
         scores = Xt @ w[:n] + w[n] * model.bias

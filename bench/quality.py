@@ -384,13 +384,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.out is None:
         args.out = Path("bench/results") / (f"quality-{args.data.name}-dev.json" if args.user_route else DEBIAN_OUT)
+    earlier: dict = {}  # the results already in --out, for the modes that add rows to them
     if args.only_peers or args.add_run or args.only_pretrained:  # each adds rows to results already written
         modes = [flag for flag in ("only_peers", "add_run", "only_pretrained", "skip_peers") if getattr(args, flag)]
         if len(modes) > 1:
             parser.error(" and ".join("--" + flag.replace("_", "-") for flag in modes) + " exclude each other")
         if not args.out.is_file():
             parser.error(f"{args.out} does not exist: there are no results to add rows to")
-        earlier_data = json.loads(args.out.read_text()).get("data")
+        earlier = json.loads(args.out.read_text())
+        earlier_data = earlier.get("data")
         if earlier_data is not None and Path(earlier_data).resolve() != args.data.resolve():
             parser.error(f"{args.out} holds {earlier_data}'s results, not {args.data}'s (--data)")
     if args.only_peers:  # nothing to load or measure: the rows are read from the workdir
@@ -398,7 +400,6 @@ def main(argv: list[str] | None = None) -> int:
             peers = kept_peers(args.workdir, args.peer_systems)
         except (FileNotFoundError, KeyError) as exc:
             parser.error(str(exc).strip("'\""))
-        earlier = json.loads(args.out.read_text())
         write_results(
             args.out,
             Path(earlier.get("data", args.data)),
@@ -421,7 +422,6 @@ def main(argv: list[str] | None = None) -> int:
         write_results(args.out, args.data, len(dev.filter_pairs), {**systems, **rows}, {}, extra={"make_fit": summary})
         return 0
     if args.add_run or args.only_pretrained:
-        earlier = json.loads(args.out.read_text())
         if args.add_run:
             checkpoint = ensure_trained(args.run, args.config)
             rows, sweeps = trained_rows(args, checkpoint, train, dev, halves=False, int8=False)
@@ -656,8 +656,7 @@ def ablation_markdown(systems: dict, ablations: dict | None) -> str:
         lines += [
             "",
             "Score fusion off / the chosen model over the memory's candidates and RAE features alone / NGAME's "
-            "single tree over every "
-            "candidate / the chosen fusion (served bundles, filter after ranking):",
+            "single tree over every candidate / the chosen fusion (served bundles, filter after ranking):",
             "",
             "| bundle | P@1 | P@5 | PSP@5 | R@100 |",
             "| --- | ---: | ---: | ---: | ---: |",

@@ -35,11 +35,8 @@ def test_each_label_solves_scikit_learns_liblinear_logistic_regression():
         X, Y, Xt = data(seed)
         seen = np.flatnonzero(np.asarray(Y.sum(axis=0)).ravel() > 0)
         primal = OneVsRestClassifier(LogisticRegression(solver="liblinear", C=10.0)).fit(X, Y[:, seen])
-        peers._OVR.update(peers.ovr_context(X, Y, Xt))
-        try:
+        with peers.ovr_context(X, Y, Xt):
             dual = peers.ovr_scores(seen)
-        finally:
-            peers._OVR.clear()
         expected = primal.decision_function(Xt)
         # the same objective to the dual solver's tolerance: within 0.04-0.07 of the primal's values
         # (mean magnitude 2.5) on these seeds, on AVX2 and AVX-512 alike; a wrong sign, bias or label
