@@ -334,6 +334,16 @@ class ScoreFusion:
         label_keys = LabelKeySource(keys.depth, keys.fetch) if keys is not None else None
         return cls(model, log_frequency, lexicon, features, params.rerank_depth, sparse, label_keys)
 
+    def later_label_columns(self, label_texts: Sequence[str]) -> LabelColumns | None:
+        """The sparse ranker's columns of the labels of ``label_texts`` (a bundle's, label id
+        order) after its fitted ones (a compaction folds appended labels in past them), made from
+        their texts as an append makes them; None without a ranker. Every front end that ranks
+        starts its memory's view with them."""
+        if self.sparse is None:
+            return None
+        later = [label_texts[i] for i in range(self.sparse.labels, len(label_texts))]
+        return self.sparse.label_columns(self.lexicon.rows(later))
+
     @property
     def extra_fetch(self) -> int:
         """Keys a query's search fetches beyond the RAE top b for this fusion (its label-key source)."""

@@ -92,9 +92,7 @@ class Predictor:
         ranker = bundle.fusion.sparse if bundle.fusion is not None else None
         label_columns_of = ranker.label_columns if ranker is not None else None
         if ranker is not None:
-            # labels past the fitted ones (folded in by a compaction) get theirs as an append gives them
-            later = [bundle.label_texts[i] for i in range(ranker.labels, view.num_labels)]
-            view = replace(view, sparse_columns=ranker.label_columns(self.lexicon.rows(later)))
+            view = replace(view, sparse_columns=bundle.fusion.later_label_columns(bundle.label_texts))
         self.memory = Memory(bundle.index, view, lam, append_log, rows_of_texts, label_columns_of)
 
     @property
