@@ -130,7 +130,8 @@ def compact_bundle(source: Path, out: Path, appends_dir: Path | None = None, for
 def carried_fusion(fusion: ScoreFusion, num_labels: int) -> ScoreFusion:
     """The same model (and lexicon, features, rerank depth, sparse ranker) with frequency 0 for the
     labels appended since export: what the live memory used for them, so the compacted bundle answers
-    as the grown one did (the sparse ranker still covers the labels it was fitted on, and only those)."""
+    as the grown one did (the sparse ranker's file still covers the labels it was fitted on, and only
+    those: a load gives the later ones their columns from their texts, as their appends did)."""
     appended = np.zeros(num_labels - len(fusion.log_frequency), dtype=np.float32)
     log_frequency = np.concatenate([fusion.log_frequency, appended])
     return dataclasses.replace(fusion, log_frequency=log_frequency)

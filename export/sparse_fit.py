@@ -22,6 +22,9 @@ trained against (dev P@1 39.4, R@100 42.8, against the centroid's 37.0 / 64.4; d
 
 Each label's own text is one of its texts (``label_texts``): a label no training instance carries
 (zero-shot) still has weights, the lexical match on label text of the classic tail-label fallback.
+A label appended to a live memory later gets the column a zero-shot label gets here, from its text
+(:meth:`~service.engine.sparse.SparseRanker.label_columns`, the same code: the centroid and the
+pruning live in :mod:`service.engine.sparse`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import scipy.sparse as sp
 from tqdm import tqdm
 
 from bundle import SparseFitKind
-from service.engine.offline import Lexicon, SparseRanker
+from service.engine.offline import LABEL_WEIGHT, PRUNE, Lexicon, SparseRanker, centroid_columns, pruned
 
 log = logging.getLogger("xmcserve.sparse_fit")
 
@@ -62,8 +65,8 @@ class SparseFitParams:
     epochs: int = 100
     learning_rate: float = 0.5
     l2: float = 1e-4
-    label_weight: float = 0.5
-    prune: float = 0.05
+    label_weight: float = LABEL_WEIGHT
+    prune: float = PRUNE
     label_texts: bool = True
 
     def kind(self, labels: int) -> SparseFitKind:
@@ -101,9 +104,7 @@ def fit_sparse_ranker(
             X = sp.vstack([X, label_rows.astype(np.float32)]).tocsr()
             Y = sp.vstack([Y, sp.identity(labels, format="csr", dtype=np.float32)]).tocsr()
         weights, bias, pairs = _one_vs_rest(X, Y, params)
-    weights.data[np.abs(weights.data) < params.prune] = 0.0
-    weights.eliminate_zeros()
-    weights.sort_indices()
+    weights = pruned(weights, params.prune)
     seconds = time.perf_counter() - started
     log.info("sparse ranker (%s) fitted on %d pairs in %.1f s: %d weights", kind, pairs, seconds, weights.nnz)
     return SparseFit(weights.astype(np.float32), bias.astype(np.float32), kind, pairs, seconds)
@@ -154,17 +155,11 @@ def _one_vs_rest(X: sp.csr_matrix, Y: sp.csr_matrix, params: SparseFitParams):
 
 
 def _centroid(X: sp.csr_matrix, Y: sp.csr_matrix, label_rows: sp.csr_matrix | None, params: SparseFitParams):
-    """Each label's unit mean of its texts' rows, its own text's row added at ``label_weight``."""
-    centroids = _unit_rows((Y.T @ X).tocsr())
-    if label_rows is not None:
-        centroids = _unit_rows((centroids + params.label_weight * label_rows.astype(np.float32)).tocsr())
-    return centroids.T.tocsr(), np.zeros(Y.shape[1], dtype=np.float32), Y.nnz
-
-
-def _unit_rows(M: sp.csr_matrix) -> sp.csr_matrix:
-    norms = np.sqrt(np.asarray(M.multiply(M).sum(axis=1)).ravel())
-    norms[norms == 0] = 1.0
-    return (sp.diags(1.0 / norms) @ M).astype(np.float32).tocsr()
+    """Each label's unit mean of its texts' rows, its own text's row added at ``label_weight``: the
+    runtime's code, which gives a label appended to a live memory its column alike
+    (:meth:`~service.engine.sparse.SparseRanker.label_columns`)."""
+    weights = centroid_columns((Y.T @ X).tocsr(), label_rows, params.label_weight)
+    return weights, np.zeros(Y.shape[1], dtype=np.float32), Y.nnz
 
 
 def fit_for_memory(
@@ -178,4 +173,4 @@ def fit_for_memory(
     """The sparse ranker of a memory whose instances are ``texts`` (labels ``Y``) and whose labels'
     texts are ``label_texts``, over ``lexicon``'s term space, serving ``depth`` candidates a query."""
     fit = fit_sparse_ranker(lexicon.rows(texts), Y, lexicon.rows(label_texts), params)
-    return SparseRanker(fit.weights, fit.bias, depth), fit
+    return SparseRanker(fit.weights, fit.bias, depth, fit.kind, params.as_dict()), fit

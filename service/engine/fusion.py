@@ -77,7 +77,9 @@ hundred on Debian-Related), which is what lets a boosted ensemble fit the servin
 Nothing else is read, so every front end that ranks (one process, the Ray ingress, whose shards
 answer their keys' lexical similarities) fuses alike. A label added to a live memory after export
 has frequency 0, as zero-shot labels had in the fit; a key added to it gets its term vector from
-its text. ``export.fuse`` fits T on training instances the encoder never saw (``TrainParams.holdout``).
+its text, and a label added to it the sparse ranker's weight column a zero-shot label got in the fit
+(:meth:`~service.engine.sparse.SparseRanker.label_columns`). ``export.fuse`` fits T on training
+instances the encoder never saw (``TrainParams.holdout``).
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ import scipy.sparse as sp
 from bundle import FusionParams
 from service.engine.lexical import Lexicon, QueryTerms
 from service.engine.rae import KeptKeys, ValueRows
-from service.engine.sparse import SparseMargins, SparseRanker, StoredSlots
+from service.engine.sparse import LabelColumns, SparseMargins, SparseRanker, StoredSlots
 
 FEATURES = (
     "instance_vote",
@@ -325,10 +327,22 @@ class ScoreFusion:
             if idf is None:
                 raise ValueError("a sparse ranker needs the lexical fusion's term space")
             ranker = params.sparse
-            sparse = SparseRanker.load(directory / ranker.file, len(idf), ranker.labels, ranker.depth)
+            sparse = SparseRanker.load(
+                directory / ranker.file, len(idf), ranker.labels, ranker.depth, ranker.fit, ranker.fit_params
+            )
         keys = params.label_keys
         label_keys = LabelKeySource(keys.depth, keys.fetch) if keys is not None else None
         return cls(model, log_frequency, lexicon, features, params.rerank_depth, sparse, label_keys)
+
+    def later_label_columns(self, label_texts: Sequence[str]) -> LabelColumns | None:
+        """The sparse ranker's columns of the labels of ``label_texts`` (a bundle's, label id
+        order) after its fitted ones (a compaction folds appended labels in past them), made from
+        their texts as an append makes them; None without a ranker. Every front end that ranks
+        starts its memory's view with them."""
+        if self.sparse is None:
+            return None
+        later = [label_texts[i] for i in range(self.sparse.labels, len(label_texts))]
+        return self.sparse.label_columns(self.lexicon.rows(later))
 
     @property
     def extra_fetch(self) -> int:
@@ -342,15 +356,20 @@ class ScoreFusion:
         return self.label_keys.hits(labels, sims, exclude, width) if self.label_keys is not None else None
 
     def sparse_margins(
-        self, terms: list[QueryTerms] | None, width: int, exclude: Sequence[Collection[int]]
+        self,
+        terms: list[QueryTerms] | None,
+        width: int,
+        exclude: Sequence[Collection[int]],
+        later: LabelColumns | None = None,
     ) -> SparseMargins | None:
         """The sparse ranker's margins of a batch's queries (None without a ranker), over a label
-        space ``width`` wide, each query's ``exclude`` labels left out of its top."""
+        space ``width`` wide, each query's ``exclude`` labels left out of its top; ``later``: the
+        columns of the labels after the fitted ones (a live memory's)."""
         if self.sparse is None:
             return None
         if terms is None or len(terms) != len(exclude):
             raise ValueError("this fusion's sparse ranker needs one term vector per query")
-        return self.sparse.margins(terms, width, exclude)
+        return self.sparse.margins(terms, width, exclude, later)
 
     def candidates(
         self,

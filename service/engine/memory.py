@@ -38,7 +38,7 @@ import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import scipy.sparse as sp
@@ -46,6 +46,9 @@ import scipy.sparse as sp
 from bundle import StringColumn, UidLookup, XmcserveError
 from service.engine.index.protocol import KeyIndex
 from service.engine.rae import ValueRows, labels_of_keys
+
+if TYPE_CHECKING:
+    from service.engine.sparse import LabelColumns
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +114,8 @@ class MemoryView:
     values: ValueRows | None = None
     # the appended keys' term vectors, key order (a lexical score fusion reads them)
     appended_key_terms: sp.csr_matrix | None = None
+    # a sparse ranker's weight columns of the labels after its fitted ones (made from their texts)
+    sparse_columns: LabelColumns | None = None
     version: int = 0
     appended_instances: int = 0
     append_ids: dict[str, tuple[int, str]] = field(default_factory=dict)  # id → (version, fingerprint)
@@ -226,10 +231,15 @@ def is_unicode(text: str) -> bool:
 
 
 def extend_view(
-    view: MemoryView, batch: AppendBatch, lam: float | None, key_terms: sp.csr_matrix | None = None
+    view: MemoryView,
+    batch: AppendBatch,
+    lam: float | None,
+    key_terms: sp.csr_matrix | None = None,
+    sparse_columns: LabelColumns | None = None,
 ) -> MemoryView:
-    """The view after ``batch``: new label ids, keys (labels first, then instances), value rows
-    and (``key_terms``, the new keys' term vectors) term rows. Writes the new labels into the
+    """The view after ``batch``: new label ids, keys (labels first, then instances), value rows,
+    (``key_terms``, the new keys' term vectors) term rows and (``sparse_columns``, the new labels')
+    sparse ranker columns. Writes the new labels into the
     shared containers past ``view.num_labels`` (no older view reads there); a failed earlier
     attempt's leftovers there are overwritten."""
     del view.label_uids[view.num_labels :], view.label_texts[view.num_labels :]
@@ -247,6 +257,9 @@ def extend_view(
     terms = view.appended_key_terms
     if key_terms is not None:
         terms = key_terms if terms is None else sp.vstack([terms, key_terms], format="csr")
+    columns = view.sparse_columns
+    if sparse_columns is not None:
+        columns = sparse_columns if columns is None else columns.extended(sparse_columns)
     append_ids = view.append_ids
     if batch.append_id is not None:
         append_ids = {**append_ids, batch.append_id: (view.version + 1, batch.fingerprint())}
@@ -257,6 +270,7 @@ def extend_view(
         appended_key_labels=np.concatenate([view.appended_key_labels, key_labels]),
         values=values,
         appended_key_terms=terms,
+        sparse_columns=columns,
         version=view.version + 1,
         appended_instances=view.appended_instances + len(batch.instances),
         append_ids=append_ids,
@@ -334,6 +348,8 @@ class Memory:
 
     ``key_terms_of``: the term vectors of texts (a lexical fusion's
     :meth:`~service.engine.lexical.Lexicon.rows`), computed for every appended key; None: none kept.
+    ``label_columns_of``: a sparse ranker's weight columns of new labels from their term vectors
+    (:meth:`~service.engine.sparse.SparseRanker.label_columns`); None: the bundle has no ranker.
     """
 
     def __init__(
@@ -343,11 +359,13 @@ class Memory:
         lam: float | None,
         log: AppendWriter | None,
         key_terms_of: Callable[[list[str]], sp.csr_matrix] | None = None,
+        label_columns_of: Callable[[sp.csr_matrix], LabelColumns] | None = None,
     ):
         self.index = index
         self.lam = lam
         self.log = log
         self.key_terms_of = key_terms_of
+        self.label_columns_of = label_columns_of
         self.lock = threading.Lock()
         self._append_lock = threading.RLock()
         self._view = view
@@ -465,7 +483,11 @@ class Memory:
 
     def _apply(self, view: MemoryView, batch: AppendBatch, vectors: np.ndarray) -> AppendOutcome:
         terms = self.key_terms_of(batch.texts) if self.key_terms_of is not None else None
-        new_view = extend_view(view, batch, self.lam, terms)
+        # the new labels' keys come first: their term rows are the labels' texts' (a replay recomputes them)
+        columns = None
+        if self.label_columns_of is not None and terms is not None:
+            columns = self.label_columns_of(terms[: len(batch.labels)])
+        new_view = extend_view(view, batch, self.lam, terms, columns)
         keys = np.arange(view.num_keys, new_view.num_keys)
         try:
             self._reserve(new_view.num_keys)

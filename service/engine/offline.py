@@ -32,7 +32,7 @@ from service.engine.loading import SOURCE_LOGS, carried_lineage, load_for_readin
 from service.engine.memory import fetch_and_ef
 from service.engine.search import FusionRows, Neighbours, fusion_candidates, neighbours_needed, rank_batch
 from service.engine.shards import merge_answers
-from service.engine.sparse import SparseRanker
+from service.engine.sparse import LABEL_WEIGHT, PRUNE, SparseRanker, centroid_columns, pruned
 
 __all__ = [
     # the runtime bundle and its encoder
@@ -71,6 +71,10 @@ __all__ = [
     "KeyTerms",
     "save_key_terms",
     "SparseRanker",
+    "centroid_columns",
+    "pruned",
+    "LABEL_WEIGHT",
+    "PRUNE",
     "LabelKeySource",
     # append logs and lineages
     "AppendLog",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import scipy.sparse as sp
@@ -23,6 +23,7 @@ from service.engine.lexical import QueryTerms
 from service.engine.memory import AppendBatch, AppendOutcome, Memory, MemoryView, base_view
 from service.engine.rae import KeptKeys, ValueRows, aggregate_kept, keep_keys, top_k_of_row
 from service.engine.shards import ShardAnswer, merge_answers
+from service.engine.sparse import LabelColumns
 
 # Texts per encoder call when encoding an append: a request queued behind one waits for at most
 # this many texts' encoding.
@@ -88,7 +89,11 @@ class Predictor:
         self.lexicon = bundle.fusion.lexicon if bundle.fusion is not None else None
         lam = manifest.rae.lam if manifest.rae else None
         rows_of_texts = self.lexicon.rows if self.lexicon is not None else None
-        self.memory = Memory(bundle.index, view, lam, append_log, rows_of_texts)
+        ranker = bundle.fusion.sparse if bundle.fusion is not None else None
+        label_columns_of = ranker.label_columns if ranker is not None else None
+        if ranker is not None:
+            view = replace(view, sparse_columns=bundle.fusion.later_label_columns(bundle.label_texts))
+        self.memory = Memory(bundle.index, view, lam, append_log, rows_of_texts, label_columns_of)
 
     @property
     def default_ef(self) -> int:
@@ -185,7 +190,8 @@ class Predictor:
             terms = self.lexicon.query_terms(list(texts))
         lexical = self.lexical_similarities(keys, view, texts, terms)
         widest = max(ran_at, default=0)
-        found = Neighbours(keys, sims, view.labels_of_keys(keys), view.values, lexical, widest, terms)
+        labels = view.labels_of_keys(keys)
+        found = Neighbours(keys, sims, labels, view.values, lexical, widest, terms, view.sparse_columns)
         rankings = rank_batch(manifest, found, ks, exclude, self.bundle.fusion)
         times = StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1)
         return Prediction(rankings, times, widest, view, ran_at)
@@ -261,7 +267,8 @@ class Neighbours:
     similarity; ``labels``, its label id (−1: an instance key, or no key). ``values``: the value
     rows of an RAE memory (None: a label index); ``lexical``: the keys' lexical similarities to
     the queries (a lexical fusion only); ``ef``: the HNSW breadth the search ran at; ``terms``:
-    the queries' term vectors (a fusion with a sparse ranker scores them)."""
+    the queries' term vectors (a fusion with a sparse ranker scores them); ``sparse_columns``:
+    that ranker's columns of the labels after its fitted ones (the memory view's)."""
 
     rows: np.ndarray
     sims: np.ndarray
@@ -270,6 +277,7 @@ class Neighbours:
     lexical: np.ndarray | None
     ef: int
     terms: list[QueryTerms] | None = None
+    sparse_columns: LabelColumns | None = None
 
 
 def merged_neighbours(
@@ -283,7 +291,7 @@ def merged_neighbours(
     values = ValueRows(merged.rows) if merged.rows is not None else None
     labels = view.labels_of_keys(merged.keys)
     ef = max(a.ef for a in answers)
-    return Neighbours(merged.positions, merged.sims, labels, values, merged.lexical, ef, terms)
+    return Neighbours(merged.positions, merged.sims, labels, values, merged.lexical, ef, terms, view.sparse_columns)
 
 
 @dataclass
@@ -322,7 +330,7 @@ def rank_batch(
         return rankings
     kept, scores = aggregated(manifest, found, exclude)
     if fusion is not None:
-        margins = fusion.sparse_margins(found.terms, scores.shape[1], exclude)
+        margins = fusion.sparse_margins(found.terms, scores.shape[1], exclude, found.sparse_columns)
         hits = fusion.label_key_hits(found.labels, found.sims, exclude, scores.shape[1])
         scores = fusion.rescore(scores, kept, found.values, manifest.rae.tau, ks, margins, hits)
     return [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
@@ -338,7 +346,7 @@ def fusion_candidates(
     if manifest.index_kind != "rae_memory":
         raise ValueError("a score fusion ranks an RAE memory: a label index has no feature rows")
     kept, scores = aggregated(manifest, found, exclude)
-    margins = fusion.sparse_margins(found.terms, scores.shape[1], exclude)
+    margins = fusion.sparse_margins(found.terms, scores.shape[1], exclude, found.sparse_columns)
     hits = fusion.label_key_hits(found.labels, found.sims, exclude, scores.shape[1])
     candidates = fusion.candidates(scores, margins=margins, hits=hits)
     return FusionRows(candidates, fusion.features_of(candidates, kept, found.values, manifest.rae.tau, margins, hits))

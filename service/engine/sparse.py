@@ -18,14 +18,19 @@ that query's terms in term order). Its top :attr:`SparseRanker.depth` labels joi
 candidates (:meth:`~service.engine.fusion.ScoreFusion.candidates`), and every candidate's margin
 and rank here are features of φ (:data:`~service.engine.fusion.SPARSE_FEATURES`).
 
-Labels added to a live memory after export have no weights: they are never this source's
-candidates, and their margin is the lowest bias (what a label no term of the query points to has).
+Labels the fit never saw (appended to a live memory, or folded into a compacted bundle after its
+ranker was fitted) get weight columns from their texts (:class:`LabelColumns`, kept in the memory's
+view): the ones the fit gives a label no training instance carries, its own text's term vector
+(:meth:`SparseRanker.label_columns`; :func:`centroid_columns` and :func:`pruned` are the fit's own
+code). Without them a label appended with a trained label's very text had the floor margin and no
+rank here, and ranked below labels it matches as well.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -34,26 +39,57 @@ import scipy.sparse as sp
 from bundle import BundleError, load_csr
 from service.engine.lexical import QueryTerms, query_matrix
 
+# The fit's defaults (export.sparse_fit.SparseFitParams reads them from here): a bundle whose
+# manifest predates the fit parameters is given its label columns as it was fitted.
+LABEL_WEIGHT = 0.5
+PRUNE = 0.05
+
+
+@dataclass(frozen=True)
+class LabelColumns:
+    """The weight columns (terms x labels, float32 CSR) and biases of the labels after a ranker's
+    fitted ones, in label id order (the first is label :attr:`SparseRanker.labels`)."""
+
+    weights: sp.csr_matrix
+    bias: np.ndarray
+
+    @property
+    def labels(self) -> int:
+        return self.weights.shape[1]
+
+    def extended(self, more: LabelColumns) -> LabelColumns:
+        """These columns, then ``more``'s (the next label ids)."""
+        if not more.labels:
+            return self
+        weights = sp.hstack([self.weights, more.weights], format="csr")
+        weights.sort_indices()
+        return LabelColumns(weights, np.concatenate([self.bias, more.bias]).astype(np.float32))
+
 
 @dataclass(frozen=True)
 class SparseMargins:
     """A batch's margins: ``all``, every label that shares a term with its query (queries x
     labels CSR, label ids sorted per row), and ``top``, each query's best :attr:`SparseRanker.depth`
-    of them (excluded labels left out) with their ranks (0: the best), in ``top``'s storage order."""
+    of them (excluded labels left out) with their ranks (0: the best), in ``top``'s storage order;
+    ``bias``: the bias of every label with weights (the fitted ones, then any :class:`LabelColumns`)."""
 
     all: sp.csr_matrix
     top: sp.csr_matrix
     top_ranks: np.ndarray
+    bias: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
 class SparseRanker:
-    """``weights`` (terms x labels, float32 CSR), ``bias`` (one per label, float32) and the
-    number of labels each query's margins add to the candidates (``depth``)."""
+    """``weights`` (terms x labels, float32 CSR), ``bias`` (one per label, float32), the
+    number of labels each query's margins add to the candidates (``depth``), and how the weights
+    were fitted (``fit``, ``fit_params``: the manifest's), which the columns of later labels follow."""
 
     weights: sp.csr_matrix
     bias: np.ndarray
     depth: int
+    fit: str = "centroid"
+    fit_params: Mapping = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.bias.shape != (self.weights.shape[1],) or not np.all(np.isfinite(self.bias)):
@@ -67,8 +103,44 @@ class SparseRanker:
 
     @property
     def floor(self) -> float:
-        """The margin of a label without weights (appended after export): the lowest bias."""
+        """The margin of a label without weights (past its :class:`LabelColumns`): the lowest bias."""
         return float(self.bias.min()) if len(self.bias) else 0.0
+
+    def label_columns(self, label_rows: sp.csr_matrix) -> LabelColumns:
+        """The weight columns of labels the fit did not see, from their own texts' unit term vectors
+        ``label_rows`` (labels x terms, as :meth:`~service.engine.lexical.Lexicon.rows` gives them).
+
+        A centroid fit's column of a label no training instance carries is exactly this: the unit
+        sum of its (no) texts and its own text's row at ``label_weight``, pruned (the fit's code,
+        :func:`centroid_columns`, :func:`pruned`), bias 0. One-vs-rest has no closed form for a
+        label fitted on its text alone: its row is scaled to the fitted columns' median norm and
+        given their median bias, so on its own text its margin is a typical fitted label's on a
+        text its weights point to. A fit without label texts gave a zero-shot label no weights:
+        neither does it give these (their margin is their bias)."""
+        terms = self.weights.shape[0]
+        label_rows = label_rows.astype(np.float32).tocsr()
+        if label_rows.shape[1] != terms:
+            raise ValueError(f"label rows must have the ranker's {terms} terms, not {label_rows.shape[1]}")
+        labels = label_rows.shape[0]
+        if not self.fit_params.get("label_texts", True):
+            label_rows = sp.csr_matrix((labels, terms), dtype=np.float32)
+        prune = float(self.fit_params.get("prune", PRUNE))
+        if self.fit == "one_vs_rest":
+            scale, bias = self._one_vs_rest_scale
+            weights = pruned((label_rows * scale).T.tocsr(), prune)
+            return LabelColumns(weights, np.full(labels, bias, dtype=np.float32))
+        no_instances = sp.csr_matrix((labels, terms), dtype=np.float32)
+        label_weight = float(self.fit_params.get("label_weight", LABEL_WEIGHT))
+        weights = pruned(centroid_columns(no_instances, label_rows, label_weight), prune)
+        return LabelColumns(weights, np.zeros(labels, dtype=np.float32))
+
+    @cached_property
+    def _one_vs_rest_scale(self) -> tuple[float, float]:
+        """The fitted columns' median norm and median bias (a one-vs-rest ranker's later labels')."""
+        norms = np.sqrt(np.asarray(self.weights.multiply(self.weights).sum(axis=0), dtype=np.float64).ravel())
+        if not len(norms):
+            return 1.0, 0.0
+        return float(np.median(norms)), float(np.median(self.bias))
 
     def save(self, path: Path) -> None:
         weights = self.weights.astype(np.float32).tocsr()
@@ -84,9 +156,12 @@ class SparseRanker:
         )
 
     @classmethod
-    def load(cls, path: Path, terms: int, labels: int, depth: int) -> SparseRanker:
+    def load(
+        cls, path: Path, terms: int, labels: int, depth: int, fit: str = "centroid", fit_params: Mapping | None = None
+    ) -> SparseRanker:
         """The ranker in ``path`` (written by :meth:`save`), refused unless its weights are a sound
-        ``terms x labels`` CSR matrix and its bias ``labels`` finite values."""
+        ``terms x labels`` CSR matrix and its bias ``labels`` finite values; ``fit``, ``fit_params``:
+        how it was fitted (the manifest's)."""
         weights = load_csr(path, (terms, labels), "sparse ranker weights")
         try:
             with np.load(path, allow_pickle=False) as npz:
@@ -96,30 +171,70 @@ class SparseRanker:
         if bias.shape != (labels,) or bias.dtype.kind != "f" or not np.all(np.isfinite(bias)):
             raise BundleError(f"{path}: sparse ranker refused: the bias is not {labels} finite values")
         weights.sort_indices()
-        return cls(weights, bias.astype(np.float32), depth)
+        return cls(weights, bias.astype(np.float32), depth, fit, dict(fit_params or {}))
 
-    def margins(self, queries: list[QueryTerms], width: int, exclude: Sequence[Collection[int]]) -> SparseMargins:
+    def margins(
+        self,
+        queries: list[QueryTerms],
+        width: int,
+        exclude: Sequence[Collection[int]],
+        later: LabelColumns | None = None,
+    ) -> SparseMargins:
         """The margins of ``queries`` over a label space ``width`` wide (a live memory's, which may
         have more labels than the weights), and each query's top :attr:`depth` of them, its
-        ``exclude`` labels left out."""
-        products = (query_matrix(queries, self.weights.shape[0]) @ self.weights).tocsr()
+        ``exclude`` labels left out; ``later``: the columns of the labels after the fitted ones (a
+        live memory's view holds them), scored and ranked like the fitted ones."""
+        terms = query_matrix(queries, self.weights.shape[0])
+        products, bias = (terms @ self.weights).tocsr(), self.bias
+        if later is not None and later.labels:
+            # each query's row is still its own terms' product, label ids in order: batch invariant
+            products = sp.hstack([products, (terms @ later.weights).tocsr()], format="csr")
+            bias = np.concatenate([self.bias, later.bias])
         products.sort_indices()  # the product's rows come out in the order its accumulator met the labels
-        data = (products.data + self.bias[products.indices]).astype(np.float32)
+        data = (products.data + bias[products.indices]).astype(np.float32)
         all_margins = sp.csr_matrix(
-            (data, products.indices, products.indptr), shape=(len(queries), max(width, self.labels))
+            (data, products.indices, products.indptr), shape=(len(queries), max(width, len(bias)))
         )
         top, ranks = top_margins(all_margins, self.depth, exclude)
-        return SparseMargins(all_margins, top, ranks)
+        return SparseMargins(all_margins, top, ranks, bias)
 
     def margin_of(self, margins: SparseMargins, query: np.ndarray, labels: np.ndarray) -> np.ndarray:
         """The margin of each pair ``(query[j], labels[j])``: its stored margin, the label's bias
         when no term of the query points to it, :attr:`floor` for a label without weights."""
+        bias = self.bias if margins.bias is None else margins.bias
         out = np.full(len(labels), self.floor, dtype=np.float64)
-        known = labels < self.labels
-        out[known] = self.bias[labels[known]]
+        known = labels < len(bias)
+        out[known] = bias[labels[known]]
         at, found = StoredSlots(margins.all)(query, labels)
         out[found] = margins.all.data[at]
         return out
+
+
+def centroid_columns(sums: sp.csr_matrix, label_rows: sp.csr_matrix | None, label_weight: float) -> sp.csr_matrix:
+    """A centroid fit's weights (terms x labels): each label's unit sum of its texts' term vectors
+    (``sums``, labels x terms), its own text's row (``label_rows``) added at ``label_weight``, unit
+    again. The fit (:mod:`export.sparse_fit`) and a live memory's later labels compute them alike."""
+    centroids = unit_rows(sums.tocsr())
+    if label_rows is not None:
+        centroids = unit_rows((centroids + label_weight * label_rows.astype(np.float32)).tocsr())
+    return centroids.T.tocsr()
+
+
+def unit_rows(M: sp.csr_matrix) -> sp.csr_matrix:
+    """``M``'s rows scaled to norm 1 (a zero row stays zero), float32."""
+    norms = np.sqrt(np.asarray(M.multiply(M).sum(axis=1)).ravel())
+    norms[norms == 0] = 1.0
+    return (sp.diags(1.0 / norms) @ M).astype(np.float32).tocsr()
+
+
+def pruned(weights: sp.csr_matrix, prune: float) -> sp.csr_matrix:
+    """``weights`` without the entries of magnitude below ``prune`` (what keeps a query's product to
+    the few labels its terms point to), indices sorted, float32."""
+    weights = weights.tocsr(copy=True)
+    weights.data[np.abs(weights.data) < prune] = 0.0
+    weights.eliminate_zeros()
+    weights.sort_indices()
+    return weights.astype(np.float32)
 
 
 def top_margins(

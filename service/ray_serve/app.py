@@ -28,6 +28,7 @@ Failure and load, as the ingress answers them (never a 500, never a hang):
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -287,6 +288,8 @@ class Ingress:
         self.manifest, uids, texts, lookup = load_labels(bundle_dir, verify)
         self.fusion = load_fusion(Path(bundle_dir), self.manifest, verify)
         self.view = base_view(uids, texts, self.manifest.counts.memory_rows, None, uid_lookup=lookup)
+        if self.fusion is not None and self.fusion.sparse is not None:  # the single server's columns
+            self.view = replace(self.view, sparse_columns=self.fusion.later_label_columns(texts))
         self.encoder, self.shards = encoder, shards
         self.bundle_dir = bundle_dir
         self.max_batch_texts = max_batch_texts

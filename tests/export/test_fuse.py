@@ -593,3 +593,53 @@ def test_label_keys_of_a_deeper_search_join_the_candidates_and_stay_batch_invari
     outside = sum(len(set(f.ids.tolist()) - set(v.ids.tolist())) for f, v in zip(fused, voted, strict=True))
     assert outside > 0
     assert assert_batch_invariant(Predictor(bundle), texts, batches=6) > 100
+
+
+def twin_test_labels(predictor, train, count: int = 100) -> list[int]:
+    """Up to ``count`` trained labels (the sparse ranker fitted them, a training instance carries
+    each) whose text no other label shares, spread over the label ids."""
+    frequency = label_frequencies(train.Y)
+    texts = [predictor.view.label_texts[i] for i in range(predictor.bundle.manifest.counts.labels)]
+    shared = {text for text, n in zip(*np.unique(texts, return_counts=True), strict=True) if n > 1}
+    eligible = [i for i, text in enumerate(texts) if frequency[i] > 0 and text.strip() and text not in shared]
+    return [eligible[int(j)] for j in np.linspace(0, len(eligible) - 1, min(count, len(eligible)))]
+
+
+def test_appended_twins_of_trained_labels_compete_with_them_under_a_sparse_ranker(sparse_fused, train, tmp_path):
+    """A label appended with a trained label's very text (a new uid) competes on equal terms: the
+    sparse ranker gives it the weight column the fit gives a label no instance carries, from its
+    text. For its own text as the query, every twin's margin is at least its base label's and the
+    twin is in the ranker's top; over the 100, the twins rank first at least as often as their base
+    labels do and no lower on average. Before, a twin had no column (the floor margin, never in
+    the ranker's top) and ranked below its base, most of them outside the top 30.
+
+    Not "each twin first": on the sample's dependency labels ``libc6`` or ``python3`` rank above a
+    package's own label for many texts, twin or not (without a sparse ranker too), and the base
+    label has the training instances the twin lacks. The columns come from the logged texts: a
+    reload replays them alike."""
+    appends = tmp_path / "appends"
+    predictor = load_predictor(sparse_fused, appends_dir=appends)
+    base = twin_test_labels(predictor, train)
+    assert len(base) == 100
+    texts = [predictor.view.label_texts[i] for i in base]
+    outcome = predictor.append(AppendBatch(labels=[(f"zztwin-{i}", t) for i, t in zip(base, texts, strict=True)]))
+    twins = [outcome.label_ids[f"zztwin-{i}"] for i in base]
+
+    def ranks(rankings, labels) -> np.ndarray:
+        """Each label's place in its text's answer (50: not in it)."""
+        ids = [ranking.ids.tolist() for ranking in rankings]
+        return np.array([row.index(label) if label in row else 50 for row, label in zip(ids, labels, strict=True)])
+
+    for served in (predictor, load_predictor(sparse_fused, appends_dir=appends)):  # then replayed from the log
+        rankings = served.predict(texts, k=50).rankings
+        of_twins, of_bases = ranks(rankings, twins), ranks(rankings, base)
+        assert (of_twins == 0).sum() >= (of_bases == 0).sum() and of_twins.mean() <= of_bases.mean()
+        view, ranker = served.view, served.bundle.fusion.sparse
+        assert view.sparse_columns.labels == 100 and view.num_labels == ranker.labels + 100
+        margins = ranker.margins(served.lexicon.query_terms(texts), view.num_labels, [()] * 100, view.sparse_columns)
+        rows = np.arange(100)
+        assert np.all(
+            ranker.margin_of(margins, rows, np.array(twins)) >= ranker.margin_of(margins, rows, np.array(base))
+        )
+        top = [set(margins.top.indices[margins.top.indptr[i] : margins.top.indptr[i + 1]]) for i in rows]
+        assert all(twin in labels for twin, labels in zip(twins, top, strict=True))

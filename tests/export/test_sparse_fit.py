@@ -7,6 +7,7 @@ import pytest
 import scipy.sparse as sp
 
 from export.sparse_fit import SparseFitParams, fit_sparse_ranker
+from service.engine.sparse import SparseRanker
 
 
 def unit_rows(M: np.ndarray) -> sp.csr_matrix:
@@ -60,3 +61,16 @@ def test_auto_picks_one_vs_rest_for_small_label_sets_and_pruning_drops_small_wei
     assert SparseFitParams(one_vs_rest_max_labels=3).kind(4) == "centroid"
     fit = fit_sparse_ranker(X, Y, label_rows, SparseFitParams(method="centroid", prune=0.3))
     assert fit.weights.nnz and np.all(np.abs(fit.weights.data) >= 0.3)
+
+
+def test_a_later_labels_column_is_the_one_the_centroid_fit_gives_a_zero_shot_label(toy):
+    """The runtime gives a label appended after export the column the fit gave label 3, which no
+    instance carries, from the same text row: one code, the same bits."""
+    X, Y, label_rows, _ = toy
+    params = SparseFitParams(method="centroid", prune=0.3)
+    fit = fit_sparse_ranker(X, Y, label_rows, params)
+    ranker = SparseRanker(fit.weights, fit.bias, 2, fit.kind, params.as_dict())
+    columns = ranker.label_columns(label_rows[3:4])
+    assert (columns.weights != fit.weights[:, 3]).nnz == 0 and columns.weights.nnz
+    assert columns.weights.data.tobytes() == fit.weights[:, 3].tocsr().data.tobytes()
+    assert columns.bias.tolist() == [0.0] == fit.bias[3:].tolist()

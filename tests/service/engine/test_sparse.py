@@ -1,6 +1,7 @@
 """service.engine.sparse: a sparse linear ranker's margins are the dense product's, a query's row is
 the same bits alone and in any batch, its top leaves out the excluded labels and ranks by margin
-(ties by label id), labels without weights get the lowest bias, and a broken file is refused."""
+(ties by label id), labels without weights get the lowest bias, labels after the fitted ones are
+scored by their own columns (one-vs-rest: scaled to the fitted ones), and a broken file is refused."""
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import scipy.sparse as sp
 
 from bundle import BundleError
 from service.engine.lexical import QueryTerms
-from service.engine.sparse import SparseRanker, StoredSlots, top_margins
+from service.engine.sparse import LabelColumns, SparseRanker, StoredSlots, top_margins
 
 
 def random_ranker(rng, terms=60, labels=25, depth=5, density=0.2) -> SparseRanker:
@@ -108,3 +109,55 @@ def test_the_file_round_trips_and_a_wrong_shape_or_bias_is_refused(tmp_path):
     np.savez(path, **arrays)
     with pytest.raises(BundleError, match="bias"):
         SparseRanker.load(path, 60, 25, depth=5)
+
+
+def test_later_labels_columns_are_scored_ranked_and_batch_invariant_like_the_fitted_ones():
+    """A live memory's later labels (their :class:`LabelColumns`) are margins of the same product:
+    the dense product of the fitted and later columns side by side plus both biases, in the top by
+    margin, the same bits alone and in any batch; a later label no query term points to has its bias."""
+    rng = np.random.default_rng(3)
+    ranker = random_ranker(rng, labels=25)
+    later = random_ranker(rng, labels=7)
+    columns = LabelColumns(later.weights, later.bias)
+    queries = random_queries(rng, 15)
+    margins = ranker.margins(queries, width=32, exclude=[()] * 15, later=columns)
+    weights = np.hstack([ranker.weights.toarray(), later.weights.toarray()])
+    expected = dense(queries, 60) @ weights + np.concatenate([ranker.bias, later.bias])
+    assert margins.all.shape == (15, 32)
+    for i, query in enumerate(queries):
+        got = ranker.margin_of(margins, np.full(32, i), np.arange(32))
+        np.testing.assert_allclose(got, expected[i], rtol=1e-5, atol=1e-6)
+        start, end = margins.top.indptr[i], margins.top.indptr[i + 1]
+        stored = margins.all.indices[margins.all.indptr[i] : margins.all.indptr[i + 1]]
+        best = sorted(stored, key=lambda label: (-got[label], label))[: ranker.depth]
+        top, ranks = margins.top.indices[start:end], margins.top_ranks[start:end]
+        assert [top[np.argsort(ranks)][r] for r in range(len(top))] == best
+        alone = ranker.margins([query], 32, [()], later=columns)
+        row = slice(margins.all.indptr[i], margins.all.indptr[i + 1])
+        assert margins.all.data[row].tobytes() == alone.all.data.tobytes()
+    assert any(label >= 25 for label in margins.top.indices)  # later labels reach the top
+
+
+def test_a_one_vs_rest_rankers_later_label_gets_its_text_at_the_fitted_columns_median_norm_and_bias():
+    """One-vs-rest has no closed form for a label fitted on its text alone: its unit text row is
+    scaled to the fitted columns' median norm and given their median bias, so a twin of a fitted
+    label's text is scored on the fitted labels' scale (and enters the top for that text)."""
+    rng = np.random.default_rng(4)
+    fitted = random_ranker(rng, terms=60, labels=25)
+    ranker = SparseRanker(fitted.weights, fitted.bias, 5, "one_vs_rest", {"prune": 0.0})
+    text = QueryTerms(np.array([3, 10, 41]), np.array([0.6, 0.0, 0.8], dtype=np.float32))
+    rows = sp.csr_matrix((text.weights, text.ids, [0, 3]), shape=(1, 60))
+    columns = ranker.label_columns(rows)
+    norms = np.linalg.norm(fitted.weights.toarray(), axis=0)
+    np.testing.assert_allclose(columns.weights.toarray()[:, 0], rows.toarray()[0] * np.median(norms), rtol=1e-6)
+    assert columns.bias.tolist() == pytest.approx([np.median(fitted.bias)])
+    margin = ranker.margin_of(ranker.margins([text], 26, [()], columns), np.array([0]), np.array([25]))
+    assert margin == pytest.approx(np.median(norms) + np.median(fitted.bias), rel=1e-5)
+
+
+def test_a_fit_without_label_texts_gives_later_labels_no_weights_as_it_gave_zero_shot_labels_none():
+    rng = np.random.default_rng(5)
+    fitted = random_ranker(rng)
+    ranker = SparseRanker(fitted.weights, fitted.bias, 5, "centroid", {"label_texts": False})
+    columns = ranker.label_columns(sp.csr_matrix(np.eye(2, 60, dtype=np.float32)))
+    assert columns.labels == 2 and columns.weights.nnz == 0 and columns.bias.tolist() == [0.0, 0.0]
