@@ -257,3 +257,48 @@ def test_a_chunk_size_over_the_body_cap_is_413_at_the_first_byte_over(served):
         assert answer.status == 413 and answer.closes
     assert state.observer.wait_for(1) == [("/a", 413)]
     still_serving(port)
+
+
+# header bytes: exactly those of the request, whatever framing and spacing the one before it had
+
+CAP = ServerSettings().max_header_bytes
+CHUNKED = b"POST /a HTTP/1.1\r\nhost: test\r\ntransfer-encoding: chunked\r\n\r\n"
+PREVIOUS = {
+    # (the request before, the answer it gets)
+    "name-colon-value": (
+        b"GET /a HTTP/1.1\r\nhost:test\r\n" + b"".join(b"x-h%d:v\r\n" % i for i in range(300)) + b"\r\n",
+        b"/a 0",
+    ),
+    "spaces-around-values": (
+        b"GET /a HTTP/1.1\r\nhost:    test  \r\n" + b"".join(b"x-h%d:    v   \r\n" % i for i in range(300)) + b"\r\n",
+        b"/a 0",
+    ),
+    "chunk-sizes-with-leading-zeros": (CHUNKED + b"0000000001\r\nz\r\n" * 600 + b"0000\r\n\r\n", b"/a 600"),
+    "chunk-extensions": (CHUNKED + b"1;name=value;x=y\r\nz\r\n" * 600 + b"0;end=1\r\n\r\n", b"/a 600"),
+    "trailers": (
+        CHUNKED + b"3\r\nabc\r\n0\r\n" + b"".join(b"x-t%d:   %d\r\n" % (i, i) for i in range(300)) + b"\r\n",
+        b"/a 3",
+    ),
+    "empty-lines-after-it": (request("GET", "/a") + b"\r\n" * 300, b"/a 0"),
+}
+
+
+@pytest.mark.parametrize("previous", PREVIOUS.values(), ids=PREVIOUS.keys())
+@pytest.mark.parametrize("over", [0, 1], ids=["at-the-cap", "one-byte-over"])
+def test_only_the_requests_own_bytes_count_against_the_header_cap(served, previous, over):
+    """The request before and the start of the next one's headers in one write: the next one's
+    incomplete headers are exactly ``CAP + over`` bytes, so they are refused exactly when over the
+    cap (the framing, spacing and empty lines before them counted as theirs gave a false 431; a
+    byte rebuilt per header as ": " let headers over the cap through)."""
+    state, port = served
+    first, answer = previous
+    start = b"GET /b HTTP/1.1\r\nhost: test\r\nx-long: "
+    with Connection(port) as conn:
+        conn.send(first + start + b"a" * (CAP + over - len(start)))
+        assert texts([conn.answer()]) == [(200, answer)]
+        if over:
+            assert conn.answer().status == 431
+            assert conn.is_closed()
+        else:
+            conn.send(b"\r\n\r\n")
+            assert texts([conn.answer()]) == [(200, b"/b 0")]
