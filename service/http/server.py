@@ -179,12 +179,13 @@ class GuardedProtocol(HttpToolsProtocol):
         return min(self._body_left + (self.pipeline_max_requests - ahead) * MIN_REQUEST_BYTES, room)
 
     def _stopped(self) -> bool:
-        """Nothing more is parsed: a refusal, a closing transport, or another protocol (an upgrade)."""
+        """Nothing more is parsed: a refusal, a closing transport, or an upgrade (the parser stops
+        there, and uvicorn drops the rest of what it read, or hands the connection over)."""
         return (
             self._refusal is not None
             or self.parser is None
             or self.transport.is_closing()
-            or self.transport.get_protocol() is not self
+            or self.parser.should_upgrade()
         )
 
     def _holding(self) -> bool:

@@ -86,18 +86,11 @@ class Transport:
 
     def __init__(self):
         self.written = bytearray()
-        self.protocol = None
         self.reading = True
         self.closing = False
 
     def get_extra_info(self, name, default=None):
         return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 40000)}.get(name, default)
-
-    def get_protocol(self):
-        return self.protocol
-
-    def set_protocol(self, protocol):
-        self.protocol = protocol
 
     def is_closing(self):
         return self.closing
@@ -131,7 +124,6 @@ async def pipelined_through_the_protocol():
     config.load()
     protocol = protocol_for(ServerSettings())(config, ServerState(), {}, _loop=asyncio.get_running_loop())
     transport = Transport()
-    transport.protocol = protocol
     protocol.connection_made(transport)
     assert isinstance(protocol.flow, HeldFlow), broken("connection_made no longer sets self.flow")
     assert isinstance(protocol.pipeline, deque) and protocol.cycle is None, broken("no pipeline deque or cycle")
