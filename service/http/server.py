@@ -162,6 +162,7 @@ class GuardedProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refusal is not None:
             return  # the parser stopped at the refused request; nothing after it is read
+        self._unset_keepalive_if_required()  # not idle, whether what came is parsed now or held
         if self._held:  # reading is paused while bytes are held; anything read still goes after them
             self._held += data
             return
@@ -383,6 +384,8 @@ class GuardedProtocol(HttpToolsProtocol):
             self._dequeued(following)  # no longer ahead: being answered
         if self.transport.is_closing():
             return
+        if self._held:  # the next request came and is held: the connection is not idle
+            self._unset_keepalive_if_required()
         if self._refusal is None:
             self._await_headers()
             self._release()

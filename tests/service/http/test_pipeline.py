@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 
 import pytest
 
@@ -93,10 +94,11 @@ def test_no_more_bytes_are_parsed_ahead_than_the_cap(served):
     assert [answer.body for answer in answers[1:]] == [f"/r{i} 3000".encode() for i in range(50)]
 
 
-@pytest.mark.parametrize("served", [{"pipeline_max_requests": 1000}], indirect=True)
+@pytest.mark.parametrize("served", [{"pipeline_max_requests": 1000, "keep_alive_s": 1}], indirect=True)
 def test_nothing_is_parsed_while_the_client_reads_no_answers(served):
     """The send buffer over its high-water mark (the client reads nothing): the requests that
-    follow are held unparsed, however many the request cap would allow."""
+    follow are held unparsed, however many the request cap would allow, and kept past the
+    keep-alive timeout (the connection is not idle: its requests wait for the client to read)."""
     app, srv, port = served
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -110,6 +112,7 @@ def test_nothing_is_parsed_while_the_client_reads_no_answers(served):
         # read: held unparsed (or, were it parsed, queued)
         wait_for(lambda: len(getattr(protocol, "_held", b"")) == len(following) or protocol.pipeline, limit_s=10)
         assert not protocol.pipeline and protocol.cycle.scope["path"] == "/big"
+        time.sleep(2)  # past XMCSERVE_KEEP_ALIVE_S
         received = bytearray()  # the client reads again: the big answer, then one per request held
         while (end := received.find(b"\r\n\r\n")) < 0 or len(received) < end + 4 + BIG_ANSWER:
             chunk = sock.recv(1 << 20)
