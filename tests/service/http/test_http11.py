@@ -7,16 +7,21 @@ number refused with a 4xx before the route, never a 500 or a traceback.
 The route reads its body as ``/predict`` does (Starlette's ``Request.body``); the front door's
 observer sees every request that reached the app, with the status it was given."""
 
+import asyncio
 import logging
 import threading
 
 import pytest
+import uvicorn
 from starlette.requests import Request
+from uvicorn.server import ServerState
 
 from service.api.front_door import FrontDoorMiddleware
+from service.http.server import protocol_for
 from service.http.settings import ServerSettings
 from tests.service.http.raw_http import BAD_CHUNKS, BAD_CONTENT_LENGTHS, Connection, request, with_fields
 from tests.service.http.test_server import serving
+from tests.service.http.test_uvicorn_contract import Transport
 
 MAX_BODY_BYTES = 65536
 BODY = b"x" * 30_000  # over the header cap (16 KiB): counted as header bytes, it was refused with 431
@@ -302,3 +307,38 @@ def test_only_the_requests_own_bytes_count_against_the_header_cap(served, previo
         else:
             conn.send(b"\r\n\r\n")
             assert texts([conn.answer()]) == [(200, b"/b 0")]
+
+
+async def _refused_after(stream: bytes, piece: int) -> bool:
+    """Whether the protocol answers 431 once ``stream`` has come in writes of ``piece`` bytes."""
+    config = uvicorn.Config(_answer, lifespan="off", log_level="warning")
+    config.load()
+    protocol = protocol_for(ServerSettings())(config, ServerState(), {}, _loop=asyncio.get_running_loop())
+    transport = Transport()
+    protocol.connection_made(transport)
+    for start in range(0, len(stream), piece):
+        protocol.data_received(stream[start : start + piece])
+        await asyncio.sleep(0)
+    for _ in range(100):  # bounded: the first answer, and a refusal after it, are a few loop turns away
+        await asyncio.sleep(0)
+    protocol.connection_lost(None)
+    return b" 431 " in transport.written
+
+
+async def _answer(scope, receive, send):
+    more = True
+    while more:
+        more = (await receive()).get("more_body", False)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b""})
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 5, 7, 512, 100_000])
+def test_the_header_count_is_exact_however_the_bytes_are_split(piece):
+    """Delimiters (a chunk's size line, the end of headers or trailers) split across writes,
+    and across the parser's slices, move nothing from one request's count to another's."""
+    start = b"GET /b HTTP/1.1\r\nhost: test\r\nx-long: "
+    for first, _ in PREVIOUS.values():
+        stream = first + start + b"a" * (CAP - len(start))
+        assert not asyncio.run(_refused_after(stream, piece)), first[:60]
+        assert asyncio.run(_refused_after(stream + b"a", piece)), first[:60]
