@@ -17,7 +17,11 @@ Requests pipelined on one connection (sent before the previous answer) are answe
 refusals included: a request the parser refuses (malformed, headers too large) is answered after
 the requests before it, which were handed to the app and may have changed something (an append),
 instead of cutting their answers off. Only the current request's header bytes count against the
-header cap, never a body, whichever chunks they arrive in.
+header cap, never a body, chunk framing or spacing of the request before, whichever chunks they
+arrive in. Nor is a connection parsed further ahead of its answers than
+``XMCSERVE_PIPELINE_MAX_REQUESTS`` requests and ``XMCSERVE_PIPELINE_MAX_BYTES`` bytes, or past the
+request in progress while its client reads no answers: the rest stays in the socket, reading
+paused, so a client pipelining requests it never reads the answers to holds a bounded amount.
 
 Each request's scope carries its connection's :class:`~service.http.disconnect.ClientGone`
 (``scope["extensions"]["xmcserve.client_gone"]``), which the protocol fires when the connection is
@@ -29,7 +33,8 @@ reads it keeps the answer in the transport's buffer for as long as it keeps the 
 (closing a transport waits until its buffer is sent), so such clients, up to the connection cap,
 hold that much memory each. The protocol also aborts a connection whose send buffer stays full
 (the transport paused writing, the client reading nothing) for ``XMCSERVE_WRITE_TIMEOUT_S``,
-like nginx's ``send_timeout``: the buffer is dropped and the application's next send returns.
+like nginx's ``send_timeout``: the connection is reset, the buffer dropped (the kernel's too) and
+the application's next send returns.
 """
 
 from __future__ import annotations
