@@ -17,7 +17,11 @@ Requests pipelined on one connection (sent before the previous answer) are answe
 refusals included: a request the parser refuses (malformed, headers too large) is answered after
 the requests before it, which were handed to the app and may have changed something (an append),
 instead of cutting their answers off. Only the current request's header bytes count against the
-header cap, never a body, whichever chunks they arrive in.
+header cap, never a body, chunk framing or spacing of the request before, whichever chunks they
+arrive in. Nor is a connection parsed further ahead of its answers than
+``XMCSERVE_PIPELINE_MAX_REQUESTS`` requests and ``XMCSERVE_PIPELINE_MAX_BYTES`` bytes, or past the
+request in progress while its client reads no answers: the rest stays in the socket, reading
+paused, so a client pipelining requests it never reads the answers to holds a bounded amount.
 
 Each request's scope carries its connection's :class:`~service.http.disconnect.ClientGone`
 (``scope["extensions"]["xmcserve.client_gone"]``), which the protocol fires when the connection is
@@ -29,20 +33,25 @@ reads it keeps the answer in the transport's buffer for as long as it keeps the 
 (closing a transport waits until its buffer is sent), so such clients, up to the connection cap,
 hold that much memory each. The protocol also aborts a connection whose send buffer stays full
 (the transport paused writing, the client reading nothing) for ``XMCSERVE_WRITE_TIMEOUT_S``,
-like nginx's ``send_timeout``: the buffer is dropped and the application's next send returns.
+like nginx's ``send_timeout``: the connection is reset, the buffer dropped (the kernel's too) and
+the application's next send returns.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
 import os
 import shutil
+import socket
+import struct
 import tempfile
 from pathlib import Path
 
 import uvicorn
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.http.disconnect import EXTENSION, ClientGone
@@ -62,6 +71,22 @@ HEADERS_TOO_LARGE = (
 # How early a loop timer may fire (uvloop's clock counts milliseconds).
 TIMER_RESOLUTION_S = 0.001
 
+# The fewest bytes a request takes: a 3-letter method, a 1-byte target, "HTTP/1.1" and its CRLFs
+# are 18 (the parser refuses a LF without its CR); 16 leaves room for a laxer parser.
+MIN_REQUEST_BYTES = 16
+UNKNOWN_OPEN = 1 << 62  # a unit in progress that began before the bytes kept of the last slice
+
+# SO_LINGER on, 0 seconds: closing the socket resets the connection and drops its unsent bytes
+RESET_ON_CLOSE = struct.pack("ii", 1, 0)
+
+
+def _length(value: bytes) -> int:
+    """A Content-Length value as the parser read it (it refuses any that is not one number)."""
+    try:
+        return int(value)
+    except ValueError:
+        return 0
+
 
 def cancelled(timer) -> None:
     """Cancel a pending ``call_later`` handle (None: nothing pending); returns None to store."""
@@ -73,29 +98,56 @@ class HeadersTooLarge(Exception):
     """Raised from a parser callback: the parser stops there, and the protocol answers 431."""
 
 
+class HeldFlow(FlowControl):
+    """uvicorn's flow control, whose reading stays paused while ``holding()``: uvicorn resumes
+    reading after every answer and at every ``receive()``, whatever was read ahead."""
+
+    def __init__(self, transport, holding):
+        super().__init__(transport)
+        self._holding = holding
+
+    def resume_reading(self) -> None:
+        if not self._holding():
+            super().resume_reading()
+
+
 class GuardedProtocol(HttpToolsProtocol):
     """httptools with a size cap and a deadline for each request's headers (from connection or
-    last response on), pipelined requests answered in order (refusals included), and a deadline
-    for the client to make room in a full send buffer."""
+    last response on), pipelined requests answered in order (refusals included) and parsed no
+    further ahead of their answers than the pipeline caps, and a deadline for the client to make
+    room in a full send buffer."""
 
     header_timeout_s = 10.0
     write_timeout_s = 15.0
     max_header_bytes = 16384
+    pipeline_max_requests = 32
+    pipeline_max_bytes = 262144
     # At shutdown, how long a connection with no request in progress may still deliver one.
     drain_grace_s = 1.0
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self.flow = HeldFlow(transport, self._holding)  # before any cycle takes it
         self._client_gone = ClientGone()
         self._header_deadline = None  # the connection's one header timer (see _await_headers)
         self._header_timer_at = 0.0  # when it fires
         self._headers_due: float | None = None  # when the awaited headers are late; None: none awaited
         self._write_deadline = None
-        # header accounting: see data_received
-        self._header_bytes: int | None = None  # the incomplete headers' bytes in earlier chunks; None: none
-        self._began_here = False  # the incomplete headers began in the chunk being fed
-        self._known = 0  # bytes of the chunk being fed known to precede the incomplete headers
-        self._chunk_body = 0  # body bytes of the current chunk of a chunked body
+        # reading ahead: see data_received
+        self._held = b""  # bytes read and not fed to the parser yet
+        self._queued: dict = {}  # each request parsed ahead (queued behind another) -> its bytes
+        self._queued_bytes = 0  # their sum
+        self._body_left = 0  # Content-Length bytes still to come of the last parsed request's body
+        self._feeding = False
+        # header accounting: see _feed_slice
+        self._buf = b""  # the slice being fed, after the last bytes of the slice before
+        self._base = 0  # where in _buf the slice begins
+        self._pos = 0  # where in _buf the parse unit in progress (headers, chunk line, ...) begins
+        self._exact = True  # _pos is that unit's first byte (else the unit began before _buf)
+        self._open = 0  # bytes of the unit in progress when the last slice ended
+        self._header_start: int | None = None  # in _buf: where incomplete headers began in this slice
+        self._header_bytes: int | None = None  # the incomplete headers' bytes in earlier slices; None: none
+        self._chunk_data = False  # the current chunk of a chunked body had data (not the last chunk)
         self._in_body = False  # after the last request's headers, before its end
         # answers in order
         self._unanswered = 0  # requests handed to the app (running or queued) and not answered yet
@@ -104,74 +156,161 @@ class GuardedProtocol(HttpToolsProtocol):
         self._draining = False
         self._await_headers()
 
-    # Header size. httptools holds a header line until it ends, without a callback, so a single
-    # endless header is only seen as the bytes fed while a request's headers are incomplete. The
-    # chunk a request's headers began in also holds what preceded them: the end of the previous
-    # request (its headers, body, chunked framing), which the parser reported and is subtracted.
-    # Later chunks fed while the headers are still incomplete are all header bytes. Once complete,
-    # the headers are measured exactly (on_headers_complete). Never reset by a response: a
-    # pipelined request's headers or body may arrive before or after the previous answer.
+    # Reading ahead. httptools parses every request in the bytes it is fed, and uvicorn queues
+    # each one behind the request being answered and resumes reading after every answer: a
+    # client that pipelines requests and reads no answers had all it sent parsed and queued. The
+    # parser is fed in slices no larger than the budget (_budget), and what is over it is held,
+    # with reading paused, until answers make room, as h11 and nginx read no further than they
+    # answer. A slice gets MIN_REQUEST_BYTES per request still allowed ahead (after what is left
+    # of the current Content-Length body): it cannot hold more requests' headers than that.
 
     def data_received(self, data: bytes) -> None:
         if self._refusal is not None:
             return  # the parser stopped at the refused request; nothing after it is read
-        self._known, self._began_here = 0, False
-        super().data_received(data)
+        self._unset_keepalive_if_required()  # not idle, whether what came is parsed now or held
+        if self._held:  # reading is paused while bytes are held; anything read still goes after them
+            self._held += data
+            return
+        self._feed(data)
+
+    def _budget(self) -> int:
+        """How many bytes the parser may be fed now: none while the requests parsed ahead of the
+        answer being written reach ``pipeline_max_requests`` or ``pipeline_max_bytes``, nor while
+        the client reads no answers (the send buffer over its high-water mark) and the next
+        request's headers are due."""
+        ahead = len(self.pipeline)
+        room = self.pipeline_max_bytes - self._queued_bytes
+        if ahead >= self.pipeline_max_requests or room <= 0 or (self.flow.write_paused and not self._in_body):
+            return 0
+        return min(self._body_left + (self.pipeline_max_requests - ahead) * MIN_REQUEST_BYTES, room)
+
+    def _stopped(self) -> bool:
+        """Nothing more is parsed: a refusal, a closing transport, or an upgrade (the parser stops
+        there, and uvicorn drops the rest of what it read, or hands the connection over)."""
+        return (
+            self._refusal is not None
+            or self.parser is None
+            or self.transport.is_closing()
+            or self.parser.should_upgrade()
+        )
+
+    def _holding(self) -> bool:
+        return bool(self._held) or not self._budget()
+
+    def _feed(self, data: bytes) -> None:
+        self._feeding = True
+        try:
+            offset = 0
+            while offset < len(data) and not self._stopped():
+                budget = self._budget()
+                if not budget:
+                    self._held = data[offset:]
+                    self.flow.pause_reading()
+                    return
+                self._feed_slice(data[offset : offset + budget])
+                offset += budget
+        finally:
+            self._feeding = False
+
+    def _release(self) -> None:
+        """Feed what was held as far as the budget now allows; read on once nothing is held."""
+        if self._feeding or self._stopped():
+            return
+        if self._held and self._budget():
+            held, self._held = self._held, b""
+            self._feed(held)
+        if not self._stopped() and not self._holding():
+            self.flow.resume_reading()
+
+    def _dequeued(self, cycle) -> None:
+        self._queued_bytes -= self._queued.pop(cycle, 0)
+
+    # Header size. httptools holds a header line until it ends, without a callback, so a single
+    # endless header is only seen as the bytes fed while a request's headers are incomplete: from
+    # the request's first byte in the slice it began in, then every later slice until they are
+    # complete (then measured exactly, on_headers_complete). Where a request begins is where the
+    # parser left off: the callbacks move _pos past each unit it consumed, found in the bytes
+    # themselves (the end of the headers, a chunk's size line, a body's bytes, the trailers), so
+    # neither the previous request's spacing nor its chunk framing is counted. The slice is kept
+    # after the last bytes of the one before it: a delimiter may straddle them. Never reset by a
+    # response: a pipelined request's headers or body may arrive before or after the previous answer.
+
+    def _feed_slice(self, piece: bytes) -> None:
+        tail = self._buf[-3:]
+        self._buf, self._base = tail + piece, len(tail)
+        self._exact = self._open <= len(tail)
+        self._pos = len(tail) - self._open if self._exact else 0
+        self._header_start = None
+        super().data_received(piece)
+        self._open = len(self._buf) - self._pos if self._exact else UNKNOWN_OPEN
         if self._header_bytes is None or self._refusal is not None or self.transport.is_closing():
             return
-        if self._began_here:
-            self._header_bytes = max(0, len(data) - self._known)
+        if self._header_start is not None:
+            self._header_bytes = len(self._buf) - max(self._header_start, self._base)
         else:
-            self._header_bytes += len(data)
+            self._header_bytes += len(piece)
         if self._header_bytes > self.max_header_bytes:
             self._refuse_headers()
+
+    def _passed(self, end: int) -> None:
+        """The unit in progress ended at ``end`` (in _buf): the next one begins there."""
+        self._pos, self._exact = end, True
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.scope["extensions"] = {EXTENSION: self._client_gone}
-        self._header_bytes, self._began_here = 0, True
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self._in_body:  # a trailer after a chunked body: it precedes the next request
-            self._known += len(name) + len(value) + 4
-        super().on_header(name, value)
+        start = self._pos  # the parser skips empty lines before a request: it begins at its method
+        while start < len(self._buf) and self._buf[start] in b"\r\n":
+            start += 1
+        self._passed(start)
+        self._header_start, self._header_bytes = start, 0
 
     def on_headers_complete(self) -> None:
         size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
         if size > self.max_header_bytes:
             self._headers_refused = True
             raise HeadersTooLarge  # the parser turns it into an error: send_400_response below
-        self._known += max(0, self._sent_header_size() - (self._header_bytes or 0))
+        end = self._buf.find(b"\r\n\r\n", self._pos)  # the parser takes only CRLF line ends
+        self._passed(end + 4 if end >= 0 else len(self._buf))
         self._header_bytes, self._in_body = None, True
+        self._body_left = next((_length(value) for name, value in self.headers if name == b"content-length"), 0)
         self._stop_waiting()  # a request's headers arrived
         previous = self.cycle
         super().on_headers_complete()
         if self.cycle is not previous:
             self._unanswered += 1
+            if self.pipeline and self.pipeline[0][0] is self.cycle:  # parsed ahead, queued
+                self._queued[self.cycle] = size
+                self._queued_bytes += size
         if self._draining and self.cycle is not None:
             self.cycle.keep_alive = False  # answered, then closed: the server is stopping
 
-    def _sent_header_size(self) -> int:
-        """The header section as the client sent it, rebuilt from what the parser reported: the
-        request line and one "name: value" line per field (the spacing most clients send; other
-        spacing only moves a few bytes to or from the count of a request that follows in the
-        same chunk)."""
-        request_line = len(self.parser.get_method()) + len(self.url) + len(b"  HTTP/1.1\r\n")
-        return request_line + sum(len(name) + len(value) + 4 for name, value in self.headers) + 2
-
     def on_body(self, body: bytes) -> None:
-        self._known += len(body)
-        self._chunk_body += len(body)
+        self._passed(self._pos + len(body))
+        self._body_left = max(0, self._body_left - len(body))
+        self._chunk_data = True
+        if self.cycle in self._queued:
+            self._queued[self.cycle] += len(body)
+            self._queued_bytes += len(body)
         super().on_body(body)
 
     def on_chunk_header(self) -> None:
-        self._chunk_body = 0
+        end = self._buf.find(b"\n", self._pos)  # the size line, extensions and all
+        self._passed(end + 1 if end >= 0 else len(self._buf))
+        self._chunk_data = False
 
     def on_chunk_complete(self) -> None:
-        self._known += len(b"%x" % self._chunk_body) + 4  # size line and the data's closing CRLF
+        if self._chunk_data:  # the CRLF after the chunk's data
+            end = self._buf.find(b"\n", self._pos)
+            self._passed(end + 1 if end >= 0 else len(self._buf))
+        elif self._exact and self._buf.startswith(b"\r\n", self._pos):  # the last chunk, no trailers
+            self._passed(self._pos + 2)
+        else:  # the last chunk's trailers, up to the empty line
+            end = self._buf.find(b"\r\n\r\n", self._pos)
+            self._passed(end + 4 if end >= 0 else len(self._buf))
 
     def on_message_complete(self) -> None:
-        self._in_body = False
+        self._in_body, self._body_left = False, 0
         super().on_message_complete()
 
     # refusals, in order
@@ -201,6 +340,7 @@ class GuardedProtocol(HttpToolsProtocol):
             owed -= 1  # the refused request is the last one handed to the app: the refusal answers it
             if self.pipeline and self.pipeline[0][0] is cycle:  # queued behind another (newest first)
                 self.pipeline.popleft()
+                self._dequeued(cycle)
                 self._unanswered -= 1
         if owed > 0:
             self._refusal = answer
@@ -234,17 +374,26 @@ class GuardedProtocol(HttpToolsProtocol):
         if due > self.loop.time() + TIMER_RESOLUTION_S:  # awaited again since the timer was set
             self._set_header_timer(due)
             return
+        if self._held:  # its bytes came and are held, for a client reading no answers: see _write_late
+            self._await_headers()
+            return
         self._headers_due = None
         if self.cycle is None or self.cycle.response_complete:
             self.transport.close()
 
     def on_response_complete(self) -> None:
         self._unanswered -= 1
+        following = self.pipeline[-1][0] if self.pipeline else None
         super().on_response_complete()  # starts the next pipelined request, if any
+        if following is not None and not (self.pipeline and self.pipeline[-1][0] is following):
+            self._dequeued(following)  # no longer ahead: being answered
         if self.transport.is_closing():
             return
+        if self._held:  # the next request came and is held: the connection is not idle
+            self._unset_keepalive_if_required()
         if self._refusal is None:
             self._await_headers()
+            self._release()
         elif not self._unanswered:
             answer, self._refusal = self._refusal, None
             answer()
@@ -274,15 +423,25 @@ class GuardedProtocol(HttpToolsProtocol):
     def resume_writing(self) -> None:
         super().resume_writing()
         self._stop_write_deadline()
+        self._release()  # the client reads again: parse on
 
     def _stop_write_deadline(self) -> None:
         self._write_deadline = cancelled(getattr(self, "_write_deadline", None))
 
     def _write_late(self) -> None:
+        """Reset the connection: abort() drops the transport's buffer, and SO_LINGER 0 the kernel's
+        (a plain close sends a FIN behind the unread bytes, which the kernel keeps trying to send
+        outside the connection cap)."""
         self._write_deadline = None
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):  # already gone: nothing of it is kept either
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RESET_ON_CLOSE)
         self.transport.abort()  # not close(): close() would wait to send what the client does not read
 
     def connection_lost(self, exc) -> None:
+        self._held = b""
+        self._queued.clear()
         self._stop_waiting()
         self._header_deadline = cancelled(getattr(self, "_header_deadline", None))
         self._stop_write_deadline()
@@ -295,6 +454,8 @@ def protocol_for(settings: ServerSettings) -> type[GuardedProtocol]:
         "header_timeout_s": settings.header_timeout_s,
         "write_timeout_s": settings.write_timeout_s,
         "max_header_bytes": settings.max_header_bytes,
+        "pipeline_max_requests": settings.pipeline_max_requests,
+        "pipeline_max_bytes": settings.pipeline_max_bytes,
     }
     return type("ConfiguredGuardedProtocol", (GuardedProtocol,), guards)
 

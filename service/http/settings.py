@@ -160,6 +160,18 @@ class ServerSettings(BaseSettings):
     max_header_bytes: int = Field(
         16384, ge=1024, description="most bytes of a request's headers (target, names and values); beyond it: 431"
     )
+    pipeline_max_requests: int = Field(
+        32,
+        ge=1,
+        description="most requests of one connection parsed ahead of the answer being written (pipelined); "
+        "beyond it the connection is not read until answers make room",
+    )
+    pipeline_max_bytes: int = Field(
+        262144,
+        ge=1024,
+        description="most bytes (headers and bodies) of the requests one connection has parsed ahead of the "
+        "answer being written; beyond it the connection is not read until answers make room",
+    )
     graceful_shutdown_s: int = Field(
         20, ge=1, description="on SIGTERM, how long requests in progress may finish before the server stops"
     )

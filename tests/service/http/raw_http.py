@@ -23,8 +23,8 @@ class Answer:
 class Connection:
     """One connection to 127.0.0.1 (or the host given)."""
 
-    def __init__(self, port: int, host: str = "127.0.0.1"):
-        self.sock = socket.create_connection((host, port), timeout=TIMEOUT_S)
+    def __init__(self, port: int, host: str = "127.0.0.1", sock: socket.socket | None = None):
+        self.sock = sock or socket.create_connection((host, port), timeout=TIMEOUT_S)
         self.buffer = b""
 
     def __enter__(self) -> Connection:

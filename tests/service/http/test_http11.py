@@ -7,16 +7,21 @@ number refused with a 4xx before the route, never a 500 or a traceback.
 The route reads its body as ``/predict`` does (Starlette's ``Request.body``); the front door's
 observer sees every request that reached the app, with the status it was given."""
 
+import asyncio
 import logging
 import threading
 
 import pytest
+import uvicorn
 from starlette.requests import Request
+from uvicorn.server import ServerState
 
 from service.api.front_door import FrontDoorMiddleware
+from service.http.server import protocol_for
 from service.http.settings import ServerSettings
 from tests.service.http.raw_http import BAD_CHUNKS, BAD_CONTENT_LENGTHS, Connection, request, with_fields
 from tests.service.http.test_server import serving
+from tests.service.http.test_uvicorn_contract import Transport
 
 MAX_BODY_BYTES = 65536
 BODY = b"x" * 30_000  # over the header cap (16 KiB): counted as header bytes, it was refused with 431
@@ -257,3 +262,83 @@ def test_a_chunk_size_over_the_body_cap_is_413_at_the_first_byte_over(served):
         assert answer.status == 413 and answer.closes
     assert state.observer.wait_for(1) == [("/a", 413)]
     still_serving(port)
+
+
+# header bytes: exactly those of the request, whatever framing and spacing the one before it had
+
+CAP = ServerSettings().max_header_bytes
+CHUNKED = b"POST /a HTTP/1.1\r\nhost: test\r\ntransfer-encoding: chunked\r\n\r\n"
+PREVIOUS = {
+    # (the request before, the answer it gets)
+    "name-colon-value": (
+        b"GET /a HTTP/1.1\r\nhost:test\r\n" + b"".join(b"x-h%d:v\r\n" % i for i in range(300)) + b"\r\n",
+        b"/a 0",
+    ),
+    "spaces-around-values": (
+        b"GET /a HTTP/1.1\r\nhost:    test  \r\n" + b"".join(b"x-h%d:    v   \r\n" % i for i in range(300)) + b"\r\n",
+        b"/a 0",
+    ),
+    "chunk-sizes-with-leading-zeros": (CHUNKED + b"0000000001\r\nz\r\n" * 600 + b"0000\r\n\r\n", b"/a 600"),
+    "chunk-extensions": (CHUNKED + b"1;name=value;x=y\r\nz\r\n" * 600 + b"0;end=1\r\n\r\n", b"/a 600"),
+    "trailers": (
+        CHUNKED + b"3\r\nabc\r\n0\r\n" + b"".join(b"x-t%d:   %d\r\n" % (i, i) for i in range(300)) + b"\r\n",
+        b"/a 3",
+    ),
+    "empty-lines-after-it": (request("GET", "/a") + b"\r\n" * 300, b"/a 0"),
+}
+
+
+@pytest.mark.parametrize("previous", PREVIOUS.values(), ids=PREVIOUS.keys())
+@pytest.mark.parametrize("over", [0, 1], ids=["at-the-cap", "one-byte-over"])
+def test_only_the_requests_own_bytes_count_against_the_header_cap(served, previous, over):
+    """The request before and the start of the next one's headers in one write: the next one's
+    incomplete headers are exactly ``CAP + over`` bytes, so they are refused exactly when over the
+    cap (the framing, spacing and empty lines before them counted as theirs gave a false 431; a
+    byte rebuilt per header as ": " let headers over the cap through)."""
+    state, port = served
+    first, answer = previous
+    start = b"GET /b HTTP/1.1\r\nhost: test\r\nx-long: "
+    with Connection(port) as conn:
+        conn.send(first + start + b"a" * (CAP + over - len(start)))
+        assert texts([conn.answer()]) == [(200, answer)]
+        if over:
+            assert conn.answer().status == 431
+            assert conn.is_closed()
+        else:
+            conn.send(b"\r\n\r\n")
+            assert texts([conn.answer()]) == [(200, b"/b 0")]
+
+
+async def _refused_after(stream: bytes, piece: int) -> bool:
+    """Whether the protocol answers 431 once ``stream`` has come in writes of ``piece`` bytes."""
+    config = uvicorn.Config(_answer, lifespan="off", log_level="warning")
+    config.load()
+    protocol = protocol_for(ServerSettings())(config, ServerState(), {}, _loop=asyncio.get_running_loop())
+    transport = Transport()
+    protocol.connection_made(transport)
+    for start in range(0, len(stream), piece):
+        protocol.data_received(stream[start : start + piece])
+        await asyncio.sleep(0)
+    for _ in range(100):  # bounded: the first answer, and a refusal after it, are a few loop turns away
+        await asyncio.sleep(0)
+    protocol.connection_lost(None)
+    return b" 431 " in transport.written
+
+
+async def _answer(scope, receive, send):
+    more = True
+    while more:
+        more = (await receive()).get("more_body", False)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b""})
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 5, 7, 512, 100_000])
+def test_the_header_count_is_exact_however_the_bytes_are_split(piece):
+    """Delimiters (a chunk's size line, the end of headers or trailers) split across writes,
+    and across the parser's slices, move nothing from one request's count to another's."""
+    start = b"GET /b HTTP/1.1\r\nhost: test\r\nx-long: "
+    for first, _ in PREVIOUS.values():
+        stream = first + start + b"a" * (CAP - len(start))
+        assert not asyncio.run(_refused_after(stream, piece)), first[:60]
+        assert asyncio.run(_refused_after(stream + b"a", piece)), first[:60]
