@@ -84,8 +84,9 @@ class AppendLogHeld(AppendLogError):
 # append holds it for one fsync'ed write and its apply), and how often it looks.
 LOCK_WAIT_S = 10.0
 LOCK_POLL_S = 0.002
-# How long a search waits to read another process's records (their writer holds the lock for a
-# write and an apply): past it the search runs on what it has and reads them before the next one.
+# How long a search, a catch-up or a load waits to read another process's records (their writer
+# holds the lock for a write and an apply): past it nothing is read and the caller is refused
+# (MemoryBusy: a /predict answers 503 with Retry-After) rather than answering without them.
 READ_WAIT_S = 1.0
 
 _shared_writes = False
@@ -414,11 +415,12 @@ class AppendLog:
     def shared_reading(self) -> Iterator[bool]:
         """A shared lock on the log while another process's records are read (no writer is then
         between a write and its taking back); yields False when it was not had within
-        :data:`READ_WAIT_S` (the records are then left for the next read)."""
+        :data:`READ_WAIT_S` (the caller then reads nothing: :class:`~service.engine.memory.MemoryBusy`),
+        True without a file (nothing to read, nothing to take back)."""
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError):
-            yield False
+            yield True
             return
         try:
             got = lock_within(fd, fcntl.LOCK_SH, READ_WAIT_S)

@@ -25,7 +25,7 @@ from service.engine.append_log import (
 )
 from service.engine.bundle import Bundle, load_bundle
 from service.engine.encoder import EncoderOptions
-from service.engine.memory import AppendRefused
+from service.engine.memory import AppendRefused, MemoryBusy
 from service.engine.search import Predictor
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,9 @@ def _load(
     # with shared writes, no other process is between a write and its taking back while this reads
     reading = own.log.shared_reading() if own is not None and own.log.shared else nullcontext()
     try:
-        with reading:
+        with reading as readable:
+            if readable is False:  # a writer of the group held it past the wait: its records may be taken back
+                raise MemoryBusy(f"{path}: another worker held its append log past the read wait; load it again")
             for source in [*sources, *([own] if own is not None else [])]:
                 scan = source.scan()
                 if (file := file_identity(source.log.path)) in replayed:

@@ -41,7 +41,7 @@ from service.api.schemas import (
     predict_response_off_loop,
     request_body_openapi,
 )
-from service.engine import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
+from service.engine import BatchAnswer, BatcherStoppedError, DeadlineExceededError, MemoryBusy, QueueFullError
 from service.http.admin import add_admin_routes, follow_group, require_admin
 from service.http.disconnect import EXTENSION as CLIENT_GONE
 from service.http.disconnect import ClientGone
@@ -359,7 +359,7 @@ def create_app(
                 answer = await answer_unless_disconnected(client_gone, submitted)
             else:
                 answer = await answer_unless_gone(request, submitted)
-        except (QueueFullError, DeadlineExceededError) as exc:
+        except (QueueFullError, DeadlineExceededError, MemoryBusy) as exc:  # MemoryBusy: a group's log held
             if isinstance(exc, QueueFullError):
                 metrics.rejected.labels(variant=slot.name).inc()
             status = 429 if isinstance(exc, QueueFullError) else 503
