@@ -206,7 +206,21 @@ async def admin_change(state: ServingState) -> AsyncIterator[None]:
             return
         async with state.group.turn():
             await state.group.follow(lambda change: apply_change(state, change))
+            refuse_if_replaced(state.group)
             yield
+
+
+def refuse_if_replaced(group) -> None:
+    """A worker that could not apply a change another made no longer holds the group's state: it
+    makes no admin change (it is being replaced). The failure itself is in that change's answer and
+    in this worker's log, not in this call's reason."""
+    if group.failed is not None:
+        raise HTTPException(
+            503,
+            f"worker {group.pid} is being replaced (it could not apply the group's admin change "
+            f"{group.failed['generation']}): nothing changed; retry",
+            headers={"Retry-After": "1"},
+        )
 
 
 async def publish(state: ServingState, change: dict) -> dict:
@@ -226,10 +240,13 @@ async def converged(state: ServingState, logged: dict) -> dict:
     done = await state.group.converged(logged["generation"])
     if done.applied < done.workers:
         log.warning(
-            "admin change %d applied by %d of %d workers",
+            "admin change %d applied by %d of %d workers%s",
             done.generation,
             done.applied,
             done.workers,
+            "".join(
+                f"; worker {f['pid']} could not apply change {f['generation']}: {f['reason']}" for f in done.failed
+            ),
             extra={"event": "group_lagging", **done.describe()},
         )
     return {"workers": done.describe()}

@@ -156,6 +156,10 @@ async def follow_changes(state: ServingState) -> None:
             log.critical("stopping this worker: it could not apply the group's admin change", exc_info=True)
             os.kill(os.getpid(), signal.SIGTERM)
             return
+        if state.group.failed is not None:  # reported by the group's follow (its log line, its answer)
+            log.critical("stopping this worker: it could not apply the group's admin change %s", state.group.failed)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
 
 
 async def install_routing(state: ServingState, routing: Routing, logged_candidate: bool = False) -> None:
