@@ -22,7 +22,9 @@ process holds the lock while it serves: each append takes it for the append alon
 ``flock``, waited for :data:`LOCK_WAIT_S` at most), applies what the others logged, and writes at
 the end of the one order; the others read what it wrote before their next search
 (:meth:`AppendLog.grown`, :meth:`AppendLog.shared_reading`) under a shared ``flock``, so they never
-read a record its writer may still take back. A process that holds a log in the default mode keeps
+read a record its writer may still take back; a search, a catch-up or a load that cannot have it
+within :data:`READ_WAIT_S` is refused (:class:`~service.engine.memory.MemoryBusy`), never run
+without those records. A process that holds a log in the default mode keeps
 every other process's appends refused, as before.
 
 Bounded reads. A log's tail can be large (a long run without compaction), and replay and catching

@@ -25,15 +25,16 @@ group's run directory (``XMCSERVE_RUN_DIR``), which the supervisor creates empty
   worker no longer serves the group's state: it says so here and in its log, the admin call that
   made the change reports it in its answer (``workers.failed``), the worker refuses admin calls
   (503) and stops, and the supervisor starts one that loads the state the log leaves.
+- ``metrics/``: prometheus-client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``): counters
+  and histograms are summed over the workers, the gauges of live workers too.
 
 A line torn by a worker killed while writing it (no newline) is cut off by the next worker that
 logs a change (it holds the turn: nobody else is writing); a complete line that is not a change is
 skipped with a log line. Either way it is counted as a generation by every worker alike.
-- ``metrics/``: prometheus-client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``): counters
-  and histograms are summed over the workers, the gauges of live workers too.
 
 Appends need nothing here: the lineage's append log is written in turns
-(:func:`service.engine.append_log.share_writes`) and read by every worker before each batch.
+(:func:`service.engine.append_log.share_writes`) and read by every worker before each batch,
+under the log's shared lock (a bounded wait, then the batch answers 503).
 """
 
 from __future__ import annotations
