@@ -335,3 +335,23 @@ def test_a_twin_served_where_its_lineage_s_acknowledged_appends_are_not_is_refus
     assert type(refused.value).__name__ == "BundleError" and not (tmp_path / "appends").exists()
     beside = load_predictor(own_bundle.with_name("twin"), appends_dir=appends_dir_beside(own_bundle.with_name("twin")))
     assert beside.view.label_id("zz-a") == live.view.label_id("zz-a")  # where it was made for: served whole
+
+
+def test_a_twin_of_a_source_with_no_appends_yet_writes_its_first_where_the_source_reads(
+    own_bundle, tmp_path, memory_labels
+):
+    """The same twin made before its lineage logged anything: its first append created
+    ``<log dir>/../<source>.appends/`` (its lineage.log read against the shared directory), a log
+    its source, served with that XMCSERVE_APPEND_LOG_DIR, never reads; now it goes in the shared
+    directory, and two logs of one lineage refuse the load."""
+    appends = tmp_path / "appends"
+    make_twin("reindexed", own_bundle, own_bundle.with_name("twin"), None, memory_labels)
+    twin = load_predictor(own_bundle.with_name("twin"), appends_dir=appends)
+    acked = add_label(twin, "first", append_id="first")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["appends", "bundles"]
+    assert load_predictor(own_bundle, appends_dir=appends).view.label_id("zz-first") == acked
+    stray = tmp_path / "live.appends" / twin.memory.log.path.name  # where lineage.log leads from there
+    stray.parent.mkdir()
+    stray.write_bytes(b"")
+    with pytest.raises(Exception, match="two logs of lineage"):
+        load_predictor(own_bundle.with_name("twin"), appends_dir=appends)
