@@ -260,6 +260,13 @@ class Lineage(_Strict):
     )
     offset: int = Field(ge=0, description="bytes of the log folded into this bundle (0: none)")
     sha256: str = Field(description="sha256 of those bytes: a log altered since is refused")
+    seen: int | None = Field(
+        None,
+        ge=0,
+        description="bytes of complete records the log held when this bundle was made from its source "
+        "(reindexed, derived, fused): a log with fewer is not its lineage's (the bundle is refused); "
+        "None: not recorded (a compaction's)",
+    )
 
 
 class Manifest(_Strict):
@@ -382,7 +389,8 @@ def content_id(manifest: Manifest) -> str:
     claimed id against. The lineage is part of it because it is part of what the bundle serves: two
     compactions with the same files but different folded log prefixes are different bundles."""
     rae = {"rae": manifest.rae.model_dump_json()} if manifest.rae else {}
-    lineage = {"lineage": manifest.lineage.model_dump_json()} if manifest.lineage else {}
+    # exclude_none: a field added to Lineage later (``seen``) leaves the ids of bundles without it as they were
+    lineage = {"lineage": manifest.lineage.model_dump_json(exclude_none=True)} if manifest.lineage else {}
     return bundle_id_from(
         manifest.files | rae | lineage, prefix=f"{manifest.index_kind.replace('_', '-')}-{manifest.dim}d"
     )

@@ -23,7 +23,7 @@ nothing else of the engine (``tests/service/test_engine_surface.py``):
   encoder runs (provider, workers, threads).
 * :class:`XmcserveError` — the one error base (defined by :mod:`bundle`, the lowest layer):
   :class:`BundleError`, :class:`AppendRefused` and :class:`AppendIdReused`,
-  :class:`AppendLogError` and :class:`AppendLogHeld`, :class:`LineageDiverged`,
+  :class:`AppendLogError` and :class:`AppendLogHeld`, :class:`LineageDiverged`, :class:`MemoryBusy`,
   :class:`QueueFullError`, :class:`BatcherStoppedError`, :class:`DeadlineExceededError`; each
   keeps the builtin base (``ValueError``, ``RuntimeError``) callers caught it by.
 * RAE-XMC's aggregation (:class:`ValueRows`, :func:`aggregate`, :func:`labels_of_keys`,
@@ -57,6 +57,7 @@ from service.engine.memory import (
     AppendOutcome,
     AppendRefused,
     LineageDiverged,
+    MemoryBusy,
     MemoryView,
 )
 from service.engine.rae import ValueRows, aggregate, labels_of_keys, top_k_of_row
@@ -91,6 +92,7 @@ __all__ = [
     "AppendLogError",
     "AppendLogHeld",
     "LineageDiverged",
+    "MemoryBusy",
     "QueueFullError",
     "BatcherStoppedError",
     "DeadlineExceededError",

@@ -22,7 +22,9 @@ process holds the lock while it serves: each append takes it for the append alon
 ``flock``, waited for :data:`LOCK_WAIT_S` at most), applies what the others logged, and writes at
 the end of the one order; the others read what it wrote before their next search
 (:meth:`AppendLog.grown`, :meth:`AppendLog.shared_reading`) under a shared ``flock``, so they never
-read a record its writer may still take back. A process that holds a log in the default mode keeps
+read a record its writer may still take back; a search, a catch-up or a load that cannot have it
+within :data:`READ_WAIT_S` is refused (:class:`~service.engine.memory.MemoryBusy`), never run
+without those records. A process that holds a log in the default mode keeps
 every other process's appends refused, as before.
 
 Bounded reads. A log's tail can be large (a long run without compaction), and replay and catching
@@ -84,8 +86,9 @@ class AppendLogHeld(AppendLogError):
 # append holds it for one fsync'ed write and its apply), and how often it looks.
 LOCK_WAIT_S = 10.0
 LOCK_POLL_S = 0.002
-# How long a search waits to read another process's records (their writer holds the lock for a
-# write and an apply): past it the search runs on what it has and reads them before the next one.
+# How long a search, a catch-up or a load waits to read another process's records (their writer
+# holds the lock for a write and an apply): past it nothing is read and the caller is refused
+# (MemoryBusy: a /predict answers 503 with Retry-After) rather than answering without them.
 READ_WAIT_S = 1.0
 
 _shared_writes = False
@@ -414,11 +417,12 @@ class AppendLog:
     def shared_reading(self) -> Iterator[bool]:
         """A shared lock on the log while another process's records are read (no writer is then
         between a write and its taking back); yields False when it was not had within
-        :data:`READ_WAIT_S` (the records are then left for the next read)."""
+        :data:`READ_WAIT_S` (the caller then reads nothing: :class:`~service.engine.memory.MemoryBusy`),
+        True without a file (nothing to read, nothing to take back)."""
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError):
-            yield False
+            yield True
             return
         try:
             got = lock_within(fd, fcntl.LOCK_SH, READ_WAIT_S)

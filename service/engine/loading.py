@@ -25,7 +25,7 @@ from service.engine.append_log import (
 )
 from service.engine.bundle import Bundle, load_bundle
 from service.engine.encoder import EncoderOptions
-from service.engine.memory import AppendRefused
+from service.engine.memory import AppendRefused, MemoryBusy
 from service.engine.search import Predictor
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,9 @@ def _load(
     # with shared writes, no other process is between a write and its taking back while this reads
     reading = own.log.shared_reading() if own is not None and own.log.shared else nullcontext()
     try:
-        with reading:
+        with reading as readable:
+            if readable is False:  # a writer of the group held it past the wait: its records may be taken back
+                raise MemoryBusy(f"{path}: another worker held its append log past the read wait; load it again")
             for source in [*sources, *([own] if own is not None else [])]:
                 scan = source.scan()
                 if (file := file_identity(source.log.path)) in replayed:
@@ -130,18 +132,27 @@ def check_identity(bundle: Bundle) -> None:
 class SourceLog:
     """A log that a bundle replays past ``offset``: its lineage log (offset 0 for the lineage's
     first bundle, where a compacted one's compaction stopped reading, its sha256 checked here), or
-    a log a bundle compacted before lineages replays before its own."""
+    a log a bundle compacted before lineages replays before its own. ``seen``: the bytes the log
+    held when the bundle was made from its source (``manifest.lineage.seen``); a shorter log is
+    refused, as it is not the one whose appends the source acknowledged."""
 
-    def __init__(self, log: AppendLog, offset: int = 0, sha256: str | None = None, min_version: int = 0):
-        self.log, self.offset, self.sha256, self.min_version = log, offset, sha256, min_version
+    def __init__(self, log: AppendLog, offset: int = 0, sha256: str | None = None, min_version: int = 0, seen: int = 0):
+        self.log, self.offset, self.sha256, self.min_version, self.seen = log, offset, sha256, min_version, seen
 
     def scan(self) -> LogScan:
         """The log's records past ``offset``, to be read a chunk at a time; its first ``offset``
-        bytes are checked here, before any record is read."""
+        bytes (and its length, at least ``seen``) are checked here, before any record is read."""
         if self.offset and not self.log.path.exists():
             raise AppendLogError(
                 f"{self.log.path} is missing: the compaction folded its first {self.offset} bytes, and the appends "
                 "acknowledged after that are in it (serve this bundle with the log directory it was compacted for)"
+            )
+        size = self.log.path.stat().st_size if self.log.path.exists() else 0
+        if size < self.seen:
+            raise AppendLogError(
+                f"{self.log.path} holds {size} bytes, but its lineage's log held {self.seen} when this bundle was "
+                "made: the appends its source acknowledged are in another log directory. Serve it with its source's "
+                "log directory (XMCSERVE_APPEND_LOG_DIR), or make it again with --appends-dir naming that directory"
             )
         scan = self.log.scan(self.offset, digest=True)
         if self.sha256 is not None and scan.prefix_sha256 != self.sha256:
@@ -161,10 +172,38 @@ def logs_to_replay(bundle: Bundle, appends_dir: Path | None) -> tuple[list[Sourc
         return [], None
     lineage = bundle.manifest.lineage
     if lineage is not None:
-        path = lineage_log_path(appends_dir, lineage.log, lineage.bundle_id)
-        return [], SourceLog(AppendLog(path, lineage.bundle_id), lineage.offset, lineage.sha256)
+        path = lineage_log_of(appends_dir, lineage, is_default_dir(appends_dir, bundle.path))
+        return [], SourceLog(AppendLog(path, lineage.bundle_id), lineage.offset, lineage.sha256, 0, lineage.seen or 0)
     own = SourceLog(AppendLog.in_directory(appends_dir, bundle.bundle_id))
     return legacy_source_logs(bundle, appends_dir), own
+
+
+def is_default_dir(appends_dir: Path, bundle_path: Path) -> bool:
+    """Whether ``appends_dir`` is the bundle's own default log directory (``<bundle dir>.appends``)
+    rather than one shared by the bundles it serves with (XMCSERVE_APPEND_LOG_DIR)."""
+    return os.path.realpath(appends_dir) == os.path.realpath(appends_dir_beside(Path(bundle_path).resolve()))
+
+
+def lineage_log_of(appends_dir: Path, lineage: Lineage, default_dir: bool) -> Path:
+    """The log of ``lineage`` for a bundle served with log directory ``appends_dir``. Two places may
+    hold it: the log named by ``lineage.log`` (relative to the log directory the bundle was made
+    for: beside its source when made without --appends-dir) and the lineage's log in
+    ``appends_dir`` itself, named by the lineage's bundle id (where its source writes when served
+    with the same XMCSERVE_APPEND_LOG_DIR). The one that exists is the lineage's; both, as two files,
+    is refused (two logs of one lineage: which appends were acknowledged is not known). Neither: no
+    append was logged yet, and the first goes to the named one in the bundle's default directory,
+    to ``appends_dir``'s otherwise, where its source finds it. Raises :class:`AppendLogError`."""
+    named = lineage_log_path(appends_dir, lineage.log, lineage.bundle_id)
+    in_dir = Path(os.path.normpath(Path(appends_dir).absolute())) / f"{lineage.bundle_id}{LOG_SUFFIX}"
+    found = {file_identity(path): path for path in (in_dir, named) if path.exists()}
+    if len(found) > 1:
+        raise AppendLogError(
+            f"two logs of lineage {lineage.bundle_id}: {in_dir} and {named}; serve the bundle with the log directory "
+            "its source writes to (XMCSERVE_APPEND_LOG_DIR), or make it with --appends-dir naming that directory"
+        )
+    if found:
+        return next(iter(found.values()))
+    return named if default_dir else in_dir
 
 
 def carried_lineage(source: Path, manifest: Manifest, out: Path, appends_dir: Path | None) -> Lineage:
@@ -194,8 +233,12 @@ def carried_lineage(source: Path, manifest: Manifest, out: Path, appends_dir: Pa
         offset=0,
         sha256=hashlib.sha256(b"").hexdigest(),
     )
-    path = lineage_log_path(source_dir, lineage.log, lineage.bundle_id)
-    carried = lineage.model_copy(update={"log": os.path.relpath(path, target_dir)})
+    path = lineage_log_of(source_dir, lineage, appends_dir is None)
+    # how far the log went: the new bundle is refused where its log holds less (not the lineage's)
+    scan = AppendLog(path, lineage.bundle_id).scan(0)
+    for _ in scan:
+        pass
+    carried = lineage.model_copy(update={"log": os.path.relpath(path, target_dir), "seen": scan.end})
     try:
         lineage_log_path(target_dir, carried.log, carried.bundle_id)  # where the new bundle looks for it
     except AppendLogError as exc:

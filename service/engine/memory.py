@@ -35,8 +35,8 @@ import hashlib
 import json
 import logging
 import threading
-from collections.abc import Callable, Collection, Iterable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -75,6 +75,16 @@ class AppendIdReused(AppendRefused):
 class LineageDiverged(XmcserveError, RuntimeError):
     """A record that another bundle of this memory's lineage logged does not apply to this memory:
     it no longer holds the log's order (a log edited or mixed by hand); nothing is appended."""
+
+
+class MemoryBusy(XmcserveError, RuntimeError):
+    """The records the other processes of a group logged could not be read within the bounded wait
+    (a writer held the log's lock for longer): nothing is answered from a memory that may lack an
+    acknowledged append; the caller retries after ``retry_after_s`` (HTTP: 503, Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(frozen=True)
@@ -326,7 +336,8 @@ class AppendWriter(Protocol):
         """Whether it holds records past ``size`` (cheap: a search asks before it runs)."""
 
     def shared_reading(self) -> AbstractContextManager[bool]:
-        """No writer mid-append while the block runs; yields False when that could not be had."""
+        """No writer mid-append while the block runs; yields False when that could not be had
+        within the bounded wait (True when there is no file yet: nothing to read)."""
 
 
 @dataclass(frozen=True)
@@ -444,7 +455,7 @@ class Memory:
         wrote its log (a promote, a rollback and every append call it); returns how many."""
         if self.log is None:
             return 0
-        with self._append_lock:
+        with self._append_lock, self._reading_others(self.log):
             return self._apply_logged(self.log.tail(self.index.dim))
 
     def follow(self) -> int:
@@ -455,8 +466,23 @@ class Memory:
         log = self.log
         if log is None or not log.shared or not log.grown():
             return 0
-        with self._append_lock, log.shared_reading() as readable:
-            return self._apply_logged(log.tail(self.index.dim)) if readable else 0
+        with self._append_lock, self._reading_others(log):
+            return self._apply_logged(log.tail(self.index.dim))
+
+    @contextmanager
+    def _reading_others(self, log: AppendWriter) -> Iterator[None]:
+        """With a log the processes of a group share, its shared lock for the block (no writer is
+        then between a write and its taking back); :class:`MemoryBusy` when it is not had within
+        the bounded wait: a search on what this memory has would miss an acknowledged append."""
+        if not log.shared:
+            yield
+            return
+        with log.shared_reading() as readable:
+            if not readable:
+                raise MemoryBusy(
+                    "another worker held the append log past the read wait: its newest appends are not read yet"
+                )
+            yield
 
     def _apply_logged(self, records: Iterable[TailRecord]) -> int:
         applied = 0

@@ -30,6 +30,7 @@ from service.engine import (
     AppendRefused,
     BundleError,
     LineageDiverged,
+    MemoryBusy,
     Predictor,
 )
 from service.http.group import GroupError
@@ -68,14 +69,19 @@ def serving_state(request: Request) -> ServingState:
     return state
 
 
-async def reload_variant(state: ServingState, variant: str, path: Path, vet: bool = True) -> dict:
+async def reload_variant(state: ServingState, variant: str, path: Path, vet: bool = True, counted: bool = True) -> dict:
     """Load, verify and warm the bundle at ``path`` and swap it into ``variant``; a bundle refused
     leaves the variant as it was (422). ``vet``: load it in a memory-capped child first (a worker
-    applying another worker's reload skips it: that worker vetted the bundle)."""
+    applying another worker's reload skips it: that worker vetted the bundle). ``counted``: in
+    ``xmcserve_reloads_total`` (not when applying another worker's reload: the group's counters
+    are summed over its workers, and that worker counted it)."""
     try:
         predictor = await load_for_serving(path, state.settings, vet=vet)
+    except MemoryBusy as exc:  # a group's append log held past the read wait: nothing changed, try again
+        raise HTTPException(503, f"variant {variant} unchanged: {exc}", headers={"Retry-After": "1"}) from None
     except BundleError as exc:
-        state.metrics.reloads.labels(variant=variant, outcome="refused").inc()
+        if counted:
+            state.metrics.reloads.labels(variant=variant, outcome="refused").inc()
         log.warning(
             "reload of %s refused, variant %s unchanged: %s",
             path,
@@ -84,8 +90,9 @@ async def reload_variant(state: ServingState, variant: str, path: Path, vet: boo
             extra=refused_fields(variant, path, exc),
         )
         raise HTTPException(422, f"bundle refused, variant {variant} unchanged: {exc}") from None
-    previous = state.install(variant, predictor, str(path))
-    state.metrics.reloads.labels(variant=variant, outcome="loaded").inc()
+    previous = state.install(variant, predictor, str(path), counted)
+    if counted:
+        state.metrics.reloads.labels(variant=variant, outcome="loaded").inc()
     previous_id = previous.bundle.bundle_id if previous else None
     log.info(
         "variant %s reloaded: %s (was %s)",
@@ -108,8 +115,10 @@ async def caught_up(predictor: Predictor | None) -> None:
         return
     try:
         await anyio.to_thread.run_sync(predictor.memory.catch_up)
-    except (AppendLogError, LineageDiverged) as exc:
-        raise HTTPException(503, f"nothing changed: cannot catch up its append log: {exc}") from None
+    except (AppendLogError, LineageDiverged, MemoryBusy) as exc:
+        raise HTTPException(
+            503, f"nothing changed: cannot catch up its append log: {exc}", headers={"Retry-After": "1"}
+        ) from None
 
 
 async def promote_candidate(state: ServingState) -> dict:
@@ -166,7 +175,7 @@ async def apply_change(state: ServingState, change: dict) -> None:
     """Make a change another worker of the group made and logged (:mod:`service.http.group`)."""
     op = change.get("op")
     if op == "reload":
-        await reload_variant(state, change["variant"], Path(change["path"]), vet=False)
+        await reload_variant(state, change["variant"], Path(change["path"]), vet=False, counted=False)
     elif op == "promote":
         await promote_candidate(state)
     elif op == "rollback":
@@ -197,7 +206,21 @@ async def admin_change(state: ServingState) -> AsyncIterator[None]:
             return
         async with state.group.turn():
             await state.group.follow(lambda change: apply_change(state, change))
+            refuse_if_replaced(state.group)
             yield
+
+
+def refuse_if_replaced(group) -> None:
+    """A worker that could not apply a change another made no longer holds the group's state: it
+    makes no admin change (it is being replaced). The failure itself is in that change's answer and
+    in this worker's log, not in this call's reason."""
+    if group.failed is not None:
+        raise HTTPException(
+            503,
+            f"worker {group.pid} is being replaced (it could not apply the group's admin change "
+            f"{group.failed['generation']}): nothing changed; retry",
+            headers={"Retry-After": "1"},
+        )
 
 
 async def publish(state: ServingState, change: dict) -> dict:
@@ -217,10 +240,13 @@ async def converged(state: ServingState, logged: dict) -> dict:
     done = await state.group.converged(logged["generation"])
     if done.applied < done.workers:
         log.warning(
-            "admin change %d applied by %d of %d workers",
+            "admin change %d applied by %d of %d workers%s",
             done.generation,
             done.applied,
             done.workers,
+            "".join(
+                f"; worker {f['pid']} could not apply change {f['generation']}: {f['reason']}" for f in done.failed
+            ),
             extra={"event": "group_lagging", **done.describe()},
         )
     return {"workers": done.describe()}
@@ -307,7 +333,7 @@ def add_admin_routes(app: FastAPI) -> None:
                 extra={"event": "append_refused", "variant": body.variant, "reason": str(exc)},
             )
             raise HTTPException(409, f"nothing appended: {exc}") from None
-        except (AppendLogError, LineageDiverged) as exc:
+        except (AppendLogError, LineageDiverged, MemoryBusy) as exc:
             state.metrics.appends.labels(variant=body.variant, outcome="failed").inc()
             log.error(
                 "append to %s failed, nothing appended: %s",
@@ -334,9 +360,6 @@ def add_admin_routes(app: FastAPI) -> None:
                 "instances": outcome.instances,
             },
         )
-        if not outcome.repeated:
-            state.metrics.appended_keys.labels(variant=body.variant, kind="label").inc(len(outcome.label_ids))
-            state.metrics.appended_keys.labels(variant=body.variant, kind="instance").inc(outcome.instances)
         return {
             "variant": body.variant,
             "bundle_id": predictor.bundle.bundle_id,

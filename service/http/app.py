@@ -41,7 +41,7 @@ from service.api.schemas import (
     predict_response_off_loop,
     request_body_openapi,
 )
-from service.engine import BatchAnswer, BatcherStoppedError, DeadlineExceededError, QueueFullError
+from service.engine import BatchAnswer, BatcherStoppedError, DeadlineExceededError, MemoryBusy, QueueFullError
 from service.http.admin import add_admin_routes, follow_group, require_admin
 from service.http.disconnect import EXTENSION as CLIENT_GONE
 from service.http.disconnect import ClientGone
@@ -154,6 +154,10 @@ async def follow_changes(state: ServingState) -> None:
             await follow_group(state)
         except Exception:
             log.critical("stopping this worker: it could not apply the group's admin change", exc_info=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        if state.group.failed is not None:  # reported by the group's follow (its log line, its answer)
+            log.critical("stopping this worker: it could not apply the group's admin change %s", state.group.failed)
             os.kill(os.getpid(), signal.SIGTERM)
             return
 
@@ -359,7 +363,7 @@ def create_app(
                 answer = await answer_unless_disconnected(client_gone, submitted)
             else:
                 answer = await answer_unless_gone(request, submitted)
-        except (QueueFullError, DeadlineExceededError) as exc:
+        except (QueueFullError, DeadlineExceededError, MemoryBusy) as exc:  # MemoryBusy: a group's log held
             if isinstance(exc, QueueFullError):
                 metrics.rejected.labels(variant=slot.name).inc()
             status = 429 if isinstance(exc, QueueFullError) else 503

@@ -21,11 +21,20 @@ group's run directory (``XMCSERVE_RUN_DIR``), which the supervisor creates empty
 - ``acks/<pid>``: the generation each worker has applied. An admin call answers once every live
   worker has applied its change (or after :data:`CONVERGE_S`, saying which have not), so a request
   sent after the answer finds the change on whichever worker takes it.
+- ``failures/<pid>``: the change a worker could not apply (its generation, op and reason). Such a
+  worker no longer serves the group's state: it says so here and in its log, the admin call that
+  made the change reports it in its answer (``workers.failed``), the worker refuses admin calls
+  (503) and stops, and the supervisor starts one that loads the state the log leaves.
 - ``metrics/``: prometheus-client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``): counters
   and histograms are summed over the workers, the gauges of live workers too.
 
+A line torn by a worker killed while writing it (no newline) is cut off by the next worker that
+logs a change (it holds the turn: nobody else is writing); a complete line that is not a change is
+skipped with a log line. Either way it is counted as a generation by every worker alike.
+
 Appends need nothing here: the lineage's append log is written in turns
-(:func:`service.engine.append_log.share_writes`) and read by every worker before each batch.
+(:func:`service.engine.append_log.share_writes`) and read by every worker before each batch,
+under the log's shared lock (a bounded wait, then the batch answers 503).
 """
 
 from __future__ import annotations
@@ -68,14 +77,17 @@ class GroupError(XmcserveError, RuntimeError):
 
 @dataclass(frozen=True)
 class Convergence:
-    """How many workers had applied an admin change when its call answered."""
+    """How many workers had applied an admin change when its call answered, and those that could
+    not (``failed``: each one's pid, the generation it failed at, the op and its reason)."""
 
     generation: int
     applied: int
     workers: int
+    failed: tuple[dict, ...] = ()
 
     def describe(self) -> dict:
-        return {"generation": self.generation, "applied": self.applied, "workers": self.workers}
+        out = {"generation": self.generation, "applied": self.applied, "workers": self.workers}
+        return out | ({"failed": list(self.failed)} if self.failed else {})
 
 
 @dataclass(frozen=True)
@@ -142,9 +154,12 @@ class WorkerGroup:
         self.log_path = self.run_dir / "admin.log"
         self.lock_path = self.run_dir / "admin.lock"
         self.acks_dir = self.run_dir / "acks"
+        self.failures_dir = self.run_dir / "failures"
         self.metrics_dir = self.run_dir / "metrics"
         self.applied = 0  # admin log lines this worker has applied
         self._read_offset = 0  # where the first line it has not applied starts
+        # the change this worker could not apply (generation, op, reason): it stops following
+        self.failed: dict | None = None
 
     @classmethod
     def from_environment(cls) -> WorkerGroup | None:
@@ -162,7 +177,7 @@ class WorkerGroup:
         run_dir.mkdir(parents=True, exist_ok=True)
         for name in ("admin.log", "admin.lock"):
             (run_dir / name).unlink(missing_ok=True)
-        for sub in ("acks", "metrics"):
+        for sub in ("acks", "failures", "metrics"):
             directory = run_dir / sub
             directory.mkdir(exist_ok=True)
             for file in directory.iterdir():
@@ -170,20 +185,40 @@ class WorkerGroup:
 
     # admin log
 
-    def changes_after(self) -> list[dict]:
-        """The complete lines past what this worker applied, oldest first (a line being written,
-        without its newline yet, is left for later)."""
+    def lines_after(self) -> list[tuple[int, dict | None]]:
+        """The complete lines past what this worker applied, oldest first, each as (its length,
+        the change; None for a line that is not one); a line being written, without its newline
+        yet, is left for later."""
         try:
             with open(self.log_path, "rb") as file:
                 file.seek(self._read_offset)
                 data = file.read()
         except FileNotFoundError:
             return []
-        complete = data[: data.rfind(b"\n") + 1]
-        try:
-            return [json.loads(line) for line in complete.splitlines()]
-        except ValueError as exc:
-            raise GroupError(f"{self.log_path}: unreadable admin change ({exc})") from None
+        out = []
+        for line in data[: data.rfind(b"\n") + 1].splitlines(keepends=True):
+            try:
+                change = json.loads(line)
+            except ValueError:
+                change = None
+            out.append((len(line), change if isinstance(change, dict) else None))
+        return out
+
+    def changes_after(self) -> list[dict]:
+        """The changes of :meth:`lines_after`."""
+        return [change for _, change in self.lines_after() if change is not None]
+
+    def _skipped(self, length: int) -> None:
+        """A complete line that is not a change (torn, then followed by another): counted as a
+        generation, as every worker counts it, and said."""
+        log.warning(
+            "worker %d: skipping admin log line %d (byte %d): not an admin change (a worker killed while writing it)",
+            self.pid,
+            self.applied + 1,
+            self._read_offset,
+            extra={"event": "group_line_skipped", "generation": self.applied + 1},
+        )
+        self._advance(length)
 
     def grown(self) -> bool:
         try:
@@ -194,23 +229,31 @@ class WorkerGroup:
     def take_log(self) -> list[dict]:
         """Every change logged so far, counted as applied: a starting worker that builds the
         state they leave (:class:`Routing`) instead of making them one by one."""
-        changes = self.changes_after()
-        for change in changes:
-            self.mark_applied(change)
+        changes = []
+        for length, change in self.lines_after():
+            if change is None:
+                self._skipped(length)
+                continue
+            changes.append(change)
+            self._advance(length)
         return changes
 
-    def mark_applied(self, change: dict) -> None:
-        self._read_offset += len(encoded(change))
+    def _advance(self, length: int) -> None:
+        self._read_offset += length
         self.applied += 1
 
     def record(self, change: dict) -> int:
         """Log a change this worker made (it holds the turn and has applied every earlier one);
         returns its generation."""
         line = encoded(change)
-        fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        if self.failed is not None:
+            raise GroupError(
+                f"worker {self.pid} could not apply admin change {self.failed['generation']}: it logs none"
+            )
+        fd = os.open(self.log_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            if os.fstat(fd).st_size != self._read_offset:
-                raise GroupError(f"{self.log_path} holds changes this worker has not applied")
+            if (size := os.fstat(fd).st_size) != self._read_offset:
+                self._cut_torn_tail(fd, size)
             os.write(fd, line)
             os.fsync(fd)
         finally:
@@ -218,6 +261,24 @@ class WorkerGroup:
         self._read_offset += len(line)
         self.applied += 1
         return self.applied
+
+    def _cut_torn_tail(self, fd: int, size: int) -> None:
+        """The log is longer than what this worker applied: changes it has not applied (refused:
+        its change would jump the order) or, with no newline past that point, a line torn by a
+        worker killed while writing it. This worker holds the turn, so nobody is writing it: it
+        is cut off (no worker has read it: a line counts only once whole)."""
+        tail = os.pread(fd, size - self._read_offset, self._read_offset) if size > self._read_offset else b"\n"
+        if b"\n" in tail:
+            raise GroupError(f"{self.log_path} holds changes this worker has not applied")
+        log.warning(
+            "worker %d: cutting %d bytes of a torn admin change off %s (a worker killed while writing it)",
+            self.pid,
+            len(tail),
+            self.log_path,
+            extra={"event": "group_line_cut", "bytes": len(tail)},
+        )
+        os.ftruncate(fd, self._read_offset)
+        os.fsync(fd)
 
     # acknowledgements
 
@@ -230,6 +291,29 @@ class WorkerGroup:
 
     def withdraw(self) -> None:
         (self.acks_dir / str(self.pid)).unlink(missing_ok=True)
+
+    def report_failure(self, generation: int, change: dict, reason: str) -> None:
+        """Say that this worker could not apply change ``generation`` (written whole: a rename),
+        for the admin call that made it to report."""
+        self.failed = {"pid": self.pid, "generation": generation, "op": change.get("op"), "reason": reason}
+        self.failures_dir.mkdir(exist_ok=True)
+        temporary = self.failures_dir / f".{self.pid}.tmp"
+        temporary.write_text(json.dumps(self.failed))
+        os.replace(temporary, self.failures_dir / str(self.pid))
+
+    def failures(self) -> dict[int, dict]:
+        """The failures of the live workers (those of dead ones are removed)."""
+        out = {}
+        for file in self.failures_dir.glob("[0-9]*"):
+            pid = int(file.name)
+            if not alive(pid):
+                file.unlink(missing_ok=True)
+                continue
+            try:
+                out[pid] = json.loads(file.read_text())
+            except (FileNotFoundError, ValueError):
+                continue
+        return out
 
     def acknowledged(self) -> dict[int, int]:
         """Each live worker's applied generation (the files of dead ones are removed)."""
@@ -246,13 +330,16 @@ class WorkerGroup:
         return out
 
     async def converged(self, generation: int, timeout_s: float = CONVERGE_S, clock=time.monotonic) -> Convergence:
-        """Wait until every live worker has applied ``generation`` (at most ``timeout_s``)."""
+        """Wait until every live worker has applied ``generation`` or failed to apply a change up
+        to it (at most ``timeout_s``)."""
         deadline = clock() + timeout_s
         while True:
-            acks = self.acknowledged()
-            applied = sum(1 for g in acks.values() if g >= generation)
-            if applied >= len(acks) or clock() >= deadline:
-                return Convergence(generation, applied, len(acks))
+            acks, failures = self.acknowledged(), self.failures()
+            failed = tuple(f for pid, f in failures.items() if pid in acks and f["generation"] <= generation)
+            failed_pids = {f["pid"] for f in failed}
+            applied = sum(1 for pid, g in acks.items() if g >= generation and pid not in failed_pids)
+            if applied + len(failed) >= len(acks) or clock() >= deadline:
+                return Convergence(generation, applied, len(acks), failed)
             await asyncio.sleep(POLL_S)
 
     # the turn
@@ -278,28 +365,38 @@ class WorkerGroup:
 
     async def follow(self, apply: Callable[[dict], Awaitable[None]]) -> int:
         """Apply, in order, the changes the other workers logged since this one last looked, then
-        publish how far it got; returns how many."""
-        if not self.grown():
+        publish how far it got; returns how many. A change that fails here is not raised into
+        whatever call is following (it is not that call's): it is logged, reported for the admin
+        call that made it (:meth:`report_failure`), and this worker stops following (:attr:`failed`:
+        it no longer holds the group's state, and is to be replaced)."""
+        if self.failed is not None or not self.grown():
             return 0
-        changes = self.changes_after()
-        for change in changes:
+        done = 0
+        for length, change in self.lines_after():
+            if change is None:
+                self._skipped(length)
+                continue
             try:
                 await apply(change)
-            except Exception:
-                # the worker that logged it made it: this one keeps its place in the log and
-                # says so; its acknowledgement stays behind, so admin calls report it
-                log.exception(
-                    "worker %d could not apply admin change %d (%s)",
+            except Exception as exc:
+                generation = self.applied + 1
+                reason = getattr(exc, "detail", None) or f"{type(exc).__name__}: {exc}"
+                log.error(
+                    "worker %d could not apply admin change %d (%s): %s",
                     self.pid,
-                    self.applied + 1,
+                    generation,
                     change.get("op"),
-                    extra={"event": "group_change_failed", "generation": self.applied + 1, "change": change},
+                    reason,
+                    exc_info=not hasattr(exc, "detail"),
+                    extra={"event": "group_change_failed", "generation": generation, "change": change},
                 )
-                self.acknowledge()
-                raise
-            self.mark_applied(change)
+                self.report_failure(generation, change, str(reason))
+                self._advance(length)
+                break
+            self._advance(length)
+            done += 1
         self.acknowledge()
-        return len(changes)
+        return done
 
 
 def encoded(change: dict) -> bytes:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from prometheus_client import (
@@ -18,6 +18,7 @@ from prometheus_client import (
     multiprocess,
     values,
 )
+from prometheus_client.core import CounterMetricFamily
 
 from service.http.guards import method_label
 
@@ -123,12 +124,11 @@ class Metrics:
             ["variant", "outcome"],
             registry=self.registry,
         )
-        self.appended_keys = Counter(
-            "xmcserve_appended_keys",
-            "Keys added to a variant's memory by appends, by kind (label, instance)",
-            ["variant", "kind"],
-            registry=self.registry,
-        )
+        # What /info's memory says: read from the memory each variant serves at each scrape, so it
+        # counts the appends replayed at load and those other workers logged as well as this
+        # process's own; per process (a group's workers serve one memory: exported once, not summed).
+        self.appended_keys_of: Callable[[], Iterable[tuple[str, int, int]]] = tuple
+        self.local_registry.register(_AppendedKeys(lambda: self.appended_keys_of()))
         self.replay_skipped = Counter(
             "xmcserve_replay_skipped",
             "Logged appends left out when a bundle was loaded, as they no longer applied "
@@ -251,8 +251,6 @@ class Metrics:
             self.reloads.labels(variant=variant, outcome=outcome)
         for outcome in ("applied", "repeated", "refused", "failed"):
             self.appends.labels(variant=variant, outcome=outcome)
-        for kind in ("label", "instance"):
-            self.appended_keys.labels(variant=variant, kind=kind)
 
     def drop_observer(self, variant: str):
         def observe(reason: str) -> None:
@@ -269,6 +267,28 @@ class Metrics:
                 self.child(self.stage_seconds, stage, variant).observe(seconds)
 
         return observe
+
+
+class _AppendedKeys:
+    """``xmcserve_appended_keys_total{variant,kind}``: the keys appended to the memory each variant
+    serves, by kind (label, instance), as ``read()`` gives them (variant, labels, instances). It
+    falls back when a variant loads a bundle that holds fewer (a compaction folds them in): a
+    counter reset, as Prometheus's rate() and increase() take one."""
+
+    def __init__(self, read: Callable[[], Iterable[tuple[str, int, int]]]):
+        self.read = read
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "xmcserve_appended_keys",
+            "Keys appended to the memory each variant serves, by kind (label, instance): acknowledged, "
+            "replayed from its log at load, or logged by another worker (as /info memory says)",
+            labels=["variant", "kind"],
+        )
+        for variant, labels, instances in self.read():
+            family.add_metric([variant, "label"], labels)
+            family.add_metric([variant, "instance"], instances)
+        yield family
 
 
 class _MergedFamily:

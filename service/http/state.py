@@ -80,9 +80,23 @@ class ServingState:
     group: WorkerGroup | None = None  # the server's other worker processes (XMCSERVE_WORKERS), if any
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    def install(self, name: str, predictor: Predictor, source: str) -> Predictor | None:
+    def __post_init__(self) -> None:
+        self.metrics.appended_keys_of = self.appended_keys
+
+    def appended_keys(self) -> list[tuple[str, int, int]]:
+        """Each variant's appended labels and instances, as its memory (and /info) says."""
+        out = []
+        for name, slot in self.variants.slots.items():
+            view = slot.predictor.view if slot.predictor is not None else None
+            out.append((name, view.appended_labels if view else 0, view.appended_instances if view else 0))
+        return out
+
+    def install(self, name: str, predictor: Predictor, source: str, counted: bool = True) -> Predictor | None:
+        """``counted``: its skipped replays in the metrics (not when applying another worker's
+        reload: that worker counted them, and a group's counters are summed)."""
         previous = self.variants.install(name, predictor, source)
-        self.metrics.replay_skipped.labels(variant=name).inc(len(predictor.view.replay_skipped))
+        if counted:
+            self.metrics.replay_skipped.labels(variant=name).inc(len(predictor.view.replay_skipped))
         self.publish_bundle_info()
         return previous
 

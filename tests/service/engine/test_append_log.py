@@ -187,3 +187,38 @@ def test_a_lineage_log_is_found_only_in_the_log_directory_or_a_bundle_s_beside_i
     else:
         with pytest.raises(AppendLogError, match="lineage log"):
             lineage_log_path(tmp_path / "appends", named, lineage)
+
+
+def test_in_a_group_the_others_records_are_read_under_the_lock_or_the_read_is_refused(
+    tiny_rae_bundle, tmp_path, monkeypatch
+):
+    """Issue 67: with XMCSERVE_WORKERS, a search that could not take the log's shared lock within
+    its wait ran without the newest records (an acknowledged append missing from another worker's
+    answer); a catch-up read them without the lock, and a load ignored that it had not got it.
+    Now each of them is refused (MemoryBusy: a /predict answers 503) while another worker holds the
+    log, and reads the records once it lets go."""
+    from service.engine import MemoryBusy, append_log
+
+    monkeypatch.setattr(append_log, "_shared_writes", True)  # as share_writes() makes a group's worker
+    monkeypatch.setattr(append_log, "READ_WAIT_S", 0.05)
+    appends = tmp_path / "appends"
+    writer = load_predictor(tiny_rae_bundle, appends_dir=appends)
+    reader = load_predictor(tiny_rae_bundle, appends_dir=appends)  # another worker's memory
+    writer.append(AppendBatch(labels=[LABEL], append_id="acked"))
+    log_path = writer.memory.log.path
+    # a worker between its write and its apply (or its taking the record back) holds the log
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(log_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(MemoryBusy):
+            reader.latest_view()  # the view a batch searches
+        with pytest.raises(MemoryBusy):
+            reader.memory.catch_up()  # a promote's, an append's
+        with pytest.raises(MemoryBusy):
+            load_predictor(tiny_rae_bundle, appends_dir=appends)
+        assert reader.view.label_id(LABEL[0]) is None and reader.memory.log.size == 0
+    finally:
+        holder.kill()
+        holder.wait(30)
+    assert reader.latest_view().label_id(LABEL[0]) == writer.view.label_id(LABEL[0])
+    assert load_predictor(tiny_rae_bundle, appends_dir=appends).view.label_id(LABEL[0]) is not None

@@ -250,7 +250,8 @@ def test_a_bundle_made_from_a_compaction_goes_on_from_its_offset(own_bundle, tmp
     twin = reindex_bundle(
         tmp_path / "c1", tmp_path / "c1-ivfpq", ExportParams(index="ivfpq", pq_m=8), appends_dir=appends
     )
-    assert twin.lineage == compacted.lineage and twin.append_ids == compacted.append_ids
+    assert twin.lineage.model_copy(update={"seen": None}) == compacted.lineage
+    assert twin.append_ids == compacted.append_ids and twin.lineage.seen == live.memory.log.size  # "after" too
     served = load_predictor(tmp_path / "c1-ivfpq", appends_dir=appends)
     assert served.view.version == 1 and served.view.label_id("zz-after") == after
     retried = served.append(AppendBatch(labels=[label("folded")], append_id="folded"))
@@ -293,3 +294,64 @@ def test_a_lineage_log_outside_the_log_directory_is_refused_at_load_and_nothing_
         not (tmp_path.parent / "made").exists()
         and (elsewhere / log_name).read_bytes() == live.memory.log.path.read_bytes()
     )
+
+
+def test_a_twin_made_without_appends_dir_and_served_with_its_source_s_log_dir_serves_its_appends(
+    own_bundle, tmp_path, memory_labels
+):
+    """Issue 67: a twin made without --appends-dir names its source's log beside the source
+    (``../live.appends/<id>.appends.log``), which a shared XMCSERVE_APPEND_LOG_DIR's "beside" test
+    accepted for any directory; that log did not exist, and a missing log at offset 0 replayed as
+    empty. Served with its source's log directory, the twin was served without the acknowledged
+    appends, and a retried append_id was applied again under a new id. Now the twin finds its
+    lineage's log in the directory it is served with, by its lineage's bundle id."""
+    appends = tmp_path / "appends"  # the source's and then the twin's XMCSERVE_APPEND_LOG_DIR
+    live = load_predictor(own_bundle, appends_dir=appends)
+    acked = add_label(live, "a", append_id="a")
+    manifest = make_twin("reindexed", own_bundle, own_bundle.with_name("twin"), None, memory_labels)
+    assert manifest.lineage.bundle_id == live.bundle.bundle_id
+    twin = load_predictor(own_bundle.with_name("twin"), appends_dir=appends)
+    assert twin.view.label_id("zz-a") == acked and twin.view.describe() == live.view.describe()
+    again = twin.append(AppendBatch(labels=[label("a")], append_id="a"))  # the client's retry
+    assert again.repeated and again.label_ids == {"zz-a": acked} and twin.view.appended_labels == 1
+    acked_t = add_label(twin, "t", append_id="t")  # the twin writes the log its source serves from
+    assert load_predictor(own_bundle, appends_dir=appends).view.label_id("zz-t") == acked_t
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["appends", "bundles"]  # nothing made elsewhere
+
+
+def test_a_twin_served_where_its_lineage_s_acknowledged_appends_are_not_is_refused_naming_appends_dir(
+    own_bundle, tmp_path, memory_labels
+):
+    """The reverse: the source appended in its default log directory, the twin (made beside it,
+    without --appends-dir) is served with another XMCSERVE_APPEND_LOG_DIR. The twin records how
+    far its lineage's log went when it was made, so a log directory without those appends refuses
+    it, naming --appends-dir, instead of serving it without them."""
+    live = load_predictor(own_bundle, appends_dir=appends_dir_beside(own_bundle))
+    add_label(live, "a", append_id="a")
+    manifest = make_twin("reindexed", own_bundle, own_bundle.with_name("twin"), None, memory_labels)
+    assert manifest.lineage.seen == live.memory.log.size > 0
+    with pytest.raises(Exception, match="--appends-dir") as refused:
+        load_predictor(own_bundle.with_name("twin"), appends_dir=tmp_path / "appends")
+    assert type(refused.value).__name__ == "BundleError" and not (tmp_path / "appends").exists()
+    beside = load_predictor(own_bundle.with_name("twin"), appends_dir=appends_dir_beside(own_bundle.with_name("twin")))
+    assert beside.view.label_id("zz-a") == live.view.label_id("zz-a")  # where it was made for: served whole
+
+
+def test_a_twin_of_a_source_with_no_appends_yet_writes_its_first_where_the_source_reads(
+    own_bundle, tmp_path, memory_labels
+):
+    """The same twin made before its lineage logged anything: its first append created
+    ``<log dir>/../<source>.appends/`` (its lineage.log read against the shared directory), a log
+    its source, served with that XMCSERVE_APPEND_LOG_DIR, never reads; now it goes in the shared
+    directory, and two logs of one lineage refuse the load."""
+    appends = tmp_path / "appends"
+    make_twin("reindexed", own_bundle, own_bundle.with_name("twin"), None, memory_labels)
+    twin = load_predictor(own_bundle.with_name("twin"), appends_dir=appends)
+    acked = add_label(twin, "first", append_id="first")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["appends", "bundles"]
+    assert load_predictor(own_bundle, appends_dir=appends).view.label_id("zz-first") == acked
+    stray = tmp_path / "live.appends" / twin.memory.log.path.name  # where lineage.log leads from there
+    stray.parent.mkdir()
+    stray.write_bytes(b"")
+    with pytest.raises(Exception, match="two logs of lineage"):
+        load_predictor(own_bundle.with_name("twin"), appends_dir=appends)

@@ -90,6 +90,10 @@ def test_an_append_is_served_counted_and_survives_a_restart(server, bundle_root,
     try:
         with httpx.Client(base_url=restarted.url, timeout=60) as client:
             assert top_uids(client, NEW["instances"][0]["text"], k=10) == expected
+            # issue 67: the appends replayed at load are counted as /info shows them (they read 0)
+            metrics = client.get("/metrics").text
+            assert 'xmcserve_appended_keys_total{kind="label",variant="A"} 1.0' in metrics
+            assert 'xmcserve_appended_keys_total{kind="instance",variant="A"} 1.0' in metrics
     finally:
         stop_server(restarted)
 

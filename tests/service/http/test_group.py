@@ -43,16 +43,74 @@ def test_a_worker_applies_whole_lines_in_order_and_writes_only_at_the_end(run_di
     assert json.loads((run_dir / "acks" / str(os.getpid())).read_text()) == 2
 
 
-def test_a_change_that_fails_to_apply_is_raised_and_not_counted_as_applied(run_dir):
-    writer, follower = WorkerGroup(run_dir, 2), WorkerGroup(run_dir, 2)
-    writer.record({"op": "reload", "variant": "B", "path": "/nowhere"})
+def test_a_change_that_fails_on_a_follower_is_reported_to_its_maker_and_not_raised_into_an_unrelated_call(
+    run_dir, tmp_path
+):
+    """Issue 67: a logged change that a worker could not apply was raised into whatever admin call
+    on that worker followed the log next (an unrelated append answered the reload's 422) and kept
+    its place, so every later call there failed the same way, while the call that made the change
+    waited out CONVERGE_S. Now the follower logs it, reports it for the maker's answer
+    (``workers.failed``), makes no admin change (503, it is being replaced) and follows no more."""
+    from fastapi import HTTPException
 
-    async def fail(change):
-        raise RuntimeError("cannot load")
+    from service.http.admin import admin_change
+    from service.http.metrics import Metrics
+    from service.http.settings import Settings
+    from service.http.state import ServingState
 
-    with pytest.raises(RuntimeError):
-        asyncio.run(follower.follow(fail))
-    assert follower.applied == 0 and follower.grown()
+    maker = WorkerGroup(run_dir, 2, pid=os.getpid())
+    follower = WorkerGroup(run_dir, 2, pid=os.getppid())  # another live process: the other worker
+    maker.record({"op": "reload", "variant": "B", "path": str(tmp_path / "deleted-since")})
+    maker.acknowledge()
+    variants = Variants.create(BatcherConfig(), lambda name: lambda n, t, s, tags: None)
+    state = ServingState(Settings(bundle_dir=tmp_path), Metrics(), variants, group=follower)
+
+    async def unrelated_call():
+        async with admin_change(state):
+            raise AssertionError("an admin change made on a worker that does not hold the group's state")
+
+    with pytest.raises(HTTPException) as refused:
+        asyncio.run(unrelated_call())
+    assert refused.value.status_code == 503 and refused.value.headers["Retry-After"] == "1"
+    assert "being replaced" in refused.value.detail and "bundle refused" not in refused.value.detail
+    assert follower.failed["generation"] == 1 and "bundle refused" in follower.failed["reason"]
+    done = asyncio.run(maker.converged(1, timeout_s=5))  # answered without waiting out the deadline
+    assert (done.applied, done.workers) == (1, 2)
+    assert [(f["pid"], f["generation"], f["op"]) for f in done.describe()["failed"]] == [(os.getppid(), 1, "reload")]
+    maker.record({"op": "promote"})
+    assert asyncio.run(follower.follow(lambda change: asyncio.sleep(0))) == 0  # it follows no more
+    with pytest.raises(GroupError, match="could not apply"):
+        follower.record({"op": "rollback"})
+
+
+def test_a_torn_admin_line_is_cut_by_the_next_writer_and_a_garbled_one_skipped_by_all(run_dir, caplog):
+    """Issue 67: one torn admin.log line (a worker killed mid-write) refused every later admin
+    change on every worker ("holds changes this worker has not applied"), and a line written after
+    it made the log unreadable. Now the next worker to log cuts the torn tail (it holds the turn:
+    nobody is writing) and says so, and a complete line that is not a change is skipped with a log
+    line, counted as a generation by every worker alike."""
+    first, second = WorkerGroup(run_dir, 2, pid=os.getpid()), WorkerGroup(run_dir, 2, pid=os.getpid())
+    first.record({"op": "config", "split_b": 0.1})
+    with open(run_dir / "admin.log", "ab") as log:
+        log.write(b'{"op": "config", "spl')  # a worker killed while writing its change
+    applied = []
+
+    async def apply(change):
+        applied.append(change)
+
+    assert asyncio.run(second.follow(apply)) == 1  # the torn line is left: it may still be written
+    assert second.record({"op": "config", "split_b": 0.2}) == 2  # cut off, then logged
+    assert "torn admin change" in caplog.text
+    assert asyncio.run(first.follow(apply)) == 1 and first.applied == 2
+    with open(run_dir / "admin.log", "ab") as log:
+        log.write(b'{"op": "conf{"op": "config", "split_b": 0.3}\n')  # torn, then another line behind it
+    assert asyncio.run(first.follow(apply)) == 0 and first.applied == 3  # a whole line: it counts, skipped
+    first.record({"op": "config", "split_b": 0.4})
+    assert asyncio.run(second.follow(apply)) == 1 and second.applied == 4 == first.applied
+    assert "skipping admin log line 3" in caplog.text
+    assert [change["split_b"] for change in applied] == [0.1, 0.2, 0.4]
+    starter = WorkerGroup(run_dir, 2, pid=os.getpid())
+    assert [change["split_b"] for change in starter.take_log()] == [0.1, 0.2, 0.4] and starter.applied == 4
 
 
 def test_dead_workers_acknowledgements_are_dropped(run_dir):

@@ -237,6 +237,36 @@ def test_a_reindexed_twin_promoted_while_appends_arrive_keeps_every_acknowledged
         stop_server(server)
 
 
+def test_a_twin_made_without_appends_dir_reloaded_with_the_shared_log_dir_serves_every_acknowledged_append(
+    root, tmp_path
+):
+    """Issue 67: a twin made by export.reindex without --appends-dir, reloaded into a server whose
+    XMCSERVE_APPEND_LOG_DIR holds its source's log: reload 200, promote 200, and the acknowledged
+    label gone (the twin looked for a log beside its source, found none and replayed nothing); a
+    retried append_id on the twin was applied again under a new id. Now the twin finds its
+    lineage's log in the server's log directory: the appends are in B, the retry is ``repeated``."""
+    appends = tmp_path / "appends"
+    server = serve(root, "live", appends, tmp_path / "live.log")
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            acked = Acknowledged(slot_state(client, "A")["memory"])
+            rng = random.Random(67)
+            for number in range(2):
+                body = {**append_body(rng, number, acked.uids()), "append_id": f"s{number}"}
+                acked.add(body, admin(client, "/admin/append", body))
+            twin = reindex_bundle(root / "live", root / "twin", ExportParams(index="ivfpq", pq_m=8, ivf_nprobe=64))
+            loaded = admin(client, "/admin/reload", {"variant": "B", "bundle": "twin"})
+            assert loaded.status_code == 200, loaded.text
+            acked.check(client, "B")  # every acknowledged append in the twin once, a retry answered repeated
+            promoted = admin(client, "/admin/promote")
+            assert promoted.status_code == 200 and promoted.json()["promoted_bundle_id"] == twin.bundle_id
+            acked.check(client, "A")
+    finally:
+        stop_server(server)
+    made = [p.name for directory in (tmp_path, root) for p in directory.iterdir() if p.name.endswith(".appends")]
+    assert made == []  # the twin wrote nowhere but the server's log directory
+
+
 RESTARTS = 2  # of each kind, SIGTERM and SIGKILL, per seed: a start costs seconds
 
 

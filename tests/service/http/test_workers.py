@@ -6,6 +6,8 @@ sums both; a worker killed with SIGKILL is replaced by one that serves the same 
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -100,6 +102,44 @@ def test_an_append_through_one_worker_is_in_the_next_predict_of_every_worker(ser
             client.close()
 
 
+HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_WRONLY)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_worker_that_cannot_read_the_others_appends_in_time_answers_503_not_a_stale_result(server, tmp_path):
+    """Issue 67: a search that could not take the log's shared lock within its wait ran without
+    the newest records, so an acknowledged append was missing from the other worker's answer. Now
+    that worker answers 503 with Retry-After while the log is held, and the append once it is not."""
+    workers = clients_per_worker(server.url)
+    holder = None
+    try:
+        first, second = workers.values()
+        r = first.post("/admin/append", json={**label(1), "append_id": "w-1"}, headers=ADMIN)
+        assert r.status_code == 200, r.text
+        log_path = tmp_path / "appends" / f"{r.json()['bundle_id']}.appends.log"
+        # a worker between its write and its apply holds the log (as another append would)
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(log_path)], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().strip() == "held"
+        text = label(1)["labels"][0]["text"]
+        stale = second.post("/predict", json={"text": text, "k": 5})
+        assert stale.status_code == 503 and stale.headers["retry-after"] == "1", stale.text
+        assert top_uids(first, text)[0] == "zz-w-1"  # the worker that applied it needs no read
+        holder.kill()
+        holder.wait(30)
+        assert top_uids(second, text)[0] == "zz-w-1"
+    finally:
+        if holder is not None and holder.poll() is None:
+            holder.kill()
+            holder.wait(30)
+        for client in workers.values():
+            client.close()
+
+
 def test_appends_racing_through_both_workers_get_one_order_and_distinct_ids(server):
     workers = clients_per_worker(server.url)
     per_worker = 15
@@ -164,6 +204,11 @@ def test_admin_changes_through_one_worker_are_in_force_in_every_worker_when_answ
         r = second.post("/admin/reload", json={"bundle": "corrupt", "variant": "B"}, headers=ADMIN)
         assert r.status_code == 422
         assert {client.get("/info").json()["worker"]["admin_generation"] for client in (first, second)} == {4}
+        # issue 67: a reload counts once in the group (it counted once per worker that applied it)
+        for client in (first, second):
+            text = client.get("/metrics").text
+            assert 'xmcserve_reloads_total{outcome="loaded",variant="B"} 1.0' in text, text[:3000]
+            assert 'xmcserve_reloads_total{outcome="refused",variant="B"} 1.0' in text
     finally:
         for client in workers.values():
             client.close()
