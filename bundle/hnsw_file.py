@@ -55,6 +55,11 @@ def check_index_header(file: Path, dim: int, expected_m: int, keys: int) -> None
             raise HnswFileRefused(f"{file}: HNSW header refused: {problem}")
 
 
+# The keys are the encoder's unit vectors (the loader checks that it encodes unit vectors): a
+# longer one would outweigh every other key's similarity, and a long enough one overflows the
+# similarity, and the softmax over it, to a non-finite score. The slack covers float16 re-rank
+# vectors (bundle.ivfpq_file) and rounding.
+MAX_KEY_NORM = 1.01
 LINK_COUNT_MASK = 0xFFFF  # hnswlib keeps a list's length in the low 16 bits of its first uint32
 
 
@@ -62,7 +67,7 @@ def check_index_body(file: Path, first_key: int, keys: int) -> None:
     """The HNSW file's elements, before hnswlib reads them (its header checked already): every
     neighbour id names an element, a neighbour at level l lives on level l, the entry point is on
     the top level, the labels are exactly the key ids ``first_key`` .. ``first_key + keys - 1`` and
-    the vectors are finite. hnswlib
+    the vectors are finite and no longer than a unit vector. hnswlib
     checks none of these; a search follows the links unchecked."""
     data = np.fromfile(file, dtype=np.uint8)
     (_, _, count, per_element, label_offset, data_offset, max_level, entry, max_m, max_m0, _, _, _) = (
@@ -86,8 +91,13 @@ def check_index_body(file: Path, first_key: int, keys: int) -> None:
     labels = np.sort(column(label_offset, label_offset + 8, np.uint64)[:, 0])
     if not np.array_equal(labels, first_key + np.arange(keys, dtype=np.uint64)):
         refuse(f"its labels are not the key ids {first_key}..{first_key + keys - 1}")
-    if not np.all(np.isfinite(column(data_offset, label_offset, np.float32))):
+    vectors = column(data_offset, label_offset, np.float32)
+    if not np.all(np.isfinite(vectors)):
         refuse("a vector is not finite")
+    with np.errstate(over="ignore"):  # a norm that overflows is inf, refused as too long
+        longest = float(np.linalg.norm(vectors, axis=1).max(initial=0.0))
+    if longest > MAX_KEY_NORM:
+        refuse(f"a vector's norm is {longest:.4g}: the keys are the encoder's unit vectors")
     levels = check_upper_levels(data, HNSW_HEADER.size + count * per_element, count, max_m, refuse)
     if count and (levels.max(initial=0) > max_level or levels[entry] != max_level):
         refuse(f"the entry point is on level {levels[entry]}, the top level is {max_level}")
