@@ -8,6 +8,7 @@ out-of-bounds read in native code). Format only, and no hnswlib: what a bundle i
 
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 
@@ -24,6 +25,9 @@ class HnswFileRefused(XmcserveError, ValueError):
 # size_data_per_element, label_offset, offsetData (size_t), maxlevel (int), enterpoint (uint32),
 # maxM, maxM0, M (size_t), mult (double), ef_construction (size_t).
 HNSW_HEADER = struct.Struct("<QQQQQQiIQQQdQ")
+# The most build breadth a file may record (hnswlib searches this wide on every append; exports
+# use 200)
+MAX_EF_CONSTRUCTION = 1 << 16
 # Room an index file may declare beyond its keys (hnswlib allocates max_elements up front).
 HNSW_GROWTH_ALLOWANCE = 2
 
@@ -37,11 +41,15 @@ def check_index_header(file: Path, dim: int, expected_m: int, keys: int) -> None
     if size < HNSW_HEADER.size:
         raise HnswFileRefused(f"{file}: {size} bytes, shorter than an HNSW header")
     with file.open("rb") as f:
-        (_, max_elements, count, per_element, label_offset, data_offset, max_level, entry, max_m, max_m0, m, _, _) = (
-            HNSW_HEADER.unpack(f.read(HNSW_HEADER.size))
-        )
+        header = HNSW_HEADER.unpack(f.read(HNSW_HEADER.size))
+    level0, max_elements, count, per_element, label_offset, data_offset, max_level, entry = header[:8]
+    max_m, max_m0, m, mult, ef_construction = header[8:]
     links = max_m0 * 4 + 4  # level-0 neighbour ids (uint32) and their count
     problems = [
+        # hnswlib writes 0 and reads every element at this offset (a spike: a segfault at load)
+        (level0 != 0, f"level-0 data at offset {level0}, not 0"),
+        (not (m > 1 and math.isclose(mult, 1 / math.log(m), rel_tol=1e-9)), f"level multiplier {mult}, not 1/ln(M)"),
+        (not 0 < ef_construction <= MAX_EF_CONSTRUCTION, f"ef_construction {ef_construction}"),
         (count != keys, f"holds {count} keys, manifest says {keys}"),
         (max_elements > HNSW_GROWTH_ALLOWANCE * keys, f"declares room for {max_elements} elements for {keys} keys"),
         ((m, max_m, max_m0) != (expected_m, expected_m, 2 * expected_m), f"M {m}/{max_m}/{max_m0}, not {expected_m}"),
