@@ -5,7 +5,7 @@ import hnswlib
 import numpy as np
 import pytest
 
-from bundle.hnsw_file import HnswFileRefused, check_index_body, check_index_header
+from bundle.hnsw_file import HNSW_HEADER, HnswFileRefused, check_index_body, check_index_header
 
 
 @pytest.fixture
@@ -50,3 +50,18 @@ def test_a_vector_longer_than_a_unit_vector_is_refused(tmp_path):
     index.save_index(str(tmp_path / "index.hnsw"))
     with pytest.raises(HnswFileRefused, match="a vector's norm is 100"):
         check_index_body(tmp_path / "index.hnsw", first_key=0, keys=20)
+
+
+@pytest.mark.parametrize(
+    ("word", "value", "problem"),
+    [(0, 1 << 40, "level-0 data at offset"), (11, 1e300, "level multiplier"), (12, 1 << 40, "ef_construction")],
+    ids=["offset-level0", "multiplier", "ef-construction"],
+)
+def test_header_fields_hnswlib_trusts_are_checked(index_file, word, value, problem):
+    """Fields the manifest says nothing of, still what hnswlib writes: an offsetLevel0 of 2^40
+    passed every other check and segfaulted hnswlib's loadIndex."""
+    fields = list(HNSW_HEADER.unpack_from(index_file.read_bytes()))
+    fields[word] = value
+    index_file.write_bytes(HNSW_HEADER.pack(*fields) + index_file.read_bytes()[HNSW_HEADER.size :])
+    with pytest.raises(HnswFileRefused, match=problem):
+        check_index_header(index_file, dim=8, expected_m=4, keys=20)
