@@ -358,7 +358,7 @@ def _checked_label_arrays(directory: Path, labels: int) -> tuple[StringColumn, S
 
     # Checked through the files (the page cache), not the mappings: a page read through a mapping
     # stays in the server's resident memory, and answers touch only the labels they return.
-    columns, uid_hashes, uid_offsets = [], None, None
+    columns, uid_hashes = [], None
     for data_name, offsets_name in ((UIDS, UID_OFFSETS), (TEXTS, TEXT_OFFSETS)):
         data, offsets = array(data_name, np.uint8, None), array(offsets_name, np.int64, labels + 1)
         read = np.concatenate(list(file_blocks(offsets, BLOCK)))  # 8 bytes a label, freed after the checks
@@ -381,7 +381,7 @@ def _checked_label_arrays(directory: Path, labels: int) -> tuple[StringColumn, S
             raise LabelsRefused(f"{data_name}: not UTF-8 ({exc.reason})") from None
         columns.append(StringColumn(data, offsets))
         if hasher is not None:
-            uid_hashes, uid_offsets = hasher.hashes(), read
+            uid_hashes = hasher.hashes()
         del read, hasher
     hashes, order = array(UID_HASHES, np.uint64, labels), array(UID_ORDER, np.int64, labels)
     previous = None
@@ -405,6 +405,7 @@ def _checked_label_arrays(directory: Path, labels: int) -> tuple[StringColumn, S
         return uids, texts, UidLookup(uids, hashes, order)
     del uid_hashes
     # written before the lookup hashed by content: blake2b hashes, or a damaged file
+    uid_offsets = np.concatenate(list(file_blocks(uids.offsets, BLOCK)))  # read again: the fast path keeps none
     if verify_uid_hashes(hashes, order, blake2b_hashes(uids.data, uid_offsets)):
         return uids, texts, UidLookup(uids, hashes, order, uid_hash)
     raise LabelsRefused(f"{UID_HASHES}: not the hashes of the uids in {UIDS} (a uid would not be found)")
