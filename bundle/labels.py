@@ -68,11 +68,28 @@ def _blake2b(data) -> int:
 
 def content_hash(uid: str) -> int:
     """A uid's 64-bit :class:`ContentHashes` hash, the one the label arrays' lookup is written
-    with: equal to the hash of the same bytes wherever they stand in a column."""
-    data = np.frombuffer(uid.encode("utf-8"), dtype=np.uint8)
-    hasher = ContentHashes(np.array([0, len(data)], dtype=np.int64))
-    hasher.add(data)
-    return int(hasher.hashes()[0])
+    with: equal to the hash of the same bytes wherever they stand in a column. One string at
+    offset 0 is Σ b_j·R^j, mixed with its length: computed here directly (a lookup's cost, a few
+    µs; the column's machinery is 100x that for one string)."""
+    encoded = uid.encode("utf-8")
+    if len(encoded) <= len(_R_POWERS_SHORT):  # most uids: Python integers beat numpy's call overheads
+        total = sum(b * r for b, r in zip(encoded, _R_POWERS_SHORT, strict=False)) % _WORD
+        return _mix_int(total ^ _mix_int(len(encoded)))
+    data = np.frombuffer(encoded, dtype=np.uint8)
+    if len(data) > HASH_PIECE:
+        hasher = ContentHashes(np.array([0, len(data)], dtype=np.int64))
+        hasher.add(data)
+        return int(hasher.hashes()[0])
+    total = int((data.astype(np.uint64) * _R_POWERS[: len(data)]).sum(dtype=np.uint64))
+    return _mix_int(total ^ _mix_int(len(data)))
+
+
+def _mix_int(z: int) -> int:
+    """:func:`_mix` of one value, in Python integers."""
+    z = (z + 0x9E3779B97F4A7C15) % _WORD
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % _WORD
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % _WORD
+    return z ^ (z >> 31)
 
 
 class StringColumn(Sequence):
@@ -236,6 +253,7 @@ _R = pow(_K, -1, _WORD)
 HASH_PIECE = 1 << 18  # bytes hashed at a time: the temporaries stay in the cache
 _R_POWERS = _powers(_R, HASH_PIECE)
 _K_LOW = _powers(_K, 1 << 16)
+_R_POWERS_SHORT = _R_POWERS[:256].tolist()
 
 
 class ContentHashes:

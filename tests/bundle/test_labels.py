@@ -159,6 +159,13 @@ def test_content_hashes_do_not_depend_on_how_the_bytes_are_cut():
     assert len(set(by_string.values())) == len(by_string)  # equal strings alike, these distinct ones not
 
 
+def test_one_uid_hashes_as_it_does_in_a_column():
+    """The lookup hashes one uid (content_hash) as the file was written (a column's hashes)."""
+    strings = ["", "a", "pkg-3", "ünïcode-λ", "z" * 256, "x" * 5000, "y" * (labels_module.HASH_PIECE + 3)]
+    column = labels_module.column_hashes(StringColumn.of(strings))
+    assert [labels_module.content_hash(s) for s in strings] == column.tolist()
+
+
 def test_a_hash_collision_is_never_taken_for_a_duplicate(monkeypatch):
     monkeypatch.setattr(ContentHashes, "hashes", lambda self: np.zeros(len(self.offsets) - 1, dtype=np.uint64))
     check_unique_uids(UIDS)  # every uid collides, none repeats
