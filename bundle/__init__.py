@@ -16,7 +16,8 @@ files, and imports nothing of ``service``, ``export`` or ``training``. The publi
   :func:`write_label_arrays`, read back checked by :func:`read_labels`.
 * The value rows of an RAE memory (:mod:`bundle.values`): :func:`build_values` and their CSR files
   read back checked (:func:`load_values`, :func:`load_shard_values`; :func:`load_csr`,
-  :mod:`bundle.csr_file`, checks any CSR file of a bundle).
+  :mod:`bundle.csr_file`, checks any CSR file of a bundle; :func:`npz_headers`, an npz's members'
+  shapes and dtypes read before any is inflated).
 * The index files, checked before a native library reads them: hnswlib's
   (:mod:`bundle.hnsw_file`) and faiss IVF-PQ fast-scan's with its re-rank vectors
   (:mod:`bundle.ivfpq_file`).
@@ -25,7 +26,7 @@ Outside the package, code imports these names from ``bundle`` itself, never its 
 (``tests/bundle/test_surface.py``).
 """
 
-from bundle.csr_file import load_csr
+from bundle.csr_file import load_csr, npz_headers
 from bundle.directory import check_confined, read_manifest, verify_checksums
 from bundle.errors import BundleError, XmcserveError
 from bundle.hnsw_file import HnswFileRefused, check_index_body, check_index_header
@@ -129,6 +130,7 @@ __all__ = [
     "lexical_file_names",
     "Lineage",
     "load_csr",
+    "npz_headers",
     "load_label_arrays",
     "load_rerank_vectors",
     "load_shard_values",

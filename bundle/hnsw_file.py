@@ -8,6 +8,7 @@ out-of-bounds read in native code). Format only, and no hnswlib: what a bundle i
 
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 
@@ -24,6 +25,9 @@ class HnswFileRefused(XmcserveError, ValueError):
 # size_data_per_element, label_offset, offsetData (size_t), maxlevel (int), enterpoint (uint32),
 # maxM, maxM0, M (size_t), mult (double), ef_construction (size_t).
 HNSW_HEADER = struct.Struct("<QQQQQQiIQQQdQ")
+# The most build breadth a file may record (hnswlib searches this wide on every append; exports
+# use 200)
+MAX_EF_CONSTRUCTION = 1 << 16
 # Room an index file may declare beyond its keys (hnswlib allocates max_elements up front).
 HNSW_GROWTH_ALLOWANCE = 2
 
@@ -37,11 +41,15 @@ def check_index_header(file: Path, dim: int, expected_m: int, keys: int) -> None
     if size < HNSW_HEADER.size:
         raise HnswFileRefused(f"{file}: {size} bytes, shorter than an HNSW header")
     with file.open("rb") as f:
-        (_, max_elements, count, per_element, label_offset, data_offset, max_level, entry, max_m, max_m0, m, _, _) = (
-            HNSW_HEADER.unpack(f.read(HNSW_HEADER.size))
-        )
+        header = HNSW_HEADER.unpack(f.read(HNSW_HEADER.size))
+    level0, max_elements, count, per_element, label_offset, data_offset, max_level, entry = header[:8]
+    max_m, max_m0, m, mult, ef_construction = header[8:]
     links = max_m0 * 4 + 4  # level-0 neighbour ids (uint32) and their count
     problems = [
+        # hnswlib writes 0 and reads every element at this offset (a spike: a segfault at load)
+        (level0 != 0, f"level-0 data at offset {level0}, not 0"),
+        (not (m > 1 and math.isclose(mult, 1 / math.log(m), rel_tol=1e-9)), f"level multiplier {mult}, not 1/ln(M)"),
+        (not 0 < ef_construction <= MAX_EF_CONSTRUCTION, f"ef_construction {ef_construction}"),
         (count != keys, f"holds {count} keys, manifest says {keys}"),
         (max_elements > HNSW_GROWTH_ALLOWANCE * keys, f"declares room for {max_elements} elements for {keys} keys"),
         ((m, max_m, max_m0) != (expected_m, expected_m, 2 * expected_m), f"M {m}/{max_m}/{max_m0}, not {expected_m}"),
@@ -55,6 +63,11 @@ def check_index_header(file: Path, dim: int, expected_m: int, keys: int) -> None
             raise HnswFileRefused(f"{file}: HNSW header refused: {problem}")
 
 
+# The keys are the encoder's unit vectors (the loader checks that it encodes unit vectors): a
+# longer one would outweigh every other key's similarity, and a long enough one overflows the
+# similarity, and the softmax over it, to a non-finite score. The slack covers float16 re-rank
+# vectors (bundle.ivfpq_file) and rounding.
+MAX_KEY_NORM = 1.01
 LINK_COUNT_MASK = 0xFFFF  # hnswlib keeps a list's length in the low 16 bits of its first uint32
 
 
@@ -62,7 +75,7 @@ def check_index_body(file: Path, first_key: int, keys: int) -> None:
     """The HNSW file's elements, before hnswlib reads them (its header checked already): every
     neighbour id names an element, a neighbour at level l lives on level l, the entry point is on
     the top level, the labels are exactly the key ids ``first_key`` .. ``first_key + keys - 1`` and
-    the vectors are finite. hnswlib
+    the vectors are finite and no longer than a unit vector. hnswlib
     checks none of these; a search follows the links unchecked."""
     data = np.fromfile(file, dtype=np.uint8)
     (_, _, count, per_element, label_offset, data_offset, max_level, entry, max_m, max_m0, _, _, _) = (
@@ -86,8 +99,13 @@ def check_index_body(file: Path, first_key: int, keys: int) -> None:
     labels = np.sort(column(label_offset, label_offset + 8, np.uint64)[:, 0])
     if not np.array_equal(labels, first_key + np.arange(keys, dtype=np.uint64)):
         refuse(f"its labels are not the key ids {first_key}..{first_key + keys - 1}")
-    if not np.all(np.isfinite(column(data_offset, label_offset, np.float32))):
+    vectors = column(data_offset, label_offset, np.float32)
+    if not np.all(np.isfinite(vectors)):
         refuse("a vector is not finite")
+    with np.errstate(over="ignore"):  # a norm that overflows is inf, refused as too long
+        longest = float(np.linalg.norm(vectors, axis=1).max(initial=0.0))
+    if longest > MAX_KEY_NORM:
+        refuse(f"a vector's norm is {longest:.4g}: the keys are the encoder's unit vectors")
     levels = check_upper_levels(data, HNSW_HEADER.size + count * per_element, count, max_m, refuse)
     if count and (levels.max(initial=0) > max_level or levels[entry] != max_level):
         refuse(f"the entry point is on level {levels[entry]}, the top level is {max_level}")

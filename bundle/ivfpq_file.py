@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from bundle.errors import XmcserveError
+from bundle.hnsw_file import MAX_KEY_NORM
 from bundle.mapped_files import ShortFile, file_blocks
 
 # fast-scan packs codes in blocks of this many keys (faiss's default bbs)
@@ -168,7 +169,8 @@ def check_index_file(file: Path, dim: int, nlist: int, pq_m: int, first_key: int
 
 def load_rerank_vectors(file: Path, dim: int, keys: int) -> np.ndarray:
     """The float16 vectors of the shard's keys, memory-mapped (pages are read as queries touch
-    them, and shared between processes serving one bundle), refused unless (keys x dim) and finite."""
+    them, and shared between processes serving one bundle), refused unless (keys x dim), finite and
+    no longer than unit vectors (:data:`~bundle.hnsw_file.MAX_KEY_NORM`)."""
     try:
         vectors = np.load(file, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as exc:
@@ -178,9 +180,13 @@ def load_rerank_vectors(file: Path, dim: int, keys: int) -> np.ndarray:
     # read through the file in blocks, not through the mapping: pages read by the mapping would
     # stay in the server's resident memory, all of them, where queries touch only some
     try:
-        for block in file_blocks(vectors, 1 << 24):
+        for block in file_blocks(vectors, max(1, (1 << 24) // dim) * dim):  # whole vectors a block
             if not np.all(np.isfinite(block)):
                 raise IndexRefused("a re-rank vector is not finite")
+            with np.errstate(over="ignore"):  # a norm that overflows is inf, refused as too long
+                longest = float(np.linalg.norm(block.reshape(-1, dim).astype(np.float32), axis=1).max(initial=0.0))
+            if longest > MAX_KEY_NORM:
+                raise IndexRefused(f"a re-rank vector's norm is {longest:.4g}: the keys are the encoder's unit vectors")
     except ShortFile as exc:
         raise IndexRefused(str(exc)) from None
     return vectors

@@ -8,13 +8,19 @@ read only as answers touch them)::
 
     label-uids.npy, label-uid-offsets.npy     UTF-8 bytes of every uid back to back, and where
     label-texts.npy, label-text-offsets.npy   each starts (int64, labels + 1 of them); same for texts
-    label-uid-hashes.npy                      the 64-bit hash (blake2b) of every uid, sorted
+    label-uid-hashes.npy                      the 64-bit hash of every uid, sorted
     label-uid-order.npy                       the label id of each sorted hash
 
 A uid is looked up by binary search (``np.searchsorted``) on its hash and accepted only if the
-label it points at has that very uid, so a collision or a damaged hash file never gives a wrong
-id (at worst a uid is not found). A bundle with ``labels.jsonl`` is read into the same arrays at
-load. Labels appended to a live memory (few, by comparison) are kept in Python beside them.
+label it points at has that very uid, so a collision never gives a wrong id. The hash file is
+verified against the uids at load (:func:`verify_uid_hashes`): a damaged one would not give a
+wrong id either, but it would not find a uid at all, and then an ``exclude`` of it would do
+nothing and an append of it would give one uid two labels. The hash is the uids'
+:class:`ContentHashes` (numpy over the bytes, which the load computes anyway for the duplicate
+check, so the verification costs one gather); bundles written before it hold blake2b hashes
+(:func:`uid_hash`), recomputed one uid at a time at load (about 1 µs a label), and looked up
+by that hash. A bundle with ``labels.jsonl`` is read into the same arrays at load. Labels
+appended to a live memory (few, by comparison) are kept in Python beside them.
 
 Uids are unique: a uid names one label, and excluding it must remove every label it names. A
 label set with a uid twice is refused where it is written and where it is loaded
@@ -26,10 +32,11 @@ would hide a duplicate), and a Python set of 10^7 uids would cost gigabytes.
 from __future__ import annotations
 
 import codecs
-import hashlib
 import json
 import operator
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import nullcontext
+from hashlib import blake2b
 from pathlib import Path
 
 import numpy as np
@@ -50,8 +57,39 @@ class DuplicateUids(XmcserveError, ValueError):
 
 
 def uid_hash(uid: str) -> int:
-    """A uid's 64-bit hash, the same in every process (unlike ``hash``)."""
-    return int.from_bytes(hashlib.blake2b(uid.encode("utf-8"), digest_size=8).digest(), "little")
+    """A uid's 64-bit blake2b hash: the lookup hash of label arrays written before
+    :func:`content_hash` (the same in every process, unlike ``hash``)."""
+    return _blake2b(uid.encode("utf-8"))
+
+
+def _blake2b(data) -> int:
+    return int.from_bytes(blake2b(data, digest_size=8).digest(), "little")
+
+
+def content_hash(uid: str) -> int:
+    """A uid's 64-bit :class:`ContentHashes` hash, the one the label arrays' lookup is written
+    with: equal to the hash of the same bytes wherever they stand in a column. One string at
+    offset 0 is Σ b_j·R^j, mixed with its length: computed here directly (a lookup's cost, a few
+    µs; the column's machinery is 100x that for one string)."""
+    encoded = uid.encode("utf-8")
+    if len(encoded) <= len(_R_POWERS_SHORT):  # most uids: Python integers beat numpy's call overheads
+        total = sum(b * r for b, r in zip(encoded, _R_POWERS_SHORT, strict=False)) % _WORD
+        return _mix_int(total ^ _mix_int(len(encoded)))
+    data = np.frombuffer(encoded, dtype=np.uint8)
+    if len(data) > HASH_PIECE:
+        hasher = ContentHashes(np.array([0, len(data)], dtype=np.int64))
+        hasher.add(data)
+        return int(hasher.hashes()[0])
+    total = int((data.astype(np.uint64) * _R_POWERS[: len(data)]).sum(dtype=np.uint64))
+    return _mix_int(total ^ _mix_int(len(data)))
+
+
+def _mix_int(z: int) -> int:
+    """:func:`_mix` of one value, in Python integers."""
+    z = (z + 0x9E3779B97F4A7C15) % _WORD
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % _WORD
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % _WORD
+    return z ^ (z >> 31)
 
 
 class StringColumn(Sequence):
@@ -106,11 +144,13 @@ class StringColumn(Sequence):
 
 
 class UidLookup:
-    """uid → label id, dict-like: the stored labels through their sorted hashes, appended ones in
-    a dict. Every answer is checked against the uid stored at that id."""
+    """uid → label id, dict-like: the stored labels through their sorted hashes (of ``hash_of``,
+    :func:`content_hash` unless given), appended ones in a dict. Every answer is checked against
+    the uid stored at that id."""
 
-    def __init__(self, uids: StringColumn, hashes: np.ndarray, order: np.ndarray):
+    def __init__(self, uids: StringColumn, hashes: np.ndarray, order: np.ndarray, hash_of=None):
         self.uids, self.hashes, self.order = uids, hashes, order
+        self.hash_of = hash_of or content_hash
         self.appended: dict[str, int] = {}
 
     @classmethod
@@ -121,7 +161,7 @@ class UidLookup:
     def get(self, uid: str, default=None):
         if (label := self.appended.get(uid)) is not None:
             return label
-        h = np.uint64(uid_hash(uid))
+        h = np.uint64(self.hash_of(uid))
         at = int(np.searchsorted(self.hashes, h))
         while at < len(self.hashes) and self.hashes[at] == h:
             label = int(self.order[at])
@@ -143,9 +183,53 @@ class UidLookup:
 
 
 def sorted_hashes(uids: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    hashes = np.fromiter((uid_hash(uid) for uid in uids), dtype=np.uint64, count=len(uids))
+    """The uids' :class:`ContentHashes`, sorted, and the label id of each."""
+    hashes = column_hashes(uids if isinstance(uids, StringColumn) and not uids.extra else StringColumn.of(uids))
     order = np.argsort(hashes, kind="stable")
     return hashes[order], order.astype(np.int64)
+
+
+def column_hashes(column: StringColumn) -> np.ndarray:
+    """The :class:`ContentHashes` of a column's stored strings, in row order."""
+    hashes = ContentHashes(np.asarray(column.offsets))
+    for start in range(0, len(column.data), BLOCK):
+        hashes.add(column.data[start : start + BLOCK])
+    return hashes.hashes()
+
+
+def blake2b_hashes(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """The :func:`uid_hash` of each string of a column (``offsets`` in memory), its bytes read
+    from the file a block of strings at a time: one Python object a string while it is hashed,
+    none kept."""
+    out = np.empty(len(offsets) - 1, dtype=np.uint64)
+    with open(data.filename, "rb") if isinstance(data, np.memmap) else nullcontext() as fh:
+        for first in range(0, len(out), LABELS_A_BLOCK):
+            last = min(first + LABELS_A_BLOCK, len(out))
+            start, ends = int(offsets[first]), offsets[first + 1 : last + 1] - offsets[first]
+            if fh is None:
+                chunk = data[start : int(offsets[last])].tobytes()
+            else:
+                fh.seek(data.offset + start)
+                chunk = fh.read(int(offsets[last]) - start)
+            view, bounds = memoryview(chunk), [0, *ends.tolist()]
+            digests = b"".join(
+                blake2b(view[begin:end], digest_size=8).digest()
+                for begin, end in zip(bounds[:-1], bounds[1:], strict=True)
+            )
+            out[first:last] = np.frombuffer(digests, dtype="<u8")  # uid_hash's little-endian integers
+    return out
+
+
+LABELS_A_BLOCK = 1 << 16  # strings hashed from one read of their bytes
+
+
+def verify_uid_hashes(hashes: np.ndarray, order: np.ndarray, expected: np.ndarray) -> bool:
+    """Whether the sorted hash file ``hashes`` holds, at each position, ``expected[order]`` (the
+    hash of the uid of the label it points at): read through the files a block at a time."""
+    for stored, labels in zip(file_blocks(hashes, BLOCK), file_blocks(order, BLOCK), strict=True):
+        if not np.array_equal(stored, expected[labels]):
+            return False
+    return True
 
 
 def _mix(values: np.ndarray) -> np.ndarray:
@@ -169,6 +253,7 @@ _R = pow(_K, -1, _WORD)
 HASH_PIECE = 1 << 18  # bytes hashed at a time: the temporaries stay in the cache
 _R_POWERS = _powers(_R, HASH_PIECE)
 _K_LOW = _powers(_K, 1 << 16)
+_R_POWERS_SHORT = _R_POWERS[:256].tolist()
 
 
 class ContentHashes:
@@ -252,10 +337,7 @@ def check_unique_uids(uids: Sequence[str]) -> None:
     """Refuse (:class:`DuplicateUids`) a label set in which two labels share a uid: the bundle
     would map the uid to one of them only, and an exclusion of it would leave the other."""
     column = uids if isinstance(uids, StringColumn) and not uids.extra else StringColumn.of(uids)
-    hashes = ContentHashes(column.offsets)
-    for start in range(0, len(column.data), BLOCK):
-        hashes.add(column.data[start : start + BLOCK])
-    if duplicates := duplicate_uids(column, hashes.hashes()):
+    if duplicates := duplicate_uids(column, column_hashes(column)):
         raise DuplicateUids(duplicates_message(column, duplicates))
 
 
@@ -265,7 +347,7 @@ def write_label_arrays(directory: Path, uids: Sequence[str], texts: Sequence[str
         column = StringColumn.of(strings)
         np.save(directory / data_name, column.data)
         np.save(directory / offsets_name, column.offsets)
-    hashes, order = sorted_hashes(uids)
+    hashes, order = sorted_hashes(StringColumn.of(uids))
     np.save(directory / UID_HASHES, hashes)
     np.save(directory / UID_ORDER, order)
 
@@ -273,8 +355,8 @@ def write_label_arrays(directory: Path, uids: Sequence[str], texts: Sequence[str
 def load_label_arrays(directory: Path, labels: int) -> tuple[StringColumn, StringColumn, UidLookup]:
     """The memory-mapped label arrays of a bundle of ``labels`` labels, their structure checked:
     offsets from 0, never decreasing, to the end of the bytes, each at the start of a UTF-8
-    character, the bytes valid UTF-8, the order a permutation of the label ids, the hashes sorted,
-    no uid twice."""
+    character, the bytes valid UTF-8, the order a permutation of the label ids, the hashes sorted
+    and those of the uids (:func:`verify_uid_hashes`), no uid twice."""
     try:
         return _checked_label_arrays(directory, labels)
     except ShortFile as exc:
@@ -337,7 +419,14 @@ def _checked_label_arrays(directory: Path, labels: int) -> tuple[StringColumn, S
     uids, texts = columns
     if duplicates := duplicate_uids(uids, uid_hashes):
         raise LabelsRefused(f"{UIDS}: {duplicates_message(uids, duplicates)}")
-    return uids, texts, UidLookup(uids, hashes, order)
+    if verify_uid_hashes(hashes, order, uid_hashes):
+        return uids, texts, UidLookup(uids, hashes, order)
+    del uid_hashes
+    # written before the lookup hashed by content: blake2b hashes, or a damaged file
+    uid_offsets = np.concatenate(list(file_blocks(uids.offsets, BLOCK)))  # read again: the fast path keeps none
+    if verify_uid_hashes(hashes, order, blake2b_hashes(uids.data, uid_offsets)):
+        return uids, texts, UidLookup(uids, hashes, order, uid_hash)
+    raise LabelsRefused(f"{UID_HASHES}: not the hashes of the uids in {UIDS} (a uid would not be found)")
 
 
 BLOCK = 1 << 22  # values read at a time by the checks

@@ -13,6 +13,9 @@ from bundle.csr_file import load_csr
 from bundle.errors import BundleError
 from bundle.manifest import Manifest, Shard, shard_list
 
+# V's entries are λ or 1 − λ, λ in 0..1 (RAE-XMC eq. 4)
+VALUE_RANGE = (0.0, 1.0)
+
 
 def build_values(Y_train: sp.csr_matrix, lam: float) -> sp.csr_matrix:
     """V = [λ·Y_trn ; (1−λ)·I_L] as float32 CSR, shape (N + L) x L (RAE-XMC eq. 4)."""
@@ -23,8 +26,10 @@ def build_values(Y_train: sp.csr_matrix, lam: float) -> sp.csr_matrix:
 
 
 def load_shard_values(path: Path, manifest: Manifest, shard: Shard) -> sp.csr_matrix:
-    """One shard's rows of V, (its keys x labels)."""
-    return load_csr(path / shard.values, (shard.keys, manifest.counts.labels), "value matrix")
+    """One shard's rows of V, (its keys x labels): λ or 1 − λ where a key votes for a label, so
+    every value in 0..1 (a larger one would outweigh the softmax's weights, and enough of them
+    overflow a score to ``inf``)."""
+    return load_csr(path / shard.values, (shard.keys, manifest.counts.labels), "value matrix", VALUE_RANGE)
 
 
 def check_rae_counts(path: Path, manifest: Manifest) -> None:

@@ -92,8 +92,8 @@ from typing import Protocol
 import numpy as np
 import scipy.sparse as sp
 
-from bundle import FusionParams
-from service.engine.lexical import Lexicon, QueryTerms
+from bundle import FusionParams, npz_headers
+from service.engine.lexical import BIGRAM_BUCKETS, Lexicon, QueryTerms
 from service.engine.rae import KeptKeys, ValueRows
 from service.engine.sparse import LabelColumns, SparseMargins, SparseRanker, StoredSlots
 
@@ -115,6 +115,8 @@ THRESHOLD_FEATURES = tuple(f"instance_votes_within_{m:g}" for m in THRESHOLD_MAR
 QUERY_FEATURES = ("query_best_similarity", "query_candidates")
 SPARSE_FEATURES = ("sparse_margin", "sparse_rank")
 LABEL_KEY_FEATURES = ("label_key_similarity", "label_key_rank")
+# the most terms a lexical fusion's idf may hold: the hashed pairs and a vocabulary of up to 2^20
+MAX_TERMS = BIGRAM_BUCKETS + (1 << 20)
 # φ's column groups, in the order a fusion's columns follow; "rae" is always first
 FEATURE_GROUPS: dict[str, tuple[str, ...]] = {
     "rae": FEATURES,
@@ -313,8 +315,16 @@ class ScoreFusion:
         count; ``tokenizer`` (the bundle's tokenizer file and max length) for a lexical fusion."""
         features = tuple(params.features)
         groups_of(features)
+        # sized from the .npy headers before anything is inflated: a compressed member declaring
+        # more values than a label table or a term space holds is refused, not allocated
+        headers = npz_headers(directory / params.file)
+        if headers.get("log_frequency", ((), None))[0] != (num_labels,):
+            raise ValueError(f"log_frequency must be {num_labels} finite values")
+        if "idf" in headers and (len(headers["idf"][0]) != 1 or headers["idf"][0][0] > MAX_TERMS):
+            raise ValueError(f"idf must be one weight a term, at most {MAX_TERMS} terms")
         with np.load(directory / params.file, allow_pickle=False) as z:
-            log_frequency = z["log_frequency"].astype(np.float32)
+            with np.errstate(over="ignore"):  # an overflow to inf is refused just below
+                log_frequency = z["log_frequency"].astype(np.float32)
             idf = z.get("idf")
         if log_frequency.shape != (num_labels,) or not np.all(np.isfinite(log_frequency)):
             raise ValueError(f"log_frequency must be {num_labels} finite values")

@@ -55,9 +55,13 @@ class Lexicon:
     def __init__(self, tokenizer_path: Path, max_length: int, idf: np.ndarray):
         self.tokenizer, _ = load_tokenizer(tokenizer_path, max_length)
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        if idf.shape != (self.vocab_size + BIGRAM_BUCKETS,) or not np.all(np.isfinite(idf)) or np.any(idf < 0):
+        if idf.shape != (self.vocab_size + BIGRAM_BUCKETS,) or idf.dtype.kind not in "fiu":
             raise ValueError(f"idf must be {self.vocab_size + BIGRAM_BUCKETS} finite non-negative weights")
-        self.idf = idf.astype(np.float32)
+        with np.errstate(over="ignore"):  # an overflow to inf is refused just below
+            self.idf = idf.astype(np.float32)
+        # checked as served (float32): a float64 1e39 is finite as stored and inf here
+        if not np.all(np.isfinite(self.idf)) or np.any(self.idf < 0):
+            raise ValueError(f"idf must be {self.vocab_size + BIGRAM_BUCKETS} finite non-negative weights")
 
     @classmethod
     def fit(cls, tokenizer_path: Path, max_length: int, texts: list[str]) -> Lexicon:

@@ -167,11 +167,15 @@ async def install_routing(state: ServingState, routing: Routing, logged_candidat
     and the shadow share. A start fails without A, and without a B that the group's admin log
     named (``logged_candidate``: the others serve it, so a worker without it would split traffic
     differently); the settings' own B (as ever) and A's previous are served without when refused:
-    what this worker answers is the group's, only its rollback target is missing."""
+    what this worker answers is the group's, only its rollback target is missing.
+
+    Each is vetted first in the memory-capped child a reload uses: a bundle that would crash the
+    loader, or make it allocate without bound (a compressed file that inflates past the cap),
+    costs that child, not this process, which in a group stays up serving beside the others
+    (and a supervisor restarting a worker that crashes at start would crash it again and again)."""
     settings = state.settings
     try:
-        # nothing serves yet: a primary that fails stops start-up, no need to vet it apart
-        primary = await load_for_serving(Path(routing.primary), settings, vet=False)
+        primary = await load_for_serving(Path(routing.primary), settings)
     except BundleError as exc:
         log.error(
             "bundle %s refused, not starting: %s",
@@ -182,7 +186,7 @@ async def install_routing(state: ServingState, routing: Routing, logged_candidat
         raise
     if routing.previous is not None:
         try:
-            previous = await load_for_serving(Path(routing.previous), settings, vet=False)
+            previous = await load_for_serving(Path(routing.previous), settings)
             state.install(PRIMARY, previous, routing.previous)
         except BundleError as exc:
             log.error(
@@ -193,8 +197,8 @@ async def install_routing(state: ServingState, routing: Routing, logged_candidat
     state.install(PRIMARY, primary, routing.primary)  # the previous one, if any, becomes A's previous
     if routing.candidate is not None:
         try:
-            # the settings' B is vetted, as a reload's; one from the log was, by the worker that loaded it
-            candidate = await load_for_serving(Path(routing.candidate), settings, vet=not logged_candidate)
+            # one from the log was vetted by the worker that loaded it, but not for this process
+            candidate = await load_for_serving(Path(routing.candidate), settings)
             state.install(CANDIDATE, candidate, routing.candidate)
         except BundleError as exc:
             log.error(

@@ -49,7 +49,9 @@ def test_appended_labels_live_beside_the_arrays_and_only_they_can_be_removed(arr
 
 
 def test_a_hash_collision_still_gives_the_right_id(monkeypatch):
-    monkeypatch.setattr(labels_module, "uid_hash", lambda uid: 7)  # every uid collides
+    # every uid collides, stored and looked up
+    monkeypatch.setattr(labels_module, "content_hash", lambda uid: 7)
+    monkeypatch.setattr(ContentHashes, "hashes", lambda self: np.full(len(self.offsets) - 1, 7, dtype=np.uint64))
     column = StringColumn.of(UIDS)
     lookup = UidLookup.of(column)
     assert [lookup[uid] for uid in UIDS] == list(range(len(UIDS)))
@@ -76,6 +78,38 @@ def damage(directory, name, change):
 def test_damaged_label_arrays_are_refused(arrays, name, change, reason):
     damage(arrays, name, change)
     with pytest.raises(LabelsRefused, match=reason):
+        load_label_arrays(arrays, len(UIDS))
+
+
+def test_hashes_that_are_not_the_uids_are_refused(arrays):
+    """Sorted and a permutation, but not the uids' hashes: the lookup would not find the uids
+    whose hashes changed (an exclude of them would do nothing, an append of one would give it a
+    second label), so the file is refused at load."""
+    hashes = np.load(arrays / LABEL_ARRAY_FILES[4])
+    order = np.load(arrays / LABEL_ARRAY_FILES[5])
+    at = int(np.flatnonzero(np.diff(hashes) > 1)[0])
+    missed = UIDS[order[at]]
+    hashes[at] += np.uint64(1)  # still sorted, still distinct
+    np.save(arrays / LABEL_ARRAY_FILES[4], hashes)
+    with pytest.raises(LabelsRefused, match="not the hashes of the uids"):
+        load_label_arrays(arrays, len(UIDS))
+    assert missed in UIDS  # the uid the altered file would have lost
+
+
+def test_arrays_written_with_blake2b_hashes_load_and_are_verified_too(arrays):
+    """Label arrays written before the lookup hashed by content hold blake2b hashes: verified
+    by recomputing them, and looked up by them."""
+    blake = np.array([labels_module.uid_hash(uid) for uid in UIDS], dtype=np.uint64)
+    order = np.argsort(blake, kind="stable")
+    np.save(arrays / LABEL_ARRAY_FILES[4], blake[order])
+    np.save(arrays / LABEL_ARRAY_FILES[5], order.astype(np.int64))
+    uids, _, lookup = load_label_arrays(arrays, len(UIDS))
+    assert all(lookup[uid] == i for i, uid in enumerate(UIDS)) and "nope" not in lookup
+    damaged = blake[order]
+    assert damaged[-1] - damaged[-2] > 1
+    damaged[-1] -= np.uint64(1)  # still sorted
+    np.save(arrays / LABEL_ARRAY_FILES[4], damaged)
+    with pytest.raises(LabelsRefused, match="not the hashes of the uids"):
         load_label_arrays(arrays, len(UIDS))
 
 
@@ -123,6 +157,13 @@ def test_content_hashes_do_not_depend_on_how_the_bytes_are_cut():
     assert all(np.array_equal(cuts[0], other) for other in cuts[1:])
     by_string = dict(zip(strings, cuts[0].tolist(), strict=True))
     assert len(set(by_string.values())) == len(by_string)  # equal strings alike, these distinct ones not
+
+
+def test_one_uid_hashes_as_it_does_in_a_column():
+    """The lookup hashes one uid (content_hash) as the file was written (a column's hashes)."""
+    strings = ["", "a", "pkg-3", "ünïcode-λ", "z" * 256, "x" * 5000, "y" * (labels_module.HASH_PIECE + 3)]
+    column = labels_module.column_hashes(StringColumn.of(strings))
+    assert [labels_module.content_hash(s) for s in strings] == column.tolist()
 
 
 def test_a_hash_collision_is_never_taken_for_a_duplicate(monkeypatch):

@@ -230,6 +230,21 @@ def test_fusion_files_round_trip_and_a_wrong_frequency_table_is_refused(tmp_path
         ScoreFusion.load(tmp_path, params, 6)
 
 
+def test_a_fusion_file_declaring_more_values_than_it_holds_is_refused_before_it_is_inflated(tmp_path):
+    """A compressed member whose .npy header declares 10^13 frequencies (80 TB) is refused from
+    its header, not handed to numpy to allocate."""
+    import io
+    import zipfile
+
+    ScoreFusion(random_onnx_tree(), np.zeros(5, dtype=np.float32)).save(tmp_path, fusion_params(FEATURES))
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f8", "fortran_order": False, "shape": (10**13,)})
+    with zipfile.ZipFile(tmp_path / FUSION_FILE, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("log_frequency.npy", header.getvalue() + b"\x00" * 64)
+    with pytest.raises(ValueError, match="5 finite values"):
+        ScoreFusion.load(tmp_path, fusion_params(FEATURES), 5)
+
+
 def test_a_fusion_without_an_onnx_model_is_refused_with_how_to_re_fuse_it(tmp_path):
     with pytest.raises(ValueError, match="saved with its model as ONNX"):
         ScoreFusion(None, np.zeros(5)).save(tmp_path, fusion_params(FEATURES))

@@ -126,6 +126,15 @@ def test_an_idf_of_the_wrong_size_is_refused(lexicon):
         Lexicon(TOKENIZER, 128, lexicon.idf[:-1])
 
 
+def test_an_idf_is_checked_finite_as_float32(lexicon):
+    """A float64 1e39 is finite as stored and inf as served (float32): every query with that
+    term would score NaN."""
+    idf = lexicon.idf.astype(np.float64)
+    idf[lexicon.tokenizer.encode("libc6").ids[1]] = 1e39
+    with pytest.raises(ValueError, match="idf must be"):
+        Lexicon(TOKENIZER, 128, idf)
+
+
 def test_a_query_s_terms_are_its_row_of_the_key_term_matrix(lexicon):
     texts = [*MEMORY, "", "libc6 libc6 library"]
     rows = lexicon.rows(texts)

@@ -1,0 +1,75 @@
+"""Start-up loads are vetted like reloads: A, A's previous and B (the settings' or the group's
+admin log's) each in the memory-capped child first, so a bundle that would crash the loader or
+inflate without bound costs that child, never the process that is about to serve."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+import service.engine
+from bundle import BundleError
+from service.http.app import install_routing
+from service.http.group import Routing
+from service.http.metrics import Metrics
+from service.http.settings import Settings
+from service.http.state import ServingState
+from service.rollout import CANDIDATE, PRIMARY
+from service.rollout.variants import Variants
+
+
+@pytest.fixture
+def vetting(monkeypatch):
+    """The vetting child replaced by a record of what it was asked (and a refusal of ``refused``),
+    the in-process loader by a record of what it loaded before calling it."""
+    vetted, loaded, refused = [], [], set()
+
+    def vet(path, options=None, verify=True, memory_limit_bytes=0):
+        vetted.append(Path(path).resolve())
+        assert memory_limit_bytes > 0  # under the cap a reload's child has
+        if Path(path).resolve() in refused:
+            raise BundleError(f"{path}: the loader process died (exit code -11)")
+
+    real_load = service.engine.load_predictor
+
+    def load(path, *args, **kwargs):
+        loaded.append(Path(path).resolve())
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(service.engine, "vet_in_child", vet)
+    monkeypatch.setattr(service.engine, "load_predictor", load)
+    return vetted, loaded, refused
+
+
+def serving_state(bundle: Path) -> ServingState:
+    settings = Settings(bundle_dir=bundle)
+    metrics = Metrics(None)
+    return ServingState(settings, metrics, Variants.create(settings.batcher_config(), metrics.batch_observer))
+
+
+def test_every_bundle_loaded_at_start_is_vetted_in_the_child_before_it_is_loaded(bundle_root, vetting):
+    vetted, loaded, _ = vetting
+    a, previous, b = (bundle_root / name for name in ("tiny-rae", "tiny-labels", "tiny-rae"))
+    state = serving_state(a)
+    routing = Routing(primary=str(a), previous=str(previous), candidate=str(b))
+    asyncio.run(install_routing(state, routing, logged_candidate=True))  # B named by the group's admin log
+    assert vetted == loaded == [a.resolve(), previous.resolve(), b.resolve()]
+    assert state.variants.slots[CANDIDATE].predictor is not None
+
+
+def test_a_primary_the_child_refuses_stops_start_up_without_being_loaded_here(bundle_root, vetting):
+    vetted, loaded, refused = vetting
+    a = bundle_root / "tiny-rae"
+    refused.add(a.resolve())
+    with pytest.raises(BundleError, match="loader process died"):
+        asyncio.run(install_routing(serving_state(a), Routing(primary=str(a))))
+    assert vetted == [a.resolve()] and loaded == []
+
+
+def test_a_previous_the_child_refuses_is_left_out_and_a_served(bundle_root, vetting):
+    vetted, loaded, refused = vetting
+    a, previous = bundle_root / "tiny-rae", bundle_root / "tiny-labels"
+    refused.add(previous.resolve())
+    state = serving_state(a)
+    asyncio.run(install_routing(state, Routing(primary=str(a), previous=str(previous))))
+    assert loaded == [a.resolve()] and state.variants.slots[PRIMARY].predictor is not None
