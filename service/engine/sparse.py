@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import scipy.sparse as sp
 
-from bundle import BundleError, load_csr
+from bundle import BundleError, load_csr, npz_headers
 from service.engine.lexical import QueryTerms, query_matrix
 
 # The fit's defaults (export.sparse_fit.SparseFitParams reads them from here): a bundle whose
@@ -163,15 +163,23 @@ class SparseRanker:
         ``terms x labels`` CSR matrix and its bias ``labels`` finite values; ``fit``, ``fit_params``:
         how it was fitted (the manifest's)."""
         weights = load_csr(path, (terms, labels), "sparse ranker weights")
+        refused = BundleError(f"{path}: sparse ranker refused: the bias is not {labels} finite float32 values")
+        # the bias's size from its header before it is inflated (load_csr read the headers)
+        shape, dtype = npz_headers(path).get("bias", ((), np.dtype(object)))
+        if shape != (labels,) or dtype.kind != "f":
+            raise refused
         try:
             with np.load(path, allow_pickle=False) as npz:
                 bias = npz["bias"]
         except (KeyError, OSError, ValueError) as exc:
             raise BundleError(f"{path}: sparse ranker refused: no readable bias ({exc})") from None
-        if bias.shape != (labels,) or bias.dtype.kind != "f" or not np.all(np.isfinite(bias)):
-            raise BundleError(f"{path}: sparse ranker refused: the bias is not {labels} finite values")
+        # finite in the dtype margins are computed in: a float64 1e39 is inf as float32
+        with np.errstate(over="ignore"):
+            bias = bias.astype(np.float32)
+        if bias.shape != (labels,) or not np.all(np.isfinite(bias)):
+            raise refused
         weights.sort_indices()
-        return cls(weights, bias.astype(np.float32), depth, fit, dict(fit_params or {}))
+        return cls(weights, bias, depth, fit, dict(fit_params or {}))
 
     def margins(
         self,

@@ -111,6 +111,24 @@ def test_the_file_round_trips_and_a_wrong_shape_or_bias_is_refused(tmp_path):
         SparseRanker.load(path, 60, 25, depth=5)
 
 
+def test_a_bias_is_checked_finite_as_float32_and_sized_from_its_header(tmp_path):
+    """A float64 1e39 is finite as stored and inf as the float32 margins are computed in; a bias
+    declaring more values than labels is refused from its header, before it is inflated."""
+    ranker = random_ranker(np.random.default_rng(3))
+    path = tmp_path / "sparse.npz"
+    ranker.save(path)
+    with np.load(path) as z:
+        arrays = dict(z)
+    arrays["bias"] = np.full(25, 1e39, dtype=np.float64)
+    np.savez(path, **arrays)
+    with pytest.raises(BundleError, match="finite float32"):
+        SparseRanker.load(path, 60, 25, depth=5)
+    arrays["bias"] = np.zeros(26, dtype=np.float32)
+    np.savez(path, **arrays)
+    with pytest.raises(BundleError, match="bias"):
+        SparseRanker.load(path, 60, 25, depth=5)
+
+
 def test_later_labels_columns_are_scored_ranked_and_batch_invariant_like_the_fitted_ones():
     """A live memory's later labels (their :class:`LabelColumns`) are margins of the same product:
     the dense product of the fitted and later columns side by side plus both biases, in the top by
