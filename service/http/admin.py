@@ -76,7 +76,7 @@ async def reload_variant(state: ServingState, variant: str, path: Path, vet: boo
     ``xmcserve_reloads_total`` (not when applying another worker's reload: the group's counters
     are summed over its workers, and that worker counted it)."""
     try:
-        predictor = await load_for_serving(path, state.settings, vet=vet)
+        predictor = await load_for_serving(path, state.settings, vet=vet, group=state.group)
     except MemoryBusy as exc:  # a group's append log held past the read wait: nothing changed, try again
         raise HTTPException(503, f"variant {variant} unchanged: {exc}", headers={"Retry-After": "1"}) from None
     except BundleError as exc:

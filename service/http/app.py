@@ -172,10 +172,11 @@ async def install_routing(state: ServingState, routing: Routing, logged_candidat
     Each is vetted first in the memory-capped child a reload uses: a bundle that would crash the
     loader, or make it allocate without bound (a compressed file that inflates past the cap),
     costs that child, not this process, which in a group stays up serving beside the others
-    (and a supervisor restarting a worker that crashes at start would crash it again and again)."""
+    (and a supervisor restarting a worker that crashes at start would crash it again and again).
+    A group vets each bundle once for all its workers: the others wait for that child's verdict."""
     settings = state.settings
     try:
-        primary = await load_for_serving(Path(routing.primary), settings)
+        primary = await load_for_serving(Path(routing.primary), settings, group=state.group)
     except BundleError as exc:
         log.error(
             "bundle %s refused, not starting: %s",
@@ -186,7 +187,7 @@ async def install_routing(state: ServingState, routing: Routing, logged_candidat
         raise
     if routing.previous is not None:
         try:
-            previous = await load_for_serving(Path(routing.previous), settings)
+            previous = await load_for_serving(Path(routing.previous), settings, group=state.group)
             state.install(PRIMARY, previous, routing.previous)
         except BundleError as exc:
             log.error(
@@ -197,8 +198,8 @@ async def install_routing(state: ServingState, routing: Routing, logged_candidat
     state.install(PRIMARY, primary, routing.primary)  # the previous one, if any, becomes A's previous
     if routing.candidate is not None:
         try:
-            # one from the log was vetted by the worker that loaded it, but not for this process
-            candidate = await load_for_serving(Path(routing.candidate), settings)
+            # one from the log was vetted by the worker that reloaded it: once a group, as below
+            candidate = await load_for_serving(Path(routing.candidate), settings, group=state.group)
             state.install(CANDIDATE, candidate, routing.candidate)
         except BundleError as exc:
             log.error(

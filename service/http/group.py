@@ -25,6 +25,10 @@ group's run directory (``XMCSERVE_RUN_DIR``), which the supervisor creates empty
   worker no longer serves the group's state: it says so here and in its log, the admin call that
   made the change reports it in its answer (``workers.failed``), the worker refuses admin calls
   (503) and stops, and the supervisor starts one that loads the state the log leaves.
+- ``vetted/<key>``: a bundle one worker has vetted in the memory-capped child (its path and
+  manifest bytes, which name every file's checksum): the others load those very files without a
+  child of their own, so a group's start costs one vet per bundle, not one per worker
+  (:meth:`WorkerGroup.vet_once`).
 - ``metrics/``: prometheus-client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``): counters
   and histograms are summed over the workers, the gauges of live workers too.
 
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -156,6 +161,7 @@ class WorkerGroup:
         self.acks_dir = self.run_dir / "acks"
         self.failures_dir = self.run_dir / "failures"
         self.metrics_dir = self.run_dir / "metrics"
+        self.vetted_dir = self.run_dir / "vetted"
         self.applied = 0  # admin log lines this worker has applied
         self._read_offset = 0  # where the first line it has not applied starts
         # the change this worker could not apply (generation, op, reason): it stops following
@@ -177,11 +183,35 @@ class WorkerGroup:
         run_dir.mkdir(parents=True, exist_ok=True)
         for name in ("admin.log", "admin.lock"):
             (run_dir / name).unlink(missing_ok=True)
-        for sub in ("acks", "failures", "metrics"):
+        for sub in ("acks", "failures", "metrics", "vetted"):
             directory = run_dir / sub
             directory.mkdir(exist_ok=True)
             for file in directory.iterdir():
                 file.unlink()
+
+    def vet_once(self, bundle_dir: Path, vet: Callable[[], None]) -> bool:
+        """Run ``vet`` (the memory-capped child's load of ``bundle_dir``) unless a worker of this
+        group already vetted these very files; True when it ran here. The key is the bundle's path
+        and its manifest's bytes, which hold every file's checksum: a load that verifies them
+        reads what was vetted, so a worker starting beside the others (or replacing one) waits on
+        the one vetting instead of starting a child of its own. A refused vet leaves no mark: the
+        next worker tries again and is refused alike."""
+        bundle_dir = Path(bundle_dir).resolve()
+        try:
+            manifest = (bundle_dir / "manifest.json").read_bytes()
+        except OSError:
+            vet()  # refused there, with the loader's own message
+            return True
+        key = hashlib.sha256(str(bundle_dir).encode() + b"\0" + manifest).hexdigest()
+        mark = self.vetted_dir / key
+        self.vetted_dir.mkdir(exist_ok=True)
+        with open(self.vetted_dir / f"{key}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one vet at a time per bundle: the others wait for its mark
+            if mark.exists():
+                return False
+            vet()
+            mark.touch()
+            return True
 
     # admin log
 

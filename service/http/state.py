@@ -35,16 +35,27 @@ def refused_fields(variant: str, path: Path | str, exc: Exception) -> dict:
     return {"event": "bundle_refused", "variant": variant, "path": str(path), "reason": str(exc)}
 
 
-async def load_for_serving(path: Path, settings: Settings, vet: bool = True) -> Predictor:
+async def load_for_serving(
+    path: Path, settings: Settings, vet: bool = True, group: WorkerGroup | None = None
+) -> Predictor:
     """Load, verify and warm a bundle off the event loop (the loop keeps serving meanwhile).
     With ``vet``, a child process under a memory limit (1 GiB + 4x the bundle's files) loads it
-    first, so a bundle that would crash or exhaust the loader is refused before it enters here."""
+    first, so a bundle that would crash or exhaust the loader is refused before it enters here;
+    in a ``group`` whose loads verify checksums, once for all its workers
+    (:meth:`~service.http.group.WorkerGroup.vet_once`)."""
     options = settings.encoder_options()
     appends_dir = settings.admin.appends_dir(Path(path).resolve())
     if vet:
         files = sum(f.stat().st_size for f in Path(path).glob("*") if f.is_file())
         limit = VET_BASE_BYTES + 4 * files
-        await anyio.to_thread.run_sync(lambda: engine.vet_in_child(path, options, settings.verify_checksums, limit))
+
+        def vet_bundle() -> None:
+            engine.vet_in_child(path, options, settings.verify_checksums, limit)
+
+        if group is not None and settings.verify_checksums:
+            await anyio.to_thread.run_sync(lambda: group.vet_once(Path(path), vet_bundle))
+        else:
+            await anyio.to_thread.run_sync(vet_bundle)
     predictor = await anyio.to_thread.run_sync(
         lambda: engine.load_predictor(
             path, options, settings.verify_checksums, appends_dir, settings.admin.replay_skip_refused

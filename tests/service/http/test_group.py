@@ -200,3 +200,61 @@ def test_taking_the_log_counts_every_whole_line_as_applied(run_dir):
     assert [c["op"] for c in starter.take_log()] == ["reload", "promote"] and starter.applied == 2
     assert not starter.grown() and starter.take_log() == []
     assert starter.record({"op": "rollback"}) == 3  # it may log next: nothing is left unapplied
+
+
+def _vet_in_turns(run_dir, bundle_dir, started, release, ran):
+    """A worker process's vet of ``bundle_dir``: says it started, then waits for ``release``."""
+
+    def vet():
+        started.set()
+        release.wait(30)
+        ran.put(os.getpid())
+
+    WorkerGroup(run_dir, 2).vet_once(bundle_dir, vet)
+
+
+def test_a_group_vets_each_bundle_once_for_all_its_workers(run_dir, tmp_path):
+    """Two workers starting together: one vets while the other waits for its mark, then loads
+    without a child of its own; other manifest bytes (another bundle in that path) are vetted
+    again, and a refused vet leaves no mark, so the next worker is refused alike."""
+    import multiprocessing as mp
+
+    bundle_dir = tmp_path / "bundle"
+    bundle_dir.mkdir()
+    (bundle_dir / "manifest.json").write_text('{"bundle_id": "one"}')
+    ctx = mp.get_context("spawn")
+    started, release, ran = ctx.Event(), ctx.Event(), ctx.Queue()
+    first = ctx.Process(target=_vet_in_turns, args=(run_dir, bundle_dir, started, release, ran))
+    first.start()
+    try:
+        assert started.wait(60), "the first worker never began its vet"
+        calls = []
+        # its events kept here: a spawned child unpickles them after start() returns
+        second_started, second_release = ctx.Event(), ctx.Event()
+        second_release.set()
+        waiting = ctx.Process(target=_vet_in_turns, args=(run_dir, bundle_dir, second_started, second_release, ran))
+        waiting.start()
+        release.set()
+        first.join(60)
+        waiting.join(60)
+        assert first.exitcode == 0 and waiting.exitcode == 0
+        assert ran.get(timeout=10) == first.pid
+        assert ran.empty(), "the second worker vetted a bundle the first had vetted"
+    finally:
+        release.set()
+        first.join(5)
+    group = WorkerGroup(run_dir, 2)
+    assert not group.vet_once(bundle_dir, lambda: calls.append("again"))
+    (bundle_dir / "manifest.json").write_text('{"bundle_id": "two"}')
+    assert group.vet_once(bundle_dir, lambda: calls.append("new manifest")) and calls == ["new manifest"]
+
+    (bundle_dir / "manifest.json").write_text('{"bundle_id": "three"}')
+
+    def refused():
+        calls.append("refused")
+        raise GroupError("refused by the child")
+
+    for _ in range(2):
+        with pytest.raises(GroupError):
+            group.vet_once(bundle_dir, refused)
+    assert calls == ["new manifest", "refused", "refused"]
