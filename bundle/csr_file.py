@@ -87,6 +87,9 @@ def load_csr(
             indptr, nnz = npz["indptr"], headers["indices"][0][0]
             if len(indptr) != rows + 1 or indptr[0] != 0 or int(indptr[-1]) != nnz:
                 refuse(f"indptr is not {rows + 1} offsets from 0 to {nnz}")
+            # one value per column index, from the headers: a data member declaring more is not inflated
+            if headers["data"][0] != (nnz,):
+                refuse(f"data is not {nnz} real numbers, one per column index")
             indices, data = npz["indices"], npz["data"]
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise BundleError(f"{file}: cannot load {what} ({exc})") from None

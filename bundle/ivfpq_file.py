@@ -177,6 +177,9 @@ def load_rerank_vectors(file: Path, dim: int, keys: int) -> np.ndarray:
         raise IndexRefused(f"cannot read the re-rank vectors ({exc})") from None
     if vectors.dtype != np.float16 or vectors.shape != (keys, dim):
         raise IndexRefused(f"re-rank vectors {vectors.dtype} {vectors.shape}, expected float16 {(keys, dim)}")
+    if not vectors.flags.c_contiguous and vectors.size:
+        # the blocks below are read in file order, whole rows each only when stored row by row
+        raise IndexRefused("re-rank vectors stored column by column (fortran_order), not row by row")
     # read through the file in blocks, not through the mapping: pages read by the mapping would
     # stay in the server's resident memory, all of them, where queries touch only some
     try:

@@ -57,7 +57,7 @@ from pathlib import Path
 
 import anyio
 
-from bundle import XmcserveError
+from bundle import BundleError, XmcserveError
 from service.rollout import PRIMARY
 
 log = logging.getLogger("xmcserve.group")
@@ -194,8 +194,9 @@ class WorkerGroup:
         group already vetted these very files; True when it ran here. The key is the bundle's path
         and its manifest's bytes, which hold every file's checksum: a load that verifies them
         reads what was vetted, so a worker starting beside the others (or replacing one) waits on
-        the one vetting instead of starting a child of its own. A refused vet leaves no mark: the
-        next worker tries again and is refused alike."""
+        the one vetting instead of starting a child of its own. A refusal is kept too: the others
+        are refused at once with its reason, not one after another (a vet that times out takes
+        minutes). Raises the vet's :class:`~bundle.BundleError`."""
         bundle_dir = Path(bundle_dir).resolve()
         try:
             manifest = (bundle_dir / "manifest.json").read_bytes()
@@ -209,7 +210,14 @@ class WorkerGroup:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one vet at a time per bundle: the others wait for its mark
             if mark.exists():
                 return False
-            vet()
+            refusal = self.vetted_dir / f"{key}.refused"
+            if refusal.exists():
+                raise BundleError(f"refused by another worker's vet: {refusal.read_text()}")
+            try:
+                vet()
+            except BundleError as exc:
+                refusal.write_text(str(exc))
+                raise
             mark.touch()
             return True
 

@@ -74,6 +74,9 @@ TIMER_RESOLUTION_S = 0.001
 # The fewest bytes a request takes: a 3-letter method, a 1-byte target, "HTTP/1.1" and its CRLFs
 # are 18 (the parser refuses a LF without its CR); 16 leaves room for a laxer parser.
 MIN_REQUEST_BYTES = 16
+# Less room than this behind queued requests is not fed: a slice that small costs a parser call
+# for a few bytes of headers that are not counted until they are complete.
+HOLD_BELOW_BYTES = 1024
 UNKNOWN_OPEN = 1 << 62  # a unit in progress that began before the bytes kept of the last slice
 
 # SO_LINGER on, 0 seconds: closing the socket resets the connection and drops its unsent bytes
@@ -182,6 +185,10 @@ class GuardedProtocol(HttpToolsProtocol):
         room = self.pipeline_max_bytes - self._queued_bytes
         if ahead >= self.pipeline_max_requests or room <= 0 or (self.flow.write_paused and not self._in_body):
             return 0
+        if ahead and room < HOLD_BELOW_BYTES:
+            # nearly full: slices of the few bytes left would feed the parser a call per byte (a
+            # 16 KiB header held the loop ~30 ms); wait for an answer to make room
+            return 0
         return min(self._body_left + (self.pipeline_max_requests - ahead) * MIN_REQUEST_BYTES, room)
 
     def _stopped(self) -> bool:
@@ -191,7 +198,9 @@ class GuardedProtocol(HttpToolsProtocol):
             self._refusal is not None
             or self.parser is None
             or self.transport.is_closing()
-            or self.parser.should_upgrade()
+            # uvicorn takes the connection over only for a WebSocket; any other Upgrade (h2c) is
+            # answered as plain HTTP/1.1 and the connection goes on
+            or (self.parser.should_upgrade() and self._should_upgrade())
         )
 
     def _holding(self) -> bool:

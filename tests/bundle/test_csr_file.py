@@ -116,3 +116,19 @@ def test_a_file_that_is_not_an_npz_is_refused(tmp_path):
     (tmp_path / "m.npz").write_bytes(b"not a zip file at all")
     with pytest.raises(BundleError, match="cannot load test matrix"):
         load_csr(tmp_path / "m.npz", SHAPE, "test matrix")
+
+
+def test_a_data_member_longer_than_the_indices_is_refused_from_its_header(tmp_path):
+    """``data`` declares 25 values for 5 column indices (within what a 6 x 5 matrix holds): refused
+    from the header, before inflating it (its bytes are not even there to read)."""
+    path = write(tmp_path / "m.npz")
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f4", "fortran_order": False, "shape": (25,)})
+    with zipfile.ZipFile(path) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    members["data.npy"] = np.lib.format.MAGIC_PREFIX + b"\x01\x00" + header.getvalue()[8:]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    with pytest.raises(BundleError, match="data is not 5 real numbers"):
+        load_csr(path, SHAPE, "test matrix")

@@ -23,3 +23,13 @@ def test_rerank_vectors_longer_than_unit_vectors_are_refused(tmp_path):
     np.save(tmp_path / "rerank.npy", vectors.astype(np.float16))
     with pytest.raises(IndexRefused, match="norm is 100"):
         load_rerank_vectors(tmp_path / "rerank.npy", 8, 40)
+
+
+def test_rerank_vectors_stored_column_by_column_are_refused(tmp_path):
+    """A fortran_order file's blocks are columns, not vectors: its norms were measured over the
+    wrong values (a long vector could pass, a sound one be refused), so it is refused outright."""
+    vectors = np.random.default_rng(1).normal(size=(40, 8)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    np.save(tmp_path / "rerank.npy", np.asfortranarray(vectors.astype(np.float16)))
+    with pytest.raises(IndexRefused, match="column by column"):
+        load_rerank_vectors(tmp_path / "rerank.npy", 8, 40)

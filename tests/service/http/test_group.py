@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from bundle import BundleError
 from service.engine.batcher import BatcherConfig
 from service.http.group import GroupError, Routing, WorkerGroup, alive
 from service.rollout import CANDIDATE, PRIMARY
@@ -216,7 +217,7 @@ def _vet_in_turns(run_dir, bundle_dir, started, release, ran):
 def test_a_group_vets_each_bundle_once_for_all_its_workers(run_dir, tmp_path):
     """Two workers starting together: one vets while the other waits for its mark, then loads
     without a child of its own; other manifest bytes (another bundle in that path) are vetted
-    again, and a refused vet leaves no mark, so the next worker is refused alike."""
+    again, and a refusal is kept: the next worker is refused at once with its reason."""
     import multiprocessing as mp
 
     bundle_dir = tmp_path / "bundle"
@@ -252,9 +253,10 @@ def test_a_group_vets_each_bundle_once_for_all_its_workers(run_dir, tmp_path):
 
     def refused():
         calls.append("refused")
-        raise GroupError("refused by the child")
+        raise BundleError("refused by the child")
 
-    for _ in range(2):
-        with pytest.raises(GroupError):
-            group.vet_once(bundle_dir, refused)
-    assert calls == ["new manifest", "refused", "refused"]
+    with pytest.raises(BundleError, match="refused by the child"):
+        group.vet_once(bundle_dir, refused)
+    with pytest.raises(BundleError, match="another worker's vet: refused by the child"):
+        WorkerGroup(run_dir, 2).vet_once(bundle_dir, refused)  # another worker: refused at once
+    assert calls == ["new manifest", "refused"]

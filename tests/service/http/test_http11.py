@@ -122,6 +122,18 @@ def test_a_pipelined_requests_body_that_arrives_after_the_first_answer(served):
         assert texts([conn.answer()]) == [(200, b"/c 0")]
 
 
+def test_a_request_asking_for_an_upgrade_other_than_websocket_is_answered_and_the_connection_goes_on(served):
+    """``Upgrade: h2c`` (curl --http2 sends it): answered as HTTP/1.1, as uvicorn does, and the
+    requests after it on the connection too (the parse-ahead had stopped at it for good)."""
+    state, port = served
+    with Connection(port) as conn:
+        conn.send(request("GET", "/a", None, ("connection: Upgrade, HTTP2-Settings", "upgrade: h2c")))
+        first = conn.answer()
+        conn.send(request("GET", "/b"))
+        assert texts([first, conn.answer()]) == [(200, b"/a 0"), (200, b"/b 0")]
+    assert state.routes == ["/a", "/b"]
+
+
 def test_pipelined_requests_with_and_without_bodies_are_answered_in_order(served):
     state, port = served
     chunked = (

@@ -122,3 +122,28 @@ def test_nothing_is_parsed_while_the_client_reads_no_answers(served):
         conn.buffer = bytes(received[end + 4 + BIG_ANSWER :])
         answers = conn.answers(50)
     assert paths(answers) == [f"/r{i}".encode() for i in range(50)]
+
+
+@pytest.mark.parametrize("served", [{"pipeline_max_bytes": 16384}], indirect=True)
+def test_a_nearly_full_pipeline_holds_the_next_headers_instead_of_feeding_them_a_byte_at_a_time(served):
+    """A queued body that leaves a byte of room: the next request's headers (not counted until
+    complete) were fed to the parser one byte a call, a parser call per byte on the event loop;
+    now they wait whole for an answer to make room, and every request is answered in order."""
+    app, srv, port = served
+    header = ("x-pad: " + "p" * 8000).encode()
+    queued = request("POST", "/b", b"b" * 100)
+    with Connection(port) as conn:
+        conn.send(request("GET", "/wait"))
+        protocol = only_connection(srv)
+        wait_for(lambda: protocol.cycle is not None and protocol.cycle.scope["path"] == "/wait", limit_s=10)
+        slices = []
+        feed_slice = protocol._feed_slice
+        protocol._feed_slice = lambda piece: (slices.append(len(piece)), feed_slice(piece))
+        # /b as the cap counts it (target, each header + 4, body), and one byte more
+        protocol.pipeline_max_bytes = len("/b") + len("host") + len("test") + 4 + len("content-length100") + 4 + 100 + 1
+        conn.send(queued + request("GET", "/c", None, (header.decode(),)))
+        wait_for(lambda: len(protocol.pipeline) == 1 and protocol._held, limit_s=10)
+        assert len(slices) < 20, f"{len(slices)} parser calls for one queued request and the next's headers"
+        app.gate.set()
+        answers = conn.answers(3)
+    assert paths(answers) == [b"/wait", b"/b", b"/c"]

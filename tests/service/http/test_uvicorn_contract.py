@@ -39,7 +39,8 @@ OVERRIDDEN = {
     "pause_writing": ["self"],
     "resume_writing": ["self"],
 }
-CALLED = {"_unset_keepalive_if_required": ["self"]}  # uvicorn's methods GuardedProtocol calls
+# uvicorn's methods GuardedProtocol calls
+CALLED = {"_unset_keepalive_if_required": ["self"], "_should_upgrade": ["self"]}
 FLOW_METHODS = ("pause_reading", "resume_reading", "pause_writing", "resume_writing", "drain")
 
 
