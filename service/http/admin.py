@@ -34,7 +34,7 @@ from service.engine import (
     Predictor,
 )
 from service.http.group import GroupError
-from service.http.state import ServingState, load_for_serving, refused_fields
+from service.http.state import BusyRetry, ServingState, load_for_serving, refused_fields
 
 log = logging.getLogger("xmcserve.admin")
 
@@ -69,14 +69,22 @@ def serving_state(request: Request) -> ServingState:
     return state
 
 
-async def reload_variant(state: ServingState, variant: str, path: Path, vet: bool = True, counted: bool = True) -> dict:
+async def reload_variant(
+    state: ServingState,
+    variant: str,
+    path: Path,
+    vet: bool = True,
+    counted: bool = True,
+    busy: BusyRetry | None = None,
+) -> dict:
     """Load, verify and warm the bundle at ``path`` and swap it into ``variant``; a bundle refused
     leaves the variant as it was (422). ``vet``: load it in a memory-capped child first (a worker
     applying another worker's reload skips it: that worker vetted the bundle). ``counted``: in
     ``xmcserve_reloads_total`` (not when applying another worker's reload: the group's counters
-    are summed over its workers, and that worker counted it)."""
+    are summed over its workers, and that worker counted it). ``busy``: how a load that found the
+    append log held is tried again (applying another worker's reload); None: 503 at once."""
     try:
-        predictor = await load_for_serving(path, state.settings, vet=vet, group=state.group)
+        predictor = await load_for_serving(path, state.settings, vet=vet, group=state.group, busy=busy)
     except MemoryBusy as exc:  # a group's append log held past the read wait: nothing changed, try again
         raise HTTPException(503, f"variant {variant} unchanged: {exc}", headers={"Retry-After": "1"}) from None
     except BundleError as exc:
@@ -109,21 +117,26 @@ async def reload_variant(state: ServingState, variant: str, path: Path, vet: boo
     return {"variant": variant, "bundle_id": predictor.bundle.bundle_id, "previous_bundle_id": previous_id}
 
 
-async def caught_up(predictor: Predictor | None) -> None:
-    """Apply what the incoming A's lineage logged since it was loaded (another slot's appends)."""
+async def caught_up(predictor: Predictor | None, busy: BusyRetry | None = None) -> None:
+    """Apply what the incoming A's lineage logged since it was loaded (another slot's appends);
+    ``busy``: how a catch-up that found the log held is tried again (None: 503 at once)."""
     if predictor is None:
         return
+
+    def catch_up():
+        return anyio.to_thread.run_sync(predictor.memory.catch_up)
+
     try:
-        await anyio.to_thread.run_sync(predictor.memory.catch_up)
+        await (busy.run(catch_up, f"catching up {predictor.bundle.bundle_id}") if busy is not None else catch_up())
     except (AppendLogError, LineageDiverged, MemoryBusy) as exc:
         raise HTTPException(
             503, f"nothing changed: cannot catch up its append log: {exc}", headers={"Retry-After": "1"}
         ) from None
 
 
-async def promote_candidate(state: ServingState) -> dict:
-    """B becomes A (409 without a B)."""
-    await caught_up(state.variants["B"].predictor)
+async def promote_candidate(state: ServingState, busy: BusyRetry | None = None) -> dict:
+    """B becomes A (409 without a B); ``busy``: see :func:`caught_up`."""
+    await caught_up(state.variants["B"].predictor, busy)
     try:
         previous = state.variants.promote()
     except LookupError as exc:
@@ -139,11 +152,11 @@ async def promote_candidate(state: ServingState) -> dict:
     return {"promoted_bundle_id": promoted, "previous_bundle_id": previous.bundle.bundle_id}
 
 
-async def roll_back(state: ServingState) -> dict:
-    """A's previous bundle serves A again (409 without one)."""
+async def roll_back(state: ServingState, busy: BusyRetry | None = None) -> dict:
+    """A's previous bundle serves A again (409 without one); ``busy``: see :func:`caught_up`."""
     if state.variants.previous is None:
         raise HTTPException(409, "no previous A bundle to roll back to (A has not changed since start-up)")
-    await caught_up(state.variants.previous.predictor)
+    await caught_up(state.variants.previous.predictor, busy)
     replaced = state.variants.rollback()
     state.publish_bundle_info()
     restored = state.variants["A"].bundle_id
@@ -172,14 +185,17 @@ def configure(state: ServingState, split_b: float | None, shadow_fraction: float
 
 
 async def apply_change(state: ServingState, change: dict) -> None:
-    """Make a change another worker of the group made and logged (:mod:`service.http.group`)."""
-    op = change.get("op")
+    """Make a change another worker of the group made and logged (:mod:`service.http.group`).
+    A load or a catch-up that finds the lineage's append log held past the read wait (a writer's
+    brief hold: nothing diverged) is tried again for a while (:attr:`ServingState.busy_retry`):
+    failing here stops this worker, and no client would retry for it."""
+    op, busy = change.get("op"), state.busy_retry
     if op == "reload":
-        await reload_variant(state, change["variant"], Path(change["path"]), vet=False, counted=False)
+        await reload_variant(state, change["variant"], Path(change["path"]), vet=False, counted=False, busy=busy)
     elif op == "promote":
-        await promote_candidate(state)
+        await promote_candidate(state, busy)
     elif op == "rollback":
-        await roll_back(state)
+        await roll_back(state, busy)
     elif op == "config":
         configure(state, change.get("split_b"), change.get("shadow_fraction"))
     else:

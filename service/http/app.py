@@ -173,10 +173,15 @@ async def install_routing(state: ServingState, routing: Routing, logged_candidat
     loader, or make it allocate without bound (a compressed file that inflates past the cap),
     costs that child, not this process, which in a group stays up serving beside the others
     (and a supervisor restarting a worker that crashes at start would crash it again and again).
-    A group vets each bundle once for all its workers: the others wait for that child's verdict."""
-    settings = state.settings
+    A group vets each bundle once for all its workers: the others wait for that child's verdict.
+
+    A load that finds its lineage's append log held past the read wait (another worker's writer:
+    a brief hold, not a refusal) is tried again for a while (:attr:`ServingState.busy_retry`)
+    before it fails the start, for any of the three: it is no verdict on the bundle, and a worker
+    that went without a bundle the others serve would answer unlike them."""
+    settings, busy = state.settings, state.busy_retry
     try:
-        primary = await load_for_serving(Path(routing.primary), settings, group=state.group)
+        primary = await load_for_serving(Path(routing.primary), settings, group=state.group, busy=busy)
     except BundleError as exc:
         log.error(
             "bundle %s refused, not starting: %s",
@@ -187,7 +192,7 @@ async def install_routing(state: ServingState, routing: Routing, logged_candidat
         raise
     if routing.previous is not None:
         try:
-            previous = await load_for_serving(Path(routing.previous), settings, group=state.group)
+            previous = await load_for_serving(Path(routing.previous), settings, group=state.group, busy=busy)
             state.install(PRIMARY, previous, routing.previous)
         except BundleError as exc:
             log.error(
@@ -199,7 +204,7 @@ async def install_routing(state: ServingState, routing: Routing, logged_candidat
     if routing.candidate is not None:
         try:
             # one from the log was vetted by the worker that reloaded it: once a group, as below
-            candidate = await load_for_serving(Path(routing.candidate), settings, group=state.group)
+            candidate = await load_for_serving(Path(routing.candidate), settings, group=state.group, busy=busy)
             state.install(CANDIDATE, candidate, routing.candidate)
         except BundleError as exc:
             log.error(

@@ -10,13 +10,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import anyio
 
 from service import engine
-from service.engine import Predictor
+from service.engine import MemoryBusy, Predictor
 from service.http.group import WorkerGroup
 from service.http.metrics import Metrics
 from service.http.settings import Settings
@@ -30,19 +33,82 @@ log = logging.getLogger("xmcserve.admin")
 VET_BASE_BYTES = 1 << 30
 
 
+# A worker applying a change another worker of its group made (or loading, at its start, the
+# bundles the group's admin log leaves) outwaits a writer that held the lineage's append log past
+# the read wait (MemoryBusy: a brief wait, nothing diverged) this long at most, pausing from the
+# first to the longest pause, doubling; past that it fails as it would have at once.
+BUSY_WITHIN_S = 30.0
+BUSY_FIRST_PAUSE_S = 0.05
+BUSY_LONGEST_PAUSE_S = 2.0
+BUSY_TRIES = 30  # and this many tries at most (each try itself waits up to the read wait)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class BusyRetry:
+    """How a load or a catch-up that found the append log held (:class:`MemoryBusy`) is tried
+    again: within :attr:`within_s` and :attr:`tries`, pausing :attr:`first_pause_s`, doubling up to
+    :attr:`longest_pause_s`; ``clock`` and ``sleep`` are injectable. A client's own admin call does
+    not use it: it answers 503 with Retry-After at once (the client retries)."""
+
+    within_s: float = BUSY_WITHIN_S
+    tries: int = BUSY_TRIES
+    first_pause_s: float = BUSY_FIRST_PAUSE_S
+    longest_pause_s: float = BUSY_LONGEST_PAUSE_S
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], Awaitable[object]] = anyio.sleep
+
+    async def run(self, attempt: Callable[[], Awaitable[T]], what: str) -> T:
+        """``attempt()``'s result, tried again while it raises :class:`MemoryBusy` within the
+        bounds (a log line per retry); the last :class:`MemoryBusy` once they are spent."""
+        deadline = self.clock() + self.within_s
+        pause = self.first_pause_s
+        tried = 0
+        while True:
+            tried += 1
+            try:
+                return await attempt()
+            except MemoryBusy as exc:
+                left = deadline - self.clock()
+                if tried >= self.tries or left <= 0:
+                    log.error(
+                        "%s: the append log was still held after %d tries: %s",
+                        what,
+                        tried,
+                        exc,
+                        extra={"event": "memory_busy_gave_up", "tries": tried, "reason": str(exc)},
+                    )
+                    raise
+                wait = min(pause, left)
+                log.warning(
+                    "%s: %s; trying again in %.2f s (try %d of at most %d)",
+                    what,
+                    exc,
+                    wait,
+                    tried + 1,
+                    self.tries,
+                    extra={"event": "memory_busy_retry", "tries": tried, "pause_s": wait, "reason": str(exc)},
+                )
+                await self.sleep(wait)
+                pause = min(2 * pause, self.longest_pause_s)
+
+
 def refused_fields(variant: str, path: Path | str, exc: Exception) -> dict:
     """The structured fields of the log line saying a bundle was refused for ``variant``."""
     return {"event": "bundle_refused", "variant": variant, "path": str(path), "reason": str(exc)}
 
 
 async def load_for_serving(
-    path: Path, settings: Settings, vet: bool = True, group: WorkerGroup | None = None
+    path: Path, settings: Settings, vet: bool = True, group: WorkerGroup | None = None, busy: BusyRetry | None = None
 ) -> Predictor:
     """Load, verify and warm a bundle off the event loop (the loop keeps serving meanwhile).
     With ``vet``, a child process under a memory limit (1 GiB + 4x the bundle's files) loads it
     first, so a bundle that would crash or exhaust the loader is refused before it enters here;
     in a ``group`` whose loads verify checksums, once for all its workers
-    (:meth:`~service.http.group.WorkerGroup.vet_once`)."""
+    (:meth:`~service.http.group.WorkerGroup.vet_once`). ``busy``: how a load that found its
+    append log held (:class:`MemoryBusy`) is tried again (the load only: the vet has passed);
+    None raises it at once."""
     options = settings.encoder_options()
     appends_dir = settings.admin.appends_dir(Path(path).resolve())
     if vet:
@@ -56,11 +122,15 @@ async def load_for_serving(
             await anyio.to_thread.run_sync(lambda: group.vet_once(Path(path), vet_bundle))
         else:
             await anyio.to_thread.run_sync(vet_bundle)
-    predictor = await anyio.to_thread.run_sync(
-        lambda: engine.load_predictor(
-            path, options, settings.verify_checksums, appends_dir, settings.admin.replay_skip_refused
+
+    def load() -> Awaitable[Predictor]:
+        return anyio.to_thread.run_sync(
+            lambda: engine.load_predictor(
+                path, options, settings.verify_checksums, appends_dir, settings.admin.replay_skip_refused
+            )
         )
-    )
+
+    predictor = await (busy.run(load, f"loading {path}") if busy is not None else load())
     bundle = predictor.bundle
     log.info(
         "bundle %s loaded from %s (%s, checksums %s)",
@@ -90,6 +160,9 @@ class ServingState:
     live: LiveTraffic | None = None  # each variant's recent /predict traffic, for the rollout page
     group: WorkerGroup | None = None  # the server's other worker processes (XMCSERVE_WORKERS), if any
     reload_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # how this worker outwaits a held append log where no client retries for it: applying another
+    # worker's change, loading its start-up state
+    busy_retry: BusyRetry = field(default_factory=BusyRetry)
 
     def __post_init__(self) -> None:
         self.metrics.appended_keys_of = self.appended_keys

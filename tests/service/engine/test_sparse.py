@@ -179,3 +179,60 @@ def test_a_fit_without_label_texts_gives_later_labels_no_weights_as_it_gave_zero
     ranker = SparseRanker(fitted.weights, fitted.bias, 5, "centroid", {"label_texts": False})
     columns = ranker.label_columns(sp.csr_matrix(np.eye(2, 60, dtype=np.float32)))
     assert columns.labels == 2 and columns.weights.nnz == 0 and columns.bias.tolist() == [0.0, 0.0]
+
+
+def test_extending_label_columns_adds_blocks_and_builds_the_side_by_side_columns_once_on_first_use(monkeypatch):
+    """An append's columns join a view's without a rebuild of the earlier later labels' over the
+    whole term space (it ran under the append log's exclusive lock, and once per logged append at
+    load): extending keeps blocks and stacks nothing; the weights and biases, built once on first
+    use, are exactly the old one-hstack-per-append result."""
+    rng = np.random.default_rng(5)
+    terms = 200_000  # a wide term space: a stack per append would walk every term row
+    blocks = []
+    for labels in (3, 1, 0, 1, 2, 1):
+        weights = sp.random(terms, labels, density=2e-4, format="csr", dtype=np.float32, random_state=rng)
+        weights.sort_indices()
+        blocks.append((weights, rng.normal(size=labels).astype(np.float32)))
+    expected_weights, expected_bias = blocks[0]
+    for weights, bias in blocks[1:]:  # what extending did before: one hstack per append
+        if weights.shape[1]:
+            expected_weights = sp.hstack([expected_weights, weights], format="csr")
+            expected_weights.sort_indices()
+            expected_bias = np.concatenate([expected_bias, bias]).astype(np.float32)
+
+    def no_stacking(*args, **kwargs):
+        raise AssertionError("extending label columns stacked a matrix")
+
+    monkeypatch.setattr(sp, "hstack", no_stacking)
+    monkeypatch.setattr(sp, "vstack", no_stacking)
+    columns = LabelColumns(*blocks[0])
+    for weights, bias in blocks[1:]:
+        columns = columns.extended(LabelColumns(weights, bias))
+        assert "weights" not in vars(columns) and "bias" not in vars(columns)  # nothing built yet
+    assert len(columns.blocks) == 5 and columns.labels == 8 and columns.terms == terms
+    built = columns.weights
+    assert columns.weights is built and columns.bias is columns.bias  # built once per view
+    assert built.shape == expected_weights.shape and built.dtype == np.float32 and built.has_sorted_indices
+    np.testing.assert_array_equal(built.indptr, expected_weights.indptr)
+    np.testing.assert_array_equal(built.indices, expected_weights.indices)
+    assert built.data.tobytes() == expected_weights.data.tobytes()
+    assert columns.bias.dtype == np.float32 and columns.bias.tobytes() == expected_bias.tobytes()
+
+
+def test_margins_over_extended_label_columns_are_those_over_the_same_columns_in_one_block():
+    """Blocks change nothing a batch sees: the margins over columns extended append by append are
+    the bits of the margins over the same columns given at once, alone and in a batch."""
+    rng = np.random.default_rng(6)
+    ranker = random_ranker(rng, labels=25)
+    parts = [random_ranker(rng, labels=n) for n in (2, 1, 4)]
+    columns = LabelColumns(parts[0].weights, parts[0].bias)
+    for part in parts[1:]:
+        columns = columns.extended(LabelColumns(part.weights, part.bias))
+    whole = LabelColumns(sp.hstack([p.weights for p in parts], format="csr"), np.concatenate([p.bias for p in parts]))
+    queries = random_queries(rng, 12)
+    got = ranker.margins(queries, 32, [()] * 12, later=columns)
+    want = ranker.margins(queries, 32, [()] * 12, later=whole)
+    for name in ("indptr", "indices", "data"):
+        assert getattr(got.all, name).tobytes() == getattr(want.all, name).tobytes()
+        assert getattr(got.top, name).tobytes() == getattr(want.top, name).tobytes()
+    assert got.top_ranks.tolist() == want.top_ranks.tolist() and got.bias.tobytes() == want.bias.tobytes()

@@ -260,3 +260,122 @@ def test_a_group_vets_each_bundle_once_for_all_its_workers(run_dir, tmp_path):
     with pytest.raises(BundleError, match="another worker's vet: refused by the child"):
         WorkerGroup(run_dir, 2).vet_once(bundle_dir, refused)  # another worker: refused at once
     assert calls == ["new manifest", "refused"]
+
+
+class FakeTime:
+    """An injected clock that moves only when the retry pauses (each pause recorded)."""
+
+    def __init__(self):
+        self.now, self.pauses = 0.0, []
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.pauses.append(seconds)
+        self.now += seconds
+
+
+def busy_loads(monkeypatch, busy_first: int) -> list:
+    """``service.engine.load_predictor`` raising MemoryBusy (an append log held past the read wait)
+    on its first ``busy_first`` calls, then loading; returns the record of its calls."""
+    import service.engine
+    from service.engine import MemoryBusy
+
+    calls, real_load = [], service.engine.load_predictor
+
+    def load(path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) <= busy_first:
+            raise MemoryBusy(f"{path}: another worker held its append log past the read wait; load it again")
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(service.engine, "load_predictor", load)
+    return calls
+
+
+def follower_state(run_dir, bundle_root, fake: FakeTime):
+    from service.http.metrics import Metrics
+    from service.http.settings import Settings
+    from service.http.state import BusyRetry, ServingState
+
+    maker = WorkerGroup(run_dir, 2, pid=os.getpid())
+    follower = WorkerGroup(run_dir, 2, pid=os.getppid())  # another live process: the other worker
+    maker.record({"op": "reload", "variant": "B", "path": str(bundle_root / "tiny-rae")})
+    maker.acknowledge()
+    variants = Variants.create(BatcherConfig(), lambda name: lambda n, t, s, tags: None)
+    state = ServingState(
+        Settings(bundle_dir=bundle_root / "tiny-rae"),
+        Metrics(),
+        variants,
+        group=follower,
+        busy_retry=BusyRetry(clock=fake.clock, sleep=fake.sleep),
+    )
+    return maker, follower, state
+
+
+def test_a_follower_outwaits_an_append_log_held_past_the_read_wait_and_applies_the_change(
+    run_dir, bundle_root, monkeypatch, caplog
+):
+    """A writer's brief hold on the lineage's append log (MemoryBusy) made a follower's load of
+    another worker's reload a failed change: it reported failure and stopped itself. It is tried
+    again (pausing, a log line each) and the change applied."""
+    from service.http.admin import follow_group
+
+    fake = FakeTime()
+    calls = busy_loads(monkeypatch, busy_first=2)
+    maker, follower, state = follower_state(run_dir, bundle_root, fake)
+    assert asyncio.run(follow_group(state)) == 1
+    assert follower.failed is None and not (run_dir / "failures" / str(os.getppid())).exists()
+    assert len(calls) == 3 and fake.pauses == [0.05, 0.1]
+    assert state.variants.slots[CANDIDATE].predictor is not None
+    assert sum("trying again" in r.getMessage() for r in caplog.records) == 2
+    assert asyncio.run(maker.converged(1, timeout_s=0)).describe() == {"generation": 1, "applied": 2, "workers": 2}
+
+
+def test_a_follower_whose_append_log_stays_held_past_the_bound_reports_the_change_failed(
+    run_dir, bundle_root, monkeypatch
+):
+    from service.http.admin import follow_group
+    from service.http.state import BUSY_TRIES, BUSY_WITHIN_S
+
+    fake = FakeTime()
+    calls = busy_loads(monkeypatch, busy_first=10**6)
+    maker, follower, state = follower_state(run_dir, bundle_root, fake)
+    assert asyncio.run(follow_group(state)) == 0
+    assert follower.failed["generation"] == 1 and "append log" in follower.failed["reason"]
+    assert (run_dir / "failures" / str(os.getppid())).exists()
+    assert sum(fake.pauses) == pytest.approx(BUSY_WITHIN_S) and len(calls) == len(fake.pauses) + 1 <= BUSY_TRIES
+    assert max(fake.pauses) <= 2.0 and state.variants.slots[CANDIDATE].predictor is None
+    done = asyncio.run(maker.converged(1, timeout_s=0))
+    assert [(f["pid"], f["op"]) for f in done.failed] == [(os.getppid(), "reload")]
+
+
+def test_a_catch_up_is_outwaited_when_following_and_answers_503_at_once_for_a_client():
+    """A promote or rollback another worker made catches its incoming A up: a held log is tried
+    again there; the worker's own admin call (a client, who retries) answers 503 with Retry-After
+    at once, as before."""
+    from types import SimpleNamespace
+
+    from fastapi import HTTPException
+
+    from service.engine import MemoryBusy
+    from service.http.admin import caught_up
+    from service.http.state import BusyRetry
+
+    tries = []
+
+    def catch_up():
+        tries.append(1)
+        if len(tries) <= 2:
+            raise MemoryBusy("another worker held the append log past the read wait")
+        return 0
+
+    incoming = SimpleNamespace(memory=SimpleNamespace(catch_up=catch_up), bundle=SimpleNamespace(bundle_id="b"))
+    fake = FakeTime()
+    asyncio.run(caught_up(incoming, BusyRetry(clock=fake.clock, sleep=fake.sleep)))
+    assert len(tries) == 3 and fake.pauses == [0.05, 0.1]
+    tries.clear()
+    with pytest.raises(HTTPException) as busy:
+        asyncio.run(caught_up(incoming))
+    assert busy.value.status_code == 503 and busy.value.headers["Retry-After"] == "1" and len(tries) == 1

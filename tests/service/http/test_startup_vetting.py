@@ -73,3 +73,67 @@ def test_a_previous_the_child_refuses_is_left_out_and_a_served(bundle_root, vett
     state = serving_state(a)
     asyncio.run(install_routing(state, Routing(primary=str(a), previous=str(previous))))
     assert loaded == [a.resolve()] and state.variants.slots[PRIMARY].predictor is not None
+
+
+def busy_at_first(monkeypatch, busy: dict[Path, int]) -> list:
+    """The loader (after ``vetting``'s record) raising MemoryBusy on the first ``busy[path]`` loads
+    of ``path``: another worker's writer held its lineage's append log past the read wait."""
+    from service.engine import MemoryBusy
+
+    calls, inner = [], service.engine.load_predictor
+
+    def load(path, *args, **kwargs):
+        calls.append(Path(path).resolve())
+        if calls.count(Path(path).resolve()) <= busy.get(Path(path).resolve(), 0):
+            raise MemoryBusy(f"{path}: another worker held its append log past the read wait; load it again")
+        return inner(path, *args, **kwargs)
+
+    monkeypatch.setattr(service.engine, "load_predictor", load)
+    return calls
+
+
+class FakeTime:
+    def __init__(self):
+        self.now, self.pauses = 0.0, []
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.pauses.append(seconds)
+        self.now += seconds
+
+
+def test_a_start_outwaits_an_append_log_held_past_the_read_wait_for_a_its_previous_and_b(
+    bundle_root, vetting, monkeypatch
+):
+    """A brief hold on an append log (MemoryBusy) failed a worker's start, even for A's previous
+    and the settings' B (only refusals were caught): each load is tried again, vetted once."""
+    from service.http.state import BusyRetry
+
+    vetted, _, _ = vetting
+    a, previous, b = (bundle_root / name for name in ("tiny-rae", "tiny-labels", "tiny-rae"))
+    calls = busy_at_first(monkeypatch, {a.resolve(): 2, previous.resolve(): 1})
+    state = serving_state(a)
+    fake = FakeTime()
+    state.busy_retry = BusyRetry(clock=fake.clock, sleep=fake.sleep)
+    asyncio.run(install_routing(state, Routing(primary=str(a), previous=str(previous), candidate=str(b))))
+    assert calls == [a.resolve()] * 3 + [previous.resolve()] * 2 + [b.resolve()]
+    assert vetted == [a.resolve(), previous.resolve(), b.resolve()]  # the vet is not repeated
+    assert fake.pauses == [0.05, 0.1, 0.05]
+    assert state.variants.previous is not None and state.variants.slots[CANDIDATE].predictor is not None
+
+
+def test_a_start_whose_append_log_stays_held_past_the_bound_fails(bundle_root, vetting, monkeypatch):
+    from service.engine import MemoryBusy
+    from service.http.state import BUSY_WITHIN_S, BusyRetry
+
+    a = bundle_root / "tiny-rae"
+    calls = busy_at_first(monkeypatch, {a.resolve(): 10**6})
+    state = serving_state(a)
+    fake = FakeTime()
+    state.busy_retry = BusyRetry(clock=fake.clock, sleep=fake.sleep)
+    with pytest.raises(MemoryBusy):
+        asyncio.run(install_routing(state, Routing(primary=str(a))))
+    assert sum(fake.pauses) == pytest.approx(BUSY_WITHIN_S) and len(calls) == len(fake.pauses) + 1
+    assert state.variants.slots[PRIMARY].predictor is None
