@@ -48,11 +48,12 @@ def check_index_header(file: Path, dim: int, expected_m: int, keys: int) -> None
     problems = [
         # hnswlib writes 0 and reads every element at this offset (a spike: a segfault at load)
         (level0 != 0, f"level-0 data at offset {level0}, not 0"),
+        ((m, max_m, max_m0) != (expected_m, expected_m, 2 * expected_m), f"M {m}/{max_m}/{max_m0}, not {expected_m}"),
+        # the multiplier follows from M: named after it, so a wrong M is reported as that
         (not (m > 1 and math.isclose(mult, 1 / math.log(m), rel_tol=1e-9)), f"level multiplier {mult}, not 1/ln(M)"),
         (not 0 < ef_construction <= MAX_EF_CONSTRUCTION, f"ef_construction {ef_construction}"),
         (count != keys, f"holds {count} keys, manifest says {keys}"),
         (max_elements > HNSW_GROWTH_ALLOWANCE * keys, f"declares room for {max_elements} elements for {keys} keys"),
-        ((m, max_m, max_m0) != (expected_m, expected_m, 2 * expected_m), f"M {m}/{max_m}/{max_m0}, not {expected_m}"),
         (data_offset != links or label_offset != links + 4 * dim, f"element layout is not {dim}-d float32"),
         (per_element != links + 4 * dim + 8, f"{per_element} bytes per element, expected {links + 4 * dim + 8}"),
         (max_level < 0 or (count and entry >= count), "entry point or top level out of range"),

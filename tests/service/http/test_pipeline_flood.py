@@ -30,6 +30,9 @@ CLIENT_BUFFER = 64 << 10  # the flooding client's own socket buffers: what is he
 RSS_SLACK_MB = 100
 HEALTHZ_LIMIT_S = 0.100
 PREDICT_EVERY = 20  # one /predict among this many requests
+# Small requests, each one object the server would queue, but not so small that the kernel's
+# buffers hold tens of thousands of them for the server to answer once the client reads.
+PAD = "x-pad: " + "p" * 160
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +59,7 @@ def flood_requests() -> tuple[bytes, list[int], list[str]]:
         if i % PREDICT_EVERY == 0:
             part = request("POST", "/predict", predict, (f"x-request-id: {rid}", "content-type: application/json"))
         else:
-            part = request("GET", "/healthz", None, (f"x-request-id: {rid}",))
+            part = request("GET", "/healthz", None, (f"x-request-id: {rid}", PAD))
         parts.append(part)
         total += len(part)
         ends.append(total)
@@ -137,8 +140,13 @@ def test_a_pipelined_flood_from_a_client_that_does_not_read(flood_server):
             assert waits and max(waits) < HEALTHZ_LIMIT_S, sorted(waits)[-5:]
             # the client finishes the request it was sending and reads: one answer per request, in order
             count = bisect.bisect_left(ends, sent) + 1  # the last request begun, whole or not
+            # sent while the answers are read: the server takes the rest only as the client
+            # reads answers (sent before reading, it could wait for reading that never came)
             sock.settimeout(60)
-            sock.sendall(payload[sent : ends[count - 1]])
+            sender = threading.Thread(target=sock.sendall, args=(payload[sent : ends[count - 1]],), daemon=True)
+            sender.start()
             answers = flooding.answers(count)
+            sender.join(60)
+            assert not sender.is_alive(), "the rest of the last request was never taken"
     assert all(answer.status == 200 for answer in answers), {answer.status for answer in answers}
     assert [answer.headers[b"x-request-id"].decode() for answer in answers] == ids[:count]
