@@ -16,6 +16,7 @@ from service.http.settings import Settings
 from service.http.state import ServingState
 from service.rollout import CANDIDATE, PRIMARY
 from service.rollout.variants import Variants
+from tests.service.http.test_group import FakeTime
 
 
 @pytest.fixture
@@ -90,18 +91,6 @@ def busy_at_first(monkeypatch, busy: dict[Path, int]) -> list:
 
     monkeypatch.setattr(service.engine, "load_predictor", load)
     return calls
-
-
-class FakeTime:
-    def __init__(self):
-        self.now, self.pauses = 0.0, []
-
-    def clock(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.pauses.append(seconds)
-        self.now += seconds
 
 
 def test_a_start_outwaits_an_append_log_held_past_the_read_wait_for_a_its_previous_and_b(
