@@ -193,19 +193,19 @@ async def install_routing(state: ServingState, routing: Routing, logged_candidat
     if routing.previous is not None:
         try:
             previous = await load_for_serving(Path(routing.previous), settings, group=state.group, busy=busy)
-            state.install(PRIMARY, previous, routing.previous)
+            state.install(PRIMARY, previous, routing.previous, at_start=True)
         except BundleError as exc:
             log.error(
                 "A's previous bundle refused, serving with no rollback target: %s",
                 exc,
                 extra=refused_fields(PRIMARY, Path(routing.previous), exc),
             )
-    state.install(PRIMARY, primary, routing.primary)  # the previous one, if any, becomes A's previous
+    state.install(PRIMARY, primary, routing.primary, at_start=True)  # the previous one, if any, becomes A's previous
     if routing.candidate is not None:
         try:
             # one from the log was vetted by the worker that reloaded it: once a group, as below
             candidate = await load_for_serving(Path(routing.candidate), settings, group=state.group, busy=busy)
-            state.install(CANDIDATE, candidate, routing.candidate)
+            state.install(CANDIDATE, candidate, routing.candidate, at_start=True)
         except BundleError as exc:
             log.error(
                 "candidate bundle refused, %s: %s",

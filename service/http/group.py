@@ -29,6 +29,9 @@ group's run directory (``XMCSERVE_RUN_DIR``), which the supervisor creates empty
   manifest bytes, which name every file's checksum): the others load those very files without a
   child of their own, so a group's start costs one vet per bundle, not one per worker
   (:meth:`WorkerGroup.vet_once`).
+- ``claims/<key>``: an event the group counts once though every worker sees it (the appends a
+  start-up replay skipped, which each worker starting on that bundle replays alike): the worker
+  that creates the file counts it (:meth:`WorkerGroup.claim`).
 - ``metrics/``: prometheus-client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``): counters
   and histograms are summed over the workers, the gauges of live workers too.
 
@@ -162,6 +165,7 @@ class WorkerGroup:
         self.failures_dir = self.run_dir / "failures"
         self.metrics_dir = self.run_dir / "metrics"
         self.vetted_dir = self.run_dir / "vetted"
+        self.claims_dir = self.run_dir / "claims"
         self.applied = 0  # admin log lines this worker has applied
         self._read_offset = 0  # where the first line it has not applied starts
         # the change this worker could not apply (generation, op, reason): it stops following
@@ -183,11 +187,21 @@ class WorkerGroup:
         run_dir.mkdir(parents=True, exist_ok=True)
         for name in ("admin.log", "admin.lock"):
             (run_dir / name).unlink(missing_ok=True)
-        for sub in ("acks", "failures", "metrics", "vetted"):
+        for sub in ("acks", "failures", "metrics", "vetted", "claims"):
             directory = run_dir / sub
             directory.mkdir(exist_ok=True)
             for file in directory.iterdir():
                 file.unlink()
+
+    def claim(self, event: str) -> bool:
+        """True for the first worker of the group to claim ``event`` (any string naming it), False
+        for every later one: what the group counts once though each worker sees it."""
+        self.claims_dir.mkdir(exist_ok=True)
+        try:
+            os.close(os.open(self.claims_dir / hashlib.sha256(event.encode()).hexdigest(), os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return False
+        return True
 
     def vet_once(self, bundle_dir: Path, vet: Callable[[], None]) -> bool:
         """Run ``vet`` (the memory-capped child's load of ``bundle_dir``) unless a worker of this

@@ -175,10 +175,17 @@ class ServingState:
             out.append((name, view.appended_labels if view else 0, view.appended_instances if view else 0))
         return out
 
-    def install(self, name: str, predictor: Predictor, source: str, counted: bool = True) -> Predictor | None:
+    def install(
+        self, name: str, predictor: Predictor, source: str, counted: bool = True, at_start: bool = False
+    ) -> Predictor | None:
         """``counted``: its skipped replays in the metrics (not when applying another worker's
-        reload: that worker counted them, and a group's counters are summed)."""
+        reload: that worker counted them, and a group's counters are summed). ``at_start``: a
+        start-up load, which every worker of a group makes alike: counted by the first only."""
         previous = self.variants.install(name, predictor, source)
+        skipped = predictor.view.replay_skipped
+        if counted and skipped and at_start and self.group is not None:
+            event = f"replay_skipped {name} {predictor.bundle.bundle_id} {source} {len(skipped)}"
+            counted = self.group.claim(event)
         if counted:
             self.metrics.replay_skipped.labels(variant=name).inc(len(predictor.view.replay_skipped))
         self.publish_bundle_info()

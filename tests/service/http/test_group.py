@@ -379,3 +379,37 @@ def test_a_catch_up_is_outwaited_when_following_and_answers_503_at_once_for_a_cl
     with pytest.raises(HTTPException) as busy:
         asyncio.run(caught_up(incoming))
     assert busy.value.status_code == 503 and busy.value.headers["Retry-After"] == "1" and len(tries) == 1
+
+
+def test_an_event_is_claimed_by_the_first_worker_only_and_a_new_run_starts_unclaimed(run_dir):
+    first, second = WorkerGroup(run_dir, 2, pid=1), WorkerGroup(run_dir, 2, pid=2)
+    assert first.claim("replay_skipped A b1 /x 2") and not second.claim("replay_skipped A b1 /x 2")
+    assert second.claim("replay_skipped A b1 /x 3")  # another event
+    WorkerGroup.prepare(run_dir)
+    assert second.claim("replay_skipped A b1 /x 2")
+
+
+def test_the_appends_a_start_up_replay_skipped_are_counted_once_by_a_group(run_dir, monkeypatch):
+    """Every worker starting on a bundle replays its log alike: the group's summed
+    ``xmcserve_replay_skipped_total`` counted the skips once per worker; now by the first only,
+    while a single server and a reload's maker count them as before."""
+    from types import SimpleNamespace
+
+    from service.http.metrics import Metrics
+    from service.http.settings import Settings
+    from service.http.state import ServingState
+
+    predictor = SimpleNamespace(
+        view=SimpleNamespace(replay_skipped=({"offset": 0}, {"offset": 10})), bundle=SimpleNamespace(bundle_id="b1")
+    )
+
+    def counted(group, at_start=True) -> float:
+        metrics = Metrics(None)
+        state = ServingState(Settings(), metrics, SimpleNamespace(install=lambda *a: None, slots={}), group=group)
+        state.install(PRIMARY, predictor, "/bundles/b1", at_start=at_start)
+        return metrics.replay_skipped.labels(variant=PRIMARY)._value.get()
+
+    assert counted(WorkerGroup(run_dir, 2, pid=1)) == 2
+    assert counted(WorkerGroup(run_dir, 2, pid=2)) == 0  # the group's second worker
+    assert counted(None) == 2  # a single server
+    assert counted(WorkerGroup(run_dir, 2, pid=2), at_start=False) == 2  # a reload's maker
