@@ -152,6 +152,22 @@ def alive(pid: int) -> bool:
     return True
 
 
+def of_live_workers(directory: Path, read: Callable[[str], object]) -> dict:
+    """``read`` of each live worker's file in ``directory`` (``<pid>``), by pid; the files of dead
+    workers are removed, and one mid-write or unreadable is left out."""
+    out = {}
+    for file in directory.glob("[0-9]*"):
+        pid = int(file.name)
+        if not alive(pid):
+            file.unlink(missing_ok=True)
+            continue
+        try:
+            out[pid] = read(file.read_text())
+        except (FileNotFoundError, ValueError):
+            continue
+    return out
+
+
 class WorkerGroup:
     """This worker's view of its group's run directory (see the module docstring)."""
 
@@ -355,31 +371,11 @@ class WorkerGroup:
 
     def failures(self) -> dict[int, dict]:
         """The failures of the live workers (those of dead ones are removed)."""
-        out = {}
-        for file in self.failures_dir.glob("[0-9]*"):
-            pid = int(file.name)
-            if not alive(pid):
-                file.unlink(missing_ok=True)
-                continue
-            try:
-                out[pid] = json.loads(file.read_text())
-            except (FileNotFoundError, ValueError):
-                continue
-        return out
+        return of_live_workers(self.failures_dir, json.loads)
 
     def acknowledged(self) -> dict[int, int]:
         """Each live worker's applied generation (the files of dead ones are removed)."""
-        out = {}
-        for file in self.acks_dir.glob("[0-9]*"):
-            pid = int(file.name)
-            if not alive(pid):
-                file.unlink(missing_ok=True)
-                continue
-            try:
-                out[pid] = int(file.read_text() or 0)
-            except (FileNotFoundError, ValueError):
-                continue
-        return out
+        return of_live_workers(self.acks_dir, lambda text: int(text or 0))
 
     async def converged(self, generation: int, timeout_s: float = CONVERGE_S, clock=time.monotonic) -> Convergence:
         """Wait until every live worker has applied ``generation`` or failed to apply a change up
