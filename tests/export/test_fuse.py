@@ -14,7 +14,6 @@ import onnx
 import pytest
 from onnx import helper
 
-from bench.batch_invariance import assert_batch_invariant
 from bundle import BundleError
 from bundle.manifest import (
     FUSION_FILE,
@@ -46,6 +45,7 @@ from service.engine.memory import AppendBatch, base_view, fetch_and_ef
 from service.engine.search import Predictor, merged_neighbours, neighbours_needed, rank_batch
 from service.engine.shards import ShardQuery
 from tests.service.engine.test_fusion import random_sklearn_tree
+from tests.support.batch_invariance import assert_batch_invariant
 from xmc.checkpoint import HOLDOUT_FILE
 from xmc.data import label_frequencies, load_jsonl_split, rows_of_uids
 

@@ -4,11 +4,11 @@ float encoder and both int8 ones, and whatever k, ef and exclusions its neighbou
 import numpy as np
 import pytest
 
-from bench.batch_invariance import assert_batch_invariant
 from export.derive import derive_quantized_bundle
 from service.engine.bundle import load_bundle
 from service.engine.encoder import MAX_CHUNK
 from service.engine.search import Predictor
+from tests.support.batch_invariance import assert_batch_invariant
 from xmc.data import load_jsonl_split
 
 
