@@ -46,7 +46,6 @@ from bundle import (
     SPARSE_FILE,
     TOKENIZER_FILE,
     VALUES_FILE,
-    FusionParams,
     Manifest,
     SparseRankerParams,
     content_id,
@@ -57,6 +56,7 @@ from service.engine.fusion import FEATURES, LEXICAL_FEATURES, SPARSE_FEATURES, S
 from service.engine.lexical import Lexicon, save_key_terms
 from service.engine.sparse import SparseRanker
 from tests.conftest import ROOT, SAMPLE_DIR
+from tests.service.engine.test_fusion import fusion_params as base_fusion_params
 from tests.service.engine.test_fusion import random_onnx_tree
 
 # read by ONNX Runtime and tokenizers (not arrays), or not by the service at all
@@ -90,15 +90,12 @@ def fused_arrays_bundle(distilbert_dir, tmp_path_factory) -> Path:
     fusion = ScoreFusion(
         random_onnx_tree(features=features), np.zeros(labels, np.float32), lexicon, features, None, sparse
     )
-    fusion_params = FusionParams(
-        file=FUSION_FILE,
-        model=FUSION_MODEL_FILE,
-        features=list(features),
-        fitted_on="the fuzz test",
-        queries=1,
-        pairs=1,
-        lexical=[LEXICAL_FILE],
-        sparse=SparseRankerParams(depth=5, labels=labels, fit="centroid", fitted_on="the fuzz test"),
+    fusion_params = base_fusion_params(features).model_copy(
+        update={
+            "fitted_on": "the fuzz test",
+            "lexical": [LEXICAL_FILE],
+            "sparse": SparseRankerParams(depth=5, labels=labels, fit="centroid", fitted_on="the fuzz test"),
+        }
     )
     fusion.save(out, fusion_params)
     manifest["fusion"] = fusion_params.model_dump(mode="json")

@@ -53,6 +53,12 @@ class Acknowledged:
         self.bodies: dict[str, dict] = {}
         self.label_ids: dict[str, dict] = {}
 
+    def append(self, client, rng, number: int, append_id: str, variant: str | None = None) -> None:
+        """Append ``append_body``'s labels for ``number`` with ``append_id`` (to ``variant``) and keep
+        what the server acknowledged."""
+        body = {**append_body(rng, number, self.uids()), "append_id": append_id}
+        self.add(body, admin(client, "/admin/append", {**body, "variant": variant} if variant else body))
+
     def add(self, body: dict, answer: httpx.Response) -> None:
         assert answer.status_code == 200, answer.text
         if body["append_id"] in self.label_ids:
@@ -133,8 +139,7 @@ def test_promote_and_rollback_keep_every_acknowledged_append_with_its_id(root, t
             rng = random.Random(5)
 
             def append(slot: str, number: int) -> None:
-                body = {**append_body(rng, number, acked.uids()), "append_id": f"p{number}"}
-                acked.add(body, admin(client, "/admin/append", {**body, "variant": slot}))
+                acked.append(client, rng, number, f"p{number}", slot)
 
             append("A", 1)
             compact_bundle(root / "live", root / "compacted", appends_dir=appends)
@@ -211,8 +216,7 @@ def test_a_reindexed_twin_promoted_while_appends_arrive_keeps_every_acknowledged
             acked = Acknowledged(slot_state(client, "A")["memory"])
             rng = random.Random(53)
             for number in range(3):
-                body = {**append_body(rng, number, acked.uids()), "append_id": f"r{number}"}
-                acked.add(body, admin(client, "/admin/append", body))
+                acked.append(client, rng, number, f"r{number}")
             twin = reindex_bundle(root / "live", root / "twin", ExportParams(index="ivfpq", pq_m=8, ivf_nprobe=64))
             stream = AppendStream(server.url, 3, acked.uids())
             loaded = admin(client, "/admin/reload", {"variant": "B", "bundle": "twin"})
@@ -252,8 +256,7 @@ def test_a_twin_made_without_appends_dir_reloaded_with_the_shared_log_dir_serves
             acked = Acknowledged(slot_state(client, "A")["memory"])
             rng = random.Random(67)
             for number in range(2):
-                body = {**append_body(rng, number, acked.uids()), "append_id": f"s{number}"}
-                acked.add(body, admin(client, "/admin/append", body))
+                acked.append(client, rng, number, f"s{number}")
             twin = reindex_bundle(root / "live", root / "twin", ExportParams(index="ivfpq", pq_m=8, ivf_nprobe=64))
             loaded = admin(client, "/admin/reload", {"variant": "B", "bundle": "twin"})
             assert loaded.status_code == 200, loaded.text
