@@ -204,13 +204,16 @@ test: $(STAMP)
 sample:
 	$(PYTHON) data/make_sample.py --src ../shared/data/debian-related --out $(DATA)
 
-# The classical peers (PECOS XR-Linear, Omikuji Bonsai/Parabel) get their own environment:
-# libpecos pins numpy < 2 and scipy < 1.14. --no-deps keeps its unused torch/transformers
+# The classical peers (PECOS XR-Linear, Omikuji Bonsai/Parabel, fastText supervised) get their own
+# environment: libpecos pins numpy < 2 and scipy < 1.14. --no-deps keeps its unused torch/transformers
 # requirements (a CUDA torch download) out; XR-Linear needs only numpy, scipy and scikit-learn.
+# fastText is fasttext-wheel, the prebuilt package of fastText's own bindings (PyPI's fasttext is a
+# source package that compiles at install).
 PEERS_VENV ?= .venv-peers
 $(PEERS_VENV)/.installed:
 	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/pip install --quiet --disable-pip-version-check "numpy<2" "scipy<1.14" scikit-learn omikuji liblinear-official
+	$(PEERS_VENV)/bin/pip install --quiet --disable-pip-version-check "numpy<2" "scipy<1.14" scikit-learn omikuji liblinear-official \
+		fasttext-wheel==0.9.2
 	$(PEERS_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps libpecos==1.2.8
 	touch $@
 

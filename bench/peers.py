@@ -16,7 +16,14 @@ which the serving/training environment does not. Systems:
   simplest classic baseline. Each label is fitted alone on one shared copy of the features, in
   ``--threads`` forked processes, its dev scores merged into a running top ``k`` a chunk of labels at
   a time; no label's coefficients are kept (all of them, labels x features float64, would be 12 GiB
-  for Gutenberg-Subjects' 10,207 labels x 161,730 features), so memory stays flat at any label count.
+  for Gutenberg-Subjects' 10,207 labels x 161,730 features), so memory stays flat at any label count;
+* ``fasttext-supervised``: fastText's supervised classifier on the raw texts (lower-cased, punctuation
+  split off as the fastText tutorial does), the setup its docs give for multi-label tags: one-vs-all
+  loss (``ova``, independent sigmoids instead of a softmax), word bigrams, dim 100. epoch and lr are
+  chosen on the dev split only (:data:`FASTTEXT_GRID`, by the mean of P@1, P@3 and P@5), also when
+  another split is evaluated; the grid's dev scores (a point whose fit diverges, fastText's
+  "Encountered NaN", is recorded as failed) and the choice are in the row. With ``--threads 1`` and
+  its fixed seed a fit is deterministic.
 
 The others use scikit-learn TF-IDF of word 1–2-grams (min_df 2, sublinear tf) fitted on the
 training texts. Each model ranks ``k`` + (the largest filter list) labels, the split's filter pairs are
@@ -30,6 +37,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -277,6 +285,101 @@ def save_ovr(state: Path, problem: str, next_label: int, seconds: float, top_sco
     os.replace(partial, state)
 
 
+# fastText's grid, searched on the dev split; the other settings are fixed (FASTTEXT_FIXED). lr 1.0, the
+# tutorial's softmax rate, diverges under ova on Cooking-StackExchange; 0.25 is there to see that 0.5 is not too high
+FASTTEXT_GRID = {"epoch": [25, 50], "lr": [0.25, 0.5, 1.0]}
+FASTTEXT_FIXED = {"wordNgrams": 2, "dim": 100, "loss": "ova", "seed": 1}
+# the fastText tutorial's normalization: these characters become tokens of their own, then lower case
+_FASTTEXT_PUNCT = re.compile(r"([.!?,'/()])")
+
+
+def fasttext_text(text: str) -> str:
+    return " ".join(_FASTTEXT_PUNCT.sub(r" \1 ", text).lower().split())
+
+
+def fasttext_texts(train: XMCDataset, dev: XMCDataset) -> tuple[list[str], list[str]]:
+    return [fasttext_text(t) for t in train.texts], [fasttext_text(t) for t in dev.texts]
+
+
+def fasttext_fit(texts: list[str], Y: sp.csr_matrix, threads: int, **params):
+    """A fastText supervised model of ``texts`` with labels ``__label__<id>``; texts without a label
+    are left out (fastText reads a line without one as a text of no class)."""
+    import fasttext
+
+    Y = Y.tocsr()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "train.txt"
+        with open(path, "w", encoding="utf-8") as fh:
+            for i, text in enumerate(texts):
+                labels = Y.indices[Y.indptr[i] : Y.indptr[i + 1]]
+                if len(labels) and text:
+                    fh.write(" ".join(f"__label__{j}" for j in labels) + " " + text + "\n")
+        return fasttext.train_supervised(input=str(path), thread=threads, verbose=0, **params)
+
+
+def fasttext_rank(model, texts: list[str], depth: int) -> list[list[int]]:
+    labels, _ = model.predict(texts, k=depth, threshold=0.0)
+    return [[int(label[len("__label__") :]) for label in row] for row in labels]
+
+
+def fasttext_supervised(
+    X, Y, Xt, depth: int, threads: int, tuning: tuple | None = None, info: dict | None = None
+) -> list[list[int]]:
+    """Fit every point of :data:`FASTTEXT_GRID` on trn, score each on ``tuning`` (trn and the dev
+    split, as :func:`measure` hands them) and rank ``Xt`` with the best. ``info`` gets the grid, its
+    dev scores, the choice and the fastText version."""
+    import itertools
+    from importlib.metadata import PackageNotFoundError, version
+
+    if tuning is None:
+        raise ValueError("fasttext-supervised chooses epoch and lr on the dev split: pass tuning=(trn, dev)")
+    train, dev = tuning
+    dev_texts = [fasttext_text(t) for t in dev.texts]
+    exclude = dev.filter_sets()
+    grid, best, best_model = [], None, None
+    for epoch, lr in itertools.product(FASTTEXT_GRID["epoch"], FASTTEXT_GRID["lr"]):
+        started = time.perf_counter()
+        try:
+            model = fasttext_fit(X, Y, threads, epoch=epoch, lr=lr, **FASTTEXT_FIXED)
+        except RuntimeError as exc:  # "Encountered NaN": this lr diverges; the point is recorded, not chosen
+            point = {"epoch": epoch, "lr": lr, "fit_seconds": round(time.perf_counter() - started, 1)}
+            grid.append({**point, "failed": str(exc)})
+            print(f"fasttext-supervised: {json.dumps(grid[-1])}", file=sys.stderr, flush=True)
+            continue
+        fit_seconds = time.perf_counter() - started
+        ranked = drop_excluded(fasttext_rank(model, dev_texts, depth), exclude, depth)
+        scores = score_ranking(ranked, dev, train)
+        point = {
+            "epoch": epoch,
+            "lr": lr,
+            "fit_seconds": round(fit_seconds, 1),
+            **{f"dev_{m}": scores[m] for m in ("P@1", "P@3", "P@5")},
+        }
+        point["dev_mean_P@1,3,5"] = round((scores["P@1"] + scores["P@3"] + scores["P@5"]) / 3, 4)
+        grid.append(point)
+        print(f"fasttext-supervised: {json.dumps(point)}", file=sys.stderr, flush=True)
+        if best is None or point["dev_mean_P@1,3,5"] > best["dev_mean_P@1,3,5"]:  # ties: the earlier point
+            best, best_model = point, model
+        del model
+    if best_model is None:
+        raise RuntimeError(f"fasttext-supervised: no point of the grid trained: {grid}")
+    for package in ("fasttext-wheel", "fasttext"):
+        with contextlib.suppress(PackageNotFoundError):
+            fasttext_version = f"{package} {version(package)}"
+            break
+    else:
+        fasttext_version = "unknown"
+    if info is not None:
+        info.update(
+            fasttext=fasttext_version,
+            fixed=FASTTEXT_FIXED,
+            grid_searched=FASTTEXT_GRID,
+            grid_on_dev=grid,
+            chosen={"epoch": best["epoch"], "lr": best["lr"], "by": "dev mean of P@1, P@3, P@5"},
+        )
+    return fasttext_rank(best_model, Xt, depth)
+
+
 # name -> (featurizer, model, featurization note)
 SYSTEMS = {
     "pecos-xr-linear": (pecos_tfidf, pecos_xr_linear, "PECOS Tfidf vectorizer, 1-2-grams"),
@@ -295,6 +398,12 @@ SYSTEMS = {
         word_and_char_tfidf,
         ovr_logreg,
         "sklearn TF-IDF word 1-2 + char_wb 3-5-grams, min_df 2, sublinear; liblinear L2 LR C 10 (dual)",
+    ),
+    "fasttext-supervised": (
+        fasttext_texts,
+        fasttext_supervised,
+        "fastText supervised on lower-cased texts with punctuation split off; loss ova, wordNgrams 2, dim 100, "
+        "epoch and lr chosen on dev",
     ),
 }
 
@@ -369,9 +478,13 @@ def measure(args: argparse.Namespace, systems: list[str], results: dict) -> None
         ovr = train_and_predict is ovr_logreg
         state = ovr_state(args.out, args.split) if ovr and args.keep else None
         timing: dict = {}
+        info: dict = {}
         try:
-            budget = {"max_gb": args.ovr_max_gb, "state": state, "timing": timing} if ovr else {}
-            candidates = train_and_predict(X, Y, Xt, depth, args.threads, **budget)
+            extra = {"max_gb": args.ovr_max_gb, "state": state, "timing": timing} if ovr else {}
+            if train_and_predict is fasttext_supervised:  # chooses its settings on dev, whatever split is scored
+                tuning = dev if args.split == "dev" else load_jsonl_split(args.data, "dev", labels=train.labels)
+                extra = {"tuning": (train, tuning), "info": info}
+            candidates = train_and_predict(X, Y, Xt, depth, args.threads, **extra)
         except DoesNotFit as exc:
             results[name] = {"skipped": str(exc), "notes": features}
             print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
@@ -385,6 +498,7 @@ def measure(args: argparse.Namespace, systems: list[str], results: dict) -> None
             "train_seconds": round(seconds, 1),
             "notes": f"{features}; seconds = featurize + fit + predict {len(dev)} texts on {args.threads} "
             f"threads; {len(dev.filter_pairs)} filter pairs applied",
+            **info,
         }
         print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
         write()

@@ -178,3 +178,54 @@ def test_keep_saves_the_one_vs_rest_progress_beside_the_result_until_its_row_is_
     assert calls == [state] and state.parent == out.parent and not state.exists()  # gone: the row holds it
     assert json.loads(out.read_text())["tfidf-ovr-logreg"]["train_seconds"] >= 1234.0
     assert peers.main(args) == 0 and calls == [state, None]  # without --keep: nothing saved to resume
+
+
+class FakeFastText:
+    """What fasttext_supervised reads of a fastText model: predict's labels, best first."""
+
+    def __init__(self, ranking: list[int]):
+        self.ranking = ranking
+
+    def predict(self, texts, k, threshold):
+        return [[f"__label__{j}" for j in self.ranking[:k]] for _ in texts], [[0.5] * k for _ in texts]
+
+
+def test_fasttext_chooses_on_dev_records_a_diverged_point_and_ranks_the_scored_split(sample_dir, tmp_path, monkeypatch):
+    """The fit is faked (fastText is only in the peers venv): the grid, its failures and what measure
+    hands it. The point with lr 0.5 ranks dev's most frequent label first and must be chosen."""
+    from xmc.data import load_jsonl_split
+
+    dev = load_jsonl_split(sample_dir, "dev")
+    top = int(np.asarray(dev.Y.sum(axis=0)).ravel().argmax())
+    fits, tuned_on = [], []
+
+    def fit(texts, Y, threads, epoch, lr, **fixed):
+        fits.append((epoch, lr, threads, fixed["loss"], fixed["wordNgrams"]))
+        if lr == 1.0:
+            raise RuntimeError("Encountered NaN.")
+        return FakeFastText([top, top + 1] if lr == 0.5 else [top + 1, top + 2])
+
+    real = peers.fasttext_supervised
+
+    def spy(X, Y, Xt, depth, threads, tuning=None, info=None):
+        tuned_on.append(len(tuning[1]))
+        return real(X, Y, Xt, depth, threads, tuning=tuning, info=info)
+
+    monkeypatch.setattr(peers, "fasttext_fit", fit)
+    monkeypatch.setattr(peers, "fasttext_supervised", spy)
+    monkeypatch.setattr(peers, "SYSTEMS", {"fasttext-supervised": (peers.fasttext_texts, spy, "fastText")})
+    out = tmp_path / "peers.json"
+    # scored on trn, tuned on dev: measure hands the dev split whatever split is scored
+    assert peers.main(["--data", str(sample_dir), "--split", "trn", "--out", str(out), "--threads", "1"]) == 0
+    row = json.loads(out.read_text())["fasttext-supervised"]
+    assert tuned_on == [len(dev)]
+    grid = peers.FASTTEXT_GRID
+    assert len(fits) == len(grid["epoch"]) * len(grid["lr"]) and {f[2:] for f in fits} == {(1, "ova", 2)}
+    failed = [(p["epoch"], p["lr"]) for p in row["grid_on_dev"] if p.get("failed") == "Encountered NaN."]
+    assert failed == [(epoch, 1.0) for epoch in grid["epoch"]]
+    assert row["chosen"]["lr"] == 0.5 and row["chosen"]["epoch"] == grid["epoch"][0]  # ties: the earlier point
+    assert row["fixed"] == peers.FASTTEXT_FIXED and 0 <= row["P@1"] <= 100
+
+
+def test_fasttext_texts_split_punctuation_off_and_lower_case():
+    assert peers.fasttext_text("How do I (quickly) dice ONIONS?") == "how do i ( quickly ) dice onions ?"
