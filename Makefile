@@ -23,7 +23,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 
 .PHONY: prereqs install images image-check compose-check serve serve-ray bundle test lint evaluate sample clean bench-serving bench-ann bench-ab loadtest \
-	train train-smoke trained-bundle fit bench-quality bench-quality-fit peers-venv infinity-venv bench-infinity bench-ab-own-cores bench-overload bench-ray-scale bench-million \
+	train train-smoke trained-bundle fit bench-quality bench-quality-fit peers-venv annif-venv infinity-venv bench-infinity bench-ab-own-cores bench-overload bench-ray-scale bench-million \
 	bench-ann-compressed bench-ten-million bench-gpu bench-workers
 
 # What a fresh machine lacks, said before pip fails half-way through compiling hnswlib.
@@ -219,6 +219,18 @@ $(PEERS_VENV)/.installed:
 
 peers-venv: $(PEERS_VENV)/.installed
 
+# Annif (its fastText and Omikuji backends and their ensemble) as a peer, in an environment of its own:
+# Annif pins numpy 2 and its own fastText build (fasttext-numpy2), which the peers venv's numpy < 2
+# and fasttext-wheel are not. bench.annif_peer runs in it (the NLTK data its analyzers need is written
+# by the runner: nothing is downloaded).
+ANNIF_VENV ?= .venv-annif
+$(ANNIF_VENV)/.installed:
+	test -x $(ANNIF_VENV)/bin/python || $(PYTHON) -m venv $(ANNIF_VENV)
+	$(ANNIF_VENV)/bin/pip install --quiet --disable-pip-version-check "annif[fasttext,omikuji]==1.4.3"
+	touch $@
+
+annif-venv: $(ANNIF_VENV)/.installed
+
 # The serving peer, infinity-emb with its optimum (ONNX Runtime) engine, in an environment of its own:
 # infinity pins numpy < 2. TORCH_PIN keeps optimum's torch the CPU build (infinity-emb 0.0.78 works
 # with it); the other pins are the versions measured (bench/results/serving-infinity-peer.json),
@@ -298,4 +310,4 @@ bench-quality-fit: $(STAMP) $(PEERS_VENV)/.installed
 		--workdir bundles/quality-$(notdir $(QUALITY_DATA))
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) $(INFINITY_VENV) $(GPU_VENV) bundles runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS_VENV) $(ANNIF_VENV) $(INFINITY_VENV) $(GPU_VENV) bundles runs .pytest_cache .ruff_cache
