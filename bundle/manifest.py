@@ -145,8 +145,9 @@ class RaeParams(_Strict):
 
 
 class SparseRankerParams(_Strict):
-    """A sparse linear ranker (service.engine.sparse): margin_l(q) = Σ_t q_t W[t, l] + b_l over the
-    unit idf-weighted term vector q of the lexical fusion's term space; each query's top ``depth``
+    """A sparse linear ranker (service.engine.sparse): margin_l(q) = Σ_t q_t W[t, l] + v(q)·D[l] + b_l
+    over the unit idf-weighted term vector q of the lexical fusion's term space (and, with
+    ``dense_dim``, the query's dense vector v(q)); each query's top ``depth``
     labels by margin join the candidates the fusion rescores, and every candidate's margin and
     rank are features of φ."""
 
@@ -156,6 +157,13 @@ class SparseRankerParams(_Strict):
     fit: SparseFitKind = Field(description="how W and b were fitted: one_vs_rest | centroid")
     fit_params: dict = Field(default_factory=dict, description="the fit's parameters, as given")
     fitted_on: str = Field(description="the texts the weights were fitted on (never the dev or test split)")
+    dense_dim: int = Field(
+        0,
+        ge=0,
+        le=4096,
+        description="the query vector's dimension the dense weights D (labels x dense_dim, the npz's 'dense') read: "
+        "margin_l(q) gains v(q)·D[l]; 0: no dense weights",
+    )
 
 
 class LabelKeysParams(_Strict):

@@ -18,6 +18,12 @@ own command with its defaults, so what this builds is what they build:
    on the held-out instances (never the dev split), its ensemble size the one those instances'
    cross-fitted validation prefers (:data:`~export.fusion_fit.DEFAULT_SIZES`).
 
+When the data has a ``dev`` split, the fit then measures itself there, under the peers' protocol
+(:func:`measure_fit`): the bundle it built beside the simple baseline, TF-IDF + one-vs-rest
+logistic regression fitted on the same ``trn`` (:mod:`export.baseline`, bench.peers'
+``tfidf-ovr-logreg``; skipped above :data:`~export.baseline.BASELINE_MAX_LABELS` labels, with a
+word), printed as a table and written to ``<run>/fit-report.json``. Nothing is chosen on it.
+
 Before anything runs it prints the plan and an estimate of each stage's wall time, from the rates
 measured on this project's 2-core CPU (:data:`SECONDS_PER`): a bigger machine is faster. Each stage
 shows its own progress bars. The run directory (default ``runs/<bundle name>``) keeps the
@@ -30,12 +36,14 @@ import argparse
 import json
 import logging
 import math
+import os
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from export.baseline import BASELINE_MAX_LABELS, baseline_metrics
 from export.build import main as build_main
 from export.fuse import main as fuse_main
 from export.fusion_fit import FuseError
@@ -158,7 +166,56 @@ def fit(data: Path, bundle: Path, run: Path, force: bool = False, train_set: lis
     stage("memory", build_main, [*build, "--index-kind", "rae_memory", *MEMORY_ARGS, *(["--force"] * force)])
     fuse = ["--bundle", str(memory), "--run", str(run), "--data", str(data), "--out", str(bundle)]
     stage("fusion", fuse_main, [*fuse, *(["--force"] * force)])
-    return {"bundle": str(bundle), "run": str(run), "plan": plan.describe(), "seconds": seconds}
+    summary = {"bundle": str(bundle), "run": str(run), "plan": plan.describe(), "seconds": seconds}
+    if has_dev:
+        started = time.perf_counter()
+        report = measure_fit(data, bundle)
+        seconds["report"] = round(time.perf_counter() - started, 1)
+        (run / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        print(report_table(report), file=sys.stderr, flush=True)
+        summary["report"] = str(run / REPORT_FILE)
+    return summary
+
+
+REPORT_FILE = "fit-report.json"
+REPORTED = ("P@1", "P@3", "P@5", "PSP@1", "PSP@5", "R@10", "R@100")
+
+
+def measure_fit(data: Path, bundle: Path, threads: int | None = None) -> dict:
+    """The built ``bundle`` and the simple baseline (fitted on ``trn``) on ``data``'s dev split,
+    under the peers' protocol: ``{"split", "rows": {name: metrics}, "notes"}``."""
+    from export.evaluate import evaluate_bundle
+    from service.engine.offline import load_bundle
+
+    train, dev = load_train_and_dev(data, "trn", "dev")
+    rows: dict[str, dict] = {}
+    notes = []
+    if train.num_labels <= BASELINE_MAX_LABELS:
+        rows["tfidf-ovr-logreg"] = baseline_metrics(train, dev, threads=threads or os.cpu_count() or 1)
+    else:
+        labels = train.num_labels
+        notes.append(f"the baseline is not fitted above {BASELINE_MAX_LABELS} labels ({labels}): bench.peers fits it")
+    started = time.perf_counter()
+    result = evaluate_bundle(load_bundle(bundle), dev, train)
+    rows[bundle.name] = {**result["metrics"], "seconds": round(time.perf_counter() - started, 1)}
+    if "tfidf-ovr-logreg" in rows:
+        base, built = rows["tfidf-ovr-logreg"], rows[bundle.name]
+        gain = {name: round(built[name] - base[name], 2) for name in REPORTED if name in built and name in base}
+        rows[f"{bundle.name} - baseline"] = gain
+    return {"split": "dev", "instances": len(dev), "rows": rows, "notes": notes}
+
+
+def report_table(report: dict) -> str:
+    """The report as the fit prints it: one row a system, the peers' protocol's columns."""
+    rows = report["rows"]
+    width = max(len(name) for name in rows)
+    lines = [f"{report['split']} split, {report['instances']} instances (peers' protocol: filter after ranking)"]
+    lines.append(f"  {'':<{width}}  " + "  ".join(f"{name:>6}" for name in REPORTED))
+    for name, metrics in rows.items():
+        cells = "  ".join(f"{metrics[m]:6.2f}" if m in metrics else f"{'':>6}" for m in REPORTED)
+        lines.append(f"  {name:<{width}}  {cells}")
+    lines += [f"  {note}" for note in report["notes"]]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -93,7 +93,7 @@ from export.held_out import (
 from export.sparse_fit import SparseFitParams
 from export.writer import refuse_existing
 from service.engine import AppendLogError, Predictor, load_predictor
-from service.engine.offline import OPTIONAL_GROUPS, LabelKeySource, ScoreFusion, carried_lineage
+from service.engine.offline import OPTIONAL_GROUPS, LabelKeySource, ScoreFusion, SparseRanker, carried_lineage
 from xmc.checkpoint import HOLDOUT_FILE
 from xmc.data import XMCDataset, label_frequencies, load_jsonl_split, rows_of_uids
 
@@ -281,8 +281,11 @@ def check_memory(predictor: Predictor, train: XMCDataset) -> None:
         )
 
 
-def sparse_params(params: FuseParams, labels: int, fitted_on: str) -> SparseRankerParams | None:
-    """The manifest's description of the sparse ranker ``params`` fit (None: no ranker)."""
+def sparse_params(
+    params: FuseParams, labels: int, fitted_on: str, ranker: SparseRanker | None = None
+) -> SparseRankerParams | None:
+    """The manifest's description of the sparse ranker ``params`` fit (None: no ranker);
+    ``ranker``: the fitted one, whose dense weights' dimension it records."""
     if params.sparse_depth is None:
         return None
     return SparseRankerParams(
@@ -291,6 +294,7 @@ def sparse_params(params: FuseParams, labels: int, fitted_on: str) -> SparseRank
         fit=params.sparse_fit.kind(labels),
         fit_params=params.sparse_fit.as_dict(),
         fitted_on=fitted_on,
+        dense_dim=ranker.dense_dim if ranker is not None else 0,
     )
 
 
@@ -376,6 +380,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"(service.engine.sparse); 0: none (default {DEFAULT_FUSION.sparse_depth or 0})",
     )
     parser.add_argument(
+        "--sparse-dense-weight",
+        type=float,
+        default=SparseFitParams().dense_weight,
+        help="a one-vs-rest sparse ranker's weight of each text's dense vector beside its term vector (0: term "
+        f"vectors only; default {SparseFitParams().dense_weight:g})",
+    )
+    parser.add_argument(
         "--label-key-depth",
         type=int,
         default=0,
@@ -416,6 +427,7 @@ def params_of_arguments(args: argparse.Namespace) -> FuseParams:
         fit_on=args.fit_on,
         held_out_memory=args.held_out_memory,
         sparse_depth=(args.sparse_depth or None) if not args.no_lexical else None,
+        sparse_fit=SparseFitParams(dense_weight=args.sparse_dense_weight),
         label_key_depth=args.label_key_depth or None,
         label_key_fetch=args.label_key_fetch,
         sizes=None if args.sizes is None else tuple(args.sizes),  # None: FuseParams' rule
@@ -461,7 +473,9 @@ def fuse_bundle(
         queries=fit.queries,
         pairs=fit.pairs,
         lexical=lexical_file_names(len(shards)) if "lexical" in params.groups else None,
-        sparse=sparse_params(params, len(train.labels), f"the memory's {len(train)} instances and the labels' texts"),
+        sparse=sparse_params(
+            params, len(train.labels), f"the memory's {len(train)} instances and the labels' texts", fit.fusion.sparse
+        ),
         label_keys=LabelKeysParams(depth=params.label_key_depth, fetch=params.label_key_fetch)
         if params.label_key_depth is not None
         else None,

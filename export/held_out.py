@@ -172,7 +172,7 @@ def pairs_of(
         if unfitted.lexicon is not None:
             terms = unfitted.lexicon.query_terms(texts)
             lexical = key_terms.similarities(terms, keys)
-        neighbours = Neighbours(keys, sims, view.labels_of_keys(keys), view.values, lexical, 0, terms)
+        neighbours = Neighbours(keys, sims, view.labels_of_keys(keys), view.values, lexical, 0, terms, vectors=vectors)
         # the candidates T will rescore when served (the top rerank depth by p̂, or all) and their φ
         rows_of_block = fusion_candidates(manifest, neighbours, excluded, unfitted)
         scores, X = rows_of_block.candidates, rows_of_block.features
@@ -242,8 +242,20 @@ def unfitted_fusion(
         if lexicon is None:
             raise ValueError("a sparse ranker is fitted over the lexical term space: it needs the lexical group")
         memory_texts = [train.texts[r] for r in counted]
+        # the keys' own vectors (the encoder's of the instances' and labels' texts), for dense weights
+        vectors, label_vectors = None, None
+        if sparse.fit.dense_weight and sparse.fit.kind(train.num_labels) == "one_vs_rest":
+            vectors = bundle.index.vectors(counted)
+            label_vectors = bundle.index.vectors(num_train + np.arange(len(bundle.label_texts)))
         ranker, _ = fit_for_memory(
-            lexicon, memory_texts, train.Y[counted], list(bundle.label_texts), sparse.depth, sparse.fit
+            lexicon,
+            memory_texts,
+            train.Y[counted],
+            list(bundle.label_texts),
+            sparse.depth,
+            sparse.fit,
+            vectors,
+            label_vectors,
         )
     fusion = ScoreFusion(None, log_frequency, lexicon, features_of_groups(groups), rerank_depth, ranker, label_keys)
     return fusion, key_rows

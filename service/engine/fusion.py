@@ -338,7 +338,13 @@ class ScoreFusion:
                 raise ValueError("a sparse ranker needs the lexical fusion's term space")
             ranker = params.sparse
             sparse = SparseRanker.load(
-                directory / ranker.file, len(idf), ranker.labels, ranker.depth, ranker.fit, ranker.fit_params
+                directory / ranker.file,
+                len(idf),
+                ranker.labels,
+                ranker.depth,
+                ranker.fit,
+                ranker.fit_params,
+                ranker.dense_dim,
             )
         keys = params.label_keys
         label_keys = LabelKeySource(keys.depth, keys.fetch) if keys is not None else None
@@ -371,15 +377,17 @@ class ScoreFusion:
         width: int,
         exclude: Sequence[Collection[int]],
         later: LabelColumns | None = None,
+        vectors: np.ndarray | None = None,
     ) -> SparseMargins | None:
         """The sparse ranker's margins of a batch's queries (None without a ranker), over a label
         space ``width`` wide, each query's ``exclude`` labels left out of its top; ``later``: the
-        columns of the labels after the fitted ones (a live memory's)."""
+        columns of the labels after the fitted ones (a live memory's); ``vectors``: the queries'
+        dense vectors, which a ranker with dense weights reads."""
         if self.sparse is None:
             return None
         if terms is None or len(terms) != len(exclude):
             raise ValueError("this fusion's sparse ranker needs one term vector per query")
-        return self.sparse.margins(terms, width, exclude, later)
+        return self.sparse.margins(terms, width, exclude, later, vectors if self.sparse.dense is not None else None)
 
     def candidates(
         self,

@@ -191,7 +191,7 @@ class Predictor:
         lexical = self.lexical_similarities(keys, view, texts, terms)
         widest = max(ran_at, default=0)
         labels = view.labels_of_keys(keys)
-        found = Neighbours(keys, sims, labels, view.values, lexical, widest, terms, view.sparse_columns)
+        found = Neighbours(keys, sims, labels, view.values, lexical, widest, terms, view.sparse_columns, vectors)
         rankings = rank_batch(manifest, found, ks, exclude, self.bundle.fusion)
         times = StageTimes(search=t1 - t0, aggregate=time.perf_counter() - t1)
         return Prediction(rankings, times, widest, view, ran_at)
@@ -268,7 +268,8 @@ class Neighbours:
     rows of an RAE memory (None: a label index); ``lexical``: the keys' lexical similarities to
     the queries (a lexical fusion only); ``ef``: the HNSW breadth the search ran at; ``terms``:
     the queries' term vectors (a fusion with a sparse ranker scores them); ``sparse_columns``:
-    that ranker's columns of the labels after its fitted ones (the memory view's)."""
+    that ranker's columns of the labels after its fitted ones (the memory view's); ``vectors``: the
+    queries' own vectors (nq x dim; a ranker with dense weights reads them)."""
 
     rows: np.ndarray
     sims: np.ndarray
@@ -278,20 +279,27 @@ class Neighbours:
     ef: int
     terms: list[QueryTerms] | None = None
     sparse_columns: LabelColumns | None = None
+    vectors: np.ndarray | None = None
 
 
 def merged_neighbours(
-    answers: Sequence[ShardAnswer], n: int, view: MemoryView, terms: list[QueryTerms] | None = None
+    answers: Sequence[ShardAnswer],
+    n: int,
+    view: MemoryView,
+    terms: list[QueryTerms] | None = None,
+    vectors: np.ndarray | None = None,
 ) -> Neighbours:
     """The shards' answers merged into the ``n`` nearest keys per query
     (:func:`~service.engine.shards.merge_answers`), as :func:`rank_batch` reads them: the
-    value rows are the ones the shards sent, each key's row its position among them; ``terms``:
-    the queries' term vectors, for a fusion that reads them."""
+    value rows are the ones the shards sent, each key's row its position among them; ``terms``
+    and ``vectors``: the queries' term vectors and dense vectors, for a fusion that reads them."""
     merged = merge_answers(list(answers), n)
     values = ValueRows(merged.rows) if merged.rows is not None else None
     labels = view.labels_of_keys(merged.keys)
     ef = max(a.ef for a in answers)
-    return Neighbours(merged.positions, merged.sims, labels, values, merged.lexical, ef, terms, view.sparse_columns)
+    return Neighbours(
+        merged.positions, merged.sims, labels, values, merged.lexical, ef, terms, view.sparse_columns, vectors
+    )
 
 
 @dataclass
@@ -330,7 +338,7 @@ def rank_batch(
         return rankings
     kept, scores = aggregated(manifest, found, exclude)
     if fusion is not None:
-        margins = fusion.sparse_margins(found.terms, scores.shape[1], exclude, found.sparse_columns)
+        margins = fusion.sparse_margins(found.terms, scores.shape[1], exclude, found.sparse_columns, found.vectors)
         hits = fusion.label_key_hits(found.labels, found.sims, exclude, scores.shape[1])
         scores = fusion.rescore(scores, kept, found.values, manifest.rae.tau, ks, margins, hits)
     return [Ranking(*top_k_of_row(scores, i, k)) for i, k in enumerate(ks)]
@@ -346,7 +354,7 @@ def fusion_candidates(
     if manifest.index_kind != "rae_memory":
         raise ValueError("a score fusion ranks an RAE memory: a label index has no feature rows")
     kept, scores = aggregated(manifest, found, exclude)
-    margins = fusion.sparse_margins(found.terms, scores.shape[1], exclude, found.sparse_columns)
+    margins = fusion.sparse_margins(found.terms, scores.shape[1], exclude, found.sparse_columns, found.vectors)
     hits = fusion.label_key_hits(found.labels, found.sims, exclude, scores.shape[1])
     candidates = fusion.candidates(scores, margins=margins, hits=hits)
     return FusionRows(candidates, fusion.features_of(candidates, kept, found.values, manifest.rae.tau, margins, hits))

@@ -7,11 +7,15 @@ ranker is one of them, over the lexical fusion's term space (:mod:`service.engin
 bundle tokenizer's word pieces and hashed pairs, idf-weighted, unit length), so a query's terms
 are computed once, from the tokenization the encoder already made:
 
-    margin_l(q) = Σ_t q_t · W[t, l] + b_l
+    margin_l(q) = Σ_t q_t · W[t, l] + v(q) · D[l] + b_l
 
 ``W`` (terms x labels, CSR) and ``b`` are fitted at export (:mod:`export.sparse_fit`): one-vs-rest
 logistic regression on small label sets, each label's centroid of its texts (PECOS's PIFA) on
-large ones. A query's margins
+large ones. A one-vs-rest ranker may also weigh the query's own dense vector v(q) (the encoder's
+unit serving vector, which the search already has): ``D`` (labels x dim, float32) is the dense
+half of XR-Transformer's ranker, a linear model per label over TF-IDF ⊕ the fine-tuned encoder's
+embedding. Its part of a margin is one matrix-vector product a query (each query's own call, so
+a row never depends on its batch), and every fitted label then has a margin. A query's margins
 are one sparse product over the rows of its own terms, in scipy's compiled code: no Python object
 per label, and a query's row depends on nothing else in its batch (each output row is summed over
 that query's terms in term order). Its top :attr:`SparseRanker.depth` labels join the fusion's
@@ -43,6 +47,9 @@ from service.engine.lexical import QueryTerms, query_matrix
 # manifest predates the fit parameters is given its label columns as it was fitted.
 LABEL_WEIGHT = 0.5
 PRUNE = 0.05
+# The largest magnitude a dense weight may have: a margin sums dim of them times a unit vector's
+# entries, so a bundle's weights can never overflow a float32 margin (fitted ones are below 100).
+DENSE_MAX = 1e4
 
 
 class LabelColumns:
@@ -123,19 +130,32 @@ class SparseMargins:
 class SparseRanker:
     """``weights`` (terms x labels, float32 CSR), ``bias`` (one per label, float32), the
     number of labels each query's margins add to the candidates (``depth``), and how the weights
-    were fitted (``fit``, ``fit_params``: the manifest's), which the columns of later labels follow."""
+    were fitted (``fit``, ``fit_params``: the manifest's), which the columns of later labels follow;
+    ``dense``: the weights of the query's dense vector (labels x dim, float32; None: none)."""
 
     weights: sp.csr_matrix
     bias: np.ndarray
     depth: int
     fit: str = "centroid"
     fit_params: Mapping = field(default_factory=dict)
+    dense: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.bias.shape != (self.weights.shape[1],) or not np.all(np.isfinite(self.bias)):
             raise ValueError(f"the bias must be {self.weights.shape[1]} finite values, one per label")
         if self.depth < 1:
             raise ValueError(f"a sparse ranker's depth must be at least 1, not {self.depth}")
+        if self.dense is not None:
+            dense = self.dense
+            if dense.ndim != 2 or dense.shape[0] != self.labels or dense.dtype != np.float32:
+                raise ValueError(f"dense weights must be float32, one row per label ({self.labels}), not {dense.shape}")
+            if not np.all(np.abs(dense) <= DENSE_MAX):
+                raise ValueError(f"dense weights must be finite and at most {DENSE_MAX:g} in magnitude")
+
+    @property
+    def dense_dim(self) -> int:
+        """The dimension of the query vector the dense weights read (0: none)."""
+        return 0 if self.dense is None else self.dense.shape[1]
 
     @property
     def labels(self) -> int:
@@ -156,7 +176,9 @@ class SparseRanker:
         label fitted on its text alone: its row is scaled to the fitted columns' median norm and
         given their median bias, so on its own text its margin is a typical fitted label's on a
         text its weights point to. A fit without label texts gave a zero-shot label no weights:
-        neither does it give these (their margin is their bias)."""
+        neither does it give these (their margin is their bias). Dense weights are only fitted:
+        these labels' margins have no dense part (0, the value a label the query's vector says
+        nothing about gets), which keeps an append's cost its own columns."""
         terms = self.weights.shape[0]
         label_rows = label_rows.astype(np.float32).tocsr()
         if label_rows.shape[1] != terms:
@@ -193,33 +215,39 @@ class SparseRanker:
             indices=weights.indices,
             data=weights.data,
             bias=self.bias.astype(np.float32),
+            **({"dense": np.ascontiguousarray(self.dense, dtype=np.float32)} if self.dense is not None else {}),
         )
 
     @classmethod
     def load(
-        cls, path: Path, terms: int, labels: int, depth: int, fit: str = "centroid", fit_params: Mapping | None = None
+        cls,
+        path: Path,
+        terms: int,
+        labels: int,
+        depth: int,
+        fit: str = "centroid",
+        fit_params: Mapping | None = None,
+        dense_dim: int = 0,
     ) -> SparseRanker:
         """The ranker in ``path`` (written by :meth:`save`), refused unless its weights are a sound
-        ``terms x labels`` CSR matrix and its bias ``labels`` finite values; ``fit``, ``fit_params``:
-        how it was fitted (the manifest's)."""
+        ``terms x labels`` CSR matrix, its bias ``labels`` finite values and, with ``dense_dim``,
+        its dense weights ``labels x dense_dim`` values of magnitude at most :data:`DENSE_MAX`
+        (none without); ``fit``, ``fit_params``: how it was fitted (the manifest's)."""
         weights = load_csr(path, (terms, labels), "sparse ranker weights")
-        refused = BundleError(f"{path}: sparse ranker refused: the bias is not {labels} finite float32 values")
-        # the bias's size from its header before it is inflated (load_csr read the headers)
-        shape, dtype = npz_headers(path).get("bias", ((), np.dtype(object)))
-        if shape != (labels,) or dtype.kind != "f":
-            raise refused
-        try:
-            with np.load(path, allow_pickle=False) as npz:
-                bias = npz["bias"]
-        except (KeyError, OSError, ValueError) as exc:
-            raise BundleError(f"{path}: sparse ranker refused: no readable bias ({exc})") from None
-        # finite in the dtype margins are computed in: a float64 1e39 is inf as float32
-        with np.errstate(over="ignore"):
-            bias = bias.astype(np.float32)
-        if bias.shape != (labels,) or not np.all(np.isfinite(bias)):
-            raise refused
+        headers = npz_headers(path)  # sizes from the headers before anything is inflated
+        bias = _member(path, headers, "bias", (labels,), f"the bias is not {labels} finite float32 values")
+        if not np.all(np.isfinite(bias)):
+            raise BundleError(f"{path}: sparse ranker refused: the bias is not {labels} finite float32 values")
+        dense = None
+        if dense_dim:
+            what = f"the dense weights are not {labels} x {dense_dim} values of magnitude at most {DENSE_MAX:g}"
+            dense = np.ascontiguousarray(_member(path, headers, "dense", (labels, dense_dim), what))
+            if not np.all(np.abs(dense) <= DENSE_MAX):  # NaN fails this too
+                raise BundleError(f"{path}: sparse ranker refused: {what}")
+        elif "dense" in headers:
+            raise BundleError(f"{path}: sparse ranker refused: dense weights the manifest does not declare")
         weights.sort_indices()
-        return cls(weights, bias, depth, fit, dict(fit_params or {}))
+        return cls(weights, bias, depth, fit, dict(fit_params or {}), dense)
 
     def margins(
         self,
@@ -227,13 +255,17 @@ class SparseRanker:
         width: int,
         exclude: Sequence[Collection[int]],
         later: LabelColumns | None = None,
+        vectors: np.ndarray | None = None,
     ) -> SparseMargins:
         """The margins of ``queries`` over a label space ``width`` wide (a live memory's, which may
         have more labels than the weights), and each query's top :attr:`depth` of them, its
         ``exclude`` labels left out; ``later``: the columns of the labels after the fitted ones (a
-        live memory's view holds them), scored and ranked like the fitted ones."""
+        live memory's view holds them), scored and ranked like the fitted ones; ``vectors``: the
+        queries' dense vectors (nq x :attr:`dense_dim`), which a ranker with dense weights reads."""
         terms = query_matrix(queries, self.weights.shape[0])
         products, bias = (terms @ self.weights).tocsr(), self.bias
+        if self.dense is not None:
+            products = self._with_dense(products, vectors)
         if later is not None and later.labels:
             # each query's row is still its own terms' product, label ids in order: batch invariant
             products = sp.hstack([products, (terms @ later.weights).tocsr()], format="csr")
@@ -246,6 +278,21 @@ class SparseRanker:
         top, ranks = top_margins(all_margins, self.depth, exclude)
         return SparseMargins(all_margins, top, ranks, bias)
 
+    def _with_dense(self, products: sp.csr_matrix, vectors: np.ndarray | None) -> sp.csr_matrix:
+        """The term products plus each query's dense part, every fitted label stored (CSR)."""
+        nq = products.shape[0]
+        if vectors is None or vectors.shape != (nq, self.dense_dim):
+            got = None if vectors is None else vectors.shape
+            raise ValueError(f"this sparse ranker weighs the query vectors: needs {nq} x {self.dense_dim}, not {got}")
+        full = products.toarray()
+        vectors = np.asarray(vectors, dtype=np.float32)
+        for i in range(nq):  # one matrix-vector product a query: its row never depends on its batch
+            full[i] += self.dense @ vectors[i]
+        labels = self.labels
+        indptr = np.arange(0, (nq + 1) * labels, labels, dtype=np.int64)
+        indices = np.tile(np.arange(labels, dtype=np.int32), nq)
+        return sp.csr_matrix((full.ravel(), indices, indptr), shape=(nq, labels))
+
     def margin_of(self, margins: SparseMargins, query: np.ndarray, labels: np.ndarray) -> np.ndarray:
         """The margin of each pair ``(query[j], labels[j])``: its stored margin, the label's bias
         when no term of the query points to it, :attr:`floor` for a label without weights."""
@@ -256,6 +303,26 @@ class SparseRanker:
         at, found = StoredSlots(margins.all)(query, labels)
         out[found] = margins.all.data[at]
         return out
+
+
+def _member(path: Path, headers: Mapping, name: str, shape: tuple[int, ...], what: str) -> np.ndarray:
+    """The npz member ``name`` as float32, refused (naming ``what``) unless its header says a
+    float array of ``shape`` (checked before it is inflated)."""
+    refused = BundleError(f"{path}: sparse ranker refused: {what}")
+    stored, dtype = headers.get(name, ((), np.dtype(object)))
+    if tuple(stored) != shape or dtype.kind != "f":
+        raise refused
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            values = npz[name]
+    except (KeyError, OSError, ValueError) as exc:
+        raise BundleError(f"{path}: sparse ranker refused: no readable {name} ({exc})") from None
+    # finite in the dtype margins are computed in: a float64 1e39 is inf as float32
+    with np.errstate(over="ignore"):
+        values = values.astype(np.float32)
+    if values.shape != shape:
+        raise refused
+    return values
 
 
 def centroid_columns(sums: sp.csr_matrix, label_rows: sp.csr_matrix | None, label_weight: float) -> sp.csr_matrix:

@@ -349,7 +349,7 @@ class Ingress:
         terms = lexicon.query_terms(texts) if lexicon is not None else None  # each shard scores its keys
         answers = await self.fan_out(ShardQuery(vectors, fetch, ef, terms), deadline, context)
         searched = time.perf_counter()
-        found = merged_neighbours(answers, neighbours, self.view, terms)
+        found = merged_neighbours(answers, neighbours, self.view, terms, vectors)
         rankings = rank_batch(manifest, found, ks, exclude, self.fusion)
         for stage, seconds in (("encode", encoded - started), ("fanout", searched - encoded)):
             self.metrics.stage_seconds.observe(seconds, tags={"stage": stage})

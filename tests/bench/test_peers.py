@@ -1,6 +1,6 @@
-"""bench.peers' one-vs-rest baseline solves scikit-learn's liblinear logistic regression, ranks the
-same in chunks of labels and in worker processes as in one, and refuses only a budget too small for
-one label; ``--keep`` runs only the systems its result lacks."""
+"""bench.peers: ``--keep`` runs only the systems its result lacks, each row is written as measured,
+the one-vs-rest progress is kept beside the result, and fastText chooses its settings on dev (the
+one-vs-rest baseline itself: tests/export/test_baseline.py)."""
 
 import json
 
@@ -9,98 +9,6 @@ import pytest
 import scipy.sparse as sp
 
 from bench import peers
-from bench.peers import DoesNotFit, ovr_logreg
-
-
-def data(seed: int = 0):
-    rng = np.random.default_rng(seed)
-    X = sp.random(120, 40, density=0.2, random_state=seed, format="csr", dtype=np.float64)
-    dense = (rng.random((120, 11)) < 0.2).astype(np.float32)
-    dense[:, 4] = 0  # never positive: left out, as a classifier cannot be fitted to it
-    Y = sp.csr_matrix(dense)
-    Xt = sp.random(30, 40, density=0.2, random_state=seed + 1, format="csr", dtype=np.float64)
-    return X, Y, Xt
-
-
-def labels_budget(labels: int, X, Xt) -> float:
-    """``--ovr-max-gb`` that holds exactly ``labels`` labels' coefficients and scores."""
-    return labels * (X.shape[1] + Xt.shape[0]) * 8 / 2**30
-
-
-def test_each_label_solves_scikit_learns_liblinear_logistic_regression():
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.multiclass import OneVsRestClassifier
-
-    for seed in range(3):
-        X, Y, Xt = data(seed)
-        seen = np.flatnonzero(np.asarray(Y.sum(axis=0)).ravel() > 0)
-        primal = OneVsRestClassifier(LogisticRegression(solver="liblinear", C=10.0)).fit(X, Y[:, seen])
-        with peers.ovr_context(X, Y, Xt):
-            dual = peers.ovr_scores(seen)
-        expected = primal.decision_function(Xt)
-        # the same objective to the dual solver's tolerance: within 0.04-0.07 of the primal's values
-        # (mean magnitude 2.5) on these seeds, on AVX2 and AVX-512 alike; a wrong sign, bias or label
-        # is off by whole units
-        assert np.abs(dual - expected).max() < 0.3
-
-
-def test_chunks_of_labels_and_worker_processes_rank_as_one_run_over_every_label():
-    X, Y, Xt = data()
-    whole = ovr_logreg(X, Y, Xt, depth=6, threads=1)  # one chunk
-    assert ovr_logreg(X, Y, Xt, depth=6, threads=1, max_gb=labels_budget(3, X, Xt)) == whole
-    assert ovr_logreg(X, Y, Xt, depth=6, threads=1, max_gb=labels_budget(1, X, Xt)) == whole
-    assert ovr_logreg(X, Y, Xt, depth=6, threads=2, max_gb=labels_budget(3, X, Xt)) == whole
-    assert all(4 not in row for row in whole)  # never positive: never fitted, never ranked
-
-
-def test_a_stopped_fit_goes_on_from_its_last_saved_chunk_and_ranks_as_one_run(tmp_path, monkeypatch):
-    X, Y, Xt = data()
-    three_labels = labels_budget(3, X, Xt)  # 10 fitted labels: chunks end at 3, 6, 9, 10
-    expected = ovr_logreg(X, Y, Xt, depth=6, threads=1, max_gb=three_labels)
-    state, saved, save, stops = tmp_path / "ovr.npz", [], peers.save_ovr, [6]
-
-    class Killed(Exception):
-        pass
-
-    def save_then_stop(state, problem, next_label, *rest):
-        save(state, problem, next_label, *rest)
-        saved.append(next_label)
-        if next_label in stops:  # stopped once, right after its second chunk was saved
-            stops.remove(next_label)
-            raise Killed
-
-    monkeypatch.setattr(peers, "save_ovr", save_then_stop)
-    with pytest.raises(Killed):
-        ovr_logreg(X, Y, Xt, depth=6, threads=1, max_gb=three_labels, state=state)
-    with np.load(state) as kept:
-        before = float(kept["seconds"])
-    timing: dict = {}
-    assert ovr_logreg(X, Y, Xt, depth=6, threads=1, max_gb=three_labels, state=state, timing=timing) == expected
-    assert saved == [3, 6, 9, 10]  # the second run fitted only the chunks after the sixth label
-    assert timing["fit_seconds"] >= before > 0
-    # a state of another problem (another depth) is not resumed: the fit starts afresh
-    saved.clear()
-    assert ovr_logreg(X, Y, Xt, depth=5, threads=1, max_gb=three_labels, state=state) == [r[:5] for r in expected]
-    assert saved == [3, 6, 9, 10]
-    # nor one of the same shapes whose labels are numbered otherwise (two label columns swapped)
-    stops.append(6)
-    with pytest.raises(Killed):
-        ovr_logreg(X, Y, Xt, depth=6, threads=1, max_gb=three_labels, state=state)
-    swapped = Y[:, [1, 0, *range(2, Y.shape[1])]].tocsr()
-    saved.clear()
-    again = ovr_logreg(X, swapped, Xt, depth=6, threads=1, max_gb=three_labels, state=state)
-    assert saved == [3, 6, 9, 10] and again == ovr_logreg(X, swapped, Xt, depth=6, threads=1)
-    # and a state that cannot be read is a fresh start, not a failure
-    state.write_bytes(b"not an npz")
-    saved.clear()
-    assert ovr_logreg(X, Y, Xt, depth=6, threads=1, max_gb=three_labels, state=state) == expected
-    assert saved == [3, 6, 9, 10]
-
-
-def test_a_budget_below_one_label_is_refused():
-    X, Y, Xt = data()
-    with pytest.raises(DoesNotFit, match="one label's coefficients and scores"):
-        ovr_logreg(X, Y, Xt, depth=5, threads=1, max_gb=1e-9)
 
 
 def test_keep_runs_only_the_systems_the_result_lacks_and_writes_them_in_order(sample_dir, tmp_path, monkeypatch):
@@ -229,3 +137,25 @@ def test_fasttext_chooses_on_dev_records_a_diverged_point_and_ranks_the_scored_s
 
 def test_fasttext_texts_split_punctuation_off_and_lower_case():
     assert peers.fasttext_text("How do I (quickly) dice ONIONS?") == "how do i ( quickly ) dice onions ?"
+
+
+def test_the_one_vs_rest_row_is_export_baselines_the_row_make_fit_reports(sample_dir, tmp_path, monkeypatch):
+    """bench.peers' tfidf-ovr-logreg row and make fit's baseline row (export.baseline) are one
+    computation: on a cut of the sample, the same metrics."""
+    from export.baseline import baseline_metrics
+    from xmc.data import first_rows
+
+    original = peers.load_jsonl_split
+
+    def cut(path, split, **kwargs):
+        return first_rows(original(path, split, **kwargs), 300 if split == "trn" else 80)
+
+    monkeypatch.setattr(peers, "load_jsonl_split", cut)
+    out = tmp_path / "peers.json"
+    peers.main(["--data", str(sample_dir), "--systems", "tfidf-ovr-logreg", "--k", "10", "--out", str(out)])
+    row = json.loads(out.read_text())["tfidf-ovr-logreg"]
+    train = cut(sample_dir, "trn")
+    expected = baseline_metrics(train, cut(sample_dir, "dev", labels=train.labels), k=10)
+    assert {name: row[name] for name in expected if name != "seconds"} == {
+        name: value for name, value in expected.items() if name != "seconds"
+    }

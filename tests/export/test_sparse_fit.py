@@ -1,5 +1,6 @@
-"""export.sparse_fit: one-vs-rest logistic regression ranks each label's own texts first and
-learns a bias; the centroid fit is each label's unit mean (its own text added), so a zero-shot
+"""export.sparse_fit: one-vs-rest logistic regression (liblinear) ranks each label's own texts
+first and learns a bias, and with dense vectors learns the labels a dense direction carries (D,
+scaled back to the raw vector); the centroid fit is each label's unit mean (its own text added), so a zero-shot
 label has weights; ``auto`` picks by the label count; small weights are pruned."""
 
 import numpy as np
@@ -37,11 +38,40 @@ def _label_text_rows(terms: int) -> np.ndarray:
 
 def test_one_vs_rest_ranks_each_labels_own_texts_first(toy):
     X, Y, label_rows, labels = toy
-    fit = fit_sparse_ranker(X, Y, label_rows, SparseFitParams(method="one_vs_rest", prune=0.0))
-    assert fit.kind == "one_vs_rest" and fit.weights.shape == (12, 4)
+    fit = fit_sparse_ranker(X, Y, label_rows, SparseFitParams(method="one_vs_rest", prune=0.0, dense_weight=0))
+    assert fit.kind == "one_vs_rest" and fit.weights.shape == (12, 4) and fit.dense is None
     margins = (X @ fit.weights).toarray() + fit.bias
     assert (margins[:, :3].argmax(axis=1) == labels).mean() == 1.0
     assert fit.bias[3] < fit.bias[:3].min()  # the zero-shot label: one positive text against 90 negatives
+
+
+def test_dense_vectors_carry_the_labels_the_terms_do_not_and_d_reads_the_raw_vector(toy):
+    """Labels told apart by the dense vectors alone (the terms are noise): the fit learns D, and a
+    margin computed as served (x·W + v·D + b, v unscaled) ranks each text's label first; the same
+    fit at another dense_weight serves the same margins' order, D being scaled back."""
+    X, Y, label_rows, labels = toy
+    rng = np.random.default_rng(1)
+    noise = unit_rows(rng.random(X.shape) * (rng.random(X.shape) < 0.3))
+    directions = np.eye(4, 8, dtype=np.float32)
+    V = directions[labels] + 0.1 * rng.standard_normal((len(labels), 8)).astype(np.float32)
+    V /= np.linalg.norm(V, axis=1, keepdims=True)
+    for weight in (1.0, 2.0):
+        params = SparseFitParams(method="one_vs_rest", prune=0.0, dense_weight=weight)
+        fit = fit_sparse_ranker(noise, Y, label_rows, params, V, directions)
+        assert fit.dense.shape == (4, 8) and fit.dense.dtype == np.float32 and fit.dense.flags.c_contiguous
+        margins = (noise @ fit.weights).toarray() + V @ fit.dense.T + fit.bias
+        assert (margins[:, :3].argmax(axis=1) == labels).mean() == 1.0
+    terms_only = fit_sparse_ranker(noise, Y, label_rows, SparseFitParams(method="one_vs_rest", dense_weight=0))
+    by_terms = (noise @ terms_only.weights).toarray()[:, :3] + terms_only.bias[:3]
+    assert (by_terms.argmax(axis=1) == labels).mean() < 0.9
+
+
+def test_a_dense_fit_without_the_vectors_is_refused(toy):
+    X, Y, label_rows, _ = toy
+    with pytest.raises(ValueError, match="dense vectors"):
+        fit_sparse_ranker(X, Y, label_rows, SparseFitParams(method="one_vs_rest"))
+    with pytest.raises(ValueError, match="one dense vector a text"):
+        fit_sparse_ranker(X, Y, None, SparseFitParams(method="one_vs_rest", label_texts=False), np.zeros((3, 8)))
 
 
 def test_the_centroid_is_each_labels_unit_mean_with_its_own_text(toy):

@@ -1,7 +1,8 @@
 """service.engine.sparse: a sparse linear ranker's margins are the dense product's, a query's row is
 the same bits alone and in any batch, its top leaves out the excluded labels and ranks by margin
 (ties by label id), labels without weights get the lowest bias, labels after the fitted ones are
-scored by their own columns (one-vs-rest: scaled to the fitted ones), and a broken file is refused."""
+scored by their own columns (one-vs-rest: scaled to the fitted ones), dense weights add each query's
+vector part batch-invariantly, and a broken file is refused."""
 
 import numpy as np
 import pytest
@@ -236,3 +237,84 @@ def test_margins_over_extended_label_columns_are_those_over_the_same_columns_in_
         assert getattr(got.all, name).tobytes() == getattr(want.all, name).tobytes()
         assert getattr(got.top, name).tobytes() == getattr(want.top, name).tobytes()
     assert got.top_ranks.tolist() == want.top_ranks.tolist() and got.bias.tobytes() == want.bias.tobytes()
+
+
+def dense_ranker(rng, terms=60, labels=25, dim=8, depth=5) -> SparseRanker:
+    base = random_ranker(rng, terms, labels, depth)
+    D = rng.normal(size=(labels, dim)).astype(np.float32)
+    return SparseRanker(base.weights, base.bias, depth, "one_vs_rest", {}, D)
+
+
+def unit_vectors(rng, n, dim=8) -> np.ndarray:
+    V = rng.normal(size=(n, dim)).astype(np.float32)
+    return V / np.linalg.norm(V, axis=1, keepdims=True)
+
+
+def test_dense_weights_add_the_query_vectors_part_and_store_every_fitted_label():
+    rng = np.random.default_rng(10)
+    ranker = dense_ranker(rng)
+    queries, V = random_queries(rng, 9), unit_vectors(rng, 9)
+    exclude = [set() for _ in queries]
+    exclude[2] = {4, 5}
+    margins = ranker.margins(queries, width=30, exclude=exclude, vectors=V)
+    expected = dense(queries, 60) @ ranker.weights.toarray() + V @ ranker.dense.T + ranker.bias
+    assert margins.all.shape == (9, 30) and np.all(np.diff(margins.all.indptr) == 25)
+    for i in range(9):
+        got = ranker.margin_of(margins, np.full(25, i), np.arange(25))
+        np.testing.assert_allclose(got, expected[i], rtol=1e-5, atol=1e-5)
+        start, end = margins.top.indptr[i], margins.top.indptr[i + 1]
+        top = margins.top.indices[start:end][np.argsort(margins.top_ranks[start:end])]
+        allowed = [label for label in range(25) if label not in exclude[i]]
+        assert top.tolist() == sorted(allowed, key=lambda label: (-got[label], label))[: ranker.depth]
+
+
+def test_a_querys_dense_margins_are_the_same_bits_alone_and_in_any_batch():
+    rng = np.random.default_rng(11)
+    ranker = dense_ranker(rng, terms=200, labels=300, dim=64)
+    queries, V = random_queries(rng, 33, terms=200), unit_vectors(rng, 33, 64)
+    together = ranker.margins(queries, 300, [()] * 33, vectors=V)
+    for i, query in enumerate(queries):
+        alone = ranker.margins([query], 300, [()], vectors=V[i : i + 1])
+        row = slice(together.all.indptr[i], together.all.indptr[i + 1])
+        assert together.all.data[row].tobytes() == alone.all.data.tobytes()
+
+
+def test_a_dense_ranker_needs_one_vector_a_query_and_later_labels_have_no_dense_part():
+    rng = np.random.default_rng(12)
+    ranker = dense_ranker(rng)
+    queries = random_queries(rng, 3)
+    with pytest.raises(ValueError, match="query vectors"):
+        ranker.margins(queries, 25, [()] * 3)
+    with pytest.raises(ValueError, match="query vectors"):
+        ranker.margins(queries, 25, [()] * 3, vectors=unit_vectors(rng, 3, 7))
+    rows = sp.csr_matrix(np.eye(1, 60, 3, dtype=np.float32))
+    later = ranker.label_columns(rows)
+    V = unit_vectors(rng, 3)
+    margins = ranker.margins(queries, 26, [()] * 3, later, V)
+    expected = dense(queries, 60) @ later.weights.toarray() + later.bias
+    got = [ranker.margin_of(margins, np.array([i]), np.array([25]))[0] for i in range(3)]
+    np.testing.assert_allclose(got, expected[:, 0], rtol=1e-5, atol=1e-6)
+
+
+def test_dense_weights_round_trip_and_are_refused_undeclared_misshapen_or_too_large(tmp_path):
+    rng = np.random.default_rng(13)
+    ranker = dense_ranker(rng)
+    path = tmp_path / "sparse.npz"
+    ranker.save(path)
+    loaded = SparseRanker.load(path, 60, 25, 5, "one_vs_rest", {}, dense_dim=8)
+    assert loaded.dense.tobytes() == ranker.dense.tobytes() and loaded.dense_dim == 8
+    with pytest.raises(BundleError, match="does not declare"):
+        SparseRanker.load(path, 60, 25, 5, "one_vs_rest", {})
+    with pytest.raises(BundleError, match="dense weights"):
+        SparseRanker.load(path, 60, 25, 5, "one_vs_rest", {}, dense_dim=9)
+    with np.load(path) as z:
+        arrays = dict(z)
+    for bad in (np.full((25, 8), 1e5, np.float32), np.full((25, 8), np.nan, np.float32), np.full((25, 8), 1e39)):
+        arrays["dense"] = bad
+        np.savez(path, **arrays)
+        with pytest.raises(BundleError, match="magnitude"):
+            SparseRanker.load(path, 60, 25, 5, "one_vs_rest", {}, dense_dim=8)
+    arrays["dense"] = np.asfortranarray(ranker.dense)  # column by column: read as the same matrix
+    np.savez(path, **arrays)
+    loaded = SparseRanker.load(path, 60, 25, 5, "one_vs_rest", {}, dense_dim=8)
+    assert loaded.dense.tobytes() == ranker.dense.tobytes() and loaded.dense.flags.c_contiguous

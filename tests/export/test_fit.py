@@ -1,0 +1,47 @@
+"""export.fit measures what it built: on the dev split, the bundle beside the simple baseline
+fitted on trn, their difference, a printed table; the baseline is skipped above its label cap."""
+
+import pytest
+
+from export import fit
+from export.baseline import baseline_metrics
+from export.evaluate import evaluate_bundle
+from service.engine.offline import load_bundle
+from xmc.data import first_rows, load_train_and_dev
+
+
+@pytest.fixture
+def cut_splits(monkeypatch):
+    """The sample's first 300 training and 80 dev texts: what make fit's report reads."""
+
+    def cut(data, train_split, dev_split):
+        train, dev = load_train_and_dev(data, train_split, dev_split)
+        return first_rows(train, 300), first_rows(dev, 80)
+
+    monkeypatch.setattr(fit, "load_train_and_dev", cut)
+    return cut
+
+
+def test_the_report_sets_the_bundle_beside_the_baseline_and_their_difference(
+    sample_bundle, sample_dir, cut_splits, monkeypatch
+):
+    monkeypatch.setattr(fit, "BASELINE_MAX_LABELS", 10**6)
+    report = fit.measure_fit(sample_dir, sample_bundle, threads=1)
+    train, dev = cut_splits(sample_dir, "trn", "dev")
+    base, built = report["rows"]["tfidf-ovr-logreg"], report["rows"][sample_bundle.name]
+    expected = evaluate_bundle(load_bundle(sample_bundle), dev, train)["metrics"]
+    assert {name: built[name] for name in expected} == expected
+    assert {k: v for k, v in base.items() if k != "seconds"} == {
+        k: v for k, v in baseline_metrics(train, dev).items() if k != "seconds"
+    }
+    gain = report["rows"][f"{sample_bundle.name} - baseline"]
+    assert gain["P@1"] == round(built["P@1"] - base["P@1"], 2) and set(gain) == set(fit.REPORTED)
+    table = fit.report_table(report)
+    assert "tfidf-ovr-logreg" in table and f"{built['P@1']:6.2f}" in table and "80 instances" in table
+
+
+def test_above_the_label_cap_the_baseline_is_skipped_with_a_word(sample_bundle, sample_dir, cut_splits, monkeypatch):
+    monkeypatch.setattr(fit, "BASELINE_MAX_LABELS", 100)
+    report = fit.measure_fit(sample_dir, sample_bundle, threads=1)
+    assert list(report["rows"]) == [sample_bundle.name]
+    assert "not fitted above 100 labels" in report["notes"][0] and "not fitted" in fit.report_table(report)
