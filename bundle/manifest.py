@@ -164,6 +164,11 @@ class SparseRankerParams(_Strict):
         description="the query vector's dimension the dense weights D (labels x dense_dim, the npz's 'dense') read: "
         "margin_l(q) gains v(q)·D[l]; 0: no dense weights",
     )
+    dense_choice: dict[str, float] = Field(
+        default_factory=dict,
+        description="the held-out instances' cross-fitted validation (mean of P@1 and P@5, best size) of each "
+        "dense weight tried, the best fitted; empty: none was chosen",
+    )
 
 
 class LabelKeysParams(_Strict):

@@ -222,6 +222,8 @@ class FusionFit:
     seconds: float
     extra: dict = field(default_factory=dict)
     size_choice: SizeChoice | None = None  # how the ensemble's size was chosen; None: as given
+    params: FuseParams | None = None  # the parameters fitted (the ranker chosen among the candidates)
+    dense_choice: dict = field(default_factory=dict)  # each dense weight tried -> its best validation
 
 
 def fit_fusion(predictor: Predictor, train: XMCDataset, rows: np.ndarray, params: FuseParams) -> FusionFit:
@@ -229,41 +231,82 @@ def fit_fusion(predictor: Predictor, train: XMCDataset, rows: np.ndarray, params
     split, searched against ``params.held_out_memory``) over the feature groups and the top rerank
     depth candidates of each search (``params``), convert it to ONNX and check it against its
     library (:class:`FuseError` if they differ). The fusion served keeps the whole memory's label
-    counts and lexicon."""
+    counts and lexicon.
+
+    When a size is chosen and the sparse ranker would weigh the dense vectors (one-vs-rest with a
+    ``dense_weight``), the ranker without them is a candidate too (:func:`ranker_candidates`): each
+    is fitted, its held-out pairs made and its sizes cross-fitted, and the best validation wins. The
+    dense half helps where the memory's vectors do not already carry the labels (a pretrained
+    encoder) and not always where training fitted the encoder to them; the held-out instances
+    say which, never dev."""
     started = time.perf_counter()
     memory = params.held_out_memory
-    served, key_rows = unfitted_fusion(
-        predictor,
-        train,
-        params.feature_groups,
-        params.rerank_depth,
-        sparse=params.sparse_spec,
-        label_keys=params.label_keys,
-    )
-    search = HeldOutSearch.of(predictor, train, rows, (served, key_rows), memory, params.sparse_fit)
-    pairs = search.pairs(predictor, train, params.fit_on)
-    model_params, size_choice = params.first_params, None
-    if params.choosing:
-        frequencies = label_frequencies(train.Y)
-        sizes = params.resolved_sizes
-        size_choice = choose_size(
-            params.model, params.model_params, sizes, pairs, served.features, frequencies, len(train)
+    best, tried = None, {}
+    for candidate in ranker_candidates(params, train.num_labels):
+        served, key_rows = unfitted_fusion(
+            predictor,
+            train,
+            candidate.feature_groups,
+            candidate.rerank_depth,
+            sparse=candidate.sparse_spec,
+            label_keys=candidate.label_keys,
         )
-        model_params = size_choice.params
-        if size_choice.validation:
-            scores = {name: round(selection_score(v), 2) for name, v in size_choice.validation.items()}
-            log.info("fusion size %s chosen on %d folds of the held-out instances: %s", size_choice.chosen,
-                     size_choice.folds, scores)  # fmt: skip
-        else:
-            log.info("%d held-out instances: too few to choose a size on, %s fitted", len(rows), size_choice.chosen)
-    fitted = fit_model(params.model, pairs, served.features, model_params)
+        search = HeldOutSearch.of(predictor, train, rows, (served, key_rows), memory, candidate.sparse_fit)
+        pairs = search.pairs(predictor, train, candidate.fit_on)
+        model_params, size_choice = candidate.first_params, None
+        if candidate.choosing:
+            frequencies = label_frequencies(train.Y)
+            sizes = candidate.resolved_sizes
+            size_choice = choose_size(
+                candidate.model, candidate.model_params, sizes, pairs, served.features, frequencies, len(train)
+            )
+            model_params = size_choice.params
+            if size_choice.validation:
+                scores = {name: round(selection_score(v), 2) for name, v in size_choice.validation.items()}
+                log.info("fusion size %s chosen on %d folds of the held-out instances (sparse dense weight %g): %s",
+                         size_choice.chosen, size_choice.folds, candidate.sparse_fit.dense_weight, scores)  # fmt: skip
+            else:
+                log.info("%d held-out instances: too few to choose a size on, %s fitted", len(rows), size_choice.chosen)
+        score = _best_validation(size_choice)
+        if score is not None:
+            tried[f"{candidate.sparse_fit.dense_weight:g}"] = round(score, 2)
+        if best is None or (score is not None and best[0] is not None and score > best[0]):
+            best = (score, candidate, served, key_rows, pairs, model_params, size_choice)
+    score, chosen, served, key_rows, pairs, model_params, size_choice = best
+    fitted = fit_model(chosen.model, pairs, served.features, model_params)
     model, parity = onnx_fusion_model(fitted, pairs.X)
-    log.info("fusion %s fitted on %d pairs (%s); ONNX parity %.3g", params.model, len(pairs.y), memory, parity)
+    log.info("fusion %s fitted on %d pairs (%s); ONNX parity %.3g", chosen.model, len(pairs.y), memory, parity)
     fusion = dataclasses.replace(served, model=model)  # its counts, lexicon, features and sources as fitted
     seconds = time.perf_counter() - started
     return FusionFit(
-        fusion, fitted, parity, key_rows, len(rows), len(pairs.y), pairs.found, seconds, size_choice=size_choice
+        fusion,
+        fitted,
+        parity,
+        key_rows,
+        len(rows),
+        len(pairs.y),
+        pairs.found,
+        seconds,
+        size_choice=size_choice,
+        params=chosen,
+        dense_choice=tried if len(tried) > 1 else {},
     )
+
+
+def ranker_candidates(params: FuseParams, labels: int) -> list[FuseParams]:
+    """``params``, then (when a size is chosen and its sparse ranker weighs the dense vectors) the
+    same fusion whose ranker reads the term vectors only: what :func:`fit_fusion` chooses between."""
+    fit = params.sparse_fit
+    if params.sparse_depth is None or not fit.dense_weight or fit.kind(labels) != "one_vs_rest" or not params.choosing:
+        return [params]
+    return [params, dataclasses.replace(params, sparse_fit=dataclasses.replace(fit, dense_weight=0.0))]
+
+
+def _best_validation(choice: SizeChoice | None) -> float | None:
+    """The best selection score among a size choice's validated sizes (None: none validated)."""
+    if choice is None or not choice.validation:
+        return None
+    return max(selection_score(v) for v in choice.validation.values())
 
 
 def check_memory(predictor: Predictor, train: XMCDataset) -> None:
@@ -282,10 +325,15 @@ def check_memory(predictor: Predictor, train: XMCDataset) -> None:
 
 
 def sparse_params(
-    params: FuseParams, labels: int, fitted_on: str, ranker: SparseRanker | None = None
+    params: FuseParams,
+    labels: int,
+    fitted_on: str,
+    ranker: SparseRanker | None = None,
+    dense_choice: dict | None = None,
 ) -> SparseRankerParams | None:
     """The manifest's description of the sparse ranker ``params`` fit (None: no ranker);
-    ``ranker``: the fitted one, whose dense weights' dimension it records."""
+    ``ranker``: the fitted one, whose dense weights' dimension it records; ``dense_choice``: the
+    validation of each dense weight tried."""
     if params.sparse_depth is None:
         return None
     return SparseRankerParams(
@@ -295,6 +343,7 @@ def sparse_params(
         fit_params=params.sparse_fit.as_dict(),
         fitted_on=fitted_on,
         dense_dim=ranker.dense_dim if ranker is not None else 0,
+        dense_choice=dense_choice or {},
     )
 
 
@@ -459,6 +508,7 @@ def fuse_bundle(
     check_memory(predictor, train)
     rows = rows_of_uids(train, holdout.read_text().split())
     fit = fit_fusion(predictor, train, rows, params)
+    params = fit.params or params  # the sparse ranker chosen on the held-out instances
     shards = shard_list(predictor.bundle.manifest)
     fitted_on = FITTED_ON[params.held_out_memory]
     fusion_params = FusionParams(
@@ -474,7 +524,11 @@ def fuse_bundle(
         pairs=fit.pairs,
         lexical=lexical_file_names(len(shards)) if "lexical" in params.groups else None,
         sparse=sparse_params(
-            params, len(train.labels), f"the memory's {len(train)} instances and the labels' texts", fit.fusion.sparse
+            params,
+            len(train.labels),
+            f"the memory's {len(train)} instances and the labels' texts",
+            fit.fusion.sparse,
+            fit.dense_choice,
         ),
         label_keys=LabelKeysParams(depth=params.label_key_depth, fetch=params.label_key_fetch)
         if params.label_key_depth is not None

@@ -676,3 +676,57 @@ def test_appended_twins_of_trained_labels_compete_with_them_under_a_sparse_ranke
         )
         top = [set(margins.top.indices[margins.top.indptr[i] : margins.top.indptr[i + 1]]) for i in rows]
         assert all(twin in labels for twin, labels in zip(twins, top, strict=True))
+
+
+@pytest.fixture(scope="module")
+def few_labels(train, distilbert_dir, tmp_path_factory):
+    """The sample cut to its 40 most frequent labels (a set a one-vs-rest ranker is fitted for):
+    the data folder, a tiny memory of it and a run holding 150 of its instances out."""
+    import gzip
+
+    counts = np.asarray(train.Y.sum(axis=0)).ravel()
+    kept = np.sort(np.argsort(-counts, kind="stable")[:40])
+    Y = train.Y[:, kept].tocsr()
+    rows = np.flatnonzero(np.diff(Y.indptr) > 0)
+    data = tmp_path_factory.mktemp("few-labels")
+    with gzip.open(data / "lbl.json.gz", "wt") as f:
+        f.writelines(json.dumps({"uid": train.labels.uids[i], "title": train.labels.texts[i]}) + "\n" for i in kept)
+    with gzip.open(data / "trn.json.gz", "wt") as f:
+        for r in rows:
+            targets = Y.indices[Y.indptr[r] : Y.indptr[r + 1]].tolist()
+            f.write(json.dumps({"uid": train.uids[r], "title": train.texts[r], "target_ind": targets}) + "\n")
+    cut = load_jsonl_split(data, "trn")
+    memory = tmp_path_factory.mktemp("bundles") / "few-labels"
+    build_bundle(memory, cut.labels, cut, distilbert_dir, ExportParams(dim=16, rae_top_b=50))
+    run = tmp_path_factory.mktemp("run")
+    held = np.random.default_rng(0).choice(len(cut), 150, replace=False)
+    (run / HOLDOUT_FILE).write_text("".join(f"{cut.uids[r]}\n" for r in held))
+    return data, memory, run
+
+
+def test_a_one_vs_rest_ranker_weighs_the_dense_vectors_or_not_as_the_held_out_validation_chooses(few_labels, tmp_path):
+    data, memory, run = few_labels
+    out = tmp_path / "fused"
+    main(["--bundle", str(memory), "--run", str(run), "--data", str(data), "--out", str(out)])
+    sparse = load_bundle(out).manifest.fusion.sparse
+    assert sparse.fit == "one_vs_rest" and set(sparse.dense_choice) == {"1", "0"}
+    chosen = max(sparse.dense_choice, key=lambda weight: (sparse.dense_choice[weight], weight == "1"))  # ties: dense
+    assert sparse.fit_params["dense_weight"] == float(chosen)
+    assert sparse.dense_dim == (16 if chosen == "1" else 0)
+    predictor = load_predictor(out)
+    assert (predictor.bundle.fusion.sparse.dense is not None) == (chosen == "1")
+    assert_batch_invariant(predictor, load_jsonl_split(data, "trn").texts[:40], batches=3)
+
+
+def test_a_dense_ranker_is_fitted_and_served_through_the_fused_bundle(few_labels, tmp_path):
+    """Given a dense weight alone (no choice: one size), the fused bundle serves D: the query's
+    vector moves the ranker's margins, batch-invariantly."""
+    data, memory, run = few_labels
+    out = tmp_path / "fused-dense"
+    main(["--bundle", str(memory), "--run", str(run), "--data", str(data), "--out", str(out), "--trees", "20"])
+    sparse = load_bundle(out).manifest.fusion.sparse
+    assert sparse.dense_dim == 16 and sparse.dense_choice == {} and sparse.fit_params["dense_weight"] == 1.0
+    predictor = load_predictor(out)
+    ranker = predictor.bundle.fusion.sparse
+    assert ranker.dense.shape == (40, 16) and np.abs(ranker.dense).max() > 0
+    assert_batch_invariant(predictor, load_jsonl_split(data, "trn").texts[:40], batches=3)

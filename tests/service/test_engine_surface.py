@@ -2,8 +2,8 @@
 surface meant for it: the front ends (service/http, api, rollout, observability) and training/
 ``service.engine`` alone (about thirty names: load, predict, the live memory, the batcher, the
 encoder's layout, one error base and its subclasses, RAE's aggregation); the Ray Serve front end
-also ``service.engine.distributed`` (a sharded bundle's parts loaded apart); export/, bench/ and
-the other tools also ``service.engine.offline`` (building, fusing, compacting, measuring). Each
+also ``service.engine.distributed`` (a sharded bundle's parts loaded apart); export/, bench/,
+studies/ and the other tools also ``service.engine.offline`` (building, fusing, compacting, measuring). Each
 import names the surface module itself and only names in its ``__all__``, so the engine's
 modules can move and change behind them."""
 
@@ -31,6 +31,7 @@ ALLOWED = {
     "service/ray_serve": (*FRONT, "service.engine.distributed"),
     "export": (*FRONT, "service.engine.offline", "service.engine.distributed"),
     "bench": (*FRONT, "service.engine.offline", "service.engine.distributed"),
+    "studies": (*FRONT, "service.engine.offline"),
     "loadtest": FRONT,
     "deploy": FRONT,
     "data": FRONT,
