@@ -4,7 +4,7 @@
     python -m export.fit --data data/mine --bundle bundles/mine [--run runs/mine]
 
 ``--data`` is a folder in the layout of docs/own-data.md (``xmc.convert`` writes it); its ``trn``
-split is learnt from, its ``dev`` split (if any) only reported on. Three stages, each the project's
+split is learnt from, its ``dev`` split (if any) only reported on. Four stages, each the project's
 own command with its defaults, so what this builds is what they build:
 
 1. **train** (:mod:`training.train`): the CPU recipe of ``training/configs/debian-unidec.yaml``
@@ -16,7 +16,11 @@ own command with its defaults, so what this builds is what they build:
    RAE settings the recipe's sweep chose (:data:`MEMORY_ARGS`);
 3. **fusion** (:mod:`export.fuse`): the default score fusion with its sparse linear ranker, fitted
    on the held-out instances (never the dev split), its ensemble size the one those instances'
-   cross-fitted validation prefers (:data:`~export.fusion_fit.DEFAULT_SIZES`).
+   cross-fitted validation prefers (:data:`~export.fusion_fit.DEFAULT_SIZES`);
+4. **untrained**: did training pay? The pretrained encoder's memory (:mod:`export.build`'s
+   defaults) with the same fusion, fitted on the same held-out instances (``<bundle>-untrained``):
+   of the two, the one with the better cross-fitted validation on those instances
+   (:func:`shipped_bundle`) is written to ``--bundle``, and the fit says which and why.
 
 When the data has a ``dev`` split, the fit then measures itself there, under the peers' protocol
 (:func:`measure_fit`): the bundle it built beside the simple baseline, TF-IDF + one-vs-rest
@@ -27,7 +31,8 @@ word), printed as a table and written to ``<run>/fit-report.json``. Nothing is c
 Before anything runs it prints the plan and an estimate of each stage's wall time, from the rates
 measured on this project's 2-core CPU (:data:`SECONDS_PER`): a bigger machine is faster. Each stage
 shows its own progress bars. The run directory (default ``runs/<bundle name>``) keeps the
-checkpoint, the held-out list and the memory bundle (``<bundle>-memory``).
+checkpoint, the held-out list; the memory bundles (``<bundle>-memory``, ``<bundle>-untrained-memory``) and
+the untrained fused one (``<bundle>-untrained``) are written beside the bundle.
 """
 
 from __future__ import annotations
@@ -43,10 +48,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bundle import read_manifest
 from export.baseline import BASELINE_MAX_LABELS, baseline_metrics
 from export.build import main as build_main
 from export.fuse import main as fuse_main
 from export.fusion_fit import FuseError
+from export.fusion_validation import selection_score
 from xmc.data import load_train_and_dev
 
 log = logging.getLogger("xmcserve.fit")
@@ -80,6 +87,7 @@ class FitPlan:
     holdout: int
     overrides: list[str]
     estimate: dict[str, float] = field(default_factory=dict)
+    head_dim: int = 32  # each trained head's dimensions; the untrained memory is 2x as wide
 
     def describe(self) -> str:
         total = sum(self.estimate.values())
@@ -132,7 +140,9 @@ def plan_fit(data: Path, run: Path, has_dev: bool, extra: list[str]) -> FitPlan:
         "fusion": SECONDS_PER["fusion"] * n,
     }
     estimate = {stage: seconds + SECONDS_FIXED[stage] for stage, seconds in estimate.items()}
-    return FitPlan(n, labels, epochs, holdout, overrides, estimate)
+    # the untrained rival: the pretrained encoder's memory and the same fusion
+    estimate["untrained"] = estimate["memory"] + estimate["fusion"]
+    return FitPlan(n, labels, epochs, holdout, overrides, estimate, head_dim)
 
 
 def fit(data: Path, bundle: Path, run: Path, force: bool = False, train_set: list[str] | None = None) -> dict:
@@ -166,10 +176,39 @@ def fit(data: Path, bundle: Path, run: Path, force: bool = False, train_set: lis
     stage("memory", build_main, [*build, "--index-kind", "rae_memory", *MEMORY_ARGS, *(["--force"] * force)])
     fuse = ["--bundle", str(memory), "--run", str(run), "--data", str(data), "--out", str(bundle)]
     stage("fusion", fuse_main, [*fuse, *(["--force"] * force)])
-    summary = {"bundle": str(bundle), "run": str(run), "plan": plan.describe(), "seconds": seconds}
+    # did training pay? the pretrained encoder's memory with the same fusion, fitted on the same
+    # held-out instances: the better cross-fitted validation there is what is shipped (never dev)
+    untrained_memory = bundle.with_name(bundle.name + "-untrained-memory")
+    untrained = bundle.with_name(bundle.name + "-untrained")
+    build_untrained = ["--data", str(data), "--out", str(untrained_memory), "--index-kind", "rae_memory"]
+    build_untrained += ["--dim", str(2 * plan.head_dim), *(["--force"] * force)]
+    fuse_untrained_memory = ["--bundle", str(untrained_memory), "--run", str(run), "--data", str(data)]
+    fuse_untrained = [*fuse_untrained_memory, "--out", str(untrained), *(["--force"] * force)]
+
+    def untrained_stage(argv: list[str]) -> int:
+        status = build_main(build_untrained)
+        return status if status not in (None, 0) else fuse_main(fuse_untrained)
+
+    stage("untrained", untrained_stage, build_untrained)
+    shipped = shipped_bundle(bundle, untrained)
+    if shipped.untrained_wins:
+        log.info("training did not pay: %s", shipped.reason)
+        # the untrained fusion, written where the bundle goes (the trained one it replaces stays
+        # reported, and its memory and run are kept)
+        stage("ship untrained", fuse_main, [*fuse_untrained_memory, "--out", str(bundle), "--force"])
+    print(shipped.reason, file=sys.stderr, flush=True)
+    summary = {
+        "bundle": str(bundle),
+        "run": str(run),
+        "plan": plan.describe(),
+        "seconds": seconds,
+        "shipped": "untrained" if shipped.untrained_wins else "trained",
+        "validation": {"trained": shipped.trained, "untrained": shipped.untrained},
+    }
     if has_dev:
         started = time.perf_counter()
-        report = measure_fit(data, bundle)
+        report = measure_fit(data, bundle, untrained=untrained)
+        report["shipped"] = shipped.reason
         seconds["report"] = round(time.perf_counter() - started, 1)
         (run / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
         print(report_table(report), file=sys.stderr, flush=True)
@@ -177,13 +216,52 @@ def fit(data: Path, bundle: Path, run: Path, force: bool = False, train_set: lis
     return summary
 
 
+@dataclass
+class Shipped:
+    """Which of the trained and the untrained fused bundles is shipped, and why: each one's best
+    cross-fitted validation on the held-out instances (mean of P@1 and P@5; None: too few held
+    out to validate, and the trained one is kept)."""
+
+    trained: float | None
+    untrained: float | None
+
+    @property
+    def untrained_wins(self) -> bool:
+        return self.trained is not None and self.untrained is not None and self.untrained > self.trained
+
+    @property
+    def reason(self) -> str:
+        if self.trained is None or self.untrained is None:
+            return "too few held-out instances to validate the trained bundle against the untrained one: trained kept"
+        verdict = "the untrained one is shipped" if self.untrained_wins else "the trained one is shipped"
+        return (
+            f"held-out validation (mean of P@1 and P@5): trained {self.trained:.2f}, "
+            f"untrained (the pretrained encoder's memory, the same fusion) {self.untrained:.2f}: {verdict}"
+        )
+
+
+def fused_validation(bundle: Path) -> float | None:
+    """A fused bundle's best cross-fitted validation on its held-out instances (its manifest's
+    size choice; None when none was validated)."""
+    fusion = read_manifest(bundle).fusion
+    choice = fusion.size_choice if fusion is not None else None
+    if choice is None or not choice.validation:
+        return None
+    return round(max(selection_score(v) for v in choice.validation.values()), 2)
+
+
+def shipped_bundle(trained: Path, untrained: Path) -> Shipped:
+    return Shipped(fused_validation(trained), fused_validation(untrained))
+
+
 REPORT_FILE = "fit-report.json"
 REPORTED = ("P@1", "P@3", "P@5", "PSP@1", "PSP@5", "R@10", "R@100")
 
 
-def measure_fit(data: Path, bundle: Path, threads: int | None = None) -> dict:
-    """The built ``bundle`` and the simple baseline (fitted on ``trn``) on ``data``'s dev split,
-    under the peers' protocol: ``{"split", "rows": {name: metrics}, "notes"}``."""
+def measure_fit(data: Path, bundle: Path, threads: int | None = None, untrained: Path | None = None) -> dict:
+    """The built ``bundle`` (and the ``untrained`` rival, when given) and the simple baseline
+    (fitted on ``trn``) on ``data``'s dev split, under the peers' protocol:
+    ``{"split", "rows": {name: metrics}, "notes"}``."""
     from export.evaluate import evaluate_bundle
     from service.engine.offline import load_bundle
 
@@ -195,9 +273,10 @@ def measure_fit(data: Path, bundle: Path, threads: int | None = None) -> dict:
     else:
         labels = train.num_labels
         notes.append(f"the baseline is not fitted above {BASELINE_MAX_LABELS} labels ({labels}): bench.peers fits it")
-    started = time.perf_counter()
-    result = evaluate_bundle(load_bundle(bundle), dev, train)
-    rows[bundle.name] = {**result["metrics"], "seconds": round(time.perf_counter() - started, 1)}
+    for built in (bundle, untrained) if untrained is not None else (bundle,):
+        started = time.perf_counter()
+        result = evaluate_bundle(load_bundle(built), dev, train)
+        rows[built.name] = {**result["metrics"], "seconds": round(time.perf_counter() - started, 1)}
     if "tfidf-ovr-logreg" in rows:
         base, built = rows["tfidf-ovr-logreg"], rows[bundle.name]
         gain = {name: round(built[name] - base[name], 2) for name in REPORTED if name in built and name in base}
@@ -215,6 +294,7 @@ def report_table(report: dict) -> str:
         cells = "  ".join(f"{metrics[m]:6.2f}" if m in metrics else f"{'':>6}" for m in REPORTED)
         lines.append(f"  {name:<{width}}  {cells}")
     lines += [f"  {note}" for note in report["notes"]]
+    lines += [f"  {report['shipped']}"] if "shipped" in report else []
     return "\n".join(lines)
 
 

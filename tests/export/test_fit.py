@@ -45,3 +45,19 @@ def test_above_the_label_cap_the_baseline_is_skipped_with_a_word(sample_bundle, 
     report = fit.measure_fit(sample_dir, sample_bundle, threads=1)
     assert list(report["rows"]) == [sample_bundle.name]
     assert "not fitted above 100 labels" in report["notes"][0] and "not fitted" in fit.report_table(report)
+
+
+def test_the_untrained_rival_is_shipped_only_when_its_held_out_validation_is_better(tmp_path, monkeypatch):
+    scores = {"trained": 51.58, "untrained": 50.53}
+    monkeypatch.setattr(fit, "fused_validation", lambda bundle: scores[bundle.name])
+    shipped = fit.shipped_bundle(tmp_path / "trained", tmp_path / "untrained")
+    assert not shipped.untrained_wins and "trained 51.58" in shipped.reason and "the trained one" in shipped.reason
+    scores["untrained"] = 52.0
+    assert fit.shipped_bundle(tmp_path / "trained", tmp_path / "untrained").untrained_wins
+    scores["untrained"] = None  # too few held out to validate: the trained one is kept
+    assert not fit.shipped_bundle(tmp_path / "trained", tmp_path / "untrained").untrained_wins
+
+
+def test_a_fused_bundles_validation_is_its_best_sizes_selection_score(sample_bundle, tmp_path):
+    """The score shipped_bundle compares: read from the manifest's size choice (None without one)."""
+    assert fit.fused_validation(sample_bundle) is None  # a memory with no fusion

@@ -25,6 +25,7 @@ from bundle.manifest import (
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
+from export.fit import fused_validation
 from export.fuse import FuseParams, build_parser, main, params_of_arguments
 from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS, DEFAULT_SIZES, FuseError
 from export.fusion_to_onnx import PARITY_BOUND
@@ -713,6 +714,7 @@ def test_a_one_vs_rest_ranker_weighs_the_dense_vectors_or_not_as_the_held_out_va
     chosen = max(sparse.dense_choice, key=lambda weight: (sparse.dense_choice[weight], weight == "1"))  # ties: dense
     assert sparse.fit_params["dense_weight"] == float(chosen)
     assert sparse.dense_dim == (16 if chosen == "1" else 0)
+    assert fused_validation(out) == sparse.dense_choice[chosen]  # what make fit compares with its untrained rival
     predictor = load_predictor(out)
     assert (predictor.bundle.fusion.sparse.dense is not None) == (chosen == "1")
     assert_batch_invariant(predictor, load_jsonl_split(data, "trn").texts[:40], batches=3)
