@@ -39,14 +39,13 @@ order. A question is never itself a tag, so the filter files are empty.
 from __future__ import annotations
 
 import argparse
-import gzip
-import hashlib
 import json
-import random
 import statistics
 import sys
 from collections import Counter
 from pathlib import Path
+
+import builders
 
 RAW_NAME = "cooking.stackexchange.txt"
 # The file data/cooking-stackexchange/ was built from; another copy can be used with --any-snapshot.
@@ -82,43 +81,11 @@ def label_title(tag: str) -> str:
 def build(lines: list[tuple[int, list[str], str]], seed: int, min_trn: int):
     """(labels, splits, stats): labels a sorted list of tags; splits name -> list of
     ``(uid, text, [tag, ...])``."""
-    merged: dict[str, list] = {}  # text key -> [smallest line number, text, tags]
-    no_text = no_tag = 0
-    for lineno, tags, text in lines:
-        if not text:
-            no_text += 1
-            continue
-        if not tags:
-            no_tag += 1
-        entry = merged.setdefault(text.casefold(), [lineno, text, []])
-        if lineno < entry[0]:
-            entry[0], entry[1] = lineno, text
-        entry[2].extend(t for t in tags if t not in entry[2])
-
-    rows = sorted(merged.values())  # by line number, then shuffled with the seed
-    random.Random(seed).shuffle(rows)
+    no_text = sum(1 for _, _, text in lines if not text)
+    no_tag = sum(1 for _, tags, text in lines if text and not tags)
+    rows = builders.merge_equal_texts((lineno, text, tags) for lineno, tags, text in lines if text)
+    labels, splits, dropped = builders.keep_labels_frequent_in_trn(builders.shuffle_split(rows, seed), min_trn)
     n = len(rows)
-    n_trn, n_dev = round(0.70 * n), round(0.15 * n)
-    parts = {"trn": rows[:n_trn], "dev": rows[n_trn : n_trn + n_dev], "tst": rows[n_trn + n_dev :]}
-
-    trn_count = Counter(t for _, _, tags in parts["trn"] for t in tags)
-    labels = sorted(t for t, c in trn_count.items() if c >= min_trn)
-    keep = set(labels)
-    splits, dropped = {}, {}
-    for name, part in parts.items():
-        out = []
-        lost = 0
-        for lineno, text, tags in part:
-            kept = [t for t in tags if t in keep]
-            lost += len(tags) - len(kept)
-            if kept:
-                out.append((str(lineno), text, kept))
-        splits[name] = out
-        dropped[name] = {
-            "instances": len(part) - len(out),
-            "positives": lost,
-            "positives_before": sum(len(t) for _, _, t in part),
-        }
     stats = {
         "source_lines": len(lines),
         "lines_without_text": no_text,
@@ -131,66 +98,24 @@ def build(lines: list[tuple[int, list[str], str]], seed: int, min_trn: int):
     return labels, splits, stats
 
 
-def write_jsonl(path: Path, rows) -> None:
-    # mtime=0 keeps the archive bytes reproducible, so re-running the script changes nothing.
-    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
-        for row in rows:
-            gz.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
-
-
-def write(out: Path, labels: list[str], splits: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    label_id = {t: i for i, t in enumerate(labels)}
-    write_jsonl(out / "lbl.json.gz", ({"uid": t, "title": label_title(t)} for t in labels))
-    for name, rows in splits.items():
-        write_jsonl(
-            out / f"{name}.json.gz",
-            ({"uid": uid, "title": text, "target_ind": sorted(label_id[t] for t in tags)} for uid, text, tags in rows),
-        )
-        (out / f"filter_labels_{name}.txt").write_text("")  # a question is never a tag
-
-
-def summary(labels: list[str], splits: dict, stats: dict) -> dict:
-    freq = Counter(t for _, _, tags in splits["trn"] for t in tags)
-    counts = sorted(freq.values())
-    n_trn = len(splits["trn"])
-
-    def quantile(q: float) -> int:
-        return counts[min(len(counts) - 1, int(q * len(counts)))]
-
-    out = {
-        "labels": len(labels),
-        "instances": {name: len(rows) for name, rows in splits.items()},
-        "avg_labels_per_instance": {
-            name: round(sum(len(t) for _, _, t in rows) / max(1, len(rows)), 3) for name, rows in splits.items()
-        },
-        "avg_title_chars": {
-            name: round(sum(len(t) for _, t, _ in rows) / max(1, len(rows)), 1) for name, rows in splits.items()
-        },
-        "trn_instances_per_label": {
-            "mean": round(sum(counts) / max(1, len(counts)), 2),
-            "median": statistics.median(counts) if counts else 0,
-            "min": counts[0] if counts else 0,
-            "p10": quantile(0.10) if counts else 0,
-            "p90": quantile(0.90) if counts else 0,
-            "max": counts[-1] if counts else 0,
-            "top_label": freq.most_common(1)[0][0] if counts else None,
-            "top_label_share_of_trn": round(counts[-1] / n_trn, 4) if counts else 0,
-            f"share_of_labels_with_at_least_{MANY_SHOT}": round(
-                sum(1 for c in counts if c >= MANY_SHOT) / max(1, len(counts)), 4
-            ),
-            f"labels_with_at_least_{MANY_SHOT}": sum(1 for c in counts if c >= MANY_SHOT),
-            "labels_with_at_most_5": sum(1 for c in counts if c <= 5),
-        },
-        "top_labels": freq.most_common(10),
-        "labels_never_positive_in_dev": len(set(labels) - {t for _, _, ts in splits["dev"] for t in ts}),
+def trn_instances_per_label(freq: Counter, counts: list[int], n_trn: int) -> dict:
+    """The summary's figures of a many-shot set: how many labels have tens of trn texts. Each is 0
+    (or None) where no tag is left, as with a tiny source built with --any-snapshot."""
+    return {
+        "mean": round(sum(counts) / max(1, len(counts)), 2),
+        "median": statistics.median(counts) if counts else 0,
+        "min": counts[0] if counts else 0,
+        "p10": builders.quantile(counts, 0.10) if counts else 0,
+        "p90": builders.quantile(counts, 0.90) if counts else 0,
+        "max": counts[-1] if counts else 0,
+        "top_label": freq.most_common(1)[0][0] if counts else None,
+        "top_label_share_of_trn": round(counts[-1] / n_trn, 4) if counts else 0,
+        f"share_of_labels_with_at_least_{MANY_SHOT}": round(
+            sum(1 for c in counts if c >= MANY_SHOT) / max(1, len(counts)), 4
+        ),
+        f"labels_with_at_least_{MANY_SHOT}": sum(1 for c in counts if c >= MANY_SHOT),
+        "labels_with_at_most_5": sum(1 for c in counts if c <= 5),
     }
-    out.update(stats)
-    return out
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -211,16 +136,13 @@ def main(argv: list[str] | None = None) -> None:
     path = args.raw / RAW_NAME
     if not path.is_file():
         sys.exit(f"missing raw file: {path} (see this script's docstring to fetch it)")
-    digest = sha256(path)
-    if digest != EXPECTED_SHA256 and not args.any_snapshot:
-        sys.exit(
-            f"{path}: sha256 {digest} is not the one this data set was built from; pass --any-snapshot to build anyway"
-        )
+    builders.require_snapshot(path, EXPECTED_SHA256, args.any_snapshot)
 
     lines = read_source(path.read_text(encoding="utf-8"))
     labels, splits, stats = build(lines, args.seed, args.min_trn)
-    write(args.out, labels, splits)
-    print(json.dumps(summary(labels, splits, stats), indent=1, ensure_ascii=False))
+    builders.write_data_set(args.out, labels, splits, label_title)
+    report = builders.summary(labels, splits, stats, "trn_instances_per_label", trn_instances_per_label)
+    print(json.dumps(report, indent=1, ensure_ascii=False))
 
 
 if __name__ == "__main__":

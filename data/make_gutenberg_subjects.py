@@ -32,15 +32,15 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import hashlib
 import json
 import lzma
-import random
 import re
 import struct
 import sys
 from collections import Counter
 from pathlib import Path
+
+import builders
 
 # The files data/gutenberg-subjects/ was built from; another copy can be used with --any-snapshot.
 EXPECTED_SHA256 = {
@@ -301,115 +301,37 @@ def build(metadata: dict[str, list], subjects: dict[str, list], seed: int, min_t
             if subject not in heads:
                 heads.append(subject)
 
-    merged: dict[str, list] = {}  # text key -> [min id, text, headings]
-    n_english = 0
-    for gid, (title, authors, language) in works(metadata).items():
-        if language != "en" or not title:
-            continue
-        n_english += 1
-        if gid not in headings:
-            continue
-        text = instance_text(title, authors)
-        if not text:
-            continue
-        entry = merged.setdefault(text.casefold(), [gid, text, []])
-        if gid < entry[0]:
-            entry[0], entry[1] = gid, text
-        entry[2].extend(h for h in headings[gid] if h not in entry[2])
-
-    rows = sorted(merged.values())  # by ebook number, then shuffled with the seed
-    random.Random(seed).shuffle(rows)
-    n = len(rows)
-    n_trn, n_dev = round(0.70 * n), round(0.15 * n)
-    parts = {"trn": rows[:n_trn], "dev": rows[n_trn : n_trn + n_dev], "tst": rows[n_trn + n_dev :]}
-
-    trn_count = Counter(h for _, _, heads in parts["trn"] for h in heads)
-    labels = sorted(h for h, c in trn_count.items() if c >= min_trn)
-    keep = set(labels)
-    splits, dropped = {}, {}
-    for name, part in parts.items():
-        out = []
-        lost = 0
-        for gid, text, heads in part:
-            kept = [h for h in heads if h in keep]
-            lost += len(heads) - len(kept)
-            if kept:
-                out.append((str(gid), text, kept))
-        splits[name] = out
-        dropped[name] = {
-            "instances": len(part) - len(out),
-            "positives": lost,
-            "positives_before": sum(len(h) for _, _, h in part),
-        }
+    english = [
+        (gid, title, authors)
+        for gid, (title, authors, language) in works(metadata).items()
+        if language == "en" and title
+    ]
+    texts = ((gid, instance_text(title, authors), headings[gid]) for gid, title, authors in english if gid in headings)
+    rows = builders.merge_equal_texts((gid, text, heads) for gid, text, heads in texts if text)
+    labels, splits, dropped = builders.keep_labels_frequent_in_trn(builders.shuffle_split(rows, seed), min_trn)
     stats = {
-        "english_works": n_english,
-        "with_lcsh_after_merge": n,
+        "english_works": len(english),
+        "with_lcsh_after_merge": len(rows),
         "distinct_headings_all": len({h for _, _, hs in rows for h in hs}),
         "dropped": dropped,
     }
     return labels, splits, stats
 
 
-def write_jsonl(path: Path, rows) -> None:
-    # mtime=0 keeps the archive bytes reproducible, so re-running the script changes nothing.
-    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
-        for row in rows:
-            gz.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
-
-
-def write(out: Path, labels: list[str], splits: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    label_id = {h: i for i, h in enumerate(labels)}
-    write_jsonl(out / "lbl.json.gz", ({"uid": h, "title": h} for h in labels))
-    for name, rows in splits.items():
-        write_jsonl(
-            out / f"{name}.json.gz",
-            (
-                {"uid": uid, "title": text, "target_ind": sorted(label_id[h] for h in heads)}
-                for uid, text, heads in rows
-            ),
-        )
-        (out / f"filter_labels_{name}.txt").write_text("")  # a work is never a heading
-
-
-def summary(labels: list[str], splits: dict, stats: dict) -> dict:
-    freq = Counter(h for _, _, heads in splits["trn"] for h in heads)
-    counts = sorted(freq.values())
-    n_trn = len(splits["trn"])
-
-    def quantile(q: float) -> int:
-        return counts[min(len(counts) - 1, int(q * len(counts)))]
-
-    out = {
-        "labels": len(labels),
-        "instances": {name: len(rows) for name, rows in splits.items()},
-        "avg_labels_per_instance": {
-            name: round(sum(len(h) for _, _, h in rows) / max(1, len(rows)), 3) for name, rows in splits.items()
-        },
-        "avg_title_chars": {
-            name: round(sum(len(t) for _, t, _ in rows) / max(1, len(rows)), 1) for name, rows in splits.items()
-        },
-        "trn_label_frequency": {
-            "max": counts[-1],
-            "top_label": freq.most_common(1)[0][0],
-            "top_label_share_of_trn": round(counts[-1] / n_trn, 4),
-            "p10": quantile(0.10),
-            "p99": quantile(0.99),
-            "median": quantile(0.50),
-            "p90": quantile(0.90),
-            "labels_with_2_positives": sum(1 for c in counts if c == 2),
-            "labels_with_at_most_5": sum(1 for c in counts if c <= 5),
-            "labels_with_at_least_100": sum(1 for c in counts if c >= 100),
-        },
-        "top_labels": freq.most_common(10),
-        "labels_never_positive_in_dev": len(set(labels) - {h for _, _, hs in splits["dev"] for h in hs}),
+def trn_label_frequency(freq: Counter, counts: list[int], n_trn: int) -> dict:
+    """The summary's figures of a long-tailed set: how many headings have only a few trn works."""
+    return {
+        "max": counts[-1],
+        "top_label": freq.most_common(1)[0][0],
+        "top_label_share_of_trn": round(counts[-1] / n_trn, 4),
+        "p10": builders.quantile(counts, 0.10),
+        "p99": builders.quantile(counts, 0.99),
+        "median": builders.quantile(counts, 0.50),
+        "p90": builders.quantile(counts, 0.90),
+        "labels_with_2_positives": sum(1 for c in counts if c == 2),
+        "labels_with_at_most_5": sum(1 for c in counts if c <= 5),
+        "labels_with_at_least_100": sum(1 for c in counts if c >= 100),
     }
-    out.update(stats)
-    return out
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -435,19 +357,15 @@ def main(argv: list[str] | None = None) -> None:
     if missing:
         sys.exit(f"missing raw file(s): {', '.join(missing)} (see this script's docstring to fetch them)")
     for name, path in paths.items():
-        digest = sha256(path)
-        if digest != EXPECTED_SHA256[name] and not args.any_snapshot:
-            sys.exit(
-                f"{path}: sha256 {digest} is not the one this data set was built from;"
-                " pass --any-snapshot to build anyway"
-            )
+        builders.require_snapshot(path, EXPECTED_SHA256[name], args.any_snapshot)
 
     ((_, meta_frame),) = read_rda(paths["gutenberg_metadata.rda"]).items()
     ((_, subj_frame),) = read_rda(paths["gutenberg_subjects.rda"]).items()
     metadata, subjects = data_frame_columns(meta_frame), data_frame_columns(subj_frame)
     labels, splits, stats = build(metadata, subjects, args.seed, args.min_trn)
-    write(args.out, labels, splits)
-    print(json.dumps(summary(labels, splits, stats), indent=1, ensure_ascii=False))
+    builders.write_data_set(args.out, labels, splits)
+    report = builders.summary(labels, splits, stats, "trn_label_frequency", trn_label_frequency)
+    print(json.dumps(report, indent=1, ensure_ascii=False))
 
 
 if __name__ == "__main__":

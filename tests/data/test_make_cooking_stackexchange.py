@@ -1,23 +1,15 @@
 """data/make_cooking_stackexchange.py: its line parser and its rules, on a tiny hand-written source file."""
 
 import gzip
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.data.conftest import DATA, load_script
 from xmc.data import load_jsonl_split
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "data" / "make_cooking_stackexchange.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("make_cooking_stackexchange", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCRIPT = DATA / "make_cooking_stackexchange.py"
 
 
 # line 1 onwards; "bread" and "food-safety" are common, "rare-tag" occurs once, line 5 has no text,
@@ -44,7 +36,7 @@ def source_file(tmp_path: Path) -> Path:
 
 
 def test_labels_are_label_tokens_anywhere_and_the_text_the_rest():
-    module = load_script()
+    module = load_script(SCRIPT)
     assert module.parse_line("__label__baking How hot should the oven be? __label__bread") == (
         ["baking", "bread"],
         "How hot should the oven be?",
@@ -57,7 +49,7 @@ def test_labels_are_label_tokens_anywhere_and_the_text_the_rest():
 
 
 def test_merge_keeps_the_smallest_line_and_the_union_of_tags():
-    module = load_script()
+    module = load_script(SCRIPT)
     lines = module.read_source("\n".join(SOURCE) + "\n")
     labels, splits, stats = module.build(lines, seed=5, min_trn=1)
     assert stats["lines_without_text"] == 1 and stats["merged_lines"] == 1

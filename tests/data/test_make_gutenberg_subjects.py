@@ -1,7 +1,6 @@
 """data/make_gutenberg_subjects.py: its R-data reader and its rules, on tiny hand-written tables."""
 
 import gzip
-import importlib.util
 import json
 import lzma
 import struct
@@ -11,17 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.data.conftest import DATA, load_script
 from xmc.data import load_jsonl_split
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "data" / "make_gutenberg_subjects.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("make_gutenberg_subjects", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SCRIPT = DATA / "make_gutenberg_subjects.py"
 
 
 # --- a writer of R's XDR serialization, just what the tables need ------------------------------
@@ -163,7 +155,7 @@ def catalog(tmp_path: Path) -> Path:
 
 
 def test_reader_reads_tibbles_with_factors_na_and_symbol_references(tmp_path):
-    module = load_script()
+    module = load_script(SCRIPT)
     raw = catalog(tmp_path)
     ((name, frame),) = module.read_rda(raw / "gutenberg_metadata.rda").items()
     columns = module.data_frame_columns(frame)
@@ -173,7 +165,7 @@ def test_reader_reads_tibbles_with_factors_na_and_symbol_references(tmp_path):
 
 
 def test_texts_merge_and_label_rules():
-    module = load_script()
+    module = load_script(SCRIPT)
     assert module.instance_text("Bible Stories\r\nRetold for the Young", "Various") == (
         "Bible Stories: Retold for the Young, by Various"
     )
@@ -191,7 +183,7 @@ def test_texts_merge_and_label_rules():
 
 
 def test_a_work_of_several_authors_is_one_instance():
-    module = load_script()
+    module = load_script(SCRIPT)
     metadata = {
         "gutenberg_id": [5, 7, 5],
         "title": ["The Communist Manifesto", "Sea Stories", "The Communist Manifesto"],

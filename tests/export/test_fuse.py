@@ -47,6 +47,7 @@ from service.engine.search import Predictor, merged_neighbours, neighbours_neede
 from service.engine.shards import ShardQuery
 from tests.service.engine.test_fusion import random_sklearn_tree
 from tests.support.batch_invariance import assert_batch_invariant
+from tests.support.memory_and_run import memory_and_run
 from xmc.checkpoint import HOLDOUT_FILE
 from xmc.data import label_frequencies, load_jsonl_split, rows_of_uids
 
@@ -696,12 +697,7 @@ def few_labels(train, distilbert_dir, tmp_path_factory):
         for r in rows:
             targets = Y.indices[Y.indptr[r] : Y.indptr[r + 1]].tolist()
             f.write(json.dumps({"uid": train.uids[r], "title": train.texts[r], "target_ind": targets}) + "\n")
-    cut = load_jsonl_split(data, "trn")
-    memory = tmp_path_factory.mktemp("bundles") / "few-labels"
-    build_bundle(memory, cut.labels, cut, distilbert_dir, ExportParams(dim=16, rae_top_b=50))
-    run = tmp_path_factory.mktemp("run")
-    held = np.random.default_rng(0).choice(len(cut), 150, replace=False)
-    (run / HOLDOUT_FILE).write_text("".join(f"{cut.uids[r]}\n" for r in held))
+    memory, run = memory_and_run(load_jsonl_split(data, "trn"), distilbert_dir, tmp_path_factory, "few-labels")
     return data, memory, run
 
 
