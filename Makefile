@@ -286,7 +286,9 @@ $(TRAINED_BUNDLE)/manifest.json: $(TRAINED_BUNDLE)-memory/manifest.json
 trained-bundle: $(TRAINED_BUNDLE)/manifest.json
 
 # A user's own data (docs/own-data.md layout) to a trained, fused bundle in one command: training
-# sized to the data, the trained RAE memory, the score fusion with its sparse ranker (export.fit
+# sized to the data, the trained RAE memory, the score fusion with its sparse ranker, and the
+# pretrained memory with the same fusion as a rival (the better held-out validation is shipped);
+# with a dev split, the bundle beside TF-IDF + one-vs-rest LR in <run>/fit-report.json (export.fit
 # prints the plan and an estimate of the wall time first). RUN: the training run's directory.
 RUN ?=
 fit: $(SERVE_STAMP)
