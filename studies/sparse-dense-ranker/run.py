@@ -34,10 +34,10 @@ from xmc.metrics import score_ranking  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, required=True)
+    parser.add_argument("--data", type=Path, required=True, help="data set folder (docs/own-data.md layout)")
     parser.add_argument("--bundle", type=Path, required=True, help="a bundle whose encoder gives the dense vectors")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, required=True, help="result JSON file")
+    parser.add_argument("--threads", type=int, default=1, help="liblinear worker processes (default 1)")
     args = parser.parse_args()
     train = load_jsonl_split(args.data, "trn")
     fit, held = split_holdout(train, len(train) // 5, seed=0)
