@@ -132,28 +132,38 @@ def ovr_workers(threads: int):
 
 def ovr_scores(labels: np.ndarray) -> np.ndarray:
     """The dev texts' decision values of a logistic regression fitted for each of ``labels``."""
-    import ctypes
-
     from liblinear.liblinear import parameter
-    from liblinear.liblinearutil import train
 
     problem, positives, Xt = _OVR["problem"], _OVR["Y"], _OVR["Xt"]
-    y = np.ctypeslib.as_array(problem.y, (problem.l,))  # liblinear's own targets, rewritten per label
-    libc = ctypes.CDLL(None)
     options = parameter(LIBLINEAR_OPTIONS)
     out = np.empty((Xt.shape[0], len(labels)))
     for j, label in enumerate(labels):
-        y[:] = -1.0
-        y[positives.indices[positives.indptr[label] : positives.indptr[label + 1]]] = 1.0
-        # liblinear's dual solver visits the texts in rand()'s order: each label from the same seed,
-        # so its model never depends on which labels this process fitted before it
-        libc.srand(1)
-        model = train(problem, options)
-        n = model.nr_feature
-        w = np.ctypeslib.as_array(model.w, (n + 1,))  # the features' weights, then the bias feature's
-        scores = Xt @ w[:n] + w[n] * model.bias
-        out[:, j] = scores if model.get_labels()[0] == 1 else -scores  # liblinear's first label is +
+        w, b = solve_label(problem, positives, label, options)
+        out[:, j] = Xt @ w + b
     return out
+
+
+def solve_label(problem, positives: sp.csc_matrix, label: int, options) -> tuple[np.ndarray, float]:
+    """One label's L2 logistic regression on liblinear's ``problem`` (its targets rewritten for
+    ``label``, whose positive rows are ``positives``' column): the weights of the problem's
+    features (as many as liblinear saw, ``nr_feature``) and the bias, oriented so that a positive
+    margin means the label. The baseline here and the served ranker (:mod:`export.sparse_fit`)
+    solve their labels alike."""
+    import ctypes
+
+    from liblinear.liblinearutil import train
+
+    y = np.ctypeslib.as_array(problem.y, (problem.l,))  # liblinear's own targets, rewritten per label
+    y[:] = -1.0
+    y[positives.indices[positives.indptr[label] : positives.indptr[label + 1]]] = 1.0
+    # liblinear's dual solver visits the texts in rand()'s order: each label from the same seed,
+    # so its model never depends on which labels this process fitted before it
+    ctypes.CDLL(None).srand(1)
+    model = train(problem, options)
+    n = model.nr_feature
+    coef = np.ctypeslib.as_array(model.w, (n + 1,))  # the features' weights, then the bias feature's
+    sign = 1.0 if model.get_labels()[0] == 1 else -1.0  # liblinear's first label is +
+    return sign * coef[:n], sign * coef[n] * model.bias
 
 
 def ovr_problem(X, Y, Xt, seen: np.ndarray, chunk: int, depth: int) -> str:

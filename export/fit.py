@@ -53,7 +53,7 @@ from export.baseline import BASELINE_MAX_LABELS, baseline_metrics
 from export.build import main as build_main
 from export.fuse import main as fuse_main
 from export.fusion_fit import FuseError
-from export.fusion_validation import selection_score
+from export.fusion_validation import best_validation
 from export.sparse_fit import SparseFitParams
 from xmc.data import load_train_and_dev
 
@@ -253,9 +253,8 @@ def fused_validation(bundle: Path) -> float | None:
     size choice; None when none was validated)."""
     fusion = read_manifest(bundle).fusion
     choice = fusion.size_choice if fusion is not None else None
-    if choice is None or not choice.validation:
-        return None
-    return round(max(selection_score(v) for v in choice.validation.values()), 2)
+    score = best_validation(choice.validation) if choice is not None else None
+    return round(score, 2) if score is not None else None
 
 
 def shipped_bundle(trained: Path, untrained: Path) -> Shipped:

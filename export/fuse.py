@@ -79,7 +79,7 @@ from export.fusion_fit import (
     size_name,
 )
 from export.fusion_to_onnx import onnx_fusion_model
-from export.fusion_validation import CHOICE_FOLDS, SizeChoice, choose_size, selection_score
+from export.fusion_validation import CHOICE_FOLDS, SizeChoice, best_validation, choose_size, selection_score
 from export.held_out import (
     DEFAULT_HELD_OUT_MEMORY,
     FITTED_ON,
@@ -242,6 +242,7 @@ def fit_fusion(predictor: Predictor, train: XMCDataset, rows: np.ndarray, params
     started = time.perf_counter()
     memory = params.held_out_memory
     best, tried = None, {}
+    frequencies = label_frequencies(train.Y)
     for candidate in ranker_candidates(params, train.num_labels):
         served, key_rows = unfitted_fusion(
             predictor,
@@ -255,7 +256,6 @@ def fit_fusion(predictor: Predictor, train: XMCDataset, rows: np.ndarray, params
         pairs = search.pairs(predictor, train, candidate.fit_on)
         model_params, size_choice = candidate.first_params, None
         if candidate.choosing:
-            frequencies = label_frequencies(train.Y)
             sizes = candidate.resolved_sizes
             size_choice = choose_size(
                 candidate.model, candidate.model_params, sizes, pairs, served.features, frequencies, len(train)
@@ -267,7 +267,7 @@ def fit_fusion(predictor: Predictor, train: XMCDataset, rows: np.ndarray, params
                          size_choice.chosen, size_choice.folds, candidate.sparse_fit.dense_weight, scores)  # fmt: skip
             else:
                 log.info("%d held-out instances: too few to choose a size on, %s fitted", len(rows), size_choice.chosen)
-        score = _best_validation(size_choice)
+        score = best_validation(size_choice.validation) if size_choice is not None else None
         if score is not None:
             tried[f"{candidate.sparse_fit.dense_weight:g}"] = round(score, 2)
         if best is None or (score is not None and best[0] is not None and score > best[0]):
@@ -300,13 +300,6 @@ def ranker_candidates(params: FuseParams, labels: int) -> list[FuseParams]:
     if params.sparse_depth is None or not fit.dense_weight or fit.kind(labels) != "one_vs_rest" or not params.choosing:
         return [params]
     return [params, dataclasses.replace(params, sparse_fit=dataclasses.replace(fit, dense_weight=0.0))]
-
-
-def _best_validation(choice: SizeChoice | None) -> float | None:
-    """The best selection score among a size choice's validated sizes (None: none validated)."""
-    if choice is None or not choice.validation:
-        return None
-    return max(selection_score(v) for v in choice.validation.values())
 
 
 def check_memory(predictor: Predictor, train: XMCDataset) -> None:

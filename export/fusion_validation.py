@@ -29,6 +29,12 @@ def selection_score(validation: dict) -> float:
     return (validation["filter_after"]["P@1"] + validation["filter_after"]["P@5"]) / 2
 
 
+def best_validation(validation: dict) -> float | None:
+    """The best :func:`selection_score` among validated sizes (size -> protocol -> metric, as a
+    :class:`SizeChoice` and the manifest's size choice hold them); None when none was validated."""
+    return max((selection_score(v) for v in validation.values()), default=None)
+
+
 def fold_of_instances(instances: int, folds: int, seed: int = 0) -> np.ndarray:
     """Each held-out instance's fold (shuffled, sizes differing by at most one)."""
     return np.random.default_rng(seed).permutation(instances) % folds

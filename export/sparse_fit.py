@@ -35,7 +35,6 @@ pruning live in :mod:`service.engine.sparse`).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -46,6 +45,7 @@ import scipy.sparse as sp
 from tqdm import tqdm
 
 from bundle import SparseFitKind
+from export.baseline import solve_label
 from service.engine.offline import LABEL_WEIGHT, PRUNE, Lexicon, SparseRanker, centroid_columns, pruned
 
 log = logging.getLogger("xmcserve.sparse_fit")
@@ -139,7 +139,6 @@ def _one_vs_rest(X: sp.csr_matrix, Y: sp.csr_matrix, V: np.ndarray | None, param
     dual coordinate descent (``-s 7``): (W, D or None, b, pairs). D is scaled back to the raw
     dense vector (a served query's) so the margin reads v(q) itself."""
     from liblinear.liblinear import parameter, problem
-    from liblinear.liblinearutil import train
 
     used = np.unique(X.indices)
     features = X[:, used].astype(np.float64)
@@ -151,21 +150,12 @@ def _one_vs_rest(X: sp.csr_matrix, Y: sp.csr_matrix, V: np.ndarray | None, param
     positives = Y.tocsc()
     positives.eliminate_zeros()
     prob = problem(np.zeros(features.shape[0]), features, bias=1)
-    y = np.ctypeslib.as_array(prob.y, (prob.l,))  # liblinear's own targets, rewritten per label
     options = parameter(f"-s 7 -c {params.c:g} -B 1 -q")
-    libc = ctypes.CDLL(None)
     w = np.zeros((width, labels), dtype=np.float32)
     b = np.zeros(labels, dtype=np.float32)
     for label in tqdm(range(labels), desc="one-vs-rest", unit="label", leave=False):
-        y[:] = -1.0
-        y[positives.indices[positives.indptr[label] : positives.indptr[label + 1]]] = 1.0
-        libc.srand(1)  # the dual solver visits texts in rand()'s order: each label from one seed
-        model = train(prob, options)
-        n = model.nr_feature
-        coef = np.ctypeslib.as_array(model.w, (n + 1,)).copy()
-        sign = 1.0 if model.get_labels()[0] == 1 else -1.0  # liblinear's first label is +
-        w[:n, label] = sign * coef[:n]
-        b[label] = sign * coef[n] * model.bias
+        coef, b[label] = solve_label(prob, positives, label, options)
+        w[: len(coef), label] = coef
     terms = len(used)
     rows, cols = np.nonzero(w[:terms])
     weights = sp.csr_matrix((w[rows, cols], (used[rows], cols)), shape=(X.shape[1], labels))
