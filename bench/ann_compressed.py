@@ -18,7 +18,7 @@ Methods (each a build and a list of search settings, swept from cheap to costly;
 is the first whose recall@10 reaches ``--target``):
 
 * ``hnswlib``: the service's default, M 32, ef_construction 200; settings: ef.
-* ``ivfpq-fp16``: the service's ``--index ivfpq`` (service/engine/index/ivfpq.py): faiss IVF, 4-bit PQ
+* ``ivfpq-fp16``: the service's ``--index ivfpq`` (engine/index/ivfpq.py): faiss IVF, 4-bit PQ
   fast-scan codes (pq_m 32: 16 bytes a key), the best ``depth`` candidates by code re-ranked
   exactly from float16 vectors; settings: (nprobe, depth).
 * ``ivfpq64-fp16``: the same with pq_m 64 (one 4-bit sub-quantizer a dimension, 32 bytes a key),
@@ -57,8 +57,7 @@ import numpy as np
 from bench.lib.recall import recall_with_ties
 from bench.lib.synthetic import clustered_vectors, draw
 from bundle import IvfPqParams
-from export.ivfpq import auto_nlist, build_ivfpq
-from service.engine.offline import IvfPqIndex, exact_rerank, faiss_threads
+from engine.offline import IvfPqIndex, auto_nlist, exact_rerank, faiss_threads
 
 K = 10
 BATCH = 32
@@ -86,7 +85,7 @@ def save_fp16(keys: np.ndarray, path: Path) -> np.ndarray:
 
 
 def reranked(candidates_of: Callable, stored_of: Callable) -> Callable:
-    """``search`` from a candidate search: its candidates re-ranked exactly (service/engine/index/ivfpq.py)."""
+    """``search`` from a candidate search: its candidates re-ranked exactly (engine/index/ivfpq.py)."""
 
     def search(queries: np.ndarray, setting: tuple) -> np.ndarray:
         *knobs, depth = setting
@@ -116,8 +115,11 @@ IVF_SETTINGS = [(16, 100), (32, 300), (64, 300), (128, 300), (128, 1000), (256, 
 
 def build_ivfpq_method(keys: np.ndarray, work: Path, threads_: int, rerank: str, pq_m: int = PQ_M) -> Built:
     nlist = auto_nlist(len(keys))
+    params = IvfPqParams(nlist=nlist, pq_m=pq_m, nprobe=1, rerank_depth=100)
     started = time.perf_counter()
-    phases = build_ivfpq(keys, nlist, pq_m, work / "index.faiss", work / "rerank.npy", 0, threads_)
+    built = IvfPqIndex.build(keys, params, 0, 0, threads_)
+    built.save(work / "index.faiss", work / "rerank.npy")
+    phases = built.build_seconds
     files = [work / "index.faiss", work / "rerank.npy"]
     if rerank == "sq8":
         sq = faiss.ScalarQuantizer(keys.shape[1], faiss.ScalarQuantizer.QT_8bit)
@@ -130,7 +132,6 @@ def build_ivfpq_method(keys: np.ndarray, work: Path, threads_: int, rerank: str,
             return sq.decode(codes[local.ravel()]).reshape(*local.shape, keys.shape[1])
 
     build_s = time.perf_counter() - started
-    params = IvfPqParams(nlist=nlist, pq_m=pq_m, nprobe=1, rerank_depth=100)
     index = IvfPqIndex.load(work / "index.faiss", work / "rerank.npy", keys.shape[1], params, 0, len(keys))
 
     if rerank == "fp16":
@@ -299,7 +300,7 @@ def synthetic_set(n: int, queries: int) -> tuple[np.ndarray, np.ndarray, dict]:
 def real_set(bundle: Path, data: Path, queries: int) -> tuple[np.ndarray, np.ndarray, dict]:
     """A bundle's keys (from its HNSW file) and its data's dev texts encoded by its encoder."""
     from bundle import read_manifest
-    from service.engine.offline import load_encoder
+    from engine.offline import load_encoder
 
     manifest = read_manifest(bundle)
     index = hnswlib.Index(space="ip", dim=manifest.dim)

@@ -26,7 +26,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from service.engine import AppendBatch, load_predictor
+from engine import AppendBatch, load_predictor
 
 VARIANTS = ("durable", "no-fsync")
 

@@ -8,7 +8,7 @@ For each bundle, each text (and a longer variant of a quarter of them, so paddin
 ranked alone, then inside random batches of 1 to 64 texts of mixed lengths; the JSON records how
 many batched answers were compared, how many had other labels or another order, and the largest
 score difference (the requirement: none, and at most 1e-6). The tests run the same check on small
-bundles (``tests/service/engine/test_batch_invariance.py``); this runs it on the bundles users
+bundles (``tests/engine/test_batch_invariance.py``); this runs it on the bundles users
 serve, the trained fused one included, which are too slow to build in the tests.
 """
 
@@ -21,8 +21,8 @@ import platform
 from dataclasses import asdict
 from pathlib import Path
 
-from service.engine import Predictor
-from service.engine.offline import load_bundle
+from engine import Predictor
+from engine.offline import load_bundle
 from tests.support.batch_invariance import TOLERANCE, batch_invariance
 from xmc.data import load_jsonl_split
 

@@ -8,13 +8,13 @@ Variants, each the default fusion (:data:`export.fusion_fit.DEFAULT_FUSION`, Lam
 RAE and lexical features of each search's top 200 by p̂) over its own candidates:
 
 * ``memory``: the memory's candidates alone (the default until now);
-* ``memory+sparse@D``: joined by a sparse ranker's top D (:mod:`service.engine.sparse`, fitted on
+* ``memory+sparse@D``: joined by a sparse ranker's top D (:mod:`engine.sparse`, fitted on
   the training texts alone, ``label_texts`` off);
 * ``memory+sparse+labels@D``: the same ranker with each label's own text among its texts (the
   lexical match on label text: a zero-shot label gets weights);
 * ``memory+keys@K`` and ``memory+sparse+labels@D+keys@K`` (with ``--label-key-depths``): joined by
   each query's nearest K label keys of a search ``--label-key-fetch`` keys deeper than b (the label
-  index as a source, :class:`service.engine.offline.LabelKeySource`).
+  index as a source, :class:`engine.offline.LabelKeySource`).
 
 For each: the validation metrics of :func:`bench.fusion_models.validate` (5 folds, both protocols,
 the candidates' recall of the relevant labels), and the choice by
@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 
 from bench.lib.held_out import held_out_features, held_out_instances
+from engine import Predictor
+from engine.offline import LabelKeySource, features_of_groups, load_bundle
 from export.evaluate import evaluate_bundle
 from export.fusion_fit import DEFAULT_FUSION, FuseError, fit_model
 from export.fusion_to_onnx import onnx_fusion_model
@@ -50,8 +52,6 @@ from export.fusion_validation import (
 )
 from export.held_out import SparseSpec
 from export.sparse_fit import SparseFitParams
-from service.engine import Predictor
-from service.engine.offline import LabelKeySource, features_of_groups, load_bundle
 from xmc.data import label_frequencies, load_jsonl_split
 
 DEV_METRICS = ("P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@3", "PSP@5", "R@10", "R@100")

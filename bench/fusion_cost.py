@@ -23,8 +23,8 @@ from datetime import date
 from pathlib import Path
 
 from bench.lib.latency import measure
+from engine.offline import load_bundle
 from export.evaluate import evaluate_bundle
-from service.engine.offline import load_bundle
 from xmc.data import load_jsonl_split
 
 SERVER_LOG = Path("/tmp/xmcserve-bench-fusion-cost.log")

@@ -5,7 +5,7 @@ split of the held-out training instances, never on dev; dev is measured once, fo
         [--folds 5] [--dev] [--curve]
 
 The pairs are ``export.fuse``'s (both kinds of search of the run's held-out instances, every
-feature group of :data:`service.engine.FEATURE_GROUPS` computed once). The held-out
+feature group of :data:`engine.FEATURE_GROUPS` computed once). The held-out
 instances are cut into ``--folds`` folds (an instance's two searches in the same fold); each
 candidate is fitted ``--folds`` times on the other folds' pairs and ranks its fold's searches by
 p̂ + T(φ), so every held-out instance is ranked by a model that never saw it. Its validation
@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.lib.held_out import held_out_features, held_out_instances
+from engine.offline import OPTIONAL_GROUPS, ScoreFusion, features_of_groups
 from export.evaluate import evaluate_bundle
 from export.fusion_fit import (
     BASE_GROUPS,
@@ -73,7 +74,6 @@ from export.fusion_validation import (
 )
 from export.held_out import SparseSpec, add_held_out_memory_option
 from export.sparse_fit import SparseFitParams
-from service.engine.offline import OPTIONAL_GROUPS, ScoreFusion, features_of_groups
 from xmc.checkpoint import HOLDOUT_FILE
 from xmc.data import label_frequencies, load_jsonl_split
 

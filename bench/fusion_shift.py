@@ -26,9 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from bench.lib.held_out import held_out_instances
+from engine.offline import KeyTerms
 from export.fusion_fit import DEFAULT_FUSION, FuseError
 from export.held_out import HeldOutPairs, HeldOutSearch, add_held_out_memory_option, pairs_of, unfitted_fusion
-from service.engine.offline import KeyTerms
 from xmc.data import load_jsonl_split
 
 

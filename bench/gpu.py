@@ -552,8 +552,8 @@ def encoder_alone_rates(params: GpuBenchParams, bundle: Path, texts: list[str]) 
     import gc
 
     from bench.lib.encoder_alone import encoder_alone
-    from service.engine import EncoderOptions
-    from service.engine.offline import load_bundle
+    from engine import EncoderOptions
+    from engine.offline import load_bundle
     from service.http.settings import Settings
 
     workers, threads = Settings(providers=params.provider).thread_layout()

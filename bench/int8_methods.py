@@ -36,9 +36,9 @@ from tokenizers import Tokenizer
 
 from bench.lib.encoder_alone import encoder_alone
 from bundle import ENCODER_FILE, TOKENIZER_FILE
+from engine import EncoderOptions, Predictor
+from engine.offline import MAX_CHUNK, OnnxEncoder, load_bundle
 from export.onnx_export import quantize_int8, quantize_int8_static
-from service.engine import EncoderOptions, Predictor
-from service.engine.offline import MAX_CHUNK, OnnxEncoder, load_bundle
 from xmc.data import load_jsonl_split
 from xmc.evaluate import evaluate_predictor
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.engine import load_predictor
+from engine import load_predictor
 from xmc.data import load_jsonl_split
 
 FETCH_EXTRA = (0, 100, 200, 400)

@@ -32,10 +32,10 @@ import numpy as np
 
 from bench.lib.loadgen import closed_loop, open_loop
 from bench.lib.recall import key_recall_at_10
+from engine import AppendBatch, load_predictor
+from engine.offline import load_labels
 from export.compact import compact_bundle
 from loadtest.localserver import start_server, stop_server
-from service.engine import AppendBatch, load_predictor
-from service.engine.offline import load_labels
 from xmc.data import XMCDataset, load_jsonl_split
 from xmc.evaluate import evaluate_predictor
 from xmc.metrics import HEADLINE

@@ -52,6 +52,7 @@ from pathlib import Path
 
 import yaml
 
+from engine.offline import load_bundle
 from export.build import ExportParams, build_bundle
 from export.derive import derive_rae_bundle
 from export.evaluate import evaluate_bundle
@@ -59,7 +60,6 @@ from export.fit import fit as fit_bundle
 from export.fuse import FuseParams, fuse_bundle
 from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS, size_name
 from export.held_out import DEFAULT_HELD_OUT_MEMORY, add_held_out_memory_option
-from service.engine.offline import load_bundle
 from xmc.checkpoint import HOLDOUT_FILE, LOG_FILE, PARAMS_FILE, ServingHead
 from xmc.data import load_jsonl_split
 from xmc.metrics import HEADLINE

@@ -10,7 +10,7 @@ ef_construction 200 (the export defaults), shards built one after another and ti
 Bundles already built are kept (a build of 1M labels takes minutes on 2 cores).
 
 ``measure``, in one run, for each bundle: recall@10 of the sharded search (every shard searched,
-merged by :func:`service.engine.merge_answers`) against exact search, on queries drawn from
+merged by :func:`engine.merge_answers`) against exact search, on queries drawn from
 the same mixture; bytes per label per shard; then over HTTP on 127.0.0.1 with the dev texts, k 10:
 the single uvicorn server on the unsharded bundle, and Ray Serve (a local cluster, ``build_app``)
 on each sharded one — p50/p99 at one request at a time, and QPS and p99 at ``--concurrency``.
@@ -33,8 +33,8 @@ from bench.lib.loadgen import closed_loop
 from bench.lib.recall import recall_at_k
 from bench.lib.synthetic import clustered_vectors, draw, exact_top10
 from bundle import ENCODER_FILE, LABELS_FILE, TOKENIZER_FILE, Counts, HnswParams, Shard, shard_list
+from engine.offline import fetch_and_ef
 from loadtest.localserver import free_port, start_server, stop_server
-from service.engine.offline import fetch_and_ef
 from xmc.data import LabelSpace, load_jsonl_split
 
 M, EF_CONSTRUCTION, EF_SEARCH = 32, 200, 300
@@ -90,7 +90,7 @@ def build(labels: int, shards: int, workdir: Path, encoder_bundle: Path, seed: i
 def sharded_recall(bundle: Path, labels: int, queries: int, seed: int) -> dict:
     """Recall@10 of every shard searched at the default ef and merged, against exact search."""
     from bundle import read_manifest
-    from service.engine.offline import load_shard, merge_answers
+    from engine.offline import load_shard, merge_answers
 
     rng = np.random.default_rng(seed)
     vectors, (centres, weights, spread) = clustered_vectors(labels, rng)

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 
 from bench.lib.recall import key_recall_at_10
+from engine import Predictor
+from engine.offline import load_bundle
 from export.derive import derive_rae_bundle
 from export.evaluate import evaluate_bundle
-from service.engine import Predictor
-from service.engine.offline import load_bundle
 from xmc.data import load_jsonl_split
 from xmc.metrics import HEADLINE
 

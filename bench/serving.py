@@ -61,9 +61,9 @@ from bench.lib.encoder_alone import encoder_alone
 from bench.lib.loadgen import closed_loop, open_loop
 from bench.lib.profiling import server_cpu_s, tree_cpu_s, tree_peak_rss_mib
 from bench.lib.recall import ann_recall
+from engine import EncoderOptions
+from engine.offline import load_bundle
 from loadtest.localserver import free_port, parse_cpus, start_server, stop_server
-from service.engine import EncoderOptions
-from service.engine.offline import load_bundle
 from service.http.settings import Settings
 from xmc.checkpoint import default_encoder_dir
 from xmc.data import load_jsonl_split

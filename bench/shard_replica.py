@@ -66,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
     import faiss
 
-    from service.engine.offline import fetch_and_ef, load_shard
+    from engine.offline import fetch_and_ef, load_shard
 
     settings = breadth_settings(args.settings)
     bundle = args.work / "shard"

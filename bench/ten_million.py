@@ -207,7 +207,7 @@ class Exact:
 def exact_search(bundle: Path, queries: list[str]) -> Exact:
     import faiss
 
-    from service.engine.offline import load_encoder
+    from engine.offline import load_encoder
 
     _, encoder = load_encoder(bundle)
     vectors = np.concatenate([encoder.encode(queries[i : i + 64])[0] for i in range(0, len(queries), 64)])
@@ -225,7 +225,7 @@ def tune_search(bundle: Path, exact: Exact, settings: list[tuple[int, int]], tar
     """Recall and search time of the bundle's index at each (nprobe, ef) (in process, one thread,
     the neighbours a /predict of k 10 fetches); the first reaching ``target`` (else the best)."""
     from bundle import read_manifest, shard_list
-    from service.engine.offline import fetch_and_ef, load_shard_index
+    from engine.offline import fetch_and_ef, load_shard_index
 
     manifest = read_manifest(bundle)
     index = load_shard_index(bundle, manifest, shard_list(manifest)[0])
@@ -279,7 +279,7 @@ def synthetic_path(args, work: Path, bundle: Path, logs: Path, py: str) -> tuple
     export = [py, "-m", "export.build", "--data", str(sample), "--checkpoint", str(encoder)]
     export += ["--out", str(work / "encoder-bundle"), "--index-kind", "labels"]
     stages["encoder_bundle"] = run_stage("encoder-bundle", export, logs)
-    from service.engine.offline import load_encoder
+    from engine.offline import load_encoder
     from xmc.data import load_jsonl_split
 
     # the mixture's centres: the sample's label texts as the served encoder encodes them, so that

@@ -11,7 +11,7 @@ the caller gets a :class:`BundleError` naming the file and the reason.
 
 
 class XmcserveError(Exception):
-    """Base of the exceptions of :mod:`bundle` and :mod:`service.engine`."""
+    """Base of the exceptions of :mod:`bundle` and :mod:`engine`."""
 
 
 class BundleError(XmcserveError, RuntimeError):

@@ -2,7 +2,7 @@
 manifest says (so hnswlib never allocates what a forged header asks for), and every element's
 links, labels and vectors (hnswlib follows links unchecked, so an out-of-range id is an
 out-of-bounds read in native code). Format only, and no hnswlib: what a bundle is lives in
-:mod:`bundle.manifest`; the engine's loader (``service.engine.bundle``) turns a refusal here into a
+:mod:`bundle.manifest`; the engine's loader (``engine.bundle``) turns a refusal here into a
 :class:`~bundle.BundleError`.
 """
 

@@ -12,23 +12,23 @@ immutable directory::
     index.hnsw       hnswlib index over the keys (labels, or instances + labels for RAE)
     index.faiss      instead of index.hnsw in a compressed bundle (``ann`` ivfpq): a faiss IVF
     rerank.npy       index of 4-bit PQ fast-scan codes, and the keys as float16 (keys x dim), from
-                     which the nearest candidates are re-ranked exactly (service.engine.index.ivfpq);
+                     which the nearest candidates are re-ranked exactly (engine.index.ivfpq);
                      a sharded one has ``index-<i>.faiss`` and ``rerank-<i>.npy`` per shard
     values.npz       RAE only: CSR value matrix V = [λ·Y_trn ; (1−λ)·I_L], (memory rows x labels)
     index-<i>.hnsw   a sharded bundle (``shards`` in the manifest) instead of the two above: one
     values-<i>.npz   index per contiguous range of key ids (the global ids are the HNSW labels)
                      and, for RAE, the value rows of those keys
     fusion.onnx      optional (``fusion`` in the manifest): the score-fusion model of an RAE
-                     memory (service.engine.fusion), an ai.onnx.ml TreeEnsemble over φ
+                     memory (engine.fusion), an ai.onnx.ml TreeEnsemble over φ
                      (float [batch, features] -> [batch, 1]) run by ONNX Runtime
     fusion.npz       with it: the label frequencies and, for a lexical fusion, the idf of its term
-                     space (service.engine.lexical); a bundle exported before fusion.onnx holds
+                     space (engine.lexical); a bundle exported before fusion.onnx holds
                      its single regression tree here as arrays
     lexical.npz      a lexical fusion's unit term vectors of the keys, key id order (CSR, keys x
     lexical-<i>.npz  terms); a sharded bundle has one file per shard, its keys' rows
     sparse.npz       optional (``fusion.sparse``): a sparse linear ranker over the lexical fusion's
                      term space, the weights (CSR, terms x labels) and one bias per label
-                     (service.engine.sparse), a second source of the fusion's candidates
+                     (engine.sparse), a second source of the fusion's candidates
     head.npz/.json   the linear head inside encoder.onnx (xmc.checkpoint format); not read
                      by the service, there for torch tools that rebuild the same vectors
 """
@@ -145,7 +145,7 @@ class RaeParams(_Strict):
 
 
 class SparseRankerParams(_Strict):
-    """A sparse linear ranker (service.engine.sparse): margin_l(q) = Σ_t q_t W[t, l] + v(q)·D[l] + b_l
+    """A sparse linear ranker (engine.sparse): margin_l(q) = Σ_t q_t W[t, l] + v(q)·D[l] + b_l
     over the unit idf-weighted term vector q of the lexical fusion's term space (and, with
     ``dense_dim``, the query's dense vector v(q)); each query's top ``depth``
     labels by margin join the candidates the fusion rescores, and every candidate's margin and
@@ -172,7 +172,7 @@ class SparseRankerParams(_Strict):
 
 
 class LabelKeysParams(_Strict):
-    """The label index as a candidate source (service.engine.fusion): the memory is searched
+    """The label index as a candidate source (engine.fusion): the memory is searched
     ``fetch`` keys deeper than its RAE top b, and each query's nearest ``depth`` label keys among
     them join the candidates the fusion rescores, their similarity and rank features of φ."""
 
@@ -193,7 +193,7 @@ class FusionSizeChoice(_Strict):
 
 
 class FusionParams(_Strict):
-    """Score fusion of an RAE memory (service.engine.fusion): fused = p̂ + T(φ)."""
+    """Score fusion of an RAE memory (engine.fusion): fused = p̂ + T(φ)."""
 
     file: str = Field(FUSION_FILE, description="the label frequencies (and a lexical fusion's idf)")
     model: str = Field(description="T as an ai.onnx.ml TreeEnsemble ONNX model, its checksum in files")

@@ -25,7 +25,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import hnswlib
 import numpy as np
 import scipy.sparse as sp
 import torch
@@ -48,13 +47,12 @@ from bundle import (
     utc_now,
     write_label_arrays,
 )
+from engine.offline import HnswIndex, IvfPqIndex
 from export.export_params import ExportParams, add_arguments, from_arguments
-from export.ivfpq import build_ivfpq
 from export.onnx_export import export_serving_graph, random_texts
 from export.pooled_vectors import EncodeReport, encode_pooled
 from export.serving_graph import ServingEncoder, load_encoder, load_fast_tokenizer
 from export.writer import refuse_existing, write_bundle, write_values
-from service.engine.offline import HnswIndex
 from xmc.checkpoint import (
     Checkpoint,
     ServingHead,
@@ -268,24 +266,20 @@ def write_shard_index(
     index_name: str,
     rerank_name: str | None,
 ) -> None:
-    """One shard's index over ``keys`` (ids from ``first_id``): the compressed index and its re-rank
-    vectors when ``ivfpq`` is given, else an HNSW file."""
+    """One shard's index over ``keys`` (ids from ``first_id``), built and saved by its kind's class
+    in the engine: the compressed index and its re-rank vectors when ``ivfpq`` is given, else an
+    HNSW file."""
     if ivfpq is not None:
-        build_ivfpq(
-            keys, ivfpq.nlist, ivfpq.pq_m, stage / index_name, stage / rerank_name, params.seed, params.build_threads
-        )
+        index = IvfPqIndex.build(keys, ivfpq, first_id, params.seed, params.build_threads)
+        index.save(stage / index_name, stage / rerank_name)
     else:
         build_hnsw(keys, params, stage / index_name, first_id=first_id)
 
 
 def build_hnsw(keys: np.ndarray, params: ExportParams, path: Path, first_id: int = 0) -> None:
-    """An HNSW index over ``keys``, whose labels are ``first_id``, ``first_id + 1``, …"""
-    index = hnswlib.Index(space="ip", dim=keys.shape[1])
-    index.init_index(
-        max_elements=len(keys), ef_construction=params.ef_construction, M=params.hnsw_m, random_seed=params.seed
-    )
-    index.add_items(keys, first_id + np.arange(len(keys)), num_threads=params.build_threads or -1)
-    HnswIndex(index).save(path)
+    """An HNSW file over ``keys``, whose labels are ``first_id``, ``first_id + 1``, …"""
+    hnsw = HnswParams(space="ip", M=params.hnsw_m, ef_construction=params.ef_construction, ef_search=params.ef_search)
+    HnswIndex.build(keys, hnsw, first_id, params.seed, params.build_threads or -1).save(path)
 
 
 def write_label_files(stage: Path, labels: LabelSpace, labels_format: str) -> None:

@@ -1,6 +1,6 @@
 """Fold a bundle's append log into a fresh bundle: ``python -m export.compact``.
 
-A live memory (`service/engine/memory.py`) grows its HNSW graph by insertion and keeps the
+A live memory (`engine/memory.py`) grows its HNSW graph by insertion and keeps the
 appended value rows apart; compaction writes what it serves as an ordinary bundle, with the graph
 rebuilt over every key, the memory laid out [instances ; labels] again and the labels file
 extended. Label ids do not change, so clients' stored ids stay valid. The encoder, tokenizer and
@@ -33,12 +33,12 @@ import numpy as np
 import scipy.sparse as sp
 
 from bundle import MANIFEST_FILE, Counts, Lineage, Manifest, label_files, shard_list, utc_now
+from engine import AppendLogError, MemoryView, appends_dir_beside
+from engine.offline import SOURCE_LOGS, ScoreFusion, lineage_log_path, load_for_reading
 from export.build import write_index, write_label_files
 from export.derive import fusion_files, link_or_copy, write_key_terms
 from export.export_params import ExportParams
 from export.writer import refuse_existing, write_bundle
-from service.engine import AppendLogError, MemoryView, appends_dir_beside
-from service.engine.offline import SOURCE_LOGS, ScoreFusion, lineage_log_path, load_for_reading
 from xmc.data import LabelSpace
 
 

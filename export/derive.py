@@ -5,7 +5,7 @@ The encoder and the index do not depend on these parameters, so they are hard-li
 immutable, sharing their files is safe) and only the value rows (``values.npz``, or each shard's,
 when λ changes) and the manifest are new. This is what a λ sweep serves.
 
-A derived bundle stays in its source's lineage (:func:`~service.engine.carried_lineage`): it
+A derived bundle stays in its source's lineage (:func:`~engine.carried_lineage`): it
 replays the appends the source's lineage logged and appends to that log, found through the
 ``appends_dir`` it is given (the server's XMCSERVE_APPEND_LOG_DIR; None: each bundle's
 ``<bundle>.appends/``, the derived bundle then beside its source).
@@ -31,10 +31,10 @@ from bundle import (
     shard_list,
     utc_now,
 )
+from engine.offline import ScoreFusion, carried_lineage, save_key_terms
 from export.export_params import RAE_ATTRIBUTES, Quantize, RaeMode
 from export.onnx_export import quantize_checked, random_texts
 from export.writer import write_bundle, write_values
-from service.engine.offline import ScoreFusion, carried_lineage, save_key_terms
 
 
 def derive_rae_bundle(

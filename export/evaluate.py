@@ -3,8 +3,8 @@
     python -m export.evaluate --bundle bundles/default --data data/debian-sample --split dev \\
         [--out results.json] [--k 100] [--ef 300] [--propensity default|amazon|wikipedia]
 
-The bundle is opened as the server opens it (:func:`service.engine.load_bundle`) and ranked by a
-:class:`service.engine.Predictor`; the two filter protocols and the metrics are
+The bundle is opened as the server opens it (:func:`engine.load_bundle`) and ranked by a
+:class:`engine.Predictor`; the two filter protocols and the metrics are
 :mod:`xmc.evaluate`'s. The JSON written with ``--out`` is what the rollout page shows beside a
 bundle (``<bundle dir>-eval-<split>.json``, ``make evaluate``).
 """
@@ -17,8 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from service.engine import Predictor
-from service.engine.offline import Bundle, load_bundle
+from engine import Predictor
+from engine.offline import Bundle, load_bundle
 from xmc.data import XMCDataset, load_jsonl_split
 from xmc.evaluate import evaluate_predictor, format_table
 from xmc.metrics import PROPENSITY_PRESETS, Segments

@@ -68,7 +68,7 @@ class ExportParams:
         rae_tau: softmax temperature τ; 0.04 in the paper for unit vectors (default: 0.04)
         rae_top_b: keys retrieved per query, b; 200 in the paper (default: 200)
         rae_mode: ``joint``: one softmax over all top-b keys, the paper; ``split``: instance and
-            label keys normalised separately, see service/engine/rae.py (default: joint)
+            label keys normalised separately, see engine/rae.py (default: joint)
         batch_size: least texts per encoding block; each block is length-sorted and chunked (default: 128)
         encode_device: where the memory and label texts are encoded: ``auto`` = torch on CUDA when
             a GPU is present (fp16 autocast), else the fused ONNX graph on every CPU core; ``cpu``;
@@ -145,7 +145,7 @@ class ExportParams:
 
     def ivfpq(self, keys: int) -> IvfPqParams:
         """The compressed index's parameters as the manifest records them, for an index of ``keys`` keys."""
-        from export.ivfpq import auto_nlist
+        from engine.offline import auto_nlist
 
         pq_m = self.pq_m or self.dim
         nprobe = self.ivf_nprobe or (256 if self.index_kind == "rae_memory" else 128)

@@ -269,8 +269,8 @@ def measure_fit(data: Path, bundle: Path, threads: int | None = None, untrained:
     """The built ``bundle`` (and the ``untrained`` rival, when given) and the simple baseline
     (fitted on ``trn``) on ``data``'s dev split, under the peers' protocol:
     ``{"split", "rows": {name: metrics}, "notes"}``."""
+    from engine.offline import load_bundle
     from export.evaluate import evaluate_bundle
-    from service.engine.offline import load_bundle
 
     train, dev = load_train_and_dev(data, "trn", "dev")
     rows: dict[str, dict] = {}

@@ -1,4 +1,4 @@
-"""Fit an RAE bundle's score fusion ((`service/engine/fusion.py`)) on a training run's held-out
+"""Fit an RAE bundle's score fusion ((`engine/fusion.py`)) on a training run's held-out
 instances, and write it as a derived bundle.
 
     python -m export.fuse --bundle bundles/debian-unidec --run runs/debian-unidec \\
@@ -13,10 +13,10 @@ library (:mod:`export.fusion_to_onnx`), and written into a derived bundle
 (:func:`export.derive.derive_fused_bundle`). The served fusion keeps the whole memory's counts and
 idf. The dev and test splits are never read.
 
-By default the fusion is lexical (`service/engine/lexical.py`): the idf of the memory's texts
+By default the fusion is lexical (`engine/lexical.py`): the idf of the memory's texts
 (its training instances and labels) is fitted here, every key's term vector is written beside the
 fusion (one file per shard) and φ gains the lexical features. ``--extra-features`` adds the
-cheap optional groups of :data:`service.engine.FEATURE_GROUPS`; ``bench.fusion_models``
+cheap optional groups of :data:`engine.FEATURE_GROUPS`; ``bench.fusion_models``
 says, on a validation split of the held-out instances, which of them and which model to use.
 
 Candidate sources beside the memory's top b: ``--sparse-depth D`` (a sparse linear ranker's top D,
@@ -66,6 +66,8 @@ from bundle import (
     read_manifest,
     shard_list,
 )
+from engine import AppendLogError, Predictor, load_predictor
+from engine.offline import OPTIONAL_GROUPS, LabelKeySource, ScoreFusion, SparseRanker, carried_lineage
 from export.derive import derive_fused_bundle
 from export.fusion_fit import (
     DEFAULT_FUSION,
@@ -92,8 +94,6 @@ from export.held_out import (
 )
 from export.sparse_fit import SparseFitParams
 from export.writer import refuse_existing
-from service.engine import AppendLogError, Predictor, load_predictor
-from service.engine.offline import OPTIONAL_GROUPS, LabelKeySource, ScoreFusion, SparseRanker, carried_lineage
 from xmc.checkpoint import HOLDOUT_FILE
 from xmc.data import XMCDataset, label_frequencies, load_jsonl_split, rows_of_uids
 
@@ -112,7 +112,7 @@ class FuseParams:
         model_params: the model's parameters given (``depth``, ``min_leaf``, ``trees``, ``leaves``,
             ``learning_rate``); the others are :data:`~export.fusion_fit.DEFAULT_PARAMS`'. One the
             model does not take is refused (:class:`FuseError`)
-        groups: the feature groups of φ (:data:`service.engine.FEATURE_GROUPS`); ``lexical`` adds
+        groups: the feature groups of φ (:data:`engine.FEATURE_GROUPS`); ``lexical`` adds
             the key term files it reads
         rerank_depth: T is fitted on, and rescores, each search's top N candidates by p̂ only
             (None: every candidate)
@@ -121,10 +121,10 @@ class FuseParams:
         held_out_memory: the memory the held-out instances are searched against
             (:data:`export.held_out.HeldOutMemory`)
         sparse_depth: candidates a query gets from a sparse linear ranker over the lexical term
-            space (:mod:`service.engine.sparse`), fitted here on the memory's texts; None: none
+            space (:mod:`engine.sparse`), fitted here on the memory's texts; None: none
         sparse_fit: how that ranker is fitted (:class:`~export.sparse_fit.SparseFitParams`)
         label_key_depth: nearest label keys a query adds to the candidates (the label index as a
-            source, :class:`~service.engine.fusion.LabelKeySource`); None: none
+            source, :class:`~engine.fusion.LabelKeySource`); None: none
         label_key_fetch: keys its search fetches beyond the RAE top b for them
         sizes: the ensemble sizes (``trees`` and ``leaves`` over :attr:`model_params`, which then
             names neither) cross-validated on the held-out instances, the best fitted
@@ -405,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         choices=[group for group in OPTIONAL_GROUPS if group != "lexical"],
         default=list(DEFAULT_FUSION.extra_groups),
-        help="optional cheap feature groups to add to φ (service.engine.FEATURE_GROUPS); default "
+        help="optional cheap feature groups to add to φ (engine.FEATURE_GROUPS); default "
         f"{' '.join(DEFAULT_FUSION.extra_groups) or 'none'}",
     )
     parser.add_argument(
@@ -419,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_FUSION.sparse_depth or 0,
         help="candidates a query gets from a sparse linear ranker over the lexical term space, fitted here "
-        f"(service.engine.sparse); 0: none (default {DEFAULT_FUSION.sparse_depth or 0})",
+        f"(engine.sparse); 0: none (default {DEFAULT_FUSION.sparse_depth or 0})",
     )
     parser.add_argument(
         "--sparse-dense-weight",
@@ -488,7 +488,7 @@ def fuse_bundle(
     """``bundle`` with a fusion fitted as ``params`` say (default :class:`FuseParams`) on ``run``'s
     held-out instances of ``train`` (the bundle's memory split), written to ``out`` (``force``:
     replacing a bundle there), in ``bundle``'s lineage (its log found through ``appends_dir``:
-    :func:`~service.engine.carried_lineage`). Raises :class:`FuseError` when the run has no
+    :func:`~engine.carried_lineage`). Raises :class:`FuseError` when the run has no
     held-out instances, the bundle's memory is not ``train``'s or the exported model does not
     score as its library does."""
     params = params or FuseParams()

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from bundle import FusionModelKind
+from engine.offline import SOURCE_GROUPS
 from export.held_out import HeldOutPairs
-from service.engine.offline import SOURCE_GROUPS
 
 # The feature groups every fusion has, the base the optional groups are added to (and named after).
 BASE_GROUPS: tuple[str, ...] = ("rae", "lexical")
@@ -24,7 +24,7 @@ BASE_GROUPS: tuple[str, ...] = ("rae", "lexical")
 class FusionChoice:
     """A fusion as ``bench.fusion_models`` compares them and ``export.fuse`` fits one: its model and
     the model's parameters, its feature groups, its rerank depth (None: T rescores every candidate)
-    and the candidates a query gets from a sparse ranker (None: none; :mod:`service.engine.sparse`)."""
+    and the candidates a query gets from a sparse ranker (None: none; :mod:`engine.sparse`)."""
 
     model: FusionModelKind
     groups: tuple[str, ...]

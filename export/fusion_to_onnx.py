@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.offline import OnnxTreeEnsemble
 from export.fusion_fit import FittedModel, FuseError
-from service.engine.offline import OnnxTreeEnsemble
 
 # The most |ONNX Runtime − fitting library| an exported model may differ by on its pairs: float32
 # sums of leaf values, far below any difference between two candidates' fused scores that matters.

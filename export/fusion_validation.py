@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import scipy.sparse as sp
 
+from engine.offline import OPTIONAL_GROUPS, features_of_groups
 from export.fusion_fit import FusionChoice, fit_model, size_name
 from export.fusion_to_onnx import onnx_fusion_model
 from export.held_out import HeldOutPairs
-from service.engine.offline import OPTIONAL_GROUPS, features_of_groups
 from xmc.metrics import HEADLINE, compute_all
 
 VALIDATION_METRICS = HEADLINE

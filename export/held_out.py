@@ -15,8 +15,8 @@ Each held-out instance is searched twice, as the service is called two ways: wit
 labels excluded before aggregation (a caller's ``exclude``), and blind to them, its same-item
 label key retrieved and taking its share of the softmax (the filter labels are then left out of
 the pairs, as an evaluation that filters after ranking drops them). The candidates and φ of each
-search come from the engine's ranking (:func:`service.engine.fusion_candidates`, computed as
-:func:`service.engine.rank_batch` ranks), so the fit sees what the service computes.
+search come from the engine's ranking (:func:`engine.fusion_candidates`, computed as
+:func:`engine.rank_batch` ranks), so the fit sees what the service computes.
 """
 
 from __future__ import annotations
@@ -29,9 +29,8 @@ import numpy as np
 import scipy.sparse as sp
 
 from bundle import TOKENIZER_FILE
-from export.sparse_fit import SparseFitParams, fit_for_memory
-from service.engine import Predictor
-from service.engine.offline import (
+from engine import Predictor
+from engine.offline import (
     KeyTerms,
     LabelKeySource,
     Lexicon,
@@ -41,6 +40,7 @@ from service.engine.offline import (
     fusion_candidates,
     memory_log_frequency,
 )
+from export.sparse_fit import SparseFitParams, fit_for_memory
 from xmc.data import XMCDataset
 
 # Queries searched and featurised at once (bounds the key and feature arrays).

@@ -25,11 +25,11 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from bundle import TOKENIZER_FILE
+from engine import EncoderOptions
+from engine.offline import MAX_CHUNK, OnnxEncoder
 from export.export_params import ExportParams
 from export.onnx_export import ParityError, export_checked_graph
 from export.serving_graph import PooledEncoder, tokenize_batch
-from service.engine import EncoderOptions
-from service.engine.offline import MAX_CHUNK, OnnxEncoder
 
 log = logging.getLogger("xmcserve.export")
 

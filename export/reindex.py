@@ -25,12 +25,12 @@ from pathlib import Path
 import numpy as np
 
 from bundle import HnswParams, Manifest, read_manifest, shard_file_names, shard_list, utc_now
+from engine import AppendLogError
+from engine.offline import carried_lineage, load_shard_index
 from export.build import write_shard_index
 from export.derive import link_or_copy
 from export.export_params import ExportParams
 from export.writer import refuse_existing, write_bundle
-from service.engine import AppendLogError
-from service.engine.offline import carried_lineage, load_shard_index
 
 
 def reindex_bundle(
@@ -39,7 +39,7 @@ def reindex_bundle(
     """``source`` with its keys indexed as ``params.index`` says (ivfpq: ``ivf_nlist``, ``pq_m``,
     ``ivf_nprobe``; hnswlib: ``hnsw_m``, ``ef_construction``), ``ef_search`` from ``params``; in
     the source's lineage, its log found through ``appends_dir`` (None: each bundle's default log
-    directory) as :func:`~service.engine.carried_lineage` says."""
+    directory) as :func:`~engine.carried_lineage` says."""
     refuse_existing(out, force)
     source = Path(source).resolve()
     src = read_manifest(source)

@@ -1,4 +1,4 @@
-"""Fit a sparse linear ranker (:mod:`service.engine.sparse`) over the lexical fusion's unit term
+"""Fit a sparse linear ranker (:mod:`engine.sparse`) over the lexical fusion's unit term
 vectors: one weight vector per label, W (terms x labels), and a bias b. Two fits
 (:data:`~bundle.SparseFitKind`):
 
@@ -29,8 +29,8 @@ trained against (dev P@1 39.4, R@100 42.8, against the centroid's 37.0 / 64.4; d
 Each label's own text is one of its texts (``label_texts``): a label no training instance carries
 (zero-shot) still has weights, the lexical match on label text of the classic tail-label fallback.
 A label appended to a live memory later gets the column a zero-shot label gets here, from its text
-(:meth:`~service.engine.sparse.SparseRanker.label_columns`, the same code: the centroid and the
-pruning live in :mod:`service.engine.sparse`).
+(:meth:`~engine.sparse.SparseRanker.label_columns`, the same code: the centroid and the
+pruning live in :mod:`engine.sparse`).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ import scipy.sparse as sp
 from tqdm import tqdm
 
 from bundle import SparseFitKind
+from engine.offline import LABEL_WEIGHT, PRUNE, Lexicon, SparseRanker, centroid_columns, pruned
 from export.baseline import solve_label
-from service.engine.offline import LABEL_WEIGHT, PRUNE, Lexicon, SparseRanker, centroid_columns, pruned
 
 log = logging.getLogger("xmcserve.sparse_fit")
 
@@ -168,7 +168,7 @@ def _one_vs_rest(X: sp.csr_matrix, Y: sp.csr_matrix, V: np.ndarray | None, param
 def _centroid(X: sp.csr_matrix, Y: sp.csr_matrix, label_rows: sp.csr_matrix | None, params: SparseFitParams):
     """Each label's unit mean of its texts' rows, its own text's row added at ``label_weight``: the
     runtime's code, which gives a label appended to a live memory its column alike
-    (:meth:`~service.engine.sparse.SparseRanker.label_columns`)."""
+    (:meth:`~engine.sparse.SparseRanker.label_columns`)."""
     weights = centroid_columns((Y.T @ X).tocsr(), label_rows, params.label_weight)
     return weights, np.zeros(Y.shape[1], dtype=np.float32), Y.nnz
 

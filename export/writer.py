@@ -40,7 +40,7 @@ from typing import Any
 import scipy.sparse as sp
 
 from bundle import MANIFEST_FILE, VALUES_FILE, Manifest, Shard, build_values, content_id, sha256_file
-from service.engine.offline import sync_directory
+from engine.offline import sync_directory
 
 # Writes the payload files into the staging dir it is given; returns the manifest's fields
 # except ``bundle_id`` and ``files``, which the writer derives from what was written.

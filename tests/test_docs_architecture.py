@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "architecture.md"
 # The project's top-level packages (folders of Python code), in the order the tables list them.
-PACKAGES = ("xmc", "bundle", "training", "export", "service", "bench", "loadtest", "data", "deploy")
+PACKAGES = ("xmc", "bundle", "engine", "training", "export", "service", "bench", "loadtest", "data", "deploy")
 NONE = "—"
 
 
@@ -95,7 +95,7 @@ def test_the_layer_table_is_the_imports_between_the_layers_of_service():
 
 def module_map() -> dict[str, str]:
     """The module map's block split by top-level folder: ``xmc`` → its text (continuation lines
-    included); ``service`` also by sub-package (``service/engine`` → its text)."""
+    included); ``service`` also by sub-package (``engine`` → its text)."""
     block = page_section("Module map").split("```")[1]
     parts: dict[str, list[str]] = defaultdict(list)
     top = sub = None

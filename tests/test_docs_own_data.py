@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine import load_predictor
 from loadtest.localserver import free_port
-from service.engine import load_predictor
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from service.engine import ValueRows, aggregate, labels_of_keys, top_k_of_row
+from engine import ValueRows, aggregate, labels_of_keys, top_k_of_row
 from xmc.data import XMCDataset
 from xmc.metrics import drop_excluded, score_ranking
 

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--top-b", default="100,200,400", help="comma list of b values to try: memory keys retrieved per query"
     )
-    parser.add_argument("--modes", default="joint,split", help="RAE weighting modes (service.engine.rae)")
+    parser.add_argument("--modes", default="joint,split", help="RAE weighting modes (engine.rae)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     params = load_params(args.run / PARAMS_FILE, [f"out_dir={args.run}"])

@@ -1,7 +1,7 @@
 """Evaluate a predictor on a data split: ranking through the service's own search path, and the
 metrics of :mod:`xmc.metrics`, under both filter protocols.
 
-The predictor is passed in (:class:`service.engine.Predictor`, or anything with its ``view``,
+The predictor is passed in (:class:`engine.Predictor`, or anything with its ``view``,
 ``encode``, ``predict`` and ``search``), so this core imports no stage; ``python -m export.evaluate``
 opens a bundle directory and calls :func:`evaluate_predictor`. The split's filter file (same-item
 pairs) is applied under two protocols, both reported:
@@ -32,7 +32,7 @@ PROTOCOLS: tuple[FilterProtocol, ...] = ("filter_after", "exclude_before")
 
 
 class ServedLabels(Protocol):
-    """The label side of a served memory (:class:`service.engine.MemoryView`)."""
+    """The label side of a served memory (:class:`engine.MemoryView`)."""
 
     label_uids: list[str]
     num_labels: int
@@ -41,7 +41,7 @@ class ServedLabels(Protocol):
 
 
 class Searcher(Protocol):
-    """What an evaluation calls (:class:`service.engine.Predictor`): typed here, not imported, so
+    """What an evaluation calls (:class:`engine.Predictor`): typed here, not imported, so
     the core stays below the service."""
 
     view: ServedLabels

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine import load_predictor
+from engine.offline import FEATURE_GROUPS, KeyTerms, LabelKeySource, ScoreFusion
 from export.fuse import check_memory
 from export.held_out import (
     DEFAULT_HELD_OUT_MEMORY,
@@ -15,8 +17,6 @@ from export.held_out import (
     SparseSpec,
     unfitted_fusion,
 )
-from service.engine import load_predictor
-from service.engine.offline import FEATURE_GROUPS, KeyTerms, LabelKeySource, ScoreFusion
 from xmc.checkpoint import HOLDOUT_FILE
 from xmc.data import load_jsonl_split, rows_of_uids
 

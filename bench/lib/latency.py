@@ -18,9 +18,9 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from bench.lib.loadgen import Connection, encode_request
+from engine import EncoderOptions, Predictor
+from engine.offline import load_bundle
 from loadtest.localserver import start_server, stop_server
-from service.engine import EncoderOptions, Predictor
-from service.engine.offline import load_bundle
 from service.http.settings import Settings
 
 

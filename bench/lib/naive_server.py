@@ -16,8 +16,8 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from transformers import AutoModel, AutoTokenizer
 
-from service.engine import Predictor
-from service.engine.offline import Neighbours, load_bundle, rank_batch
+from engine import Predictor
+from engine.offline import Neighbours, load_bundle, rank_batch
 from xmc.checkpoint import ServingHead, default_encoder_dir
 
 

@@ -33,7 +33,7 @@ def token_key(ids) -> int:
 
 def write_vectors(bundle_dir: Path, texts: list[str], path: Path) -> None:
     """The bundle encoder's vectors of ``texts``, keyed by their token ids, to ``path``."""
-    from service.engine.offline import load_bundle
+    from engine.offline import load_bundle
 
     encoder = load_bundle(bundle_dir).encoder
     vectors, _ = encoder.encode(texts)
@@ -43,7 +43,7 @@ def write_vectors(bundle_dir: Path, texts: list[str], path: Path) -> None:
 
 def install(path: Path) -> None:
     """Replace every ``OnnxEncoder``'s session call in this process by a lookup in ``path``."""
-    from service.engine.offline import OnnxEncoder
+    from engine.offline import OnnxEncoder
 
     data = np.load(path)
     rows = {int(key): row for row, key in enumerate(data["keys"])}
@@ -59,7 +59,7 @@ def install(path: Path) -> None:
 def installed(path: Path):
     """:func:`install` for the block, then every ``OnnxEncoder`` as it was (a measurement run in
     another program's process, a test's, leaves its encoders real)."""
-    from service.engine.offline import OnnxEncoder
+    from engine.offline import OnnxEncoder
 
     real = OnnxEncoder.run
     install(path)

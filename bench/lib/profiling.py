@@ -184,13 +184,13 @@ def record(
 # A sample is charged to the first stage whose marker appears in its stack (innermost first).
 STAGES = (
     ("onnx_run", ("Session.run (",)),
-    ("hnsw_search", ("service/engine/index/", "Predictor.knn (")),
-    ("rae_aggregate", ("rank (service/engine/search.py", "rae.py")),
-    ("tokenize", ("encode_batch", "tokenize (service/engine/encoder.py")),
+    ("hnsw_search", ("engine/index/", "Predictor.knn (")),
+    ("rae_aggregate", ("rank (engine/search.py", "rae.py")),
+    ("tokenize", ("encode_batch", "tokenize (engine/encoder.py")),
     ("response_json", ("to_response", "json/encoder.py", "predict_response")),
     ("request_parse", ("pydantic", "fastapi/routing.py", "fastapi/dependencies")),
     ("metrics", ("prometheus_client",)),
-    ("batcher", ("service/engine/batcher.py",)),
+    ("batcher", ("engine/batcher.py",)),
     ("http_protocol", ("httptools_impl.py", "h11_impl.py", "/h11/", "protocols/http/")),
     ("middleware", ("service/observability/", "front_door.py", "guards.py", "RequestObserver", "starlette/")),
     ("endpoint", ("service/http/app.py",)),

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.engine import Predictor, Ranking
-from service.engine.offline import Bundle, Neighbours, rank_batch
+from engine import Predictor, Ranking
+from engine.offline import Bundle, Neighbours, rank_batch
 
 
 def bundle_keys(bundle: Bundle) -> np.ndarray:

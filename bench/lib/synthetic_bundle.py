@@ -23,8 +23,8 @@ def build_synthetic_bundle(
     keys are bench.ann_scale's mixture, around ``centres`` (unit vectors) when given, random
     centres (40 labels a cluster, as its 10^6 set) otherwise."""
     from bundle import read_manifest, write_label_arrays
+    from engine.offline import IvfPqIndex
     from export.export_params import ExportParams
-    from export.ivfpq import build_ivfpq
     from export.writer import write_bundle
 
     rng = np.random.default_rng(seed)
@@ -50,9 +50,9 @@ def build_synthetic_bundle(
         write_label_arrays(stage, uids, [f"synthetic label {i}" for i in range(labels)])
         report["label_arrays_s"] = round(time.perf_counter() - started, 1)
         started = time.perf_counter()
-        report.update(
-            build_ivfpq(vectors, ivfpq.nlist, ivfpq.pq_m, stage / "index.faiss", stage / "rerank.npy", seed, threads)
-        )
+        index = IvfPqIndex.build(vectors, ivfpq, 0, seed, threads)
+        index.save(stage / "index.faiss", stage / "rerank.npy")
+        report.update(index.build_seconds)
         report["index_s"] = round(time.perf_counter() - started, 1)
         return {
             "created_at": source.created_at,

@@ -19,10 +19,10 @@ from fastapi import FastAPI, Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from bundle import Manifest
-from service.engine import MAX_LABELS_PER_INSTANCE, AppendBatch, MemoryView
+from engine import MAX_LABELS_PER_INSTANCE, AppendBatch, MemoryView
 
 if TYPE_CHECKING:
-    from service.engine import BatchAnswer, Ranking
+    from engine import BatchAnswer, Ranking
 from service.api.limits import LimitSettings
 
 try:
@@ -258,7 +258,7 @@ BATCH_THREAD_LABELS = 1024
 
 
 def body_renderer(variant: str, k: int, texts: int) -> Callable[[BatchAnswer], bytes] | None:
-    """The ``render`` of a request's batcher job (:meth:`~service.engine.MicroBatcher.submit`):
+    """The ``render`` of a request's batcher job (:meth:`~engine.MicroBatcher.submit`):
     its answer's :func:`predict_body`, made on the batch's thread; None for an answer too large
     for it (:data:`BATCH_THREAD_LABELS`)."""
     if texts * k > BATCH_THREAD_LABELS:

@@ -22,8 +22,7 @@ from pathlib import Path
 import anyio
 from fastapi import Depends, FastAPI, HTTPException, Request
 
-from service.api.schemas import ConfigUpdate, ReloadRequest, build_append_request
-from service.engine import (
+from engine import (
     AppendIdReused,
     AppendLogError,
     AppendLogHeld,
@@ -33,6 +32,7 @@ from service.engine import (
     MemoryBusy,
     Predictor,
 )
+from service.api.schemas import ConfigUpdate, ReloadRequest, build_append_request
 from service.http.group import GroupError
 from service.http.state import BusyRetry, ServingState, load_for_serving, refused_fields
 

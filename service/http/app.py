@@ -1,6 +1,6 @@
 """FastAPI app factory: ``uvicorn service.http.app:create_app --factory``.
 
-A thin front end over the engine (:mod:`service.engine`) and the rollout state
+A thin front end over the engine (:mod:`engine`) and the rollout state
 (:mod:`service.rollout`).
 
 The lifespan loads and verifies the primary bundle named by ``XMCSERVE_BUNDLE_DIR`` (a bundle
@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.routing import request_response
 
 from bundle import BundleError
+from engine import BatchAnswer, BatcherStoppedError, DeadlineExceededError, MemoryBusy, QueueFullError
 from service.api.body_guards import decode_body, validation_error
 from service.api.docs import add_api_docs
 from service.api.front_door import FrontDoorMiddleware
@@ -41,7 +42,6 @@ from service.api.schemas import (
     predict_response_off_loop,
     request_body_openapi,
 )
-from service.engine import BatchAnswer, BatcherStoppedError, DeadlineExceededError, MemoryBusy, QueueFullError
 from service.http.admin import add_admin_routes, follow_group, require_admin
 from service.http.disconnect import EXTENSION as CLIENT_GONE
 from service.http.disconnect import ClientGone

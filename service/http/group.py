@@ -40,7 +40,7 @@ logs a change (it holds the turn: nobody else is writing); a complete line that 
 skipped with a log line. Either way it is counted as a generation by every worker alike.
 
 Appends need nothing here: the lineage's append log is written in turns
-(:func:`service.engine.append_log.share_writes`) and read by every worker before each batch,
+(:func:`engine.append_log.share_writes`) and read by every worker before each batch,
 under the log's shared lock (a bounded wait, then the batch answers 503).
 """
 

@@ -33,8 +33,8 @@ from fastapi.responses import FileResponse
 from pydantic import Field
 
 from bundle import MANIFEST_FILE
+from engine import BatcherStoppedError, DeadlineExceededError, QueueFullError
 from service.api.schemas import build_predict_request
-from service.engine import BatcherStoppedError, DeadlineExceededError, QueueFullError
 from service.http.admin import require_admin, serving_state
 from service.rollout.bundles import manifest_rows, scores_comparable, scoring, stored_evaluations
 from service.rollout.shadow import compare, ranked

@@ -495,7 +495,7 @@ def create_worker_app():
     """The app of one worker process of a group (``XMCSERVE_WORKERS`` > 1), started by uvicorn's
     supervisor: logging as the supervisor's, appends written in turns with the other workers, and
     the group's shared state (:mod:`service.http.group`)."""
-    from service.engine import share_writes
+    from engine import share_writes
     from service.http.app import create_app
 
     logs = LogSettings()

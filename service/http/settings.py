@@ -14,8 +14,8 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings
 
+from engine import BatcherConfig, EncoderOptions, appends_dir_beside, thread_layout
 from service.api.limits import LimitSettings, settings_group
-from service.engine import BatcherConfig, EncoderOptions, appends_dir_beside, thread_layout
 from service.rollout.shadow import ShadowConfig
 
 

@@ -18,8 +18,8 @@ from typing import TypeVar
 
 import anyio
 
-from service import engine
-from service.engine import MemoryBusy, Predictor
+import engine
+from engine import MemoryBusy, Predictor
 from service.http.group import WorkerGroup
 from service.http.metrics import Metrics
 from service.http.settings import Settings

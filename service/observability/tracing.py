@@ -10,7 +10,7 @@ The server spans follow the stable HTTP conventions (``http.request.method``, ``
 ``http.response.status_code``): ``OTEL_SEMCONV_STABILITY_OPT_IN=http`` unless set otherwise.
 
 One trace per request: the micro-batcher records when each batch crossed each boundary between
-its stages (:class:`~service.engine.batcher.BatchTimeline`), and the request's handler writes,
+its stages (:class:`~engine.batcher.BatchTimeline`), and the request's handler writes,
 under its own span, a ``queue wait`` span, a ``batch`` span with one child per stage, and a
 ``respond`` span, end to end from those readings. A batch that served n requests appears in each
 of their n traces (the same ``xmcserve.batch.id``); OpenTelemetry gives a span one parent, and a
@@ -129,7 +129,7 @@ class Tracing:
 
     def batch_answered(self, answer, resumed: float, variant: str) -> None:
         """Called by a request's handler once its response is built from the batcher's ``answer``
-        (a :class:`~service.engine.batcher.BatchAnswer`, got at ``resumed``): under the current
+        (a :class:`~engine.batcher.BatchAnswer`, got at ``resumed``): under the current
         request span, the request's ``queue wait``, its ``batch`` with the stages as children,
         and ``respond`` (the handler's work since: metrics, the shadow copy, the response body),
         laid end to end. Nothing when off or outside a request span."""

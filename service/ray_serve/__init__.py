@@ -1,6 +1,6 @@
 """xmcserve on Ray Serve: one bundle's shards on as many machines as it needs.
 
-A second front end over the engine (:mod:`service.engine`), beside the single uvicorn server,
+A second front end over the engine (:mod:`engine`), beside the single uvicorn server,
 for label sets that do not fit one machine; both serve the API of :mod:`service.api` and
 import nothing of each other. Importable only where ``ray[serve]`` is installed
 (``pip install 'xmcserve[ray]'``); nothing else in ``service/`` imports it.
@@ -12,8 +12,8 @@ The application (:func:`~service.ray_serve.app.build_app`) is three kinds of dep
   index and, for an RAE memory, its rows of V; nearest keys + value rows per query batch;
 * ``ingress`` — the same HTTP API as the single server (``/predict``, ``/healthz``, ``/readyz``,
   ``/info``): validates, encodes, fans out to every shard with a deadline, merges the per-shard
-  top-n exactly (:func:`~service.engine.shards.merge_answers`) and ranks them as the single
-  server does (:func:`~service.engine.search.rank_batch`), so the answers equal its answers.
+  top-n exactly (:func:`~engine.shards.merge_answers`) and ranks them as the single
+  server does (:func:`~engine.search.rank_batch`), so the answers equal its answers.
 
 Run it with ``serve run deploy/ray/serve-config.yaml`` (``make serve-ray``) or a KubeRay
 ``RayService`` (deploy/k8s/ray/rayservice.yaml); deploy/README.md says how.

@@ -1,7 +1,7 @@
 """The deployments (encoder, one per shard, ingress) and :func:`build_app`, the Serve builder.
 
 Answers equal the single server's: the ingress asks every shard for the same number of nearest
-keys at the same ef as :meth:`~service.engine.memory.Memory.knn` does, merges them in the same
+keys at the same ef as :meth:`~engine.memory.Memory.knn` does, merges them in the same
 order (distance, then key id) and ranks them with the same function. The value rows of an RAE
 memory travel with the shards' answers, so no process holds all of V.
 
@@ -41,13 +41,8 @@ from ray.serve.handle import DeploymentHandle
 from ray.util import metrics as ray_metrics
 
 from bundle import BundleError, read_manifest, shard_list
-from service.api.body_guards import validation_error
-from service.api.docs import add_api_docs
-from service.api.front_door import FrontDoorMiddleware
-from service.api.limits import LimitSettings
-from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response_off_loop
-from service.engine import EncoderOptions, Ranking
-from service.engine.distributed import (
+from engine import EncoderOptions, Ranking
+from engine.distributed import (
     ShardAnswer,
     ShardQuery,
     base_view,
@@ -61,6 +56,11 @@ from service.engine.distributed import (
     neighbours_needed,
     rank_batch,
 )
+from service.api.body_guards import validation_error
+from service.api.docs import add_api_docs
+from service.api.front_door import FrontDoorMiddleware
+from service.api.limits import LimitSettings
+from service.api.schemas import SERVICE_VERSION, PredictResponse, build_predict_request, predict_response_off_loop
 from service.observability.logs import REQUEST_ID
 from service.observability.requests import AccessLog
 from service.observability.tracing import Tracing
@@ -335,7 +335,7 @@ class Ingress:
         deadline: float,
         context: CallContext | None = None,
     ) -> tuple[list[Ranking], int]:
-        """Encode, fan out to every shard, merge, rank (:func:`~service.engine.search.rank_batch`)."""
+        """Encode, fan out to every shard, merge, rank (:func:`~engine.search.rank_batch`)."""
         started = time.perf_counter()
         vectors = await self.ask(
             "encoder", lambda: self.encoder.encode.remote(texts, time_left(deadline), context), deadline

@@ -38,7 +38,7 @@ from service.rollout import PRIMARY
 from service.rollout.agreement import AgreementHistory
 
 if TYPE_CHECKING:  # the worker's child process imports this module without the engine
-    from service.engine import Ranking
+    from engine import Ranking
 
 log = logging.getLogger(__name__)
 

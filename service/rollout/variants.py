@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from service.engine import BatcherConfig, MicroBatcher, Predictor, StageTimes
+from engine import BatcherConfig, MicroBatcher, Predictor, StageTimes
 from service.rollout import CANDIDATE, PRIMARY
 
 __all__ = ["CANDIDATE", "PRIMARY", "Variants", "VariantSlot", "route", "key_fraction"]

@@ -25,9 +25,9 @@ import scipy.sparse as sp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from engine import load_predictor  # noqa: E402
+from engine.offline import Lexicon  # noqa: E402
 from export.baseline import ovr_logreg, word_and_char_tfidf  # noqa: E402
-from service.engine import load_predictor  # noqa: E402
-from service.engine.offline import Lexicon  # noqa: E402
 from xmc.data import load_jsonl_split, split_holdout  # noqa: E402
 from xmc.metrics import score_ranking  # noqa: E402
 

@@ -5,7 +5,7 @@ import json
 import logging
 
 from bench.app_cpu import main
-from service.engine.offline import OnnxEncoder
+from engine.offline import OnnxEncoder
 
 
 def test_every_concurrency_level_is_answered_and_recorded(sample_bundle, sample_dir, tmp_path):

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from bench.fusion_models import MAX_MODEL_MS, MODELS, main
+from engine.fusion import OPTIONAL_GROUPS
 from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS, DEFAULT_SIZES, FusionChoice, size_name
 from export.fusion_validation import selection_score
 from export.sparse_fit import SparseFitParams
-from service.engine.fusion import OPTIONAL_GROUPS
 
 
 def test_the_choice_is_made_on_validation_and_dev_is_measured_for_it_alone(memory_and_run, sample_dir, tmp_path):

@@ -22,10 +22,10 @@ from bench.quality import (
     user_route_rows,
     with_peer_rows,
 )
+from engine.offline import load_bundle
 from export.derive import derive_rae_bundle
 from export.fuse import FuseParams, fuse_bundle
 from export.fusion_fit import DEFAULT_PARAMS
-from service.engine.offline import load_bundle
 from xmc.data import load_jsonl_split
 
 

@@ -51,8 +51,6 @@ def test_every_public_name_exists():
 
 def test_the_engine_no_longer_offers_the_format():
     """The format's names are taken from ``bundle``, not through the engine (one owner each)."""
-    import service.engine
+    import engine
 
-    assert not {"Manifest", "read_manifest", "build_values", "sha256_file", "write_label_arrays"} & set(
-        service.engine.__all__
-    )
+    assert not {"Manifest", "read_manifest", "build_values", "sha256_file", "write_label_arrays"} & set(engine.__all__)

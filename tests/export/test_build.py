@@ -11,10 +11,10 @@ import pytest
 
 from bundle.labels import DuplicateUids
 from bundle.manifest import MANIFEST_FILE, IndexKind, sha256_file
+from engine.bundle import load_bundle
+from engine.search import Predictor
 from export.build import ExportParams, build_bundle, build_parser, write_label_files
 from export.onnx_export import ParityError
-from service.engine.bundle import load_bundle
-from service.engine.search import Predictor
 from xmc.checkpoint import HeadBlock, ServingHead
 from xmc.data import LabelSpace, load_jsonl_split
 

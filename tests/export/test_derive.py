@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
+from engine.bundle import load_bundle
 from export.derive import derive_rae_bundle
-from service.engine.bundle import load_bundle
 from xmc.data import load_jsonl_split
 
 

@@ -8,6 +8,7 @@ from typing import get_args
 import pytest
 
 from bundle.manifest import IndexKind, RaeParams
+from engine.rae import RAE_MODES
 from export.export_params import (
     RAE_ATTRIBUTES,
     ExportParams,
@@ -17,7 +18,6 @@ from export.export_params import (
     choices,
     from_arguments,
 )
-from service.engine.rae import RAE_MODES
 from xmc.options import parse_bool
 
 

@@ -3,10 +3,10 @@ fitted on trn, their difference, a printed table; the baseline is skipped above 
 
 import pytest
 
+from engine.offline import load_bundle
 from export import fit
 from export.baseline import baseline_metrics
 from export.evaluate import evaluate_bundle
-from service.engine.offline import load_bundle
 from xmc.data import first_rows, load_train_and_dev
 
 

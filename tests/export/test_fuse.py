@@ -22,6 +22,20 @@ from bundle.manifest import (
     MANIFEST_FILE,
     sha256_file,
 )
+from engine.bundle import load_bundle, load_fusion, load_labels, load_shard
+from engine.fusion import (
+    FEATURE_GROUPS,
+    FEATURES,
+    LEXICAL_FEATURES,
+    SPARSE_FEATURES,
+    OnnxTreeEnsemble,
+    groups_of,
+    memory_log_frequency,
+)
+from engine.loading import load_predictor
+from engine.memory import AppendBatch, base_view, fetch_and_ef
+from engine.search import Predictor, merged_neighbours, neighbours_needed, rank_batch
+from engine.shards import ShardQuery
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
@@ -31,21 +45,7 @@ from export.fusion_fit import DEFAULT_FUSION, DEFAULT_PARAMS, DEFAULT_SIZES, Fus
 from export.fusion_to_onnx import PARITY_BOUND
 from export.fusion_validation import CHOICE_FOLDS
 from export.held_out import HeldOutSearch, search_without, unfitted_fusion
-from service.engine.bundle import load_bundle, load_fusion, load_labels, load_shard
-from service.engine.fusion import (
-    FEATURE_GROUPS,
-    FEATURES,
-    LEXICAL_FEATURES,
-    SPARSE_FEATURES,
-    OnnxTreeEnsemble,
-    groups_of,
-    memory_log_frequency,
-)
-from service.engine.loading import load_predictor
-from service.engine.memory import AppendBatch, base_view, fetch_and_ef
-from service.engine.search import Predictor, merged_neighbours, neighbours_needed, rank_batch
-from service.engine.shards import ShardQuery
-from tests.service.engine.test_fusion import random_sklearn_tree
+from tests.engine.test_fusion import random_sklearn_tree
 from tests.support.batch_invariance import assert_batch_invariant
 from tests.support.memory_and_run import memory_and_run
 from xmc.checkpoint import HOLDOUT_FILE

@@ -4,14 +4,14 @@ thresholds floored to float32 so it converts exactly, and a model that drifts is
 import numpy as np
 import pytest
 
-from export.fusion_fit import FittedModel, FuseError, fit_model
-from export.fusion_to_onnx import PARITY_BOUND, onnx_fusion_model
-from export.held_out import HeldOutPairs
-from service.engine.fusion import (
+from engine.fusion import (
     FEATURES,
     OnnxTreeEnsemble,
 )
-from tests.service.engine.test_fusion import random_sklearn_tree
+from export.fusion_fit import FittedModel, FuseError, fit_model
+from export.fusion_to_onnx import PARITY_BOUND, onnx_fusion_model
+from export.held_out import HeldOutPairs
+from tests.engine.test_fusion import random_sklearn_tree
 
 
 def test_an_export_whose_onnx_model_differs_from_its_library_is_refused(monkeypatch):

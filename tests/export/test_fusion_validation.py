@@ -6,6 +6,7 @@ to fold."""
 import numpy as np
 import pytest
 
+from engine.offline import features_of_groups
 from export.fusion_fit import FusionChoice, size_name
 from export.fusion_validation import (
     CHOICE_FOLDS,
@@ -18,7 +19,6 @@ from export.fusion_validation import (
     validate,
 )
 from export.held_out import HeldOutPairs
-from service.engine.offline import features_of_groups
 
 # the RAE group's features: the pairs below fill two of them and p̂, the rest are zero
 GROUPS = ("rae",)

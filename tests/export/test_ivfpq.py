@@ -10,17 +10,17 @@ import pytest
 from bench.lib.recall import exact_rankings, recall_with_label_ties
 from bundle import BundleError
 from bundle.manifest import IVF_INDEX_FILE, MANIFEST_FILE, RERANK_FILE, sha256_file
+from engine import AppendBatch, appends_dir_beside, load_predictor, vet_in_child
+from engine.bundle import load_bundle
+from engine.index import IvfPqIndex, ShardedIndex
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
-from service.engine import AppendBatch, appends_dir_beside, load_predictor, vet_in_child
-from service.engine.bundle import load_bundle
-from service.engine.index import IvfPqIndex, ShardedIndex
 
 # 64 cells, all scanned: the tests below check the served path against exact search at a breadth
 # where it is exact, and bound its approximation at the bundle's breadth only loosely, since
 # these keys come from a random tiny encoder whose vectors crowd together (PQ's hard case)
 # and move with the CPU's float kernels. The scan's own recall is tested on generated vectors
-# (tests/service/engine/test_ivfpq.py).
+# (tests/engine/test_ivfpq.py).
 COMPRESSED = {"dim": 16, "index": "ivfpq", "pq_m": 8, "ivf_nlist": 64, "ivf_nprobe": 64}
 
 

@@ -10,12 +10,12 @@ from pydantic import ValidationError
 
 from bench.lib.recall import exact_rankings, recall_with_label_ties
 from bundle.manifest import Manifest
+from engine import AppendBatch, load_predictor
+from engine.index import ShardedIndex
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from export.derive import derive_rae_bundle
 from loadtest.localserver import start_server, stop_server
-from service.engine import AppendBatch, load_predictor
-from service.engine.index import ShardedIndex
 
 TINY_RAE = {"dim": 16, "max_train": 300, "rae_top_b": 50}
 
@@ -122,8 +122,8 @@ def test_the_http_server_serves_a_sharded_bundle(sharded_rae, queries, tmp_path)
 
 
 def test_a_failed_append_retried_on_shards_leaves_no_key_hidden(sharded_rae, tmp_path, monkeypatch):
-    from service.engine import memory as memory_module
-    from tests.service.engine.test_memory import FailingIndex
+    from engine import memory as memory_module
+    from tests.engine.test_memory import FailingIndex
 
     grown = load_predictor(sharded_rae, appends_dir=tmp_path / "appends")
     sharded = grown.memory.index

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
+from engine.sparse import SparseRanker
 from export.sparse_fit import SparseFitParams, fit_sparse_ranker
-from service.engine.sparse import SparseRanker
 
 
 def unit_rows(M: np.ndarray) -> sp.csr_matrix:

@@ -1,4 +1,4 @@
-"""Every module of service/ and of the bundle format it reads (bundle/) must import with torch and
+"""Every module of service/, of the engine under it (engine/) and of the bundle format they read (bundle/) must import with torch and
 transformers unavailable, and all but the Ray Serve front end without ray."""
 
 from tests.import_probe import import_all
@@ -7,9 +7,9 @@ BLOCKED = ("torch", "transformers", "sentence_transformers")
 
 
 def test_service_imports_without_torch_or_transformers():
-    result = import_all(("service", "bundle"), BLOCKED)
+    result = import_all(("service", "engine", "bundle"), BLOCKED)
     assert result.returncode == 0, result.stderr
-    assert "service.http.app" in result.stdout and "service.engine.search" in result.stdout
+    assert "service.http.app" in result.stdout and "engine.search" in result.stdout
     assert "bundle.labels" in result.stdout and "bundle.ivfpq_file" in result.stdout
 
 
@@ -19,6 +19,6 @@ def test_the_blocker_really_blocks():
 
 
 def test_everything_but_the_ray_front_end_imports_without_ray():
-    result = import_all(("service", "bundle"), ("ray", *BLOCKED), skipped=("service.ray_serve",))
+    result = import_all(("service", "engine", "bundle"), ("ray", *BLOCKED), skipped=("service.ray_serve",))
     assert result.returncode == 0, result.stderr
     assert "service.http.app" in result.stdout and "service.ray_serve" not in result.stdout

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.engine import Predictor
+from engine import Predictor
 
 TOLERANCE = 1e-6
 

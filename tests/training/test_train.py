@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine.bundle import load_bundle
+from engine.search import Predictor
 from export.build import ExportParams, build_bundle
-from service.engine.bundle import load_bundle
-from service.engine.search import Predictor
 from training.embedder import TextSide
 from training.sweep import main as sweep_main
 from training.sweep import run_vectors

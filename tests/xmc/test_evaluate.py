@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from service.engine import Predictor
-from service.engine.offline import load_bundle
+from engine import Predictor
+from engine.offline import load_bundle
 from xmc.data import load_jsonl_split
 from xmc.evaluate import rank_split
 

@@ -1,5 +1,6 @@
-"""The stages' layers: xmc, bundle ← service ← training ← export ← bench, each importing only what
-lies below it, and the core xmc and the bundle format importable without torch, transformers or any
+"""The stages' layers: xmc, bundle ← engine ← service, training ← export ← bench, each importing
+only what lies below it (the runtime, engine/, at the bottom: no stage reaches the front ends in
+service/ but bench and loadtest, which measure them), and the core xmc and the bundle format importable without torch, transformers or any
 stage (the bundle format without any serving runtime either). Training imports the bundle's RAE
 values; export imports of training only the torch model code it exports
 (export/serving_graph.py); bench imports nothing of training (what it reads of a run is in xmc)."""
@@ -10,18 +11,20 @@ from pathlib import Path
 from tests.import_probe import import_all
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ("xmc", "bundle", "service", "training", "export", "bench", "loadtest")
+STAGES = ("xmc", "bundle", "engine", "service", "training", "export", "bench", "loadtest")
 # What each top-level package may import of the others (itself included).
 ALLOWED = {
     "xmc": {"xmc"},
     # the bundle contract: what export writes and service reads, owned by neither
     "bundle": {"bundle"},
-    "service": {"xmc", "bundle", "service"},
-    "training": {"xmc", "bundle", "service", "training"},
-    "export": {"xmc", "bundle", "service", "training", "export"},
-    "bench": {"xmc", "bundle", "service", "export", "loadtest", "bench"},
+    # the runtime: a bundle loaded, encoded, searched, ranked; no HTTP, nothing of a stage
+    "engine": {"bundle", "engine"},
+    "service": {"xmc", "bundle", "engine", "service"},
+    "training": {"xmc", "bundle", "engine", "training"},
+    "export": {"xmc", "bundle", "engine", "training", "export"},
+    "bench": {"xmc", "bundle", "engine", "service", "export", "loadtest", "bench"},
     # the load test runs from its own image: it starts a server, never reaches into bench/
-    "loadtest": {"xmc", "bundle", "service", "loadtest"},
+    "loadtest": {"xmc", "bundle", "engine", "service", "loadtest"},
 }
 
 
@@ -60,7 +63,7 @@ def test_the_layer_check_sees_an_import_inside_a_function(tmp_path):
 
 
 def test_xmc_imports_without_torch_or_any_stage():
-    result = import_all(("xmc",), blocked=("torch", "transformers", "service", "training", "export", "bench"))
+    result = import_all(("xmc",), blocked=("torch", "transformers", "engine", "service", "training", "export", "bench"))
     assert result.returncode == 0, result.stderr
     assert "xmc.metrics" in result.stdout and "xmc.evaluate" in result.stdout
 
@@ -68,7 +71,7 @@ def test_xmc_imports_without_torch_or_any_stage():
 # what the bundle format must not need: torch, any serving runtime, any stage
 BUNDLE_BLOCKED = (
     "torch", "transformers", "onnxruntime", "tokenizers", "hnswlib", "faiss", "fastapi", "starlette", "uvicorn",
-    "ray", "xmc", "service", "training", "export", "bench", "loadtest",
+    "ray", "xmc", "engine", "service", "training", "export", "bench", "loadtest",
 )  # fmt: skip
 
 

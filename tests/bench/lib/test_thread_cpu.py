@@ -136,8 +136,8 @@ def test_this_process_and_a_child_are_read_from_proc():
 COLLAPSED = """\
 process 5:"python server.py";thread (5): MainThread;data_received (uvicorn/protocols/http/httptools_impl.py:2) 30
 process 5:"python server.py";thread (5): MainThread;Runner.run (asyncio/runners.py:118) 70
-thread (9): xmcserve-encode-0;Thread.run (threading.py:1);MicroBatcher._encode_loop (service/engine/batcher.py:3) 10
-thread (10): xmcserve-encode-1;Thread.run (threading.py:1);Predictor.knn (service/engine/search.py:4) 30
+thread (9): xmcserve-encode-0;Thread.run (threading.py:1);MicroBatcher._encode_loop (engine/batcher.py:3) 10
+thread (10): xmcserve-encode-1;Thread.run (threading.py:1);Predictor.knn (engine/search.py:4) 30
 """
 
 

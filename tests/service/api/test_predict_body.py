@@ -9,9 +9,9 @@ import orjson
 import pytest
 
 from bundle.labels import StringColumn
+from engine import Ranking
 from service.api import schemas
 from service.api.schemas import predict_body
-from service.engine import Ranking
 
 STRANGE = ["plain", 'quote " and \\ backslash', "tab\tnew\nline", "é ü 中文 🙂", "\x00\x1f control", "</script>", ""]
 

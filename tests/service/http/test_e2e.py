@@ -4,8 +4,8 @@ import pytest
 from httpx import Client
 
 from bench.lib.recall import exact_rankings, recall_with_label_ties
+from engine.bundle import load_bundle
 from service.api.schemas import PredictResponse
-from service.engine.bundle import load_bundle
 from xmc.data import load_jsonl_split
 
 pytestmark = pytest.mark.slow

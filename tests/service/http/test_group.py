@@ -11,7 +11,7 @@ import random
 import pytest
 
 from bundle import BundleError
-from service.engine.batcher import BatcherConfig
+from engine.batcher import BatcherConfig
 from service.http.group import GroupError, Routing, WorkerGroup, alive
 from service.rollout import CANDIDATE, PRIMARY
 from service.rollout.variants import Variants
@@ -277,12 +277,12 @@ class FakeTime:
 
 
 def busy_loads(monkeypatch, busy_first: int) -> list:
-    """``service.engine.load_predictor`` raising MemoryBusy (an append log held past the read wait)
+    """``engine.load_predictor`` raising MemoryBusy (an append log held past the read wait)
     on its first ``busy_first`` calls, then loading; returns the record of its calls."""
-    import service.engine
-    from service.engine import MemoryBusy
+    import engine
+    from engine import MemoryBusy
 
-    calls, real_load = [], service.engine.load_predictor
+    calls, real_load = [], engine.load_predictor
 
     def load(path, *args, **kwargs):
         calls.append(path)
@@ -290,7 +290,7 @@ def busy_loads(monkeypatch, busy_first: int) -> list:
             raise MemoryBusy(f"{path}: another worker held its append log past the read wait; load it again")
         return real_load(path, *args, **kwargs)
 
-    monkeypatch.setattr(service.engine, "load_predictor", load)
+    monkeypatch.setattr(engine, "load_predictor", load)
     return calls
 
 
@@ -359,7 +359,7 @@ def test_a_catch_up_is_outwaited_when_following_and_answers_503_at_once_for_a_cl
 
     from fastapi import HTTPException
 
-    from service.engine import MemoryBusy
+    from engine import MemoryBusy
     from service.http.admin import caught_up
     from service.http.state import BusyRetry
 

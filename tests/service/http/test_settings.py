@@ -86,7 +86,7 @@ def test_no_shadow_url_means_no_mirroring(monkeypatch):
 
 
 def test_the_batcher_and_the_encoder_get_one_thread_layout(monkeypatch):
-    from service.engine import encoder as enc
+    from engine import encoder as enc
 
     monkeypatch.setattr(enc, "confined_cpu_count", lambda: 6)
     monkeypatch.setenv("XMCSERVE_PROVIDERS", "cpu")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import service.engine
+import engine
 from bundle import BundleError
 from service.http.app import install_routing
 from service.http.group import Routing
@@ -31,14 +31,14 @@ def vetting(monkeypatch):
         if Path(path).resolve() in refused:
             raise BundleError(f"{path}: the loader process died (exit code -11)")
 
-    real_load = service.engine.load_predictor
+    real_load = engine.load_predictor
 
     def load(path, *args, **kwargs):
         loaded.append(Path(path).resolve())
         return real_load(path, *args, **kwargs)
 
-    monkeypatch.setattr(service.engine, "vet_in_child", vet)
-    monkeypatch.setattr(service.engine, "load_predictor", load)
+    monkeypatch.setattr(engine, "vet_in_child", vet)
+    monkeypatch.setattr(engine, "load_predictor", load)
     return vetted, loaded, refused
 
 
@@ -79,9 +79,9 @@ def test_a_previous_the_child_refuses_is_left_out_and_a_served(bundle_root, vett
 def busy_at_first(monkeypatch, busy: dict[Path, int]) -> list:
     """The loader (after ``vetting``'s record) raising MemoryBusy on the first ``busy[path]`` loads
     of ``path``: another worker's writer held its lineage's append log past the read wait."""
-    from service.engine import MemoryBusy
+    from engine import MemoryBusy
 
-    calls, inner = [], service.engine.load_predictor
+    calls, inner = [], engine.load_predictor
 
     def load(path, *args, **kwargs):
         calls.append(Path(path).resolve())
@@ -89,7 +89,7 @@ def busy_at_first(monkeypatch, busy: dict[Path, int]) -> list:
             raise MemoryBusy(f"{path}: another worker held its append log past the read wait; load it again")
         return inner(path, *args, **kwargs)
 
-    monkeypatch.setattr(service.engine, "load_predictor", load)
+    monkeypatch.setattr(engine, "load_predictor", load)
     return calls
 
 
@@ -114,7 +114,7 @@ def test_a_start_outwaits_an_append_log_held_past_the_read_wait_for_a_its_previo
 
 
 def test_a_start_whose_append_log_stays_held_past_the_bound_fails(bundle_root, vetting, monkeypatch):
-    from service.engine import MemoryBusy
+    from engine import MemoryBusy
     from service.http.state import BUSY_WITHIN_S, BusyRetry
 
     a = bundle_root / "tiny-rae"

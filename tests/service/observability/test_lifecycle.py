@@ -5,7 +5,7 @@ import logging
 import pytest
 from fastapi.testclient import TestClient
 
-from service.engine import BundleError
+from engine import BundleError
 from service.http.app import create_app
 from service.http.settings import AdminSettings, Settings
 

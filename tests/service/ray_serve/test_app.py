@@ -27,10 +27,10 @@ from ray import serve
 from ray._private import ray_constants
 from ray.cluster_utils import Cluster
 
+from engine import load_predictor
+from engine.fusion import FEATURE_GROUPS
 from export.build import ExportParams, build_bundle
 from export.fuse import FuseParams, fuse_bundle
-from service.engine import load_predictor
-from service.engine.fusion import FEATURE_GROUPS
 from service.ray_serve import build_app
 from tests.service.http.raw_http import BAD_CHUNKS, BAD_CONTENT_LENGTHS, Connection, request, with_fields
 from xmc.checkpoint import HOLDOUT_FILE

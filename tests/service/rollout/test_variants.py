@@ -44,7 +44,7 @@ def test_key_fraction_is_uniform_enough():
 
 
 def test_requests_queued_for_b_when_it_is_promoted_are_served_by_the_new_a():
-    from service.engine.batcher import BatcherConfig
+    from engine.batcher import BatcherConfig
     from service.rollout.variants import Variants
 
     variants = Variants.create(BatcherConfig(), lambda name: lambda n, t: None)
@@ -59,7 +59,7 @@ def test_requests_queued_for_b_when_it_is_promoted_are_served_by_the_new_a():
 
 
 def test_a_rollback_puts_back_the_a_that_a_promote_or_reload_replaced_and_a_second_undoes_it():
-    from service.engine.batcher import BatcherConfig
+    from engine.batcher import BatcherConfig
     from service.rollout.variants import Variants
 
     variants = Variants.create(BatcherConfig(), lambda name: lambda n, t, s, tags: None)

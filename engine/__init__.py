@@ -1,0 +1,104 @@
+"""The serving engine: bundle → encoder → key search → RAE aggregation → score fusion, and the
+micro-batcher. A library with no HTTP in it; the uvicorn app (:mod:`service.http`) and the Ray
+Serve app (:mod:`service.ray_serve`) are front ends over it.
+
+This package's names are what a front end needs; the front ends and ``training/`` import
+nothing else of the engine (``tests/service/test_engine_surface.py``):
+
+* :func:`load_predictor` — open a bundle directory, verify it (checksums, shapes, a warm-up
+  prediction), replay its append log, and return a :class:`Predictor`; :func:`vet_in_child` the
+  same in a child process, as a server vets a bundle before it swaps it in.
+* :class:`Predictor` — ``predict(texts, k, ef, exclude)`` (encode + search) returning a
+  :class:`Prediction`: one :class:`Ranking` (label ids and scores, best first) per text, the
+  :class:`StageTimes`, the breadth the search ran at. ``exclude`` holds label *ids* per text;
+  ``predictor.view.label_ids(uids)`` maps uids to ids.
+* ``Predictor.append(AppendBatch)`` — new labels and training instances into the live memory,
+  logged (the log directory: :func:`appends_dir_beside` by default) and published atomically;
+  an :class:`AppendOutcome` says what was applied; a :class:`MemoryView` is one consistent state
+  of the memory; :data:`MAX_LABELS_PER_INSTANCE` bounds an instance's labels; :func:`share_writes`
+  makes this process append in turns with the other workers of its server (``XMCSERVE_WORKERS``).
+* :class:`MicroBatcher` — requests batched onto one predictor in two overlapped stages (encode,
+  search), bounded and stoppable, configured by :class:`BatcherConfig`; a :class:`BatchAnswer`
+  is one request's share. :class:`EncoderOptions` and :func:`thread_layout` say how the ONNX
+  encoder runs (provider, workers, threads).
+* :class:`XmcserveError` — the one error base (defined by :mod:`bundle`, the lowest layer):
+  :class:`BundleError`, :class:`AppendRefused` and :class:`AppendIdReused`,
+  :class:`AppendLogError` and :class:`AppendLogHeld`, :class:`LineageDiverged`, :class:`MemoryBusy`,
+  :class:`QueueFullError`, :class:`BatcherStoppedError`, :class:`DeadlineExceededError`; each
+  keeps the builtin base (``ValueError``, ``RuntimeError``) callers caught it by.
+* RAE-XMC's aggregation (:class:`ValueRows`, :func:`aggregate`, :func:`labels_of_keys`,
+  :func:`top_k_of_row`), which training's exact-search dev check shares with serving.
+
+Two narrower surfaces serve other users: :mod:`engine.distributed`, the parts a
+deployment that shards a bundle across processes loads apart (the Ray Serve front end), and
+:mod:`engine.offline`, what building, fusing, compacting and measuring a bundle use
+beyond serving (``export/``, ``bench/``); the key index is :mod:`engine.index`. The
+bundle format itself is :mod:`bundle`'s.
+
+Everything is thread-safe for concurrent ``predict`` calls on one predictor.
+"""
+
+from bundle import BundleError, XmcserveError
+from engine.append_log import AppendLogError, AppendLogHeld, appends_dir_beside, share_writes
+from engine.batcher import (
+    BatchAnswer,
+    BatcherConfig,
+    BatcherStoppedError,
+    DeadlineExceededError,
+    MicroBatcher,
+    QueueFullError,
+)
+from engine.encoder import EncoderOptions, thread_layout
+from engine.loading import load_predictor, vet_in_child
+from engine.memory import (
+    MAX_LABELS_PER_INSTANCE,
+    AppendBatch,
+    AppendIdReused,
+    AppendOutcome,
+    AppendRefused,
+    LineageDiverged,
+    MemoryBusy,
+    MemoryView,
+)
+from engine.rae import ValueRows, aggregate, labels_of_keys, top_k_of_row
+from engine.search import Prediction, Predictor, Ranking, StageTimes
+
+__all__ = [
+    # loading and predicting
+    "load_predictor",
+    "vet_in_child",
+    "Predictor",
+    "Prediction",
+    "Ranking",
+    "StageTimes",
+    # the live memory
+    "AppendBatch",
+    "AppendOutcome",
+    "MemoryView",
+    "MAX_LABELS_PER_INSTANCE",
+    "appends_dir_beside",
+    "share_writes",
+    # batching and the encoder's layout
+    "MicroBatcher",
+    "BatcherConfig",
+    "BatchAnswer",
+    "EncoderOptions",
+    "thread_layout",
+    # errors
+    "XmcserveError",
+    "BundleError",
+    "AppendRefused",
+    "AppendIdReused",
+    "AppendLogError",
+    "AppendLogHeld",
+    "LineageDiverged",
+    "MemoryBusy",
+    "QueueFullError",
+    "BatcherStoppedError",
+    "DeadlineExceededError",
+    # RAE-XMC's aggregation, shared with training
+    "ValueRows",
+    "aggregate",
+    "labels_of_keys",
+    "top_k_of_row",
+]
