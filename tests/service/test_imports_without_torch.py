@@ -1,5 +1,6 @@
-"""Every module of service/, of the engine under it (engine/) and of the bundle format they read (bundle/) must import with torch and
-transformers unavailable, and all but the Ray Serve front end without ray."""
+"""Every module of service/, of the engine under it (engine/) and of the bundle format they read
+(bundle/) must import with torch and transformers unavailable, and all but the Ray Serve front end
+without ray."""
 
 from tests.import_probe import import_all
 

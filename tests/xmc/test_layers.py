@@ -1,7 +1,8 @@
 """The stages' layers: xmc, bundle ← engine ← service, training ← export ← bench, each importing
 only what lies below it (the runtime, engine/, at the bottom: no stage reaches the front ends in
-service/ but bench and loadtest, which measure them), and the core xmc and the bundle format importable without torch, transformers or any
-stage (the bundle format without any serving runtime either). Training imports the bundle's RAE
+service/ but bench and loadtest, which measure them), and the core xmc and the bundle format
+importable without torch, transformers or any stage (the bundle format without any serving
+runtime either). Training imports the bundle's RAE
 values; export imports of training only the torch model code it exports
 (export/serving_graph.py); bench imports nothing of training (what it reads of a run is in xmc)."""
 
