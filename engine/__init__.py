@@ -5,22 +5,29 @@ Serve app (:mod:`service.ray_serve`) are front ends over it.
 This package's names are what a front end needs; the front ends and ``training/`` import
 nothing else of the engine (``tests/service/test_engine_surface.py``):
 
+* :class:`Engine` — the one object a server front end calls (:mod:`engine.serving`): the A/B
+  variants and their batchers, ``predict``, loading with a vetting child, ``reload`` /
+  ``promote`` / ``rollback``, the two-step append (``prepare_append``, ``commit_append``) and
+  readiness; configured by :class:`EngineParams`, its retries of a held append log by
+  :class:`BusyRetry`; it raises :class:`VariantUnavailable`, :class:`CatchUpFailed` and
+  :class:`BundleChanged` besides the errors below.
 * :func:`load_predictor` — open a bundle directory, verify it (checksums, shapes, a warm-up
-  prediction), replay its append log, and return a :class:`Predictor`; :func:`vet_in_child` the
-  same in a child process, as a server vets a bundle before it swaps it in.
+  prediction), replay its append log, and return a :class:`Predictor` (in process, with no
+  server: what :class:`Engine` loads into each variant).
 * :class:`Predictor` — ``predict(texts, k, ef, exclude)`` (encode + search) returning a
-  :class:`Prediction`: one :class:`Ranking` (label ids and scores, best first) per text, the
-  :class:`StageTimes`, the breadth the search ran at. ``exclude`` holds label *ids* per text;
+  prediction: one :class:`Ranking` (label ids and scores, best first) per text, the stage
+  times, the breadth the search ran at. ``exclude`` holds label *ids* per text;
   ``predictor.view.label_ids(uids)`` maps uids to ids.
 * ``Predictor.append(AppendBatch)`` — new labels and training instances into the live memory,
   logged (the log directory: :func:`appends_dir_beside` by default) and published atomically;
-  an :class:`AppendOutcome` says what was applied; a :class:`MemoryView` is one consistent state
-  of the memory; :data:`MAX_LABELS_PER_INSTANCE` bounds an instance's labels; :func:`share_writes`
-  makes this process append in turns with the other workers of its server (``XMCSERVE_WORKERS``).
-* :class:`MicroBatcher` — requests batched onto one predictor in two overlapped stages (encode,
-  search), bounded and stoppable, configured by :class:`BatcherConfig`; a :class:`BatchAnswer`
-  is one request's share. :class:`EncoderOptions` and :func:`thread_layout` say how the ONNX
-  encoder runs (provider, workers, threads).
+  its outcome says what was applied; a :class:`MemoryView` is one consistent state
+  of the memory; :data:`MAX_LABELS_PER_INSTANCE` bounds an instance's labels;
+  ``EngineParams.shared_appends`` makes a process append in turns with the other workers of its
+  server (``XMCSERVE_WORKERS``).
+* :class:`BatcherConfig` — each variant's micro-batching (:mod:`engine.batcher`: requests
+  batched onto one predictor in two overlapped stages, encode and search, bounded and
+  stoppable); a :class:`BatchAnswer` is one request's share. :class:`EncoderOptions` and
+  :func:`thread_layout` say how the ONNX encoder runs (provider, workers, threads).
 * :class:`XmcserveError` — the one error base (defined by :mod:`bundle`, the lowest layer):
   :class:`BundleError`, :class:`AppendRefused` and :class:`AppendIdReused`,
   :class:`AppendLogError` and :class:`AppendLogHeld`, :class:`LineageDiverged`, :class:`MemoryBusy`,
@@ -39,53 +46,47 @@ Everything is thread-safe for concurrent ``predict`` calls on one predictor.
 """
 
 from bundle import BundleError, XmcserveError
-from engine.append_log import AppendLogError, AppendLogHeld, appends_dir_beside, share_writes
-from engine.batcher import (
-    BatchAnswer,
-    BatcherConfig,
-    BatcherStoppedError,
-    DeadlineExceededError,
-    MicroBatcher,
-    QueueFullError,
-)
+from engine.append_log import AppendLogError, AppendLogHeld, appends_dir_beside
+from engine.batcher import BatchAnswer, BatcherConfig, BatcherStoppedError, DeadlineExceededError, QueueFullError
 from engine.encoder import EncoderOptions, thread_layout
-from engine.loading import load_predictor, vet_in_child
+from engine.loading import load_predictor
 from engine.memory import (
     MAX_LABELS_PER_INSTANCE,
     AppendBatch,
     AppendIdReused,
-    AppendOutcome,
     AppendRefused,
     LineageDiverged,
     MemoryBusy,
     MemoryView,
 )
 from engine.rae import ValueRows, aggregate, labels_of_keys, top_k_of_row
-from engine.search import Prediction, Predictor, Ranking, StageTimes
+from engine.search import Predictor, Ranking
+from engine.serving import BundleChanged, BusyRetry, CatchUpFailed, Engine, EngineParams, VariantUnavailable
 
 __all__ = [
-    # loading and predicting
+    # the engine a server front end calls
+    "Engine",
+    "EngineParams",
+    "BusyRetry",
+    # loading and predicting in process
     "load_predictor",
-    "vet_in_child",
     "Predictor",
-    "Prediction",
     "Ranking",
-    "StageTimes",
     # the live memory
     "AppendBatch",
-    "AppendOutcome",
     "MemoryView",
     "MAX_LABELS_PER_INSTANCE",
     "appends_dir_beside",
-    "share_writes",
     # batching and the encoder's layout
-    "MicroBatcher",
     "BatcherConfig",
     "BatchAnswer",
     "EncoderOptions",
     "thread_layout",
     # errors
     "XmcserveError",
+    "VariantUnavailable",
+    "CatchUpFailed",
+    "BundleChanged",
     "BundleError",
     "AppendRefused",
     "AppendIdReused",

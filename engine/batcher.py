@@ -27,6 +27,7 @@ is queued, so it takes the encoder in turn with requests instead of beside them.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import heapq
 import itertools
@@ -106,8 +107,7 @@ class BatchTimeline:
 @dataclass
 class BatchAnswer:
     """One request's share of a batch; ``ef`` is what the batch's search ran at (at least the
-    request's own). ``rendered``: what the request's ``render`` made of it on the batch's thread
-    (None without one)."""
+    request's own)."""
 
     rankings: list[Ranking]
     times: StageTimes
@@ -117,7 +117,6 @@ class BatchAnswer:
     predictor: Predictor
     ef: int
     view: MemoryView  # the memory the ids refer to: ``view.label_uids[id]``
-    rendered: Any = None
 
 
 @dataclass(eq=False)  # identity hashing: jobs live in a set while they run
@@ -128,7 +127,6 @@ class _Job:
     exclude: Collection[str] | list[Collection[str]]
     future: asyncio.Future
     enqueued: float
-    render: Callable[[BatchAnswer], Any] | None = None
     taken: bool = False  # by an encode thread: from then on it is answered, however late
 
     def settled(self) -> bool:
@@ -139,7 +137,7 @@ class _Job:
 @dataclass(eq=False)
 class _Background:
     work: Callable[[], Any]
-    future: asyncio.Future
+    future: asyncio.Future | concurrent.futures.Future  # the loop's, or a waiting thread's
     queued: float
 
 
@@ -260,16 +258,12 @@ class MicroBatcher:
         ef: int | None,
         exclude: Collection[str] | list[Collection[str]],
         timeout_s: float | None = None,
-        render: Callable[[BatchAnswer], Any] | None = None,
     ) -> BatchAnswer:
         """Queue one request; ``exclude`` holds label *uids*, one collection for all texts or one
         per text (:func:`~engine.search.excluded_label_ids`), mapped to ids by the bundle
         that runs the batch (a reload may swap bundles between submit and run). ``timeout_s``:
-        how long it may wait to start (None: as long as it takes). ``render``: called on the
-        batch's thread with the request's answer once the batch is searched, before the answer
-        goes to the event loop; its result is the answer's ``rendered`` (the HTTP front end's
-        response body, so the loop only writes it), and an exception it raises fails this
-        request alone."""
+        how long it may wait to start (None: as long as it takes). Nothing of the caller runs on
+        the batcher's threads: the answer is data, made into a response by the front end."""
         if len(self._jobs) >= self.config.max_queue:
             raise QueueFullError(len(self._jobs), retry_after_s=1)
         if timeout_s is not None and self.expected_wait_s() > timeout_s:
@@ -277,7 +271,7 @@ class MicroBatcher:
             self._on_drop("deadline")
             raise DeadlineExceededError(0.0)
         loop = asyncio.get_running_loop()
-        job = _Job(texts, k, ef, exclude, loop.create_future(), time.perf_counter(), render)
+        job = _Job(texts, k, ef, exclude, loop.create_future(), time.perf_counter())
         with self._lock:
             if self._stopping:
                 raise BatcherStoppedError("service shutting down")
@@ -309,6 +303,18 @@ class MicroBatcher:
                 if job in self._background:
                     self._background.remove(job)
             raise
+
+    def run_when_idle_from_thread(self, work: Callable[[], Any]) -> Any:
+        """:meth:`run_when_idle` for a caller on another thread than the event loop (an append
+        preparing its vectors chunk by chunk): it blocks that thread until ``work`` has run on an
+        encode thread, and the loop takes no part in the hand-over."""
+        job = _Background(work, concurrent.futures.Future(), time.perf_counter())
+        with self._lock:
+            if self._stopping:
+                raise BatcherStoppedError("service shutting down")
+            self._background.append(job)
+            self._lock.notify()
+        return job.future.result()
 
     def expected_wait_s(self) -> float:
         """How long a request queued now would wait to start: the texts ahead of it (queued and
@@ -458,7 +464,10 @@ class MicroBatcher:
             result, error = None, exc
         with self._lock:
             self._background_running.discard(job)
-        self._call_on_loop(_settle, job.future, result, error)
+        if isinstance(job.future, concurrent.futures.Future):  # a thread waits on it, not the loop
+            _settle(job.future, result, error)
+        else:
+            self._call_on_loop(_settle, job.future, result, error)
 
     # --- search stage (its own thread) ---------------------------------------------------------
 
@@ -471,7 +480,7 @@ class MicroBatcher:
     def _search(self, encoded: _Encoded) -> None:
         encoded.timeline.searching = time.perf_counter()
         try:
-            answers: list[BatchAnswer | Exception] | Exception = _search_batch(encoded)
+            answers: list[BatchAnswer] | Exception = _search_batch(encoded)
         except Exception as exc:
             answers = exc
         encoded.timeline.searched = time.perf_counter()
@@ -480,12 +489,11 @@ class MicroBatcher:
                 self._on_batch_done(len(encoded.vectors), answers[0].times)
             except Exception:  # the batch's answers stand; the stage thread must not die of it
                 log.exception("on_batch_done failed")
-            _render(encoded.jobs, answers)
         self._answer(encoded.jobs, answers)
 
     # --- back on the event loop ----------------------------------------------------------------
 
-    def _answer(self, batch: list[_Job], answers: list[BatchAnswer | Exception] | Exception) -> None:
+    def _answer(self, batch: list[_Job], answers: list[BatchAnswer] | Exception) -> None:
         with self._lock:
             self._searching.difference_update(batch)
             self.in_flight_batches -= 1
@@ -495,39 +503,24 @@ class MicroBatcher:
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting any more
             self._loop.call_soon_threadsafe(callback, *args)
 
-    def _resolve(self, batch: list[_Job], answers: list[BatchAnswer | Exception] | Exception) -> None:
+    def _resolve(self, batch: list[_Job], answers: list[BatchAnswer] | Exception) -> None:
         if isinstance(answers, Exception):
             for job in batch:
                 if not job.future.done():
                     job.future.set_exception(answers)
             return
         for job, answer in zip(batch, answers, strict=True):
-            if job.future.done():  # its caller may have stopped waiting
-                continue
-            if isinstance(answer, Exception):  # its render failed
-                job.future.set_exception(answer)
-            else:
+            if not job.future.done():  # its caller may have stopped waiting
                 job.future.set_result(answer)
 
 
-def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> None:
+def _settle(future: asyncio.Future | concurrent.futures.Future, result: Any, error: Exception | None) -> None:
     if future.done():  # its caller stopped waiting
         return
     if error is not None:
         future.set_exception(error)
     else:
         future.set_result(result)
-
-
-def _render(jobs: list[_Job], answers: list[BatchAnswer | Exception]) -> None:
-    """Each answer's ``rendered``, by its request's ``render`` (on the batch's thread); an answer
-    whose render raised is replaced by the exception."""
-    for i, (job, answer) in enumerate(zip(jobs, answers, strict=True)):
-        if job.render is not None:
-            try:
-                answer.rendered = job.render(answer)
-            except Exception as exc:
-                answers[i] = exc
 
 
 def _search_batch(encoded: _Encoded) -> list[BatchAnswer]:

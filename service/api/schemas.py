@@ -7,9 +7,8 @@ limits its OpenAPI schema documents.
 from __future__ import annotations
 
 import asyncio
-import functools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -22,7 +21,7 @@ from bundle import Manifest
 from engine import MAX_LABELS_PER_INSTANCE, AppendBatch, MemoryView
 
 if TYPE_CHECKING:
-    from engine import BatchAnswer, Ranking
+    from engine import Ranking
 from service.api.limits import LimitSettings
 
 try:
@@ -249,25 +248,6 @@ async def predict_response_off_loop(
     if sum(len(ranking.ids) for ranking in rankings) <= INLINE_LABELS:
         return predict_response(manifest, variant, k, ef, rankings, view)
     return await asyncio.to_thread(predict_response, manifest, variant, k, ef, rankings, view)
-
-
-# Answers with at most this many labels (texts x k) are serialised on their batch's thread, once
-# it is searched, so the event loop only writes the bytes; a larger one would hold back the other
-# answers of its batch and the next batch's search, and is serialised as before (above).
-BATCH_THREAD_LABELS = 1024
-
-
-def body_renderer(variant: str, k: int, texts: int) -> Callable[[BatchAnswer], bytes] | None:
-    """The ``render`` of a request's batcher job (:meth:`~engine.MicroBatcher.submit`):
-    its answer's :func:`predict_body`, made on the batch's thread; None for an answer too large
-    for it (:data:`BATCH_THREAD_LABELS`)."""
-    if texts * k > BATCH_THREAD_LABELS:
-        return None
-    return functools.partial(render_body, variant, k)
-
-
-def render_body(variant: str, k: int, answer: BatchAnswer) -> bytes:
-    return predict_body(answer.predictor.bundle.manifest, variant, k, answer.ef, answer.rankings, answer.view)
 
 
 def json_response(body: bytes) -> Response:

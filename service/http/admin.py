@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import anyio
 from fastapi import Depends, FastAPI, HTTPException, Request
 
 from engine import (
@@ -27,14 +26,17 @@ from engine import (
     AppendLogError,
     AppendLogHeld,
     AppendRefused,
+    BundleChanged,
     BundleError,
+    BusyRetry,
+    CatchUpFailed,
     LineageDiverged,
     MemoryBusy,
-    Predictor,
+    VariantUnavailable,
 )
 from service.api.schemas import ConfigUpdate, ReloadRequest, build_append_request
 from service.http.group import GroupError
-from service.http.state import BusyRetry, ServingState, load_for_serving, refused_fields
+from service.http.state import ServingState, refused_fields
 
 log = logging.getLogger("xmcserve.admin")
 
@@ -84,7 +86,7 @@ async def reload_variant(
     are summed over its workers, and that worker counted it). ``busy``: how a load that found the
     append log held is tried again (applying another worker's reload); None: 503 at once."""
     try:
-        predictor = await load_for_serving(path, state.settings, vet=vet, group=state.group, busy=busy)
+        swap = await state.engine.reload(variant, path, vet=vet, busy=busy)
     except MemoryBusy as exc:  # a group's append log held past the read wait: nothing changed, try again
         raise HTTPException(503, f"variant {variant} unchanged: {exc}", headers={"Retry-After": "1"}) from None
     except BundleError as exc:
@@ -98,7 +100,8 @@ async def reload_variant(
             extra=refused_fields(variant, path, exc),
         )
         raise HTTPException(422, f"bundle refused, variant {variant} unchanged: {exc}") from None
-    previous = state.install(variant, predictor, str(path), counted)
+    predictor, previous = swap.predictor, swap.previous
+    state.count_install(variant, predictor, str(path), counted)
     if counted:
         state.metrics.reloads.labels(variant=variant, outcome="loaded").inc()
     previous_id = previous.bundle.bundle_id if previous else None
@@ -117,63 +120,50 @@ async def reload_variant(
     return {"variant": variant, "bundle_id": predictor.bundle.bundle_id, "previous_bundle_id": previous_id}
 
 
-async def caught_up(predictor: Predictor | None, busy: BusyRetry | None = None) -> None:
-    """Apply what the incoming A's lineage logged since it was loaded (another slot's appends);
-    ``busy``: how a catch-up that found the log held is tried again (None: 503 at once)."""
-    if predictor is None:
-        return
-
-    def catch_up():
-        return anyio.to_thread.run_sync(predictor.memory.catch_up)
-
-    try:
-        await (busy.run(catch_up, f"catching up {predictor.bundle.bundle_id}") if busy is not None else catch_up())
-    except (AppendLogError, LineageDiverged, MemoryBusy) as exc:
-        raise HTTPException(
-            503, f"nothing changed: cannot catch up its append log: {exc}", headers={"Retry-After": "1"}
-        ) from None
-
-
 async def promote_candidate(state: ServingState, busy: BusyRetry | None = None) -> dict:
-    """B becomes A (409 without a B); ``busy``: see :func:`caught_up`."""
-    await caught_up(state.variants["B"].predictor, busy)
+    """B becomes A (409 without a B), caught up with its lineage first (503 when it cannot be);
+    ``busy``: how a catch-up that found the log held is tried again (None: 503 at once)."""
     try:
-        previous = state.variants.promote()
-    except LookupError as exc:
+        swap = await state.engine.promote(busy)
+    except VariantUnavailable as exc:
         raise HTTPException(409, str(exc)) from None
+    except CatchUpFailed as exc:
+        raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
     state.publish_bundle_info()
-    promoted = state.variants["A"].bundle_id
+    promoted, previous = swap.predictor.bundle.bundle_id, swap.previous.bundle.bundle_id
     log.info(
         "promoted %s to A (was %s)",
         promoted,
-        previous.bundle.bundle_id,
-        extra={"event": "promote", "bundle_id": promoted, "previous_bundle_id": previous.bundle.bundle_id},
+        previous,
+        extra={"event": "promote", "bundle_id": promoted, "previous_bundle_id": previous},
     )
-    return {"promoted_bundle_id": promoted, "previous_bundle_id": previous.bundle.bundle_id}
+    return {"promoted_bundle_id": promoted, "previous_bundle_id": previous}
 
 
 async def roll_back(state: ServingState, busy: BusyRetry | None = None) -> dict:
-    """A's previous bundle serves A again (409 without one); ``busy``: see :func:`caught_up`."""
-    if state.variants.previous is None:
-        raise HTTPException(409, "no previous A bundle to roll back to (A has not changed since start-up)")
-    await caught_up(state.variants.previous.predictor, busy)
-    replaced = state.variants.rollback()
+    """A's previous bundle serves A again (409 without one); ``busy``: see :func:`promote_candidate`."""
+    try:
+        swap = await state.engine.rollback(busy)
+    except VariantUnavailable as exc:
+        raise HTTPException(409, str(exc)) from None
+    except CatchUpFailed as exc:
+        raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
     state.publish_bundle_info()
-    restored = state.variants["A"].bundle_id
+    restored, replaced = swap.predictor.bundle.bundle_id, swap.previous.bundle.bundle_id
     log.info(
         "rolled A back to %s (was %s)",
         restored,
-        replaced.bundle.bundle_id,
-        extra={"event": "rollback", "bundle_id": restored, "previous_bundle_id": replaced.bundle.bundle_id},
+        replaced,
+        extra={"event": "rollback", "bundle_id": restored, "previous_bundle_id": replaced},
     )
-    return {"restored_bundle_id": restored, "previous_bundle_id": replaced.bundle.bundle_id}
+    return {"restored_bundle_id": restored, "previous_bundle_id": replaced}
 
 
 def configure(state: ServingState, split_b: float | None, shadow_fraction: float | None) -> None:
     if shadow_fraction is not None and shadow_fraction > 0 and (state.shadow is None or not state.shadow.target):
         raise HTTPException(409, "no shadow configured: set XMCSERVE_SHADOW_URL")
     if split_b is not None:
-        state.variants.split_b = split_b
+        state.engine.set_split(split_b)
     if shadow_fraction is not None and state.shadow is not None:
         state.shadow.set_fraction(shadow_fraction)
     changed = {k: v for k, v in (("split_b", split_b), ("shadow_fraction", shadow_fraction)) if v is not None}
@@ -313,23 +303,17 @@ def add_admin_routes(app: FastAPI) -> None:
         """Encode and add the labels and instances to the variant's memory, logged before applied;
         the next /predict sees all of them (never a part)."""
         state = serving_state(request)
-        slot = state.variants[body.variant]
-        predictor, batch = slot.predictor, body.batch()
-        if predictor is None:
-            raise HTTPException(409, f"variant {body.variant} has no bundle loaded")
+        batch = body.batch()
         # Encoded on the variant's encode thread between requests, and without the admin lock, so a
         # long append never holds up a reload or promote; logged and applied under it.
-        idle_time = slot.batcher.run_when_idle
         try:
-            vectors = await anyio.to_thread.run_sync(
-                predictor.prepare_append, batch, lambda work: anyio.from_thread.run(idle_time, work)
-            )
+            prepared = await state.engine.prepare_append(body.variant, batch)
             async with admin_change(state):  # in a group: after the changes the others made first
-                if slot.predictor is not predictor:
-                    raise HTTPException(
-                        409, f"variant {body.variant} changed bundles during the append: nothing appended"
-                    )
-                outcome = await anyio.to_thread.run_sync(predictor.memory.commit, batch, vectors)
+                outcome = await state.engine.commit_append(prepared)
+        except VariantUnavailable as exc:
+            raise HTTPException(409, str(exc)) from None
+        except BundleChanged as exc:
+            raise HTTPException(409, str(exc)) from None
         except AppendRefused as exc:
             state.metrics.appends.labels(variant=body.variant, outcome="refused").inc()
             log.warning(
@@ -369,7 +353,7 @@ def add_admin_routes(app: FastAPI) -> None:
             extra={
                 "event": "append_applied",
                 "variant": body.variant,
-                "bundle_id": predictor.bundle.bundle_id,
+                "bundle_id": prepared.predictor.bundle.bundle_id,
                 "version": outcome.version,
                 "repeated": outcome.repeated,
                 "labels": len(outcome.label_ids),
@@ -378,12 +362,12 @@ def add_admin_routes(app: FastAPI) -> None:
         )
         return {
             "variant": body.variant,
-            "bundle_id": predictor.bundle.bundle_id,
+            "bundle_id": prepared.predictor.bundle.bundle_id,
             "version": outcome.version,
             "repeated": outcome.repeated,
             "label_ids": outcome.label_ids,
             "instances": outcome.instances,
-            "memory": predictor.view.describe(),
+            "memory": prepared.predictor.view.describe(),
         }
 
     @app.post("/admin/config", dependencies=guarded)

@@ -1,7 +1,8 @@
 """FastAPI app factory: ``uvicorn service.http.app:create_app --factory``.
 
-A thin front end over the engine (:mod:`engine`) and the rollout state
-(:mod:`service.rollout`).
+A thin front end over the engine (:class:`engine.Engine`: the variants, their batchers, loading
+and swapping bundles, appends, readiness) and the shadow mirror (:mod:`service.rollout`): it
+translates HTTP into the engine's calls and its answers and errors into responses.
 
 The lifespan loads and verifies the primary bundle named by ``XMCSERVE_BUNDLE_DIR`` (a bundle
 that fails verification stops start-up with the reason), the optional candidate (a bad candidate
@@ -28,17 +29,22 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.routing import request_response
 
 from bundle import BundleError
-from engine import BatchAnswer, BatcherStoppedError, DeadlineExceededError, MemoryBusy, QueueFullError
+from engine import (
+    BatchAnswer,
+    BatcherStoppedError,
+    DeadlineExceededError,
+    MemoryBusy,
+    QueueFullError,
+    VariantUnavailable,
+)
 from service.api.body_guards import decode_body, validation_error
 from service.api.docs import add_api_docs
 from service.api.front_door import FrontDoorMiddleware
 from service.api.schemas import (
     SERVICE_VERSION,
     PredictResponse,
-    body_renderer,
     build_predict_request,
     document_models,
-    json_response,
     predict_response_off_loop,
     request_body_openapi,
 )
@@ -50,23 +56,20 @@ from service.http.guards import LoadShed
 from service.http.metrics import SAMPLE_INTERVAL_S, Metrics, RequestObserver
 from service.http.rollout_page import add_rollout_routes
 from service.http.settings import Settings
-from service.http.state import ServingState, load_for_serving, refused_fields
+from service.http.state import ServingState, build_engine, refused_fields
 from service.observability.logs import resolved_format
 from service.observability.requests import AccessLog
 from service.observability.tracing import Tracing
+from service.rollout import CANDIDATE, PRIMARY
 from service.rollout.live import LiveTraffic
 from service.rollout.shadow import ShadowMirror, ShadowRequest, ranked
 from service.rollout.shadow_worker import ShadowWorker
-from service.rollout.variants import CANDIDATE, PRIMARY, Variants
 
 log = logging.getLogger("xmcserve")
 
 
 async def to_response(answer: BatchAnswer, variant: str, k: int) -> Response:
-    """The answer's response: its body as the batch's thread serialised it, or (an answer too
-    large for that) serialised now, off the loop when large."""
-    if answer.rendered is not None:
-        return json_response(answer.rendered)
+    """The engine's answer as the API's JSON: serialised here, off the loop when large."""
     bundle = answer.predictor.bundle
     return await predict_response_off_loop(bundle.manifest, variant, k, answer.ef, answer.rankings, answer.view)
 
@@ -138,10 +141,7 @@ def build_shadow(settings: Settings, metrics: Metrics) -> ShadowMirror:
 def least_wait(app: FastAPI) -> float | None:
     """The shortest expected queue wait of the variants that can answer (None before start-up)."""
     state: ServingState | None = app.state.serving
-    if state is None:
-        return None
-    waits = [slot.batcher.expected_wait_s() for slot in state.variants.slots.values() if slot.ready]
-    return min(waits) if waits else None
+    return state.engine.expected_wait_s() if state is not None else None
 
 
 async def follow_changes(state: ServingState) -> None:
@@ -179,9 +179,9 @@ async def install_routing(state: ServingState, routing: Routing, logged_candidat
     a brief hold, not a refusal) is tried again for a while (:attr:`ServingState.busy_retry`)
     before it fails the start, for any of the three: it is no verdict on the bundle, and a worker
     that went without a bundle the others serve would answer unlike them."""
-    settings, busy = state.settings, state.busy_retry
+    engine, busy = state.engine, state.busy_retry
     try:
-        primary = await load_for_serving(Path(routing.primary), settings, group=state.group, busy=busy)
+        primary = await engine.load(Path(routing.primary), busy=busy)
     except BundleError as exc:
         log.error(
             "bundle %s refused, not starting: %s",
@@ -192,7 +192,7 @@ async def install_routing(state: ServingState, routing: Routing, logged_candidat
         raise
     if routing.previous is not None:
         try:
-            previous = await load_for_serving(Path(routing.previous), settings, group=state.group, busy=busy)
+            previous = await engine.load(Path(routing.previous), busy=busy)
             state.install(PRIMARY, previous, routing.previous, at_start=True)
         except BundleError as exc:
             log.error(
@@ -204,7 +204,7 @@ async def install_routing(state: ServingState, routing: Routing, logged_candidat
     if routing.candidate is not None:
         try:
             # one from the log was vetted by the worker that reloaded it: once a group, as below
-            candidate = await load_for_serving(Path(routing.candidate), settings, group=state.group, busy=busy)
+            candidate = await engine.load(Path(routing.candidate), busy=busy)
             state.install(CANDIDATE, candidate, routing.candidate, at_start=True)
         except BundleError as exc:
             log.error(
@@ -215,7 +215,7 @@ async def install_routing(state: ServingState, routing: Routing, logged_candidat
             )
             if logged_candidate:
                 raise
-    state.variants.split_b = routing.split_b
+    engine.set_split(routing.split_b)
     if routing.shadow_fraction is not None and state.shadow is not None:
         state.shadow.set_fraction(routing.shadow_fraction)
 
@@ -239,17 +239,17 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        variants = Variants.create(settings.batcher_config(), metrics.batch_observer, metrics.drop_observer)
-        for name, slot in variants.slots.items():
-            metrics.track(metrics.queue_depth.labels(variant=name), lambda slot=slot: slot.batcher.depth)
+        engine = build_engine(settings, metrics, group)
+        for name in engine.variants:
+            metrics.track(metrics.queue_depth.labels(variant=name), lambda name=name: engine.queue_depth(name))
             in_flight = metrics.batches_in_flight.labels(variant=name)
-            metrics.track(in_flight, lambda slot=slot: slot.batcher.in_flight_batches)
+            metrics.track(in_flight, lambda name=name: engine.in_flight_batches(name))
             # counters exported at 0 from the start, so a rate() has a series before the first event
             metrics.rejected.labels(variant=name)
             metrics.predicted_texts.labels(variant=name)
             metrics.start_at_zero(name)
         live = LiveTraffic(metrics.merged(metrics.request_seconds))
-        state = ServingState(settings, metrics, variants, live=live, group=group)
+        state = ServingState(settings, metrics, engine, live=live, group=group)
         state.shadow = build_shadow(settings, metrics)
         # sources are absolute: /admin/state turns them into paths /admin/reload takes
         candidate_dir = settings.rollout.candidate_bundle_dir
@@ -275,10 +275,10 @@ def create_app(
             metrics.forget_dead(alive)  # a killed worker's gauges (this one may be its replacement)
             group.acknowledge()  # then the others' changes as they make them
             background += [asyncio.create_task(follow_changes(state)), asyncio.create_task(sample_gauges(metrics))]
-        variants.start()
+        engine.start()
         state.shadow.start()
         app.state.serving = state
-        predictor = variants[PRIMARY].predictor
+        predictor = engine.predictor(PRIMARY)
         log.info(
             "serving bundle %s on %s",
             predictor.bundle.bundle_id,
@@ -297,14 +297,14 @@ def create_app(
                 },
             )
         yield
-        queued = sum(slot.batcher.depth for slot in variants.slots.values())
+        queued = sum(engine.queue_depth(name) for name in engine.variants)
         log.info("shutting down: draining %d queued requests", queued, extra={"event": "shutdown", "queued": queued})
         for task in background:
             task.cancel()
         if group is not None:
             group.withdraw()  # admin calls stop waiting for this worker
         await state.shadow.stop()
-        await variants.stop()
+        await engine.stop()
         metrics.retire()
         app.state.serving = None
         tracing.shutdown()
@@ -353,20 +353,20 @@ def create_app(
                 require_admin(request)  # forcing the unvetted candidate is an operator's decision
             except HTTPException as exc:
                 return JSONResponse({"detail": f"forcing a variant needs the admin token: {exc.detail}"}, 403)
+        engine = state.engine
         try:
-            slot = state.variants.choose(request.headers.get("x-request-key"), body.variant)
-        except LookupError as exc:
+            variant = engine.choose(request.headers.get("x-request-key"), body.variant)
+        except VariantUnavailable as exc:
             return JSONResponse({"detail": str(exc)}, status_code=409)
         texts = body.all_texts()
-        request.state.variant = slot.name
-        request.state.bundle_id = slot.bundle_id
+        request.state.variant = variant
+        request.state.bundle_id = engine.bundle_id(variant)
         request.state.texts, request.state.k = len(texts), body.k
         if settings.log.texts:
             request.state.request_texts = texts
         started = time.perf_counter()
         timeout_s = (body.timeout_ms or settings.limits.request_timeout_ms) / 1000
-        render = body_renderer(slot.name, body.k, len(texts))  # the answer's JSON, made on the batch's thread
-        submitted = slot.batcher.submit(texts, body.k, body.ef, body.exclude, timeout_s, render)
+        submitted = engine.predict(variant, texts, body.k, body.ef, body.exclude, timeout_s)
         client_gone = request.scope.get("extensions", {}).get(CLIENT_GONE)
         try:
             if client_gone is not None:  # the server's own signal, no watcher task
@@ -375,7 +375,7 @@ def create_app(
                 answer = await answer_unless_gone(request, submitted)
         except (QueueFullError, DeadlineExceededError, MemoryBusy) as exc:  # MemoryBusy: a group's log held
             if isinstance(exc, QueueFullError):
-                metrics.rejected.labels(variant=slot.name).inc()
+                metrics.rejected.labels(variant=variant).inc()
             status = 429 if isinstance(exc, QueueFullError) else 503
             return JSONResponse({"detail": str(exc)}, status, headers={"Retry-After": str(exc.retry_after_s)})
         except BatcherStoppedError as exc:
@@ -383,13 +383,13 @@ def create_app(
         if answer is None:  # nobody is listening; 499 is what nginx logs for it
             return Response(status_code=499)
         resumed = time.perf_counter()
-        metrics.child(metrics.stage_seconds, "queue", slot.name).observe(answer.queue_wait_s)
+        metrics.child(metrics.stage_seconds, "queue", variant).observe(answer.queue_wait_s)
         request.state.queue_ms = round(answer.queue_wait_s * 1000, 3)
         request.state.bundle_id = answer.predictor.bundle.bundle_id  # the bundle that answered
-        metrics.child(metrics.predicted_texts, slot.name).inc(len(texts))
+        metrics.child(metrics.predicted_texts, variant).inc(len(texts))
         # The shadow copy (its uid lists built per label) only when mirroring is on at all.
         mirroring = state.shadow.config.fraction > 0
-        if mirroring and slot.name == PRIMARY and request.headers.get("x-shadow") is None:
+        if mirroring and variant == PRIMARY and request.headers.get("x-shadow") is None:
             state.shadow.offer(
                 ShadowRequest(
                     texts,
@@ -398,13 +398,13 @@ def create_app(
                     body.exclusions(),
                     ranked(answer.rankings, answer.view.label_uids),
                     time.perf_counter() - started,
-                    slot.name,
+                    variant,
                     request.state.request_id,
                     tracing.headers().get("traceparent"),
                 )
             )
-        response = await to_response(answer, slot.name, body.k)
-        tracing.batch_answered(answer, resumed, slot.name)  # the request's queue wait, batch stages and respond
+        response = await to_response(answer, variant, body.k)
+        tracing.batch_answered(answer, resumed, variant)  # the request's queue wait, batch stages and respond
         return response
 
     # The endpoint reads its own body and returns its own Response, so FastAPI's handler around it
@@ -422,16 +422,16 @@ def create_app(
     @app.get("/readyz")
     async def readyz(request: Request) -> Response:
         state: ServingState | None = request.app.state.serving
-        if state is None or not state.variants[PRIMARY].ready:
+        if state is None or not state.engine.ready:
             return JSONResponse({"ready": False}, status_code=503)
-        return JSONResponse({"ready": True, "bundle_id": state.variants[PRIMARY].bundle_id})
+        return JSONResponse({"ready": True, "bundle_id": state.engine.bundle_id(PRIMARY)})
 
     @app.get("/info")
     async def info(request: Request) -> Response:
         state: ServingState | None = request.app.state.serving
         if state is None:
             return JSONResponse({"detail": "no bundle loaded yet"}, status_code=503)
-        primary = state.variants[PRIMARY].predictor.bundle
+        primary = state.engine.predictor(PRIMARY).bundle
         return JSONResponse(
             {
                 "service_version": SERVICE_VERSION,

@@ -102,7 +102,7 @@ class Convergence:
 class Routing:
     """Where the bundles that A, B and A's previous (the rollback target) serve were loaded from,
     the share of traffic on B and the shadow share (None: the settings' own): the state a run of
-    admin changes leaves, as :class:`service.rollout.variants.Variants` makes them. Only changes
+    admin changes leaves, as the engine's variants (:mod:`engine.variants`) make them. Only changes
     that were made are logged, so every one applies (a promote has a B, a rollback a previous)."""
 
     primary: str

@@ -33,12 +33,12 @@ from fastapi.responses import FileResponse
 from pydantic import Field
 
 from bundle import MANIFEST_FILE
-from engine import BatcherStoppedError, DeadlineExceededError, QueueFullError
+from engine import BatcherStoppedError, DeadlineExceededError, Engine, QueueFullError
 from service.api.schemas import build_predict_request
 from service.http.admin import require_admin, serving_state
+from service.rollout import CANDIDATE, PRIMARY
 from service.rollout.bundles import manifest_rows, scores_comparable, scoring, stored_evaluations
 from service.rollout.shadow import compare, ranked
-from service.rollout.variants import CANDIDATE, PRIMARY
 
 STATIC = Path(__file__).resolve().parent / "static"
 # The page's own files; nothing else may be fetched or run (no CDN, no inline script).
@@ -69,19 +69,21 @@ def page_file(name: str, media_type: str):
     return serve
 
 
-async def answer_side(slot, texts: list[str], k: int, ef: int | None, exclude, timeout_s: float) -> dict:
+async def answer_side(
+    engine: Engine, variant: str, texts: list[str], k: int, ef: int | None, exclude, timeout_s: float
+) -> dict:
     """One variant's answers to the texts, or why there are none."""
-    if not slot.ready:
-        return {"variant": slot.name, "bundle_id": None, "error": f"variant {slot.name} has no bundle loaded"}
+    if engine.predictor(variant) is None:
+        return {"variant": variant, "bundle_id": None, "error": f"variant {variant} has no bundle loaded"}
     started = time.perf_counter()
     try:
-        answer = await slot.batcher.submit(texts, k, ef, exclude, timeout_s)
+        answer = await engine.predict(variant, texts, k, ef, exclude, timeout_s)
     except (QueueFullError, DeadlineExceededError, BatcherStoppedError) as exc:
-        return {"variant": slot.name, "bundle_id": slot.bundle_id, "error": str(exc)}
+        return {"variant": variant, "bundle_id": engine.bundle_id(variant), "error": str(exc)}
     seconds = time.perf_counter() - started
     view = answer.view
     return {
-        "variant": slot.name,
+        "variant": variant,
         "bundle_id": answer.predictor.bundle.bundle_id,
         "manifest": answer.predictor.bundle.manifest.model_dump(mode="json"),
         "latency_ms": round(seconds * 1000, 3),
@@ -130,11 +132,11 @@ def bundles_under(root: Path) -> list[dict]:
     return out
 
 
-def variant_bundle(slot) -> dict | None:
+def variant_bundle(predictor) -> dict | None:
     """A loaded variant's bundle: id, manifest, how it scores, the evaluations stored beside it."""
-    if not slot.ready:
+    if predictor is None:
         return None
-    bundle = slot.predictor.bundle
+    bundle = predictor.bundle
     manifest = bundle.manifest.model_dump(mode="json")
     return {
         "bundle_id": bundle.bundle_id,
@@ -204,8 +206,8 @@ def add_rollout_routes(app: FastAPI) -> None:
         state = serving_state(request)
         texts, exclude = body.all_texts(), body.exclude
         timeout_s = (body.timeout_ms or settings.limits.request_timeout_ms) / 1000
-        a = await answer_side(state.variants[PRIMARY], texts, body.k, body.ef, exclude, timeout_s)
-        b = await answer_side(state.variants[CANDIDATE], texts, body.k, body.ef, exclude, timeout_s)
+        a = await answer_side(state.engine, PRIMARY, texts, body.k, body.ef, exclude, timeout_s)
+        b = await answer_side(state.engine, CANDIDATE, texts, body.k, body.ef, exclude, timeout_s)
         return {"texts": texts, **side_by_side(a, b, body.k, len(texts))}
 
     @app.get("/admin/agreement", dependencies=guarded)
@@ -240,7 +242,7 @@ def add_rollout_routes(app: FastAPI) -> None:
         beside them), A against each of the others field by field with whether their scores are
         comparable, and links to the Grafana dashboards when their URL is configured."""
         state = serving_state(request)
-        a, b = variant_bundle(state.variants[PRIMARY]), variant_bundle(state.variants[CANDIDATE])
+        a, b = variant_bundle(state.engine.predictor(PRIMARY)), variant_bundle(state.engine.predictor(CANDIDATE))
         shadow = await shadow_bundle(state.shadow.target if state.shadow else None)
         return {
             "variants": {"A": a, "B": b, "shadow": shadow},
@@ -259,7 +261,7 @@ def add_rollout_routes(app: FastAPI) -> None:
         state = serving_state(request)
         if state.live is None:
             raise HTTPException(503, "service not started")
-        return {**state.live.report(window_s), "split_b": state.variants.split_b}
+        return {**state.live.report(window_s), "split_b": state.engine.split_b}
 
     @app.get("/admin/bundles", dependencies=guarded)
     async def bundles(request: Request) -> dict:

@@ -495,7 +495,6 @@ def create_worker_app():
     """The app of one worker process of a group (``XMCSERVE_WORKERS`` > 1), started by uvicorn's
     supervisor: logging as the supervisor's, appends written in turns with the other workers, and
     the group's shared state (:mod:`service.http.group`)."""
-    from engine import share_writes
     from service.http.app import create_app
 
     logs = LogSettings()
@@ -503,8 +502,7 @@ def create_worker_app():
     group = WorkerGroup.from_environment()
     if group is None:
         raise RuntimeError(f"a worker app needs {RUN_DIR_ENV} and {WORKERS_ENV} (set by python -m service.http)")
-    share_writes()
-    return create_app(group=group)
+    return create_app(group=group)  # its engine appends in turns with the group's (EngineParams.shared_appends)
 
 
 def serve_workers(

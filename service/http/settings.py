@@ -14,8 +14,9 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings
 
-from engine import BatcherConfig, EncoderOptions, appends_dir_beside, thread_layout
+from engine import BatcherConfig, EncoderOptions, EngineParams, appends_dir_beside, thread_layout
 from service.api.limits import LimitSettings, settings_group
+from service.rollout import CANDIDATE, PRIMARY
 from service.rollout.shadow import ShadowConfig
 
 
@@ -210,6 +211,17 @@ class Settings(BaseSettings):
     admin: AdminSettings = Field(default_factory=AdminSettings)
     log: LogSettings = Field(default_factory=LogSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
+
+    def engine_params(self) -> EngineParams:
+        """What the engine is told of these settings: how it loads, verifies and serves bundles."""
+        return EngineParams(
+            encoder=self.encoder_options(),
+            batcher=self.batcher_config(),
+            verify_checksums=self.verify_checksums,
+            append_log_dir=self.admin.append_log_dir,
+            replay_skip_refused=self.admin.replay_skip_refused,
+            variants=(PRIMARY, CANDIDATE),
+        )
 
     def thread_layout(self) -> tuple[int, int]:
         """(batch workers, intra-op threads) with the defaults resolved (:func:`thread_layout`)."""

@@ -1,8 +1,10 @@
-"""Shipping a new bundle: A/B variants with sticky routing and atomic swaps, mirroring to a
-remote shadow with comparisons, and the report over the comparison log.
+"""Shipping a new bundle: mirroring to a remote shadow with comparisons, the agreement the rollout
+page plots, and the report over the comparison log (the A/B variants themselves, their sticky
+routing and atomic swaps, are the engine's: :mod:`engine.variants`).
 
-The variant names live here, not in :mod:`~service.rollout.variants`, so the shadow worker's
-child process can name them without importing the engine.
+The variant names live here: the engine's variants (:mod:`engine.variants`) are named by the
+front end that builds them, and the shadow worker's child process names them without importing
+the engine.
 """
 
 PRIMARY = "A"

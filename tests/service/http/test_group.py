@@ -1,7 +1,7 @@
 """service.http.group on its own: the admin change log read whole lines only and written only by a
 worker that has applied every earlier line, acknowledgements of dead workers dropped, and an admin
 call's wait for the others bounded (an injected clock); the state a log of admin changes leaves
-(what a restarted worker loads) the state Variants reaches by making them one by one."""
+(what a restarted worker loads) the state the engine's variants reach by making them one by one."""
 
 import asyncio
 import json
@@ -11,10 +11,11 @@ import random
 import pytest
 
 from bundle import BundleError
+from engine import Engine
 from engine.batcher import BatcherConfig
+from engine.variants import Variants
 from service.http.group import GroupError, Routing, WorkerGroup, alive
 from service.rollout import CANDIDATE, PRIMARY
-from service.rollout.variants import Variants
 
 DEAD = 2**22 + 4321  # above Linux's largest pid: never a live process
 
@@ -63,8 +64,7 @@ def test_a_change_that_fails_on_a_follower_is_reported_to_its_maker_and_not_rais
     follower = WorkerGroup(run_dir, 2, pid=os.getppid())  # another live process: the other worker
     maker.record({"op": "reload", "variant": "B", "path": str(tmp_path / "deleted-since")})
     maker.acknowledge()
-    variants = Variants.create(BatcherConfig(), lambda name: lambda n, t, s, tags: None)
-    state = ServingState(Settings(bundle_dir=tmp_path), Metrics(), variants, group=follower)
+    state = ServingState(Settings(bundle_dir=tmp_path), Metrics(), Engine(), group=follower)
 
     async def unrelated_call():
         async with admin_change(state):
@@ -277,12 +277,12 @@ class FakeTime:
 
 
 def busy_loads(monkeypatch, busy_first: int) -> list:
-    """``engine.load_predictor`` raising MemoryBusy (an append log held past the read wait)
+    """The engine's ``load_predictor`` raising MemoryBusy (an append log held past the read wait)
     on its first ``busy_first`` calls, then loading; returns the record of its calls."""
-    import engine
+    import engine.serving
     from engine import MemoryBusy
 
-    calls, real_load = [], engine.load_predictor
+    calls, real_load = [], engine.serving.load_predictor
 
     def load(path, *args, **kwargs):
         calls.append(path)
@@ -290,24 +290,24 @@ def busy_loads(monkeypatch, busy_first: int) -> list:
             raise MemoryBusy(f"{path}: another worker held its append log past the read wait; load it again")
         return real_load(path, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "load_predictor", load)
+    monkeypatch.setattr(engine.serving, "load_predictor", load)
     return calls
 
 
 def follower_state(run_dir, bundle_root, fake: FakeTime):
+    from engine import BusyRetry
     from service.http.metrics import Metrics
     from service.http.settings import Settings
-    from service.http.state import BusyRetry, ServingState
+    from service.http.state import ServingState
 
     maker = WorkerGroup(run_dir, 2, pid=os.getpid())
     follower = WorkerGroup(run_dir, 2, pid=os.getppid())  # another live process: the other worker
     maker.record({"op": "reload", "variant": "B", "path": str(bundle_root / "tiny-rae")})
     maker.acknowledge()
-    variants = Variants.create(BatcherConfig(), lambda name: lambda n, t, s, tags: None)
     state = ServingState(
         Settings(bundle_dir=bundle_root / "tiny-rae"),
         Metrics(),
-        variants,
+        Engine(),
         group=follower,
         busy_retry=BusyRetry(clock=fake.clock, sleep=fake.sleep),
     )
@@ -328,7 +328,7 @@ def test_a_follower_outwaits_an_append_log_held_past_the_read_wait_and_applies_t
     assert asyncio.run(follow_group(state)) == 1
     assert follower.failed is None and not (run_dir / "failures" / str(os.getppid())).exists()
     assert len(calls) == 3 and fake.pauses == [0.05, 0.1]
-    assert state.variants.slots[CANDIDATE].predictor is not None
+    assert state.engine.predictor(CANDIDATE) is not None
     assert sum("trying again" in r.getMessage() for r in caplog.records) == 2
     assert asyncio.run(maker.converged(1, timeout_s=0)).describe() == {"generation": 1, "applied": 2, "workers": 2}
 
@@ -336,8 +336,8 @@ def test_a_follower_outwaits_an_append_log_held_past_the_read_wait_and_applies_t
 def test_a_follower_whose_append_log_stays_held_past_the_bound_reports_the_change_failed(
     run_dir, bundle_root, monkeypatch
 ):
+    from engine.serving import BUSY_TRIES, BUSY_WITHIN_S
     from service.http.admin import follow_group
-    from service.http.state import BUSY_TRIES, BUSY_WITHIN_S
 
     fake = FakeTime()
     calls = busy_loads(monkeypatch, busy_first=10**6)
@@ -346,7 +346,7 @@ def test_a_follower_whose_append_log_stays_held_past_the_bound_reports_the_chang
     assert follower.failed["generation"] == 1 and "append log" in follower.failed["reason"]
     assert (run_dir / "failures" / str(os.getppid())).exists()
     assert sum(fake.pauses) == pytest.approx(BUSY_WITHIN_S) and len(calls) == len(fake.pauses) + 1 <= BUSY_TRIES
-    assert max(fake.pauses) <= 2.0 and state.variants.slots[CANDIDATE].predictor is None
+    assert max(fake.pauses) <= 2.0 and state.engine.predictor(CANDIDATE) is None
     done = asyncio.run(maker.converged(1, timeout_s=0))
     assert [(f["pid"], f["op"]) for f in done.failed] == [(os.getppid(), "reload")]
 
@@ -359,9 +359,11 @@ def test_a_catch_up_is_outwaited_when_following_and_answers_503_at_once_for_a_cl
 
     from fastapi import HTTPException
 
-    from engine import MemoryBusy
-    from service.http.admin import caught_up
-    from service.http.state import BusyRetry
+    from engine import BusyRetry, MemoryBusy
+    from service.http.admin import promote_candidate
+    from service.http.metrics import Metrics
+    from service.http.settings import Settings
+    from service.http.state import ServingState
 
     tries = []
 
@@ -371,14 +373,22 @@ def test_a_catch_up_is_outwaited_when_following_and_answers_503_at_once_for_a_cl
             raise MemoryBusy("another worker held the append log past the read wait")
         return 0
 
-    incoming = SimpleNamespace(memory=SimpleNamespace(catch_up=catch_up), bundle=SimpleNamespace(bundle_id="b"))
+    def bundle(name):
+        return SimpleNamespace(memory=SimpleNamespace(catch_up=catch_up), bundle=SimpleNamespace(bundle_id=name))
+
+    engine = Engine()
+    engine.install(PRIMARY, bundle("a"), "/a")
+    engine.install(CANDIDATE, incoming := bundle("b"), "/b")
     fake = FakeTime()
-    asyncio.run(caught_up(incoming, BusyRetry(clock=fake.clock, sleep=fake.sleep)))
-    assert len(tries) == 3 and fake.pauses == [0.05, 0.1]
+    swap = asyncio.run(engine.promote(BusyRetry(clock=fake.clock, sleep=fake.sleep)))
+    assert len(tries) == 3 and fake.pauses == [0.05, 0.1] and swap.predictor is incoming
     tries.clear()
+    engine.install(CANDIDATE, bundle("c"), "/c")
+    state = ServingState(Settings(), Metrics(None), engine)
     with pytest.raises(HTTPException) as busy:
-        asyncio.run(caught_up(incoming))
+        asyncio.run(promote_candidate(state))
     assert busy.value.status_code == 503 and busy.value.headers["Retry-After"] == "1" and len(tries) == 1
+    assert engine.predictor(PRIMARY) is incoming  # nothing changed
 
 
 def test_an_event_is_claimed_by_the_first_worker_only_and_a_new_run_starts_unclaimed(run_dir):
@@ -405,7 +415,8 @@ def test_the_appends_a_start_up_replay_skipped_are_counted_once_by_a_group(run_d
 
     def counted(group, at_start=True) -> float:
         metrics = Metrics(None)
-        state = ServingState(Settings(), metrics, SimpleNamespace(install=lambda *a: None, slots={}), group=group)
+        engine = SimpleNamespace(install=lambda *a: None, variants=(), predictor=lambda name: None)
+        state = ServingState(Settings(), metrics, engine, group=group)
         state.install(PRIMARY, predictor, "/bundles/b1", at_start=at_start)
         return metrics.replay_skipped.labels(variant=PRIMARY)._value.get()
 

@@ -7,15 +7,14 @@ from pathlib import Path
 
 import pytest
 
-import engine
+import engine.serving
 from bundle import BundleError
 from service.http.app import install_routing
 from service.http.group import Routing
 from service.http.metrics import Metrics
 from service.http.settings import Settings
-from service.http.state import ServingState
+from service.http.state import ServingState, build_engine
 from service.rollout import CANDIDATE, PRIMARY
-from service.rollout.variants import Variants
 from tests.service.http.test_group import FakeTime
 
 
@@ -31,21 +30,21 @@ def vetting(monkeypatch):
         if Path(path).resolve() in refused:
             raise BundleError(f"{path}: the loader process died (exit code -11)")
 
-    real_load = engine.load_predictor
+    real_load = engine.serving.load_predictor
 
     def load(path, *args, **kwargs):
         loaded.append(Path(path).resolve())
         return real_load(path, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "vet_in_child", vet)
-    monkeypatch.setattr(engine, "load_predictor", load)
+    monkeypatch.setattr(engine.serving, "vet_in_child", vet)
+    monkeypatch.setattr(engine.serving, "load_predictor", load)
     return vetted, loaded, refused
 
 
 def serving_state(bundle: Path) -> ServingState:
     settings = Settings(bundle_dir=bundle)
     metrics = Metrics(None)
-    return ServingState(settings, metrics, Variants.create(settings.batcher_config(), metrics.batch_observer))
+    return ServingState(settings, metrics, build_engine(settings, metrics))
 
 
 def test_every_bundle_loaded_at_start_is_vetted_in_the_child_before_it_is_loaded(bundle_root, vetting):
@@ -55,7 +54,7 @@ def test_every_bundle_loaded_at_start_is_vetted_in_the_child_before_it_is_loaded
     routing = Routing(primary=str(a), previous=str(previous), candidate=str(b))
     asyncio.run(install_routing(state, routing, logged_candidate=True))  # B named by the group's admin log
     assert vetted == loaded == [a.resolve(), previous.resolve(), b.resolve()]
-    assert state.variants.slots[CANDIDATE].predictor is not None
+    assert state.engine.predictor(CANDIDATE) is not None
 
 
 def test_a_primary_the_child_refuses_stops_start_up_without_being_loaded_here(bundle_root, vetting):
@@ -73,7 +72,7 @@ def test_a_previous_the_child_refuses_is_left_out_and_a_served(bundle_root, vett
     refused.add(previous.resolve())
     state = serving_state(a)
     asyncio.run(install_routing(state, Routing(primary=str(a), previous=str(previous))))
-    assert loaded == [a.resolve()] and state.variants.slots[PRIMARY].predictor is not None
+    assert loaded == [a.resolve()] and state.engine.predictor(PRIMARY) is not None
 
 
 def busy_at_first(monkeypatch, busy: dict[Path, int]) -> list:
@@ -81,7 +80,7 @@ def busy_at_first(monkeypatch, busy: dict[Path, int]) -> list:
     of ``path``: another worker's writer held its lineage's append log past the read wait."""
     from engine import MemoryBusy
 
-    calls, inner = [], engine.load_predictor
+    calls, inner = [], engine.serving.load_predictor
 
     def load(path, *args, **kwargs):
         calls.append(Path(path).resolve())
@@ -89,7 +88,7 @@ def busy_at_first(monkeypatch, busy: dict[Path, int]) -> list:
             raise MemoryBusy(f"{path}: another worker held its append log past the read wait; load it again")
         return inner(path, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "load_predictor", load)
+    monkeypatch.setattr(engine.serving, "load_predictor", load)
     return calls
 
 
@@ -98,7 +97,7 @@ def test_a_start_outwaits_an_append_log_held_past_the_read_wait_for_a_its_previo
 ):
     """A brief hold on an append log (MemoryBusy) failed a worker's start, even for A's previous
     and the settings' B (only refusals were caught): each load is tried again, vetted once."""
-    from service.http.state import BusyRetry
+    from engine import BusyRetry
 
     vetted, _, _ = vetting
     a, previous, b = (bundle_root / name for name in ("tiny-rae", "tiny-labels", "tiny-rae"))
@@ -110,12 +109,12 @@ def test_a_start_outwaits_an_append_log_held_past_the_read_wait_for_a_its_previo
     assert calls == [a.resolve()] * 3 + [previous.resolve()] * 2 + [b.resolve()]
     assert vetted == [a.resolve(), previous.resolve(), b.resolve()]  # the vet is not repeated
     assert fake.pauses == [0.05, 0.1, 0.05]
-    assert state.variants.previous is not None and state.variants.slots[CANDIDATE].predictor is not None
+    assert state.engine.previous is not None and state.engine.predictor(CANDIDATE) is not None
 
 
 def test_a_start_whose_append_log_stays_held_past_the_bound_fails(bundle_root, vetting, monkeypatch):
     from engine import MemoryBusy
-    from service.http.state import BUSY_WITHIN_S, BusyRetry
+    from engine.serving import BUSY_WITHIN_S, BusyRetry
 
     a = bundle_root / "tiny-rae"
     calls = busy_at_first(monkeypatch, {a.resolve(): 10**6})
@@ -125,4 +124,4 @@ def test_a_start_whose_append_log_stays_held_past_the_bound_fails(bundle_root, v
     with pytest.raises(MemoryBusy):
         asyncio.run(install_routing(state, Routing(primary=str(a))))
     assert sum(fake.pauses) == pytest.approx(BUSY_WITHIN_S) and len(calls) == len(fake.pauses) + 1
-    assert state.variants.slots[PRIMARY].predictor is None
+    assert state.engine.predictor(PRIMARY) is None

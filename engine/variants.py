@@ -3,7 +3,8 @@ and the bundle A served before its last change, kept loaded so that a rollback i
 
 Each variant slot owns a micro-batcher that reads the slot's predictor once per batch, so
 swapping a slot's predictor is atomic: a batch already computing finishes on the old bundle, the
-next batch runs on the new one.
+next batch runs on the new one. The slots' names are the front end's (``A`` and ``B`` over HTTP):
+the first is the primary, the second the candidate.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine import BatcherConfig, MicroBatcher, Predictor, StageTimes
-from service.rollout import CANDIDATE, PRIMARY
+from engine.batcher import BatcherConfig, MicroBatcher
+from engine.search import Predictor, StageTimes
 
-__all__ = ["CANDIDATE", "PRIMARY", "Variants", "VariantSlot", "route", "key_fraction"]
+__all__ = ["Variants", "VariantSlot", "route", "key_fraction"]
 
 
 def key_fraction(key: str) -> float:
@@ -26,12 +27,13 @@ def key_fraction(key: str) -> float:
     return int.from_bytes(digest, "big") / 2**64
 
 
-def route(key: str | None, split_b: float, candidate_ready: bool, rng: random.Random | None = None) -> str:
-    """A or B for one request: B with probability ``split_b``, sticky per key when one is given."""
+def route(key: str | None, split_b: float, candidate_ready: bool, rng: random.Random | None = None) -> bool:
+    """True when one request goes to the candidate (B): with probability ``split_b``, sticky per
+    key when one is given."""
     if not candidate_ready or split_b <= 0.0:
-        return PRIMARY
+        return False
     position = key_fraction(key) if key else (rng or random).random()
-    return CANDIDATE if position < split_b else PRIMARY
+    return position < split_b
 
 
 @dataclass
@@ -78,6 +80,8 @@ class Variants:
     bundle (kept loaded until A changes again: it costs its memory, and makes a rollback instant)."""
 
     slots: dict[str, VariantSlot] = field(default_factory=dict)
+    primary: str = "A"
+    candidate: str = "B"
     split_b: float = 0.0
     swaps: int = 0
     previous: Retired | None = None
@@ -88,11 +92,14 @@ class Variants:
         config: BatcherConfig,
         on_batch_done: Callable[[str], Callable[[int, StageTimes], None]],
         on_drop: Callable[[str], Callable[[str], None]] = lambda name: None,
+        names: tuple[str, str] = ("A", "B"),
     ) -> Variants:
-        """``on_batch_done(name)`` / ``on_drop(name)``: each slot's batcher callbacks."""
-        slots = {name: VariantSlot(name, config, on_batch_done(name), on_drop(name)) for name in (PRIMARY, CANDIDATE)}
-        slots[CANDIDATE].fallback = slots[PRIMARY]
-        return cls(slots=slots)
+        """``on_batch_done(name)`` / ``on_drop(name)``: each slot's batcher callbacks; ``names``:
+        the primary's and the candidate's."""
+        primary, candidate = names
+        slots = {name: VariantSlot(name, config, on_batch_done(name), on_drop(name)) for name in names}
+        slots[candidate].fallback = slots[primary]
+        return cls(slots=slots, primary=primary, candidate=candidate)
 
     def __getitem__(self, name: str) -> VariantSlot:
         return self.slots[name]
@@ -108,7 +115,7 @@ class Variants:
     def install(self, name: str, predictor: Predictor, source: str) -> Predictor | None:
         """Swap ``predictor`` into slot ``name``; returns the one it replaced."""
         slot = self.slots[name]
-        if name == PRIMARY and slot.predictor is not None:
+        if name == self.primary and slot.predictor is not None:
             self.previous = Retired(slot.predictor, slot.source or "")
         previous, slot.predictor, slot.source = slot.predictor, predictor, source
         self.swaps += 1
@@ -116,10 +123,10 @@ class Variants:
 
     def promote(self) -> Predictor:
         """B becomes A; B is emptied and the split reset (all traffic on the new A)."""
-        candidate = self.slots[CANDIDATE]
+        candidate = self.slots[self.candidate]
         if candidate.predictor is None:
-            raise LookupError("no candidate (B) bundle loaded")
-        previous = self.install(PRIMARY, candidate.predictor, candidate.source or "")
+            raise LookupError(f"no candidate ({self.candidate}) bundle loaded")
+        previous = self.install(self.primary, candidate.predictor, candidate.source or "")
         candidate.predictor, candidate.source = None, None
         self.split_b = 0.0
         return previous
@@ -128,9 +135,11 @@ class Variants:
         """A's previous bundle becomes A again; the one it replaces becomes the previous (a second
         rollback undoes the first). B and the split are left as they are. Returns the one replaced."""
         if self.previous is None:
-            raise LookupError("no previous A bundle to roll back to (A has not changed since start-up)")
+            raise LookupError(
+                f"no previous {self.primary} bundle to roll back to ({self.primary} has not changed since start-up)"
+            )
         back = self.previous
-        return self.install(PRIMARY, back.predictor, back.source)
+        return self.install(self.primary, back.predictor, back.source)
 
     def choose(self, key: str | None, forced: str | None = None) -> VariantSlot:
         if forced is not None:
@@ -138,7 +147,8 @@ class Variants:
             if not slot.ready:
                 raise LookupError(f"variant {forced} has no bundle loaded")
             return slot
-        return self.slots[route(key, self.split_b, self.slots[CANDIDATE].ready)]
+        to_candidate = route(key, self.split_b, self.slots[self.candidate].ready)
+        return self.slots[self.candidate if to_candidate else self.primary]
 
     def describe(self) -> dict:
         return {
