@@ -1,7 +1,8 @@
 """docs/own-data.md's worked example, run as written: the 20-line CSV converted by ``xmc.convert``,
 built into a bundle by ``export.build`` and served by ``service.http``, in a scratch directory
 laid out as the page assumes (``.venv``, ``docs``); each command must succeed, print the line the
-page shows, and the served answer must rank first the label the page shows first.
+page shows, and the served answer must rank first the label the page shows first. The page's
+conversion of a team's TSV (columns named, no label table, a dev split drawn) is run the same way.
 
 What differs from a user's machine: the port is a free one instead of 8000, and the server the
 page starts in the background is started (and stopped) by the test."""
@@ -21,6 +22,7 @@ import pytest
 from engine import load_predictor
 from loadtest.localserver import free_port
 from tests.conftest import wait_for
+from xmc.data import load_jsonl_split
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +30,18 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "own-data.md"
 
 
+TEAM_TABLE = "## Columns as your team named them"
+
+
 def blocks() -> list[str]:
     text = DOC.read_text()
     return re.findall(r"```bash\n(.*?)```", text[text.index("## Worked example") :], flags=re.DOTALL)
+
+
+def team_table_blocks() -> list[str]:
+    text = DOC.read_text()
+    section = text[text.index(TEAM_TABLE) : text.index("## Worked example")]
+    return re.findall(r"```bash\n(.*?)```", section, flags=re.DOTALL)
 
 
 def commands(block: str) -> list[tuple[str, list[str]]]:
@@ -89,6 +100,24 @@ def test_the_worked_example_from_a_csv_to_a_served_bundle_runs_as_written(tmp_pa
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(20)
+
+
+def test_the_team_table_with_named_columns_no_label_table_and_a_drawn_dev_converts_as_shown(tmp_path):
+    workdir = tmp_path / "repo"
+    workdir.mkdir()
+    (workdir / ".venv").symlink_to(Path(sys.prefix))
+    (workdir / "docs").symlink_to(ROOT / "docs")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ((command, shown),) = commands(*team_table_blocks())
+    printed = run(command, workdir, env)
+    assert shown and all(line in printed.splitlines() for line in shown), (shown, printed)
+    out = re.search(r"--out (\S+)", command).group(1)
+    trn, dev = (load_jsonl_split(workdir / out, split) for split in ("trn", "dev"))
+    assert trn.labels.uids == trn.labels.texts and not set(trn.uids) & set(dev.uids)
+    assert (
+        len(trn.uids) + len(dev.uids)
+        == len((ROOT / "docs/examples/own-data/packages.tsv").read_text().splitlines()) - 1
+    )
 
 
 def ready(port: int, server: subprocess.Popen, log: Path) -> bool:
