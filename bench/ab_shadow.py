@@ -36,6 +36,7 @@ import numpy as np
 from bench.lib.loadgen import closed_loop, open_loop
 from loadtest.localserver import parse_cpus, start_server, stop_server
 from xmc.data import load_jsonl_split
+from xmc.results import write_result
 
 TOKEN = "bench-admin-token"
 SHADOW_COUNTERS = ("xmcserve_shadow_compared_texts_total", "xmcserve_shadow_dropped_total")
@@ -328,7 +329,7 @@ def main() -> None:
         args.bundle, args.alt_bundle, bodies, args.rps / 2, args.reload_every, args.reload_seconds, logs, primary_cpus
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     rows = {key: row for key, row in result.items() if isinstance(row, dict) and "p99_ratio" in row}
     ratios = {f"p99_ratio_{key}": row["p99_ratio"] for key, row in rows.items()}
     print(json.dumps(ratios | {"reload_failed_requests": result["reload_loop"]["failed_requests"]}, indent=2))

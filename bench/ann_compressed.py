@@ -327,6 +327,8 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.99, help="recall@10 a method's chosen setting must reach")
     parser.add_argument("--out", type=Path, default=Path("bench/results/ann-compressed.json"), help="result JSON")
     args = parser.parse_args()
+    from xmc.results import write_result
+
     sets = {}  # the real set first: it is small, every method's row comes in minutes
     if args.real_bundle:
         sets[f"real-{args.real_bundle.name}"] = lambda: real_set(args.real_bundle, args.real_data, args.queries)
@@ -350,7 +352,7 @@ def main() -> None:
                 name, keys, queries, truth, args.build_threads, args.single, args.target
             )
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=2) + "\n")
+            write_result(args.out, result)
     print(json.dumps(result, indent=2))
 
 

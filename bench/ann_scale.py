@@ -23,6 +23,7 @@ import hnswlib
 import numpy as np
 
 from bench.lib.synthetic import DIM, clustered_vectors, draw, exact_top10
+from xmc.results import write_result
 
 
 def measure(n: int, efs: list[int], queries_n: int, m: int, ef_construction: int, target: float, seed: int) -> dict:
@@ -96,7 +97,7 @@ def main() -> None:
         result[str(n)] = measure(n, efs, args.queries, args.m, args.ef_construction, args.target, args.seed)
         print(json.dumps(result[str(n)]), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ import numpy as np
 
 from xmc.data import XMCDataset, load_jsonl_split
 from xmc.metrics import drop_excluded, score_ranking
+from xmc.results import write_result
 
 URI_BASE = "http://xmcserve.invalid/label/"
 VOCAB_ID = "labels"
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                     **meta,
                 }
                 print(name, split_name, json.dumps(results[name]), file=sys.stderr, flush=True)
-                out.write_text(json.dumps(results, indent=2) + "\n")
+                write_result(out, results)
     return 0
 
 

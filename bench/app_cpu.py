@@ -26,6 +26,7 @@ from pathlib import Path
 
 from bench.lib.null_encoder import installed, write_vectors
 from xmc.data import load_jsonl_split
+from xmc.results import write_result
 
 
 async def post(app, body: bytes) -> int:
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     print(json.dumps(result, indent=2))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

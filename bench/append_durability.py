@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    from xmc.results import write_result
+
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
         result = measure(args.bundle, Path(workdir), args.rounds, args.appends)
         filesystem = os.statvfs(workdir)
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         **result,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps({k: result[k] for k in ("variants", "durable_over_no_fsync")}, indent=2))
 
 

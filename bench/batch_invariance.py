@@ -25,6 +25,7 @@ from engine import Predictor
 from engine.offline import load_bundle
 from tests.support.batch_invariance import TOLERANCE, batch_invariance
 from xmc.data import load_jsonl_split
+from xmc.results import write_result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         "bundles": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ from export.fusion_validation import (
 from export.held_out import SparseSpec
 from export.sparse_fit import SparseFitParams
 from xmc.data import label_frequencies, load_jsonl_split
+from xmc.results import write_result
 
 DEV_METRICS = ("P@1", "P@3", "P@5", "nDCG@5", "PSP@1", "PSP@3", "PSP@5", "R@10", "R@100")
 IDLE_QUERIES = 200
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         result = json.loads(args.out.read_text()) if args.out.is_file() else {}
         result["serving_cost"] = {"machine": platform.processor() or platform.machine()}
         result["serving_cost"] |= serving_cost(args.serving_cost, texts, rounds=args.rounds)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
         print(json.dumps(result["serving_cost"], indent=2))
         return 0
     if args.bundle is None or args.run is None:
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "variants": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     args.out.with_suffix(".md").write_text(markdown(result))
     print("chosen", chosen)
     return 0

@@ -31,6 +31,7 @@ import torch
 from safetensors.numpy import load_file
 
 from xmc.checkpoint import LOG_FILE, default_encoder_dir
+from xmc.results import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "training" / "configs" / "smoke.yaml"
@@ -110,7 +111,7 @@ def main() -> None:
             **runs,
         }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps(result, indent=2))
 
 

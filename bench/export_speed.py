@@ -27,6 +27,7 @@ from export.pooled_vectors import encode_pooled, torch_pooled
 from export.serving_graph import load_encoder, load_fast_tokenizer
 from xmc.checkpoint import default_encoder_dir, fit_pca_head
 from xmc.data import load_jsonl_split
+from xmc.results import write_result
 
 
 def timed(fn):
@@ -70,7 +71,7 @@ def main() -> None:
         "hnsw_build_seconds": {"threads_1": hnsw_build_seconds(keys, 1), "threads_all": hnsw_build_seconds(keys, -1)},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps(result, indent=2))
 
 

@@ -26,6 +26,7 @@ from bench.lib.latency import measure
 from engine.offline import load_bundle
 from export.evaluate import evaluate_bundle
 from xmc.data import load_jsonl_split
+from xmc.results import write_result
 
 SERVER_LOG = Path("/tmp/xmcserve-bench-fusion-cost.log")
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps(result["summary"], indent=2))
     return 0
 

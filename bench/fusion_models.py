@@ -76,6 +76,7 @@ from export.held_out import SparseSpec, add_held_out_memory_option
 from export.sparse_fit import SparseFitParams
 from xmc.checkpoint import HOLDOUT_FILE
 from xmc.data import label_frequencies, load_jsonl_split
+from xmc.results import write_result
 
 DEV_METRICS = ("P@1", "P@3", "P@5", "PSP@5", "R@100")
 # The model's share of the serving bill (issue 54: batched q/s >= 0.8x, idle p50 <= 1.25x the
@@ -329,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(candidate.name, "dev", json.dumps(results[candidate.name]["dev"]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     return 0
 
 

@@ -29,6 +29,7 @@ from bench.lib.held_out import held_out_features, held_out_instances
 from export.fusion_fit import FuseError, fit_model
 from export.fusion_to_onnx import onnx_fusion_model
 from xmc.checkpoint import HOLDOUT_FILE
+from xmc.results import write_result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps({k: result[k] for k in ("parity_max_abs_vs_library", "median_us_per_batch")}, indent=2))
     return 0
 

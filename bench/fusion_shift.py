@@ -30,6 +30,7 @@ from engine.offline import KeyTerms
 from export.fusion_fit import DEFAULT_FUSION, FuseError
 from export.held_out import HeldOutPairs, HeldOutSearch, add_held_out_memory_option, pairs_of, unfitted_fusion
 from xmc.data import load_jsonl_split
+from xmc.results import write_result
 
 
 def shift(held: HeldOutPairs, dev: HeldOutPairs, relevant: bool, features: tuple[str, ...], seed: int = 0) -> dict:
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps(result, indent=2))
     return 0
 

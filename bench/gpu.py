@@ -68,6 +68,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from xmc.results import write_result  # the standard library alone
+
 # Only the standard library above this line: the requirements are checked before anything of the
 # project (numpy, httpx, the service) is imported, so a machine that lacks them hears which.
 
@@ -780,14 +782,6 @@ def scaling_stage(params: GpuBenchParams, budget: Budget, bundle: Path, bodies: 
 
 
 # -- the run --------------------------------------------------------------------------------
-
-
-def write_result(path: Path, result: dict) -> None:
-    """Written whole to a sibling and renamed, so the file is never half a result."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staged = path.with_suffix(".json.tmp")
-    staged.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(staged, path)
 
 
 def run_stage(result: dict, name: str, needed_s: float, budget: Budget, body, out: Path):

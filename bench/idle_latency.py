@@ -21,6 +21,7 @@ from pathlib import Path
 
 from bench.lib.latency import measure
 from xmc.data import load_jsonl_split
+from xmc.results import write_result
 
 
 def main() -> None:
@@ -37,7 +38,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps(result, indent=2))
 
 

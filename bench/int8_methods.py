@@ -41,6 +41,7 @@ from engine.offline import MAX_CHUNK, OnnxEncoder, load_bundle
 from export.onnx_export import quantize_int8, quantize_int8_static
 from xmc.data import load_jsonl_split
 from xmc.evaluate import evaluate_predictor
+from xmc.results import write_result
 
 HEADLINE = ("P@1", "P@3", "P@5", "PSP@5", "R@100")
 
@@ -134,7 +135,7 @@ def main() -> None:
         "variants": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import numpy as np
 
 from engine import load_predictor
 from xmc.data import load_jsonl_split
+from xmc.results import write_result
 
 FETCH_EXTRA = (0, 100, 200, 400)
 
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         "seconds": round(time.time() - started, 1),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps(result, indent=2))
 
 

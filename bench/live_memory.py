@@ -39,6 +39,7 @@ from loadtest.localserver import start_server, stop_server
 from xmc.data import XMCDataset, load_jsonl_split
 from xmc.evaluate import evaluate_predictor
 from xmc.metrics import HEADLINE
+from xmc.results import write_result
 
 TOKEN = "bench-live-memory"
 
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, out)
     return 0
 
 

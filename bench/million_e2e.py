@@ -35,6 +35,7 @@ import numpy as np
 
 from bench.lib.stages import TOKENIZER_FILES, run_stage, tst_titles
 from loadtest.localserver import start_server, stop_server
+from xmc.results import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "training" / "configs" / "synthetic-1m.yaml"
@@ -135,7 +136,7 @@ def main() -> None:
         "evaluate_tst": json.loads((work / "eval-tst.json").read_text()),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps(result, indent=2))
 
 

@@ -33,6 +33,7 @@ import platform
 from pathlib import Path
 
 from bench.lib.non_encoder import add_arguments, run
+from xmc.results import write_result
 
 
 def main() -> None:
@@ -53,7 +54,7 @@ def main() -> None:
         **run(args, args.bundle, args.data),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps(summary(result), indent=2))
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from bench.lib.loadgen import closed_loop, open_loop
 from loadtest.localserver import start_server, stop_server
 from xmc.data import load_jsonl_split
+from xmc.results import write_result
 
 REFUSALS = (429, 503)
 
@@ -126,7 +127,7 @@ def main() -> None:
         },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, out)
     print(json.dumps(out["ratios"] | out["targets"], indent=2))
 
 

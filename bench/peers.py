@@ -47,6 +47,7 @@ from sklearn.feature_extraction.text import TfidfVectorizer
 from export.baseline import DoesNotFit, ovr_logreg, word_and_char_tfidf
 from xmc.data import XMCDataset, load_jsonl_split
 from xmc.metrics import drop_excluded, score_ranking
+from xmc.results import write_result
 
 
 def sklearn_tfidf(train: XMCDataset, dev: XMCDataset) -> tuple[sp.csr_matrix, sp.csr_matrix]:
@@ -296,7 +297,7 @@ def measure(args: argparse.Namespace, systems: list[str], results: dict) -> None
 
     def write() -> None:
         ordered = {name: results[name] for name in SYSTEMS if name in results}
-        args.out.write_text(json.dumps({**ordered, **results}, indent=2) + "\n")
+        write_result(args.out, {**ordered, **results})
 
     for name in systems:
         started = time.perf_counter()

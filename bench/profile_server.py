@@ -21,6 +21,7 @@ from bench.lib.loadgen import closed_loop
 from bench.lib.profiling import fold, record
 from loadtest.localserver import start_server, stop_server
 from xmc.data import load_jsonl_split
+from xmc.results import write_result
 
 
 def main() -> int:
@@ -62,7 +63,7 @@ def main() -> int:
     finally:
         stop_server(server)
     result = {"rps": args.rps, "load": load, "settings": args.env, **fold(collapsed)}
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps({k: result[k] for k in ("load", "stages", "threads")}, indent=2))
     return 0
 

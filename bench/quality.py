@@ -63,6 +63,7 @@ from export.held_out import DEFAULT_HELD_OUT_MEMORY, add_held_out_memory_option
 from xmc.checkpoint import HOLDOUT_FILE, LOG_FILE, PARAMS_FILE, ServingHead
 from xmc.data import load_jsonl_split
 from xmc.metrics import HEADLINE
+from xmc.results import relative_paths, write_result
 
 DEBIAN_OUT = "quality-debian-dev.json"
 LAMBDAS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -393,7 +394,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{args.out} does not exist: there are no results to add rows to")
         earlier = json.loads(args.out.read_text())
         earlier_data = earlier.get("data")
-        if earlier_data is not None and Path(earlier_data).resolve() != args.data.resolve():
+        # a result file names its data set relative to the repository (xmc.results)
+        same = earlier_data is None or earlier_data == relative_paths(str(args.data.resolve()))
+        if not same and Path(earlier_data).resolve() != args.data.resolve():
             parser.error(f"{args.out} holds {earlier_data}'s results, not {args.data}'s (--data)")
     if args.only_peers:  # nothing to load or measure: the rows are read from the workdir
         try:
@@ -760,7 +763,7 @@ def write_results(
         "training_ablations": ablations,
         **(extra or {}),
     }
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(out, result)
     table = markdown_table(systems) + ablation_markdown(systems, ablations) + fusion_model_markdown(fusion_models)
     out.with_suffix(".md").write_text(table)
     if sweeps:  # a user-route run sweeps nothing: the plot of the tuned data set is kept

@@ -36,6 +36,7 @@ from bundle import ENCODER_FILE, LABELS_FILE, TOKENIZER_FILE, Counts, HnswParams
 from engine.offline import fetch_and_ef
 from loadtest.localserver import free_port, start_server, stop_server
 from xmc.data import LabelSpace, load_jsonl_split
+from xmc.results import write_result
 
 M, EF_CONSTRUCTION, EF_SEARCH = 32, 200, 300
 DIM = 64
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         s: round(r["one_at_a_time"]["p50_ms"] / single_p50, 3) for s, r in result["ray"].items()
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     plot(result, args.out.with_suffix(".png"))
     print(json.dumps({"ray_over_single_p50": result["ray_over_single_p50"]}), flush=True)
 

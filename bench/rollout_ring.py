@@ -21,6 +21,7 @@ from pathlib import Path
 from service.http.metrics import Metrics
 from service.rollout.agreement import AgreementHistory
 from service.rollout.shadow import ShadowConfig, ShadowMirror
+from xmc.results import write_result
 
 
 class IdleWorker:
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": f"{platform.processor() or platform.machine()}, shared with other jobs",
     }
     if args.out:
-        args.out.write_text(json.dumps(out, indent=2) + "\n")
+        write_result(args.out, out)
     print(json.dumps(out, indent=2))
     return out
 

@@ -26,6 +26,7 @@ from export.derive import derive_rae_bundle
 from export.evaluate import evaluate_bundle
 from xmc.data import load_jsonl_split
 from xmc.metrics import HEADLINE
+from xmc.results import write_result
 
 
 def search_ms_per_query(predictor: Predictor, vectors: np.ndarray, ef: int) -> float:
@@ -70,7 +71,7 @@ def main() -> None:
                 print(json.dumps(rows[-1]), flush=True)
     result = {"bundle": source.bundle_id, "data": str(args.data), "instances": len(dev), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

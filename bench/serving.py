@@ -67,6 +67,7 @@ from loadtest.localserver import free_port, parse_cpus, start_server, stop_serve
 from service.http.settings import Settings
 from xmc.checkpoint import default_encoder_dir
 from xmc.data import load_jsonl_split
+from xmc.results import write_result
 
 CONCURRENCY = (1, 4, 16, 64, 128)
 
@@ -530,7 +531,7 @@ def main(argv: list[str] | None = None) -> None:
             ),
         }
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(out, result)
         summary = {
             name: {k: v for k, v in result[name].items() if k.startswith("median_") or k == "peak_rss_mib"}
             for name in ("xmcserve", "infinity")
@@ -546,7 +547,7 @@ def main(argv: list[str] | None = None) -> None:
             **observability_cost(args.bundle, bodies, args.concurrency, args.seconds, args.rounds, extra_env),
         }
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(out, result)
         summary = ("median_qps", "median_throughput_loss", "median_peak_loss_from_cpu")
         print(json.dumps({k: result[k] for k in summary}, indent=2))
         return
@@ -612,7 +613,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.null_encoder:  # what the server costs besides the encoder, against another checkout
         result["non_encoder"] = non_encoder.run(args, args.bundle, args.data)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     if "naive" in result:
         plot(result, args.out.with_suffix(".png"))
     print(

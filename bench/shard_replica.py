@@ -31,6 +31,7 @@ import numpy as np
 from bench.lib.recall import breadth_settings, first_reaching, recall_with_ties
 from bench.lib.synthetic import draw
 from bench.lib.synthetic_bundle import build_synthetic_bundle
+from xmc.results import write_result
 
 BATCH = 32
 TARGET_RECALL = 0.99
@@ -137,7 +138,7 @@ def main() -> None:
         "replica": replica,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps(result, indent=2))
 
 

@@ -59,6 +59,7 @@ import numpy as np
 from bench.lib.recall import breadth_settings, first_reaching, recall_with_ties
 from bench.lib.stages import TOKENIZER_FILES, run_stage, tst_titles
 from loadtest.localserver import start_server, stop_server
+from xmc.results import write_result
 
 TOKEN = "bench-ten-million"
 TARGETS = {
@@ -385,7 +386,7 @@ def main() -> None:
         "recall": recall,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps(result, indent=2))
 
 

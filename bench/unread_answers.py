@@ -21,6 +21,7 @@ import uvicorn
 
 from service.http.server import uvicorn_options
 from service.http.settings import ServerSettings
+from xmc.results import write_result
 
 CLIENTS, ANSWER_BYTES = 16, 8 << 20
 
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     results = {"clients": CLIENTS, "answer_bytes": ANSWER_BYTES, "runs": [run(1e6), run(1.0), run(1e6), run(1.0)]}
     print(json.dumps(results, indent=1))
     if args.out:
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        write_result(args.out, results)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from bench.lib.non_encoder import start_null_server
 from bench.lib.null_encoder import write_vectors
 from loadtest.localserver import ROOT, start_server, stop_server
 from xmc.data import load_jsonl_split
+from xmc.results import write_result
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
         **result,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.out, result)
     print(json.dumps({"median": result["median"], "ratio_to_first": result["ratio_to_first"]}, indent=2))
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from engine.offline import Bundle, load_bundle
 from xmc.data import XMCDataset, load_jsonl_split
 from xmc.evaluate import evaluate_predictor, format_table
 from xmc.metrics import PROPENSITY_PRESETS, Segments
+from xmc.results import write_result
 
 
 def evaluate_bundle(bundle: Bundle, dataset: XMCDataset, train: XMCDataset, **options) -> dict:
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(result))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.out, result)
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

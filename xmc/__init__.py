@@ -7,5 +7,7 @@ imports none of them.
 * :mod:`xmc.metrics` — P@k, nDCG@k, PSP@k, R@k, macro-F1@k, and the "filter after ranking" protocol;
 * :mod:`xmc.evaluate` — a predictor ranked over a split under both filter protocols;
 * :mod:`xmc.checkpoint` — the checkpoint and run-directory files training writes and export reads;
-* :mod:`xmc.options` — value parsers the stages' command lines share.
+* :mod:`xmc.options` — value parsers the stages' command lines share;
+* :mod:`xmc.results` — the one writer of result files (``bench/results/``, ``export.evaluate --out``),
+  their paths named relative to the repository.
 """

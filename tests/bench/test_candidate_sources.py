@@ -7,6 +7,7 @@ import json
 from bench.candidate_sources import main, variants
 from export.fuse import FuseParams, fuse_bundle
 from xmc.data import load_jsonl_split
+from xmc.results import relative_paths
 
 
 def test_each_variant_is_validated_and_the_choice_is_the_best_validation_score(memory_and_run, sample_dir, tmp_path):
@@ -37,7 +38,7 @@ def test_serving_cost_measures_each_bundle_every_round_and_keeps_the_rest_of_the
     assert main(args) == 0
     result = json.loads(out.read_text())
     assert result["chosen"] == "kept"
-    for name in (str(bundle), str(fused)):
-        cost = result["serving_cost"][name]
+    for name in (str(bundle), str(fused)):  # named as a result file names paths
+        cost = result["serving_cost"][relative_paths(name)]
         assert cost["rounds"] == 2 and len(cost["per_round"]["idle_p50_ms"]) == 2
         assert cost["batched_queries_per_second"] > 0 and cost["idle_p50_ms"] > 0
