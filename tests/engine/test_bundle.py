@@ -148,7 +148,7 @@ def test_a_symlink_out_of_the_bundle_is_refused(bundle_copy, tmp_path):
 
 
 def test_vetting_in_a_child_accepts_a_good_bundle_and_reports_a_bad_one(tiny_rae_bundle, bundle_copy):
-    from engine import vet_in_child
+    from engine.loading import vet_in_child
 
     vet_in_child(tiny_rae_bundle, memory_limit_bytes=2 << 30)
     rewrite_index_header(bundle_copy, count=10)
@@ -157,7 +157,7 @@ def test_vetting_in_a_child_accepts_a_good_bundle_and_reports_a_bad_one(tiny_rae
 
 
 def test_a_loader_that_needs_more_memory_than_allowed_is_refused_not_fatal(tiny_rae_bundle):
-    from engine import vet_in_child
+    from engine.loading import vet_in_child
 
     with pytest.raises(BundleError, match="MiB allowed|died|cannot be loaded"):
         vet_in_child(tiny_rae_bundle, memory_limit_bytes=64 << 20)  # less than the interpreter needs

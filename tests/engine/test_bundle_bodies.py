@@ -11,8 +11,8 @@ import scipy.sparse as sp
 from bundle import BundleError
 from bundle.hnsw_file import HNSW_HEADER
 from bundle.manifest import INDEX_FILE, LEXICAL_FILE, MANIFEST_FILE, VALUES_FILE, FusionParams, sha256_file
-from engine import vet_in_child
 from engine.bundle import load_bundle, load_shard_key_terms
+from engine.loading import vet_in_child
 
 
 def resign(path, name):
