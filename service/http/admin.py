@@ -15,7 +15,7 @@ loaded (docs/operations.md, "Lineage model"), so no acknowledged append is missi
 # model from the endpoint annotation at runtime.
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -120,17 +120,23 @@ async def reload_variant(
     return {"variant": variant, "bundle_id": predictor.bundle.bundle_id, "previous_bundle_id": previous_id}
 
 
-async def promote_candidate(state: ServingState, busy: BusyRetry | None = None) -> dict:
-    """B becomes A (409 without a B), caught up with its lineage first (503 when it cannot be);
-    ``busy``: how a catch-up that found the log held is tried again (None: 503 at once)."""
+async def swapped(state: ServingState, swap: Awaitable) -> tuple[str, str]:
+    """A promote's or a rollback's (bundle id now serving A, bundle id it replaced); 409 when there
+    is nothing to swap in, 503 when the incoming A cannot catch up with its lineage."""
     try:
-        swap = await state.engine.promote(busy)
+        done = await swap
     except VariantUnavailable as exc:
         raise HTTPException(409, str(exc)) from None
     except CatchUpFailed as exc:
         raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
     state.publish_bundle_info()
-    promoted, previous = swap.predictor.bundle.bundle_id, swap.previous.bundle.bundle_id
+    return done.predictor.bundle.bundle_id, done.previous.bundle.bundle_id
+
+
+async def promote_candidate(state: ServingState, busy: BusyRetry | None = None) -> dict:
+    """B becomes A (409 without a B), caught up with its lineage first (503 when it cannot be);
+    ``busy``: how a catch-up that found the log held is tried again (None: 503 at once)."""
+    promoted, previous = await swapped(state, state.engine.promote(busy))
     log.info(
         "promoted %s to A (was %s)",
         promoted,
@@ -142,14 +148,7 @@ async def promote_candidate(state: ServingState, busy: BusyRetry | None = None) 
 
 async def roll_back(state: ServingState, busy: BusyRetry | None = None) -> dict:
     """A's previous bundle serves A again (409 without one); ``busy``: see :func:`promote_candidate`."""
-    try:
-        swap = await state.engine.rollback(busy)
-    except VariantUnavailable as exc:
-        raise HTTPException(409, str(exc)) from None
-    except CatchUpFailed as exc:
-        raise HTTPException(503, str(exc), headers={"Retry-After": "1"}) from None
-    state.publish_bundle_info()
-    restored, replaced = swap.predictor.bundle.bundle_id, swap.previous.bundle.bundle_id
+    restored, replaced = await swapped(state, state.engine.rollback(busy))
     log.info(
         "rolled A back to %s (was %s)",
         restored,
