@@ -52,7 +52,7 @@ def test_the_check_finds_machine_folders_and_not_url_paths():
     payload = {
         "bundle": "/work/main/bundles/default",
         "command": ["python", "-m", "bench.serving", "--out=/tmp/x/serving.json"],
-        "process 1:\"/home/me/.venv/bin/python bench/lib/null_encoder.py\"": 1.0,
+        'process 1:"/home/me/.venv/bin/python bench/lib/null_encoder.py"': 1.0,
         "error": 'Traceback:\n  File "/usr/lib/python3.11/asyncio/runners.py", line 1',
         "fine": ["/predict", "/info", "bundles/default", "../shared/data/debian-related", "<tmp>/w", "~/out"],
         "container": "ctr_run -e HOME=/tmp --tmpfs /tmp -v <host dir>:/bundles",
