@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 README_MAX_LINES = 250
 USER_FACING = [README, *sorted((ROOT / "docs").glob("*.md"))]
-LINKED_PAGES = [*USER_FACING, ROOT / "deploy" / "README.md", ROOT / "bench" / "results" / "README.md"]
+RESULTS = ROOT / "bench" / "results"
+LINKED_PAGES = [*USER_FACING, ROOT / "deploy" / "README.md", RESULTS / "README.md", RESULTS / "HISTORY.md"]
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 CODE_SPAN = re.compile(r"(`+)(?:(?!\1).)+?\1", re.S)
