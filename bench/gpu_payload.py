@@ -1,7 +1,7 @@
 """The files that carry one run of ``python -m bench.gpu`` to a lent CUDA machine, cut into device calls.
 
     python -m bench.gpu_payload [--out .gpu] [--bundle DIR] [--ort-wheel WHEEL] [--wheels DIR ...]
-                                [--call-mb 61.5] [--keep-arch 90] [--budget-s 400]
+                                [--call-mb 58] [--keep-arch 90] [--budget-s 400]
 
 The GPU machines lent to this project (bench.gpu's docstring, ``make bench-gpu``) reach no package
 registry, carry at most 64 MiB of files per call of the device tool (the repository's tree, about
@@ -144,7 +144,7 @@ class PayloadParams:
     keep_arch: int = 90
     python_version: str = "3.12"
     glibc_minor: int = 28
-    call_mb: float = 61.5
+    call_mb: float = 58.0  # parts a call; the working tree (~6 MB) travels beside them
     bundle: Path | None = None
     data: Path = Path("data/debian-sample")
     kinds: Path = DEFAULT_KINDS

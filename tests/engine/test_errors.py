@@ -32,4 +32,8 @@ def test_every_exception_of_the_bundle_and_the_engine_is_an_xmcserve_error():
 
 def test_the_builtin_bases_are_kept():
     assert issubclass(AppendRefused, ValueError) and issubclass(BundleError, RuntimeError)
-    assert all(issubclass(cls, (ValueError, RuntimeError)) for cls in defined_exceptions() if cls is not XmcserveError)
+    assert all(
+        issubclass(cls, (ValueError, RuntimeError, LookupError))
+        for cls in defined_exceptions()
+        if cls is not XmcserveError
+    )
