@@ -36,7 +36,6 @@ from bundle import (
     TOKENIZER_FILE,
     VALUES_FILE,
     Counts,
-    HnswParams,
     IvfPqParams,
     Manifest,
     Shard,
@@ -242,9 +241,7 @@ def manifest_fields(
         ),
         "dim": head.dim,
         "index_kind": params.index_kind,
-        "hnsw": HnswParams(
-            space="ip", M=params.hnsw_m, ef_construction=params.ef_construction, ef_search=params.ef_search
-        ),
+        "hnsw": params.hnsw(),
         "rae": params.rae() if prepared.memory is not None else None,
         "counts": Counts(labels=len(labels), memory_rows=len(prepared.keys), train_instances=memory_size),
         "params": {
@@ -278,8 +275,7 @@ def write_shard_index(
 
 def build_hnsw(keys: np.ndarray, params: ExportParams, path: Path, first_id: int = 0) -> None:
     """An HNSW file over ``keys``, whose labels are ``first_id``, ``first_id + 1``, …"""
-    hnsw = HnswParams(space="ip", M=params.hnsw_m, ef_construction=params.ef_construction, ef_search=params.ef_search)
-    HnswIndex.build(keys, hnsw, first_id, params.seed, params.build_threads or -1).save(path)
+    HnswIndex.build(keys, params.hnsw(), first_id, params.seed, params.build_threads or -1).save(path)
 
 
 def write_label_files(stage: Path, labels: LabelSpace, labels_format: str) -> None:

@@ -14,7 +14,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, get_args, get_origin, get_type_hints
 
-from bundle import AnnKind, IndexKind, IvfPqParams, LabelsFormat, RaeMode, RaeParams
+from bundle import AnnKind, HnswParams, IndexKind, IvfPqParams, LabelsFormat, RaeMode, RaeParams
 from xmc.options import parse_bool
 
 Quantize = Literal["none", "int8", "int8-static"]
@@ -142,6 +142,10 @@ class ExportParams:
             pq_m = self.ivfpq(1).pq_m  # its parameters checked now: pq_m even and a divisor of dim, nprobe ≥ 1
             if self.dim % pq_m:
                 raise ValueError(f"pq_m {pq_m} does not divide dim {self.dim}")
+
+    def hnsw(self) -> HnswParams:
+        """The HNSW graph's parameters as the manifest records them (and the graph is built with)."""
+        return HnswParams(space="ip", M=self.hnsw_m, ef_construction=self.ef_construction, ef_search=self.ef_search)
 
     def ivfpq(self, keys: int) -> IvfPqParams:
         """The compressed index's parameters as the manifest records them, for an index of ``keys`` keys."""

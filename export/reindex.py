@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bundle import HnswParams, Manifest, read_manifest, shard_file_names, shard_list, utc_now
+from bundle import Manifest, read_manifest, shard_file_names, shard_list, utc_now
 from engine import AppendLogError
 from engine.offline import carried_lineage, load_shard_index
 from export.build import write_shard_index
@@ -59,9 +59,7 @@ def reindex_bundle(
             index_name, rerank_name = shard_file_names(params.index, len(shards), i)
             write_shard_index(stage, shard_keys, shard.first_key, params, ivfpq, index_name, rerank_name)
             new_shards.append(shard.model_copy(update={"index": index_name, "rerank": rerank_name}))
-        hnsw = HnswParams(
-            space="ip", M=params.hnsw_m, ef_construction=params.ef_construction, ef_search=params.ef_search
-        )
+        hnsw = params.hnsw()
         return src.model_dump(exclude={"bundle_id", "files"}) | {
             "created_at": utc_now(),
             "ann": params.index,

@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings
 
-from engine import BatcherConfig, EncoderOptions, EngineParams, appends_dir_beside, thread_layout
+from engine import BatcherConfig, EncoderOptions, EngineParams, thread_layout
 from service.api.limits import LimitSettings, settings_group
 from service.rollout import CANDIDATE, PRIMARY
 from service.rollout.shadow import ShadowConfig
@@ -133,9 +133,6 @@ class AdminSettings(BaseSettings):
         description="at load, skip a logged append that no longer applies (reported in /info "
         "memory.replay_skipped and xmcserve_replay_skipped_total) instead of refusing the bundle",
     )
-
-    def appends_dir(self, bundle_path: Path) -> Path:
-        return self.append_log_dir or appends_dir_beside(bundle_path)
 
 
 class ServerSettings(BaseSettings):
