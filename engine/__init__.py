@@ -36,8 +36,9 @@ nothing else of the engine (``tests/service/test_engine_surface.py``):
 * RAE-XMC's aggregation (:class:`ValueRows`, :func:`aggregate`, :func:`labels_of_keys`,
   :func:`top_k_of_row`), which training's exact-search dev check shares with serving.
 
-Two narrower surfaces serve other users: :mod:`engine.distributed`, the parts a
-deployment that shards a bundle across processes loads apart (the Ray Serve front end), and
+Two narrower surfaces serve other users: :mod:`engine.distributed`, the engine of a bundle
+sharded across processes as three parts (encoder, shard, coordinator) that a distributed front
+end (the Ray Serve deployments) holds one each, and
 :mod:`engine.offline`, what building, fusing, compacting and measuring a bundle use
 beyond serving (``export/``, ``bench/``); the key index is :mod:`engine.index`. The
 bundle format itself is :mod:`bundle`'s.

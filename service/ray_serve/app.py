@@ -28,7 +28,6 @@ Failure and load, as the ingress answers them (never a 500, never a hang):
 import asyncio
 import logging
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -42,20 +41,7 @@ from ray.util import metrics as ray_metrics
 
 from bundle import BundleError, read_manifest, shard_list
 from engine import EncoderOptions, Ranking
-from engine.distributed import (
-    ShardAnswer,
-    ShardQuery,
-    base_view,
-    excluded_label_ids,
-    fetch_and_ef,
-    load_encoder,
-    load_fusion,
-    load_labels,
-    load_shard,
-    merged_neighbours,
-    neighbours_needed,
-    rank_batch,
-)
+from engine.distributed import Coordinator, EncoderPart, ShardAnswer, ShardPart, ShardQuery
 from service.api.body_guards import validation_error
 from service.api.docs import add_api_docs
 from service.api.front_door import FrontDoorMiddleware
@@ -157,8 +143,8 @@ class Encoder:
     def __init__(self, bundle_dir: str, cpus: float, max_batch_texts: int, batch_wait_s: float, verify: bool):
         # not spinning: the cores are shared with the other replicas, which spinning threads starve
         options = EncoderOptions(intra_op_threads=threads_for(cpus), allow_spinning=False)
-        manifest, self.encoder = load_encoder(bundle_dir, options, verify)
-        self.bundle_id = manifest.bundle_id
+        self.encoder = EncoderPart(bundle_dir, options, verify)
+        self.bundle_id = self.encoder.bundle_id
         self.tracing = Tracing.from_environment("xmcserve-encoder")
         self.encode_batch.set_max_batch_size(max_batch_texts)
         self.encode_batch.set_batch_wait_timeout_s(batch_wait_s)
@@ -186,16 +172,14 @@ class Encoder:
             )
         if live:
             with self.tracing.part_span("encode", [c.trace_headers for c in contexts if c is not None]):
-                vectors, _ = await asyncio.to_thread(self.encoder.encode, [text for texts in live for text in texts])
+                vectors = await asyncio.to_thread(self.encoder.encode, [text for texts in live for text in texts])
             for i, part in zip(positions, np.split(vectors, np.cumsum([len(t) for t in live])[:-1]), strict=True):
                 out[i] = (self.bundle_id, part)
         return out
 
     def check_health(self) -> None:
         """A real encode: finite unit vectors, or the replica is replaced."""
-        vectors, _ = self.encoder.encode(["health check"])
-        if not np.all(np.isfinite(vectors)) or not np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-3):
-            raise RuntimeError("the encoder no longer gives finite unit vectors")
+        self.encoder.check()
 
 
 @serve.deployment(max_ongoing_requests=128, max_queued_requests=512, **LIFECYCLE)
@@ -203,12 +187,10 @@ class Shard:
     """One shard of the bundle: the nearest keys of a batch of queries, with their value rows."""
 
     def __init__(self, bundle_dir: str, number: int, cpus: float, max_batch: int, batch_wait_s: float, verify: bool):
-        manifest, self.searcher = load_shard(bundle_dir, number, verify, search_threads=threads_for(cpus))
-        self.bundle_id = manifest.bundle_id
+        self.shard = ShardPart(bundle_dir, number, verify, search_threads=threads_for(cpus))
+        self.bundle_id = self.shard.bundle_id
         self.number = number
         self.tracing = Tracing.from_environment("xmcserve-shard")
-        first = self.searcher.shard.first_key
-        self.probe = self.searcher.index.vectors([first])
         self.search_batch.set_max_batch_size(max_batch)
         self.search_batch.set_batch_wait_timeout_s(batch_wait_s)
         self.expired = ExpiredWork(f"shard-{number}")
@@ -235,17 +217,14 @@ class Shard:
         if live:
             traces = [c.trace_headers for c in contexts if c is not None]
             with self.tracing.part_span("search", traces, {"xmcserve.shard": self.number}):
-                answers = await asyncio.to_thread(self.searcher.search_many, live)
+                answers = await asyncio.to_thread(self.shard.search_many, live)
             for i, answer in zip(positions, answers, strict=True):
                 out[i] = (self.bundle_id, answer)
         return out
 
     def check_health(self) -> None:
         """A real query (this shard's first key's own vector) answered with keys of this shard."""
-        shard = self.searcher.shard
-        answer = self.searcher.search(self.probe, 1, 16)
-        if not (shard.first_key <= answer.keys[0, 0] < shard.first_key + shard.keys):
-            raise RuntimeError(f"the shard answered key {answer.keys[0, 0]}, outside its range")
+        self.shard.check()
 
 
 class IngressMetrics:
@@ -285,11 +264,8 @@ class Ingress:
         max_batch_texts: int,
         hedge_fraction: float = HEDGE_FRACTION,
     ):
-        self.manifest, uids, texts, lookup = load_labels(bundle_dir, verify)
-        self.fusion = load_fusion(Path(bundle_dir), self.manifest, verify)
-        self.view = base_view(uids, texts, self.manifest.counts.memory_rows, None, uid_lookup=lookup)
-        if self.fusion is not None and self.fusion.sparse is not None:  # the single server's columns
-            self.view = replace(self.view, sparse_columns=self.fusion.later_label_columns(texts))
+        self.coordinator = Coordinator(bundle_dir, verify)
+        self.manifest = self.coordinator.manifest
         self.encoder, self.shards = encoder, shards
         self.bundle_dir = bundle_dir
         self.max_batch_texts = max_batch_texts
@@ -335,26 +311,20 @@ class Ingress:
         deadline: float,
         context: CallContext | None = None,
     ) -> tuple[list[Ranking], int]:
-        """Encode, fan out to every shard, merge, rank (:func:`~engine.search.rank_batch`)."""
+        """Encode, ask every shard the coordinator's query, merge and rank their answers."""
         started = time.perf_counter()
         vectors = await self.ask(
             "encoder", lambda: self.encoder.encode.remote(texts, time_left(deadline), context), deadline
         )
         encoded = time.perf_counter()
-        manifest = self.manifest
-        ks = [k] * len(texts)
-        neighbours = max(neighbours_needed(manifest, ks, exclude))  # the batch's widest
-        fetch, ef = fetch_and_ef(neighbours, ef or manifest.search_breadth, manifest.counts.memory_rows)
-        lexicon = self.fusion.lexicon if self.fusion is not None else None
-        terms = lexicon.query_terms(texts) if lexicon is not None else None  # each shard scores its keys
-        answers = await self.fan_out(ShardQuery(vectors, fetch, ef, terms), deadline, context)
+        query = self.coordinator.query(texts, vectors, k, ef, exclude)
+        answers = await self.fan_out(query, deadline, context)
         searched = time.perf_counter()
-        found = merged_neighbours(answers, neighbours, self.view, terms, vectors)
-        rankings = rank_batch(manifest, found, ks, exclude, self.fusion)
+        rankings, ran_at = self.coordinator.rank(query, answers, k, exclude)
         for stage, seconds in (("encode", encoded - started), ("fanout", searched - encoded)):
             self.metrics.stage_seconds.observe(seconds, tags={"stage": stage})
         self.metrics.stage_seconds.observe(time.perf_counter() - searched, tags={"stage": "rank"})
-        return rankings, found.ef
+        return rankings, ran_at
 
     async def fan_out(
         self, query: ShardQuery, deadline: float, context: CallContext | None = None
@@ -431,7 +401,7 @@ def ingress_app(ingress: Ingress) -> FastAPI:
         request.state.texts, request.state.k = len(texts), body.k
         if body.variant == "B":
             return JSONResponse({"detail": "this deployment serves one bundle (A); no candidate B"}, status_code=409)
-        exclude = excluded_label_ids(ingress.view, body.exclude, len(texts))
+        exclude = ingress.coordinator.excluded(body.exclude, len(texts))
         timeout_s = (body.timeout_ms or limits.request_timeout_ms) / 1000
         context = CallContext(REQUEST_ID.get(), ingress.tracing.headers())
         try:
@@ -440,7 +410,7 @@ def ingress_app(ingress: Ingress) -> FastAPI:
             ingress.metrics.predictions.inc(tags={"outcome": "unavailable"})
             return unavailable(exc)
         ingress.metrics.predictions.inc(tags={"outcome": "ok"})
-        return await predict_response_off_loop(ingress.manifest, "A", body.k, ef, rankings, ingress.view)
+        return await predict_response_off_loop(ingress.manifest, "A", body.k, ef, rankings, ingress.coordinator.view)
 
     @app.get("/healthz")
     async def healthz() -> dict:

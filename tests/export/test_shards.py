@@ -136,3 +136,26 @@ def test_a_failed_append_retried_on_shards_leaves_no_key_hidden(sharded_rae, tmp
     grown.append(batch)  # re-adds the key the failed attempt left behind
     assert not sharded.hidden  # every key of the published append is searchable
     assert [grown.view.label_uids[i] for i in grown.predict(["zz-tool: new"], 1).rankings[0].ids] == ["zz-new"]
+
+
+def test_the_distributed_parts_called_in_process_answer_as_the_single_predictor(sharded_rae, queries):
+    """What each Ray deployment does with its part (engine.distributed), without Ray: the
+    coordinator's query to every shard, their answers merged and ranked, equal the single
+    process's rankings to the last bit, exclusions included; the parts' health checks pass."""
+    from engine.distributed import Coordinator, EncoderPart, ShardPart
+
+    single = load_predictor(sharded_rae)
+    encoder = EncoderPart(sharded_rae)
+    shards = [ShardPart(sharded_rae, number) for number in range(3)]
+    coordinator = Coordinator(sharded_rae)
+    assert {encoder.bundle_id, coordinator.bundle_id} | {s.bundle_id for s in shards} == {single.bundle.bundle_id}
+    exclude = coordinator.excluded(["libc6", "python3"], len(queries))
+    query = coordinator.query(queries, encoder.encode(queries), 10, None, exclude)
+    rankings, ef = coordinator.rank(query, [shard.search_many([query])[0] for shard in shards], 10, exclude)
+    expected = single.predict(queries, 10, exclude=exclude)
+    assert ef == expected.ef
+    for got, want in zip(rankings, expected.rankings, strict=True):
+        assert got.ids.tolist() == want.ids.tolist() and got.scores.tolist() == want.scores.tolist()
+    encoder.check()
+    for shard in shards:
+        shard.check()

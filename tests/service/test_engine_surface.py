@@ -2,7 +2,7 @@
 surface meant for it: the front ends (service/http, api, rollout, observability) and training/
 ``engine`` alone (about thirty names: load, predict, the live memory, the batcher, the
 encoder's layout, one error base and its subclasses, RAE's aggregation); the Ray Serve front end
-also ``engine.distributed`` (a sharded bundle's parts loaded apart); export/, bench/,
+also ``engine.distributed`` (the encoder, shard and coordinator parts of a sharded bundle); export/, bench/,
 studies/ and the other tools also ``engine.offline`` (building, fusing, compacting, measuring). Each
 import names the surface module itself and only names in its ``__all__``, so the engine's
 modules can move and change behind them."""
@@ -29,7 +29,7 @@ ALLOWED = {
     "service/observability": FRONT,
     "training": FRONT,
     "service/ray_serve": (*FRONT, "engine.distributed"),
-    "export": (*FRONT, "engine.offline", "engine.distributed"),
+    "export": (*FRONT, "engine.offline"),
     "bench": (*FRONT, "engine.offline", "engine.distributed"),
     "studies": (*FRONT, "engine.offline"),
     "loadtest": FRONT,
