@@ -60,6 +60,7 @@ from xmc.checkpoint import (
     load_checkpoint,
     uses_sentence_normalize,
 )
+from xmc.command import program
 from xmc.data import LabelSpace, XMCDataset, load_jsonl_split
 
 log = logging.getLogger("xmcserve.export")
@@ -316,7 +317,7 @@ def git_sha() -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     """The CLI: where the data and bundle are, plus one option per :class:`ExportParams` attribute."""
     parser = argparse.ArgumentParser(
-        prog="python -m export.build", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=program("export.build"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--data", type=Path, required=True, help="dataset dir with lbl.json.gz and trn.json.gz")
     parser.add_argument("--out", type=Path, required=True, help="bundle dir to create")
@@ -332,10 +333,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    train = load_jsonl_split(args.data, args.split)
-    manifest = build_bundle(
-        args.out, train.labels, train, args.checkpoint, from_arguments(args), data_name=str(args.data), force=args.force
-    )
+    try:
+        train = load_jsonl_split(args.data, args.split)
+        manifest = build_bundle(
+            args.out,
+            train.labels,
+            train,
+            args.checkpoint,
+            from_arguments(args),
+            data_name=str(args.data),
+            force=args.force,
+        )
+    except (FileExistsError, FileNotFoundError, ValueError) as exc:  # BundleError is a ValueError
+        raise SystemExit(f"export.build: {exc}") from None
     summary = {
         "bundle_id": manifest.bundle_id,
         "out": str(args.out),

@@ -39,6 +39,7 @@ from export.build import write_index, write_label_files
 from export.derive import fusion_files, link_or_copy, write_key_terms
 from export.export_params import ExportParams
 from export.writer import refuse_existing, write_bundle
+from xmc.command import program
 from xmc.data import LabelSpace
 
 
@@ -159,7 +160,7 @@ def instance_labels(view: MemoryView, instance_keys: np.ndarray) -> sp.csr_matri
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m export.compact", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=program("export.compact"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--bundle", type=Path, required=True, help="the served bundle whose appends to fold in")
     parser.add_argument("--out", type=Path, required=True, help="bundle dir to create")

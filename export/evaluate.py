@@ -18,6 +18,7 @@ from pathlib import Path
 
 from engine import Predictor
 from engine.offline import Bundle, load_bundle
+from xmc.command import program
 from xmc.data import XMCDataset, load_jsonl_split
 from xmc.evaluate import evaluate_predictor, format_table
 from xmc.metrics import PROPENSITY_PRESETS, Segments
@@ -30,7 +31,9 @@ def evaluate_bundle(bundle: Bundle, dataset: XMCDataset, train: XMCDataset, **op
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=program("export.evaluate"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--bundle", type=Path, required=True, help="bundle directory to evaluate")
     parser.add_argument("--data", type=Path, required=True, help="data set directory (JSON-lines layout)")
     parser.add_argument("--split", default="dev", help="split to evaluate, with its filter file (default: dev)")

@@ -55,6 +55,7 @@ from export.fuse import main as fuse_main
 from export.fusion_fit import FuseError
 from export.fusion_validation import best_validation
 from export.sparse_fit import SparseFitParams
+from xmc.command import program
 from xmc.data import load_train_and_dev
 
 log = logging.getLogger("xmcserve.fit")
@@ -306,7 +307,9 @@ def report_table(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=program("export.fit"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--data", type=Path, required=True, help="dataset folder (docs/own-data.md layout)")
     parser.add_argument("--bundle", type=Path, required=True, help="the fused bundle to write")
     parser.add_argument("--run", type=Path, default=None, help="training run directory (default runs/<bundle name>)")

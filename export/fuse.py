@@ -95,6 +95,7 @@ from export.held_out import (
 from export.sparse_fit import SparseFitParams
 from export.writer import refuse_existing
 from xmc.checkpoint import HOLDOUT_FILE
+from xmc.command import program
 from xmc.data import XMCDataset, label_frequencies, load_jsonl_split, rows_of_uids
 
 log = logging.getLogger("xmcserve.fuse")
@@ -354,7 +355,9 @@ def manifest_size_choice(choice: SizeChoice | None) -> FusionSizeChoice | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=program("export.fuse"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--bundle", type=Path, required=True, help="the rae_memory bundle to fuse")
     parser.add_argument("--run", type=Path, required=True, help=f"the training run whose {HOLDOUT_FILE} to fit on")
     parser.add_argument("--data", type=Path, required=True, help="dataset dir the bundle's memory was built from")

@@ -31,6 +31,7 @@ from export.build import write_shard_index
 from export.derive import link_or_copy
 from export.export_params import ExportParams
 from export.writer import refuse_existing, write_bundle
+from xmc.command import program
 
 
 def reindex_bundle(
@@ -106,7 +107,7 @@ def retune_bundle(
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m export.reindex", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=program("export.reindex"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     defaults = ExportParams()
     parser.add_argument("--bundle", type=Path, required=True, help="the source bundle")

@@ -23,10 +23,13 @@ from training.distributed import close_world, init_world
 from training.embedder import pick_device
 from training.train_params import load_params
 from training.trainer import Trainer
+from xmc.command import program
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=program("training.train"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", type=Path, default=None, help="YAML file of TrainParams fields")
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override one parameter"

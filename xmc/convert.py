@@ -55,6 +55,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xmc.command import program
 from xmc.data import DataFormatError, json_objects
 
 SUFFIXES = {
@@ -848,7 +849,9 @@ def write_json_lines(path: Path, records) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=program("xmc.convert"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument(
         "--split",
         action="append",

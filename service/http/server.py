@@ -58,6 +58,7 @@ from service.http.disconnect import EXTENSION, ClientGone
 from service.http.group import RUN_DIR_ENV, WORKERS_ENV, WorkerGroup
 from service.http.settings import LogSettings, ServerSettings
 from service.observability.logs import configure_logging
+from xmc.command import program
 
 log = logging.getLogger("xmcserve")
 
@@ -537,7 +538,7 @@ def serve_workers(
 
 def main(argv: list[str] | None = None) -> None:
     settings = ServerSettings()
-    parser = argparse.ArgumentParser(prog="python -m service.http", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog=program("service.http"), description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default=settings.host, help="address to listen on (XMCSERVE_HOST)")
     parser.add_argument("--port", type=int, default=settings.port, help="port to listen on (XMCSERVE_PORT)")
     parser.add_argument(

@@ -15,7 +15,7 @@ import pytest
 tomllib = pytest.importorskip("tomllib")
 
 ROOT = Path(__file__).resolve().parents[2]
-OWN = {"xmc", "bundle", "engine", "service", "training", "export"}
+OWN = {"xmc", "bundle", "engine", "service", "training", "export", "xmcserve"}
 
 
 def imported_top_level(paths) -> set[str]:

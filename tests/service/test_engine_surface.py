@@ -28,6 +28,7 @@ ALLOWED = {
     "service/rollout": FRONT,
     "service/observability": FRONT,
     "training": FRONT,
+    "xmcserve": FRONT,
     "service/ray_serve": (*FRONT, "engine.distributed"),
     "export": (*FRONT, "engine.offline"),
     "bench": (*FRONT, "engine.offline", "engine.distributed"),

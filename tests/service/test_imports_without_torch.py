@@ -1,6 +1,7 @@
 """Every module of service/, of the engine under it (engine/) and of the bundle format they read
 (bundle/) must import with torch and transformers unavailable, and all but the Ray Serve front end
-without ray."""
+without ray; so must the ``xmcserve`` package and its command (``xmcserve serve`` and ``predict``
+import the training stack only when a command that trains runs)."""
 
 from tests.import_probe import import_all
 
@@ -8,8 +9,9 @@ BLOCKED = ("torch", "transformers", "sentence_transformers")
 
 
 def test_service_imports_without_torch_or_transformers():
-    result = import_all(("service", "engine", "bundle"), BLOCKED)
+    result = import_all(("service", "engine", "bundle", "xmcserve"), BLOCKED)
     assert result.returncode == 0, result.stderr
+    assert "xmcserve.cli" in result.stdout and "xmcserve.model" in result.stdout
     assert "service.http.app" in result.stdout and "engine.search" in result.stdout
     assert "bundle.labels" in result.stdout and "bundle.ivfpq_file" in result.stdout
 
