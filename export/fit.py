@@ -7,7 +7,7 @@
 split is learnt from, its ``dev`` split (if any) only reported on. Four stages, each the project's
 own command with its defaults, so what this builds is what they build:
 
-1. **train** (:mod:`training.train`): the CPU recipe of ``training/configs/debian-unidec.yaml``
+1. **train** (:mod:`training.train`): the CPU recipe ``debian-unidec`` (``--recipe`` for another)
    (the top transformer layer fine-tuned with the heads, the lower ones frozen and their states
    cached once) sized to the data (:func:`sized_training`): the epochs so that a run sees about
    as many instances as the recipe's six epochs over Debian-Related's, and a share of the
@@ -60,7 +60,9 @@ from xmc.data import load_train_and_dev
 
 log = logging.getLogger("xmcserve.fit")
 
-RECIPE = Path("training/configs/debian-unidec.yaml")
+# The CPU recipe, by its shipped name (training/configs/, package data): training resolves it
+# wherever the package is installed; ``--recipe`` gives another (a name or a YAML file).
+RECIPE = "debian-unidec"
 # The recipe's six epochs over Debian-Related's 37,816 training instances: the instances a run sees.
 INSTANCES_SEEN = 6 * 37_816
 EPOCHS_RANGE = (2, 10)
@@ -154,12 +156,21 @@ def plan_fit(data: Path, run: Path, has_dev: bool, extra: list[str]) -> FitPlan:
     return FitPlan(n, labels, epochs, holdout, overrides, estimate, head_dim)
 
 
-def fit(data: Path, bundle: Path, run: Path, force: bool = False, train_set: list[str] | None = None) -> dict:
-    """Train on ``data``, build the trained memory and fuse it into ``bundle`` (see the module
-    docstring); returns each stage's seconds. Raises :class:`FuseError` (or the stage's own error)
-    when a stage is refused."""
+def fit(
+    data: Path,
+    bundle: Path,
+    run: Path,
+    force: bool = False,
+    train_set: list[str] | None = None,
+    recipe: str = RECIPE,
+) -> dict:
+    """Train on ``data`` with ``recipe`` (a shipped recipe's name or a YAML file), build the
+    trained memory and fuse it into ``bundle`` (see the module docstring); returns each stage's
+    seconds. Raises :class:`FuseError` (or the stage's own error) when a stage is refused."""
     if bundle.exists() and not force:
         raise FileExistsError(f"{bundle} exists (--force replaces it)")
+    if ("/" in recipe or recipe.endswith((".yaml", ".yml"))) and not Path(recipe).is_file():
+        raise FileNotFoundError(f"recipe {recipe}: no such file")  # before any stage runs
     has_dev = (data / "dev.json.gz").exists()
     plan = plan_fit(data, run, has_dev, list(train_set or []))
     log.info("plan: %s", plan.describe())
@@ -180,7 +191,7 @@ def fit(data: Path, bundle: Path, run: Path, force: bool = False, train_set: lis
         # the run's threads, CUDA and logging are its own
         return subprocess.run([sys.executable, "-m", "training.train", *argv], check=False).returncode
 
-    stage("train", train, ["--config", str(RECIPE), *sum((["--set", o] for o in plan.overrides), [])])
+    stage("train", train, ["--config", recipe, *sum((["--set", o] for o in plan.overrides), [])])
     build = ["--data", str(data), "--checkpoint", str(run / "best"), "--out", str(memory)]
     stage("memory", build_main, [*build, "--index-kind", "rae_memory", *MEMORY_ARGS, *(["--force"] * force)])
     fuse = ["--bundle", str(memory), "--run", str(run), "--data", str(data), "--out", str(bundle)]
@@ -321,6 +332,11 @@ def main(argv: list[str] | None = None) -> None:
         metavar="KEY=VALUE",
         help="override a training parameter",
     )
+    parser.add_argument(
+        "--recipe",
+        default=RECIPE,
+        help=f"the training recipe: a shipped one's name or a YAML file of training parameters (default {RECIPE})",
+    )
     parser.add_argument("--force", action="store_true", help="replace an existing bundle")
     parser.add_argument("--plan", action="store_true", help="print the plan and the estimate, run nothing")
     args = parser.parse_args(argv)
@@ -331,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
             has_dev = (args.data / "dev.json.gz").exists()
             print(plan_fit(args.data, run, has_dev, args.train_set).describe())
             return
-        summary = fit(args.data, args.bundle, run, args.force, args.train_set)
+        summary = fit(args.data, args.bundle, run, args.force, args.train_set, args.recipe)
     except (FuseError, FileExistsError, FileNotFoundError, RuntimeError, ValueError) as exc:
         raise SystemExit(f"export.fit: {exc}") from None
     print(json.dumps(summary))

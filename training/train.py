@@ -1,6 +1,6 @@
 """Train a UniDEC checkpoint (optionally with the RAE-XMC loss) from a YAML config.
 
-    python -m training.train --config training/configs/debian-unidec.yaml [--resume] [--set key=value ...]
+    python -m training.train --config debian-unidec [--resume] [--set key=value ...]
 
 Data-parallel on N processes (GPUs, or CPU processes over gloo; see :mod:`training.distributed`):
 
@@ -17,7 +17,6 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 
 from training.distributed import close_world, init_world
 from training.embedder import pick_device
@@ -30,13 +29,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog=program("training.train"), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--config", type=Path, default=None, help="YAML file of TrainParams fields")
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="RECIPE",
+        help="a YAML file of TrainParams fields, or the name of a shipped recipe (debian-unidec, smoke, ...)",
+    )
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override one parameter"
     )
     parser.add_argument("--resume", action="store_true", help="continue the run in out_dir from its state.pt")
     args = parser.parse_args(argv)
-    params = load_params(args.config, args.overrides)
+    try:
+        params = load_params(args.config, args.overrides)
+    except (FileNotFoundError, ValueError) as exc:
+        raise SystemExit(f"training.train: {exc}") from None
     world = init_world(pick_device(params.device))
     # one log and one summary per run: the other ranks say only what goes wrong
     level = logging.INFO if world.is_main else logging.WARNING

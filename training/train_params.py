@@ -1,9 +1,12 @@
 """Training parameters: one dataclass with documented defaults, loadable from a YAML config.
 
-    python -m training.train --config training/configs/debian-unidec.yaml [--set epochs=3 ...]
+    python -m training.train --config debian-unidec [--set epochs=3 ...]
 
-Every hyper-parameter of a run lives here; the config file sets a subset, ``--set`` overrides
-single values, and the resolved parameters are written next to the checkpoint.
+Every hyper-parameter of a run lives here; the config file (a recipe) sets a subset, ``--set``
+overrides single values, and the resolved parameters are written next to the checkpoint. The
+recipes this project ships (``training/configs/*.yaml``, package data, so found wherever the
+package is installed) are named without a path: ``debian-unidec``, ``debian-unidec-gpu``,
+``smoke``, ``synthetic-1m`` (:func:`recipe_file`); any other YAML file is given by its path.
 """
 
 from __future__ import annotations
@@ -203,12 +206,37 @@ def _coerce(name: str, value, kind):
     return value
 
 
-def load_params(config: Path | None = None, overrides: list[str] | None = None) -> TrainParams:
-    """Defaults ← YAML ``config`` ← ``key=value`` overrides; unknown keys are an error."""
+# the recipes shipped with the package
+RECIPES_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def shipped_recipes() -> list[str]:
+    return sorted(path.stem for path in RECIPES_DIR.glob("*.yaml"))
+
+
+def recipe_file(recipe: Path | str) -> Path:
+    """The YAML file of ``recipe``: a file at that path, or a shipped recipe's name (with or
+    without ``.yaml``). :class:`FileNotFoundError` naming the shipped ones otherwise."""
+    path = Path(recipe)
+    if path.is_file():
+        return path
+    name = path.name.removesuffix(".yaml")
+    shipped = RECIPES_DIR / f"{name}.yaml"
+    if path.parent == Path(".") and shipped.is_file():
+        return shipped
+    raise FileNotFoundError(
+        f"recipe {str(recipe)!r}: no such file, nor a shipped recipe ({', '.join(shipped_recipes())})"
+    )
+
+
+def load_params(config: Path | str | None = None, overrides: list[str] | None = None) -> TrainParams:
+    """Defaults ← YAML ``config`` (a path or a shipped recipe's name) ← ``key=value`` overrides;
+    unknown keys are an error."""
     types = {f.name: type(f.default) for f in fields(TrainParams)}
     values: dict = {}
     if config is not None:
-        loaded = yaml.safe_load(Path(config).read_text()) or {}
+        config = recipe_file(config)
+        loaded = yaml.safe_load(config.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"{config}: expected a mapping of parameters")
         values.update(loaded)

@@ -18,16 +18,24 @@ from xmcserve.model import Label, Model, load
 __all__ = ["Label", "Model", "load", "fit", "build", "convert"]
 
 
-def fit(data: Path | str, bundle: Path | str, run: Path | str | None = None, force: bool = False, **overrides) -> dict:
+def fit(
+    data: Path | str,
+    bundle: Path | str,
+    run: Path | str | None = None,
+    force: bool = False,
+    recipe: str = "debian-unidec",
+    **overrides,
+) -> dict:
     """Train, build, fuse and evaluate a bundle from a data folder (``xmcserve fit``): the fit's
     summary (paths, timings, the held-out figures). ``overrides``: training parameters
     (``epochs=3`` as ``--set epochs=3``); ``run``: the training run folder (default
-    ``runs/<bundle name>``)."""
+    ``runs/<bundle name>``); ``recipe``: a shipped recipe's name or a YAML file."""
     from export.fit import fit as fit_bundle
 
     bundle = Path(bundle)
     settings = [f"{key}={value}" for key, value in overrides.items()]
-    return fit_bundle(Path(data), bundle, Path(run) if run else Path("runs") / bundle.name, force, settings)
+    run_dir = Path(run) if run else Path("runs") / bundle.name
+    return fit_bundle(Path(data), bundle, run_dir, force, settings, str(recipe))
 
 
 def build(data: Path | str, bundle: Path | str, checkpoint: Path | str | None = None, **params) -> Path:

@@ -51,3 +51,61 @@ def test_every_shipped_config_loads(config):
     params = load_params(config)
     if "gpu" in config.stem:  # the GPU recipe trains the whole encoder: no frozen prefix to cache
         assert params.frozen_layers == 0 and params.device == "cuda"
+
+
+def test_a_shipped_recipe_is_found_by_name_and_a_file_by_its_path(tmp_path, monkeypatch):
+    from training.train_params import RECIPES_DIR, recipe_file, shipped_recipes
+
+    assert {"debian-unidec", "debian-unidec-gpu", "smoke", "synthetic-1m"} <= set(shipped_recipes())
+    monkeypatch.chdir(tmp_path)  # found wherever the command runs, not relative to a checkout
+    assert recipe_file("debian-unidec") == recipe_file("debian-unidec.yaml") == RECIPES_DIR / "debian-unidec.yaml"
+    assert load_params("smoke").max_train == load_params(RECIPES_DIR / "smoke.yaml").max_train
+    mine = tmp_path / "debian-unidec.yaml"  # a file of the same name as a shipped one wins: it was named
+    mine.write_text("epochs: 1\n")
+    assert recipe_file("debian-unidec.yaml").resolve() == mine and load_params("debian-unidec.yaml").epochs == 1
+    with pytest.raises(FileNotFoundError, match="debian-unidec, debian-unidec-gpu"):
+        recipe_file("debain-unidec")
+    with pytest.raises(FileNotFoundError, match="no such file"):  # a path is never taken for a name
+        recipe_file("configs/smoke.yaml")
+
+
+def test_the_wheel_carries_the_recipes_and_the_command(tmp_path):
+    """What `pip install .` installs: the recipes as package data, the xmcserve package and its
+    console script."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    root = Path(__file__).resolve().parents[2]
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source / name)
+    for package in ("xmcserve", "xmc", "bundle", "engine", "service", "training", "export"):
+        shutil.copytree(root / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            ".",
+        ],
+        cwd=source,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stderr
+    (wheel,) = tmp_path.glob("xmcserve-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"training/configs/debian-unidec.yaml", "training/configs/smoke.yaml", "xmcserve/cli.py"} <= names
+    assert "service/http/static/rollout.js" in names or any(n.startswith("service/http/static/") for n in names)
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "xmcserve = xmcserve.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
