@@ -8,6 +8,8 @@ files, and imports nothing of ``service``, ``export`` or ``training``. The publi
 * The manifest (:mod:`bundle.manifest`): the schema (:class:`Manifest` and its parts), the file
   names, :func:`sha256_file`, :func:`content_id`, and the file lists a manifest implies
   (:func:`required_files`, :func:`label_files`, :func:`shard_list`, …).
+* The card (:mod:`bundle.card`): :class:`Card` (``card.json``, what made the bundle and how good
+  it is, with its ``README.md``), read back checked by :func:`read_card`; outside the bundle id.
 * The directory (:mod:`bundle.directory`): :func:`read_manifest`, every file name kept inside the
   directory (:func:`check_confined`), the checksums (:func:`verify_checksums`). Any refusal is a
   :class:`BundleError` (:mod:`bundle.errors`) naming the file and the reason.
@@ -26,6 +28,7 @@ Outside the package, code imports these names from ``bundle`` itself, never its 
 (``tests/bundle/test_surface.py``).
 """
 
+from bundle.card import CARD_FILE, CARD_FILES, CARD_README_FILE, MAX_CARD_BYTES, Card, Figures, read_card, render_readme
 from bundle.csr_file import load_csr, npz_headers
 from bundle.directory import check_confined, read_manifest, verify_checksums
 from bundle.errors import BundleError, XmcserveError
@@ -94,6 +97,14 @@ from bundle.manifest import (
 from bundle.values import build_values, check_rae_counts, load_shard_values, load_values
 
 __all__ = [
+    "CARD_FILE",
+    "CARD_FILES",
+    "CARD_README_FILE",
+    "MAX_CARD_BYTES",
+    "Card",
+    "Figures",
+    "read_card",
+    "render_readme",
     "AnnKind",
     "build_values",
     "BundleError",

@@ -42,6 +42,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from bundle.card import CARD_FILES
+
 # 2: the search breadth per index kind (hnsw.ef_search; ivfpq.rerank_depth, which version 1 read
 # from hnsw.ef_search). A version 1 manifest is read as version 2 (Manifest._upgrade).
 SCHEMA_VERSION = 2
@@ -402,11 +404,12 @@ def content_id(manifest: Manifest) -> str:
     claimed id against. The lineage is part of it because it is part of what the bundle serves: two
     compactions with the same files but different folded log prefixes are different bundles."""
     rae = {"rae": manifest.rae.model_dump_json()} if manifest.rae else {}
+    # the card describes what the bundle serves and does not change it: measuring a bundle and
+    # recording the figures in its card keeps its id (bundle/card.py)
+    served = {name: digest for name, digest in manifest.files.items() if name not in CARD_FILES}
     # exclude_none: a field added to Lineage later (``seen``) leaves the ids of bundles without it as they were
     lineage = {"lineage": manifest.lineage.model_dump_json(exclude_none=True)} if manifest.lineage else {}
-    return bundle_id_from(
-        manifest.files | rae | lineage, prefix=f"{manifest.index_kind.replace('_', '-')}-{manifest.dim}d"
-    )
+    return bundle_id_from(served | rae | lineage, prefix=f"{manifest.index_kind.replace('_', '-')}-{manifest.dim}d")
 
 
 def utc_now() -> str:

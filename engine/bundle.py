@@ -23,6 +23,7 @@ from bundle import (
     ENCODER_FILE,
     TOKENIZER_FILE,
     BundleError,
+    Card,
     HnswFileRefused,
     IndexRefused,
     Manifest,
@@ -34,6 +35,7 @@ from bundle import (
     load_csr,
     load_shard_values,
     load_values,
+    read_card,
     read_labels,
     read_manifest,
     shard_list,
@@ -60,6 +62,7 @@ class Bundle:
     fusion: ScoreFusion | None = None
     key_terms: KeyTerms | None = None  # the keys' term vectors, for a lexical fusion
     uid_lookup: UidLookup | None = None  # uid → label id (None: made from label_uids)
+    card: Card | None = None  # what made it and how good it is (None: a bundle from before cards)
 
     @property
     def bundle_id(self) -> str:
@@ -255,6 +258,7 @@ def _read_bundle(path: Path, options: EncoderOptions | None, verify: bool) -> Bu
     values = load_values(path, manifest)
     fusion = load_fusion(path, manifest, verify=False)  # its checksum is among those verified above
     key_terms = load_key_terms_of(path, manifest)
+    card = read_card(path, manifest.files)  # its checksum is among those verified above
     encoder = open_encoder(path, manifest, options)
     check_encoder(path, encoder, manifest)
     log.info(
@@ -275,4 +279,5 @@ def _read_bundle(path: Path, options: EncoderOptions | None, verify: bool) -> Bu
         values=values,
         fusion=fusion,
         key_terms=key_terms,
+        card=card,
     )

@@ -16,8 +16,10 @@ import datetime
 import sys
 from pathlib import Path
 
+from bundle import CARD_FILE, Figures
 from engine import Predictor
 from engine.offline import Bundle, load_bundle
+from export.card import CardFacts, record
 from xmc.command import program
 from xmc.data import XMCDataset, load_jsonl_split
 from xmc.evaluate import evaluate_predictor, format_table
@@ -45,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--segments", default="10,100", help="tail max, torso max training frequency")
     parser.add_argument("--out", type=Path, default=None, help="JSON result file")
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="also record the figures (both protocols) in the bundle's card (card.json, README.md; same bundle id)",
+    )
     args = parser.parse_args(argv)
     tail_max, torso_max = (int(x) for x in args.segments.split(","))
     dataset = load_jsonl_split(args.data, args.split)
@@ -62,7 +69,27 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         write_result(args.out, result)
         print(f"wrote {args.out}", file=sys.stderr)
+    if args.record:
+        record(args.bundle, CardFacts(figures=evaluation_figures(result, args.split)))
+        print(f"recorded in {args.bundle / CARD_FILE}", file=sys.stderr)
     return 0
+
+
+def evaluation_figures(result: dict, split: str) -> list[Figures]:
+    """An evaluation's figures for the bundle's card: both protocols."""
+
+    def figures(metrics: dict) -> dict[str, float]:
+        return {name: float(value) for name, value in metrics.items() if isinstance(value, (int, float))}
+
+    return [
+        Figures(system="this bundle", split=split, protocol="peers", metrics=figures(result["metrics"])),
+        Figures(
+            system="this bundle",
+            split=split,
+            protocol="exclude-before",
+            metrics=figures(result["metrics_exclude_before"]),
+        ),
+    ]
 
 
 if __name__ == "__main__":

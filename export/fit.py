@@ -48,9 +48,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bundle import read_manifest
+from bundle import Figures, read_manifest
 from export.baseline import BASELINE_MAX_LABELS, baseline_metrics
 from export.build import main as build_main
+from export.card import CardFacts, record
 from export.fuse import main as fuse_main
 from export.fusion_fit import FuseError
 from export.fusion_validation import best_validation
@@ -233,6 +234,12 @@ def fit(
         (run / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
         print(report_table(report), file=sys.stderr, flush=True)
         summary["report"] = str(run / REPORT_FILE)
+    figures = card_figures(report, bundle.name, untrained.name) if has_dev else []
+    notes = [
+        shipped.reason,
+        *(report["notes"] if has_dev else ["no dev split: nothing measured beyond the held-out validation"]),
+    ]
+    record(bundle, CardFacts(command="xmcserve fit", recipe=recipe, seconds=seconds, figures=figures, notes=notes))
     return summary
 
 
@@ -286,6 +293,7 @@ def measure_fit(data: Path, bundle: Path, threads: int | None = None, untrained:
 
     train, dev = load_train_and_dev(data, "trn", "dev")
     rows: dict[str, dict] = {}
+    exclude_before: dict[str, dict] = {}  # the built bundles under the other protocol
     notes = []
     if train.num_labels <= BASELINE_MAX_LABELS:
         rows["tfidf-ovr-logreg"] = baseline_metrics(train, dev, threads=threads or os.cpu_count() or 1)
@@ -296,11 +304,37 @@ def measure_fit(data: Path, bundle: Path, threads: int | None = None, untrained:
         started = time.perf_counter()
         result = evaluate_bundle(load_bundle(built), dev, train)
         rows[built.name] = {**result["metrics"], "seconds": round(time.perf_counter() - started, 1)}
+        exclude_before[built.name] = result["metrics_exclude_before"]
     if "tfidf-ovr-logreg" in rows:
         base, built = rows["tfidf-ovr-logreg"], rows[bundle.name]
         gain = {name: round(built[name] - base[name], 2) for name in REPORTED if name in built and name in base}
         rows[f"{bundle.name} - baseline"] = gain
-    return {"split": "dev", "instances": len(dev), "rows": rows, "notes": notes}
+    return {"split": "dev", "instances": len(dev), "rows": rows, "exclude_before": exclude_before, "notes": notes}
+
+
+def card_figures(report: dict, bundle: str, untrained: str | None = None) -> list[Figures]:
+    """The report's rows as the bundle card's figures: this bundle, the untrained rival and the
+    baseline under the peers' protocol, and the built ones excluding before too."""
+    names = {
+        bundle: "this bundle",
+        **({untrained: "untrained rival (pretrained encoder, same fusion)"} if untrained else {}),
+    }
+
+    def figures(metrics: dict) -> dict[str, float]:
+        return {name: float(metrics[name]) for name in REPORTED if name in metrics}
+
+    rows = [
+        Figures(system=names.get(name, name), split=report["split"], protocol="peers", metrics=figures(metrics))
+        for name, metrics in report["rows"].items()
+        if not name.endswith(" - baseline")
+    ]
+    rows += [
+        Figures(
+            system=names.get(name, name), split=report["split"], protocol="exclude-before", metrics=figures(metrics)
+        )
+        for name, metrics in report.get("exclude_before", {}).items()
+    ]
+    return rows
 
 
 def report_table(report: dict) -> str:

@@ -39,23 +39,25 @@ from typing import Any
 
 import scipy.sparse as sp
 
-from bundle import MANIFEST_FILE, VALUES_FILE, Manifest, Shard, build_values, content_id, sha256_file
+from bundle import CARD_FILES, MANIFEST_FILE, VALUES_FILE, Manifest, Shard, build_values, content_id, sha256_file
 from engine.offline import sync_directory
+from export.card import CardFacts, card_for, write_card
 
 # Writes the payload files into the staging dir it is given; returns the manifest's fields
 # except ``bundle_id`` and ``files``, which the writer derives from what was written.
 Populate = Callable[[Path], dict[str, Any]]
 
 
-def write_bundle(out: Path, populate: Populate, force: bool = False) -> Manifest:
-    """Write the bundle ``out`` with the files ``populate`` writes; return its manifest.
+def write_bundle(out: Path, populate: Populate, force: bool = False, card: CardFacts | None = None) -> Manifest:
+    """Write the bundle ``out`` with the files ``populate`` writes and its card (``card``: what
+    the writing command knows beyond the manifest); return its manifest.
 
     Raises ``FileExistsError`` when ``out`` exists, unless ``force`` (then it is replaced).
     """
     refuse_existing(out, force)
     remove_stale(out)
     with _staging_dir(out, force) as stage:
-        manifest = _seal(stage, populate(stage))
+        manifest = _seal(stage, populate(stage), card)
     return manifest
 
 
@@ -82,11 +84,16 @@ def write_values(directory: Path, train_Y: sp.csr_matrix, lam: float, shards: li
         sp.save_npz(directory / shard.values, values[shard.first_key : shard.first_key + shard.keys], compressed=True)
 
 
-def _seal(stage: Path, fields: dict[str, Any]) -> Manifest:
-    """Checksum the staged files, derive the id and write ``manifest.json`` (not itself listed)."""
+def _seal(stage: Path, fields: dict[str, Any], card: CardFacts | None = None) -> Manifest:
+    """Checksum the staged files, derive the id, write the card and ``manifest.json`` (not itself
+    listed)."""
+    for name in CARD_FILES:  # a parent's card copied along describes the parent: this one gets its own
+        (stage / name).unlink(missing_ok=True)
     # Validated first with a blank id: the id is a function of the validated content.
     draft = Manifest(bundle_id="", files=file_checksums(stage), **fields)
     manifest = draft.model_copy(update={"bundle_id": content_id(draft)})
+    write_card(stage, card_for(manifest, card))
+    manifest = manifest.model_copy(update={"files": file_checksums(stage)})
     (stage / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
     return manifest
 

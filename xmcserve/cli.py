@@ -102,8 +102,9 @@ def load_or_exit(load, *args):
 def info_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="xmcserve info",
-        description="What a bundle holds and how it was made (its manifest: kind, labels, keys, encoder, "
-        "fusion, provenance), as JSON; the files' checksums are checked first.",
+        description="What a bundle holds, how it was made and how good it is: its card (data, recipe, "
+        "training time, measured figures and baselines) and its manifest (kind, labels, keys, encoder, "
+        "fusion, files), as JSON; the files' checksums are checked first.",
     )
     parser.add_argument("bundle", type=Path, help="the bundle folder")
     parser.add_argument("--no-verify", action="store_true", help="skip the files' checksums (faster on large bundles)")
@@ -111,16 +112,18 @@ def info_parser() -> argparse.ArgumentParser:
 
 
 def info(argv: list[str]) -> int:
-    from bundle import BundleError, read_manifest, verify_checksums
+    from bundle import BundleError, read_card, read_manifest, verify_checksums
 
     args = info_parser().parse_args(argv)
     try:
         manifest = read_manifest(args.bundle)
         if not args.no_verify:
             verify_checksums(args.bundle, manifest, list(manifest.files))
+        card = read_card(args.bundle, manifest.files)
     except (BundleError, FileNotFoundError) as exc:
         raise SystemExit(f"xmcserve info: {exc}") from None
-    print(json.dumps(manifest.model_dump(mode="json"), indent=2, ensure_ascii=False))
+    shown = {"card": card.model_dump(mode="json") if card else None, "manifest": manifest.model_dump(mode="json")}
+    print(json.dumps(shown, indent=2, ensure_ascii=False))
     return 0
 
 

@@ -442,6 +442,7 @@ def create_app(
                 "routing": state.describe(),
                 "worker": state.worker(),
                 "manifest": primary.manifest.model_dump(mode="json"),
+                "card": primary.card.model_dump(mode="json") if primary.card is not None else None,
             }
         )
 

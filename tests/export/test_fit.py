@@ -61,3 +61,25 @@ def test_the_untrained_rival_is_shipped_only_when_its_held_out_validation_is_bet
 def test_a_fused_bundles_validation_is_its_best_sizes_selection_score(sample_bundle, tmp_path):
     """The score shipped_bundle compares: read from the manifest's size choice (None without one)."""
     assert fit.fused_validation(sample_bundle) is None  # a memory with no fusion
+
+
+def test_the_fits_report_becomes_the_cards_figures_under_both_protocols():
+    report = {
+        "split": "dev",
+        "rows": {
+            "tfidf-ovr-logreg": {"P@1": 40.0, "P@5": 20.0, "seconds": 3.0},
+            "mine": {"P@1": 45.0, "P@5": 21.0, "R@100": 90.0, "seconds": 9.0},
+            "mine-untrained": {"P@1": 44.0},
+            "mine - baseline": {"P@1": 5.0},
+        },
+        "exclude_before": {"mine": {"P@1": 46.0}, "mine-untrained": {"P@1": 45.0}},
+    }
+    rows = [(r.system, r.protocol, r.metrics) for r in fit.card_figures(report, "mine", "mine-untrained")]
+    untrained = "untrained rival (pretrained encoder, same fusion)"
+    assert rows == [
+        ("tfidf-ovr-logreg", "peers", {"P@1": 40.0, "P@5": 20.0}),
+        ("this bundle", "peers", {"P@1": 45.0, "P@5": 21.0, "R@100": 90.0}),  # seconds are not a figure
+        (untrained, "peers", {"P@1": 44.0}),
+        ("this bundle", "exclude-before", {"P@1": 46.0}),
+        (untrained, "exclude-before", {"P@1": 45.0}),
+    ]

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from bundle import CARD_FILES
 from bundle.manifest import (
     MANIFEST_FILE,
     Counts,
@@ -49,10 +50,12 @@ FILES = {"encoder.onnx": b"graph", "labels.jsonl": b'{"uid": "a", "text": "x"}\n
 
 def test_manifest_lists_a_sha256_for_every_file(tmp_path):
     manifest = write_bundle(tmp_path / "b", writing(FILES))
-    assert manifest.files == {name: hashlib.sha256(data).hexdigest() for name, data in FILES.items()}
+    served = {name: digest for name, digest in manifest.files.items() if name not in CARD_FILES}
+    assert served == {name: hashlib.sha256(data).hexdigest() for name, data in FILES.items()}
+    assert set(manifest.files) == set(FILES) | set(CARD_FILES)  # the card too, written by the writer
     on_disk = json.loads((tmp_path / "b" / MANIFEST_FILE).read_text())
     assert on_disk["files"] == manifest.files and on_disk["bundle_id"] == manifest.bundle_id
-    assert {p.name for p in (tmp_path / "b").iterdir()} == set(FILES) | {MANIFEST_FILE}
+    assert {p.name for p in (tmp_path / "b").iterdir()} == set(FILES) | set(CARD_FILES) | {MANIFEST_FILE}
     assert Manifest.model_validate(on_disk) == manifest
 
 
@@ -74,7 +77,7 @@ def test_the_id_changes_with_the_rae_parameters_alone(tmp_path):
     rae = RaeParams(lam=0.5, tau=0.04, top_b=10)
     first = write_bundle(tmp_path / "a", writing(FILES, rae=rae))
     other_tau = write_bundle(tmp_path / "b", writing(FILES, rae=rae.model_copy(update={"tau": 0.1})))
-    assert first.files == other_tau.files and first.bundle_id != other_tau.bundle_id
+    assert all(first.files[name] == other_tau.files[name] for name in FILES) and first.bundle_id != other_tau.bundle_id
     assert first.bundle_id.startswith("rae-memory-4d-")
 
 
@@ -143,7 +146,7 @@ def test_force_replaces_a_bundle_and_a_failed_replacement_keeps_the_old_one(tmp_
         write_bundle(tmp_path / "b", crash, force=True)
     assert (tmp_path / "b" / "index.hnsw").read_bytes() == b"idx"
     new = write_bundle(tmp_path / "b", writing({"encoder.onnx": b"other"}), force=True)
-    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["encoder.onnx", MANIFEST_FILE]
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == sorted(["encoder.onnx", MANIFEST_FILE, *CARD_FILES])
     assert json.loads((tmp_path / "b" / MANIFEST_FILE).read_text())["bundle_id"] == new.bundle_id
     assert [p.name for p in tmp_path.iterdir()] == ["b"]  # the replaced bundle was removed
 

@@ -89,8 +89,9 @@ def test_info_shows_the_manifest_and_checks_the_files(bundle_copy, capsys):
     code, out, _ = run(["info", str(bundle_copy)], capsys)
     assert code == 0
     shown = json.loads(out)
-    assert shown["bundle_id"] == load_predictor(bundle_copy).bundle.bundle_id
-    labels = next(name for name in shown["files"] if name.startswith("labels"))
+    assert shown["manifest"]["bundle_id"] == shown["card"]["bundle_id"] == load_predictor(bundle_copy).bundle.bundle_id
+    assert shown["card"]["data"]["labels"] == shown["manifest"]["counts"]["labels"]
+    labels = next(name for name in shown["manifest"]["files"] if name.startswith("labels"))
     (bundle_copy / labels).write_bytes(b"changed")
     code, _, _ = run(["info", str(bundle_copy)], capsys)
     assert "xmcserve info" in str(code) and labels in str(code)

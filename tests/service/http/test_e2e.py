@@ -102,6 +102,13 @@ def test_health_ready_info(client, sample_bundle):
     assert ready["ready"] is True and ready["bundle_id"] == info["manifest"]["bundle_id"]
     assert info["execution_provider"] == "CPUExecutionProvider"
     assert info["manifest"]["dim"] == 64 and info["manifest"]["rae"]["top_b"] == 200
+    # the bundle's card: what made it, from the bundle's own checksummed card.json
+    card = info["card"]
+    assert (
+        card["bundle_id"] == info["manifest"]["bundle_id"]
+        and card["data"]["labels"] == info["manifest"]["counts"]["labels"]
+    )
+    assert card["model"]["dim"] == 64 and card["made"]["command"]
 
 
 def test_openapi_has_request_examples(client):
