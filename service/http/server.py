@@ -544,7 +544,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--workers", type=int, default=settings.workers, help="server processes on the port (XMCSERVE_WORKERS)"
     )
+    parser.add_argument(
+        "--bundle", type=Path, default=None, help="the bundle to serve (XMCSERVE_BUNDLE_DIR; default bundles/default)"
+    )
     args = parser.parse_args(argv)
+    if args.bundle is not None:  # the setting, so every worker process and a reload see the same
+        os.environ["XMCSERVE_BUNDLE_DIR"] = str(args.bundle)
     logs = LogSettings()
     configure_logging(logs.format, logs.level)
     if args.workers > 1:
