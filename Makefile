@@ -4,6 +4,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# the project's command (xmcserve/cli.py): every target below that builds, fits, evaluates or serves calls it
+XMCSERVE := $(VENV)/bin/xmcserve
 # torch is pinned here: this exact version resolves to the local CPU wheel, while an unpinned
 # torch pulls several GB of CUDA packages.
 TORCH_PIN ?= torch==2.13.0
@@ -52,27 +54,26 @@ install: $(STAMP)
 # int8-static, calibrated, is as accurate as fp32 but no faster here). QUANTIZE=none for fp32.
 QUANTIZE ?= int8
 $(BUNDLE)/manifest.json: | $(SERVE_STAMP)
-	$(PY) -m export.build --data $(DATA) --out $(BUNDLE) --index-kind rae_memory --dim 64 --quantize $(QUANTIZE)
+	$(XMCSERVE) build --data $(DATA) --out $(BUNDLE) --index-kind rae_memory --dim 64 --quantize $(QUANTIZE)
 
 bundle: $(BUNDLE)/manifest.json
 
 serve: $(SERVE_STAMP) $(BUNDLE)/manifest.json
-	XMCSERVE_BUNDLE_DIR=$(BUNDLE) $(PY) -m service.http \
-		--host $(HOST) --port $(PORT)
+	$(XMCSERVE) serve --bundle $(BUNDLE) --host $(HOST) --port $(PORT)
 
 # The same API on Ray Serve (service/ray_serve): a local Ray cluster on this machine serving the
 # default bundle built in 2 shards (an encoder, one deployment per shard, an ingress); config in
 # deploy/ray/serve-config.yaml (host, port, replicas, resources). Ctrl-C stops it and the cluster.
 RAY_BUNDLE ?= bundles/default-2shards
 $(RAY_BUNDLE)/manifest.json: | $(STAMP)
-	$(PY) -m export.build --data $(DATA) --out $(RAY_BUNDLE) --index-kind rae_memory --dim 64 \
+	$(XMCSERVE) build --data $(DATA) --out $(RAY_BUNDLE) --index-kind rae_memory --dim 64 \
 		--quantize $(QUANTIZE) --shards 2
 
 serve-ray: $(STAMP) $(RAY_BUNDLE)/manifest.json
 	RAY_USAGE_STATS_ENABLED=0 $(VENV)/bin/serve run deploy/ray/serve-config.yaml
 
 evaluate: $(SERVE_STAMP) $(BUNDLE)/manifest.json
-	$(PY) -m export.evaluate --bundle $(BUNDLE) --data $(DATA) --split dev --out $(BUNDLE)-eval-dev.json
+	$(XMCSERVE) evaluate --bundle $(BUNDLE) --data $(DATA) --split dev --out $(BUNDLE)-eval-dev.json
 
 # Benchmarks write JSON (and PNG) under bench/results/; run one at a time (they share 2 cores).
 # With BASELINE_REF (a commit), the CPU per request of everything but the encoder is measured for
@@ -147,7 +148,7 @@ bench-ann:
 # core 1, the primary alone on core 0, as a shadow of all traffic is meant to run.
 AB_PLACEMENT ?= --primary-cpus 0 --shadow-cpus 1 --loadgen-cpus 1
 $(BUNDLE)-fp32/manifest.json: | $(SERVE_STAMP)
-	$(PY) -m export.build --data $(DATA) --out $(BUNDLE)-fp32 --quantize none
+	$(XMCSERVE) build --data $(DATA) --out $(BUNDLE)-fp32 --quantize none
 
 bench-ab: $(STAMP) $(BUNDLE)/manifest.json $(BUNDLE)-fp32/manifest.json
 	$(PY) -m bench.ab_shadow --bundle $(BUNDLE) --alt-bundle $(BUNDLE)-fp32
@@ -256,14 +257,14 @@ bench-infinity: $(INFINITY_VENV)/.installed
 # UniDEC training on the full Debian-Related split (CPU: frozen lower layers, cached), and the
 # two-minute smoke configuration the tests use. NPROC=N trains data-parallel on N processes
 # (torchrun + DDP: one per GPU over NCCL, or CPU processes over gloo); batch_size stays the global batch.
-TRAIN_CONFIG ?= training/configs/debian-unidec.yaml
+TRAIN_CONFIG ?= debian-unidec
 NPROC ?= 1
 TRAIN_LAUNCH = $(if $(filter 1,$(NPROC)),$(PY),$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC))
 train: $(SERVE_STAMP)
 	$(TRAIN_LAUNCH) -m training.train --config $(TRAIN_CONFIG)
 
 train-smoke: $(SERVE_STAMP)
-	$(PY) -m training.train --config training/configs/smoke.yaml
+	$(XMCSERVE) train --config smoke
 
 # The trained bundle: `make train`'s checkpoint as an RAE memory (the best of training.sweep and of
 # bench.quality's λ sweep on dev) with its score fusion fitted on the run's held-out instances
@@ -276,11 +277,11 @@ TRAINED_MEMORY_ARGS ?= --rae-mode split --rae-tau 0.04 --rae-top-b 200 --rae-lam
 FUSE_ARGS ?=
 $(TRAINED_BUNDLE)-memory/manifest.json: | $(SERVE_STAMP)
 	test -f $(TRAINED_RUN)/best/head.json || { echo "no $(TRAINED_RUN)/best: run make train first" >&2; exit 1; }
-	$(PY) -m export.build --data $(TRAINED_DATA) --checkpoint $(TRAINED_RUN)/best --out $(TRAINED_BUNDLE)-memory \
+	$(XMCSERVE) build --data $(TRAINED_DATA) --checkpoint $(TRAINED_RUN)/best --out $(TRAINED_BUNDLE)-memory \
 		--index-kind rae_memory $(TRAINED_MEMORY_ARGS)
 
 $(TRAINED_BUNDLE)/manifest.json: $(TRAINED_BUNDLE)-memory/manifest.json
-	$(PY) -m export.fuse --bundle $(TRAINED_BUNDLE)-memory --run $(TRAINED_RUN) --data $(TRAINED_DATA) \
+	$(XMCSERVE) fuse --bundle $(TRAINED_BUNDLE)-memory --run $(TRAINED_RUN) --data $(TRAINED_DATA) \
 		--out $(TRAINED_BUNDLE) $(FUSE_ARGS)
 
 trained-bundle: $(TRAINED_BUNDLE)/manifest.json
@@ -290,9 +291,11 @@ trained-bundle: $(TRAINED_BUNDLE)/manifest.json
 # pretrained memory with the same fusion as a rival (the better held-out validation is shipped);
 # with a dev split, the bundle beside TF-IDF + one-vs-rest LR in <run>/fit-report.json (export.fit
 # prints the plan and an estimate of the wall time first). RUN: the training run's directory.
+# RECIPE: another training recipe (a shipped one's name, or a YAML file).
 RUN ?=
+RECIPE ?=
 fit: $(SERVE_STAMP)
-	$(PY) -m export.fit --data $(DATA) --bundle $(BUNDLE) $(if $(RUN),--run $(RUN))
+	$(XMCSERVE) fit --data $(DATA) --bundle $(BUNDLE) $(if $(RUN),--run $(RUN)) $(if $(RECIPE),--recipe $(RECIPE))
 
 # Dev-split quality of the peers and of xmcserve's bundles -> bench/results/quality-debian-dev.*
 # The RAE settings of the trained memory are the best of `python -m training.sweep` on dev.

@@ -5,8 +5,8 @@ of the repository's layout; each command must succeed and print what the page sa
 service again (issue 43: it failed at "load the candidate into B").
 
 What differs from an operator's machine, each stated here: the ports are free ones instead of
-8000/8001; ``make serve`` is the Makefile's serve recipe (``XMCSERVE_BUNDLE_DIR=bundles/default
-python -m service.http``) without its install prerequisites; the shadow log is in the scratch
+8000/8001; ``make serve`` is the Makefile's serve recipe (``xmcserve serve --bundle
+bundles/default``) without its install prerequisites; the shadow log is in the scratch
 directory instead of /tmp; the one build command is not run (it takes minutes: the candidate is a
 small bundle built by the fixtures, export.build has tests of its own); ``bundles/broken`` is a
 copy with one flipped byte; between (b) and (c) clients send traffic for the shadow to compare.
@@ -36,7 +36,7 @@ NOT_RUN = {
 MAKE_SERVE = """#!/bin/sh
 # the Makefile's serve recipe, without its install prerequisites (the test's venv and bundles)
 [ "$1" = serve ] || { echo "only 'make serve' is stood in for" >&2; exit 2; }
-XMCSERVE_BUNDLE_DIR=bundles/default exec .venv/bin/python -m service.http --host 127.0.0.1 --port "$DOCS_PORT_A"
+exec .venv/bin/xmcserve serve --bundle bundles/default --host 127.0.0.1 --port "$DOCS_PORT_A"
 """
 BLOCK_TIMEOUT_S = 120
 
