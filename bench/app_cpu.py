@@ -1,5 +1,6 @@
 """Where the CPU of a request goes without the network: ``POST /predict`` driven straight through
-the ASGI app in this process (no socket, no HTTP parser), with the null encoder.
+the ASGI app in this process (no socket, no HTTP parser), with the null encoder
+(``XMCSERVE_ENCODER=null``: the bundle's tokenizer, the texts' vectors looked up).
 
     python -m bench.app_cpu [--bundle bundles/default] [--data data/debian-sample] \
         [--requests 2000] [--concurrency 1 4 16] [--out bench/results/app-cpu.json]
@@ -24,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.lib.null_encoder import installed, write_vectors
+from bench.lib.null_encoder import selected, write_vectors
 from xmc.data import load_jsonl_split
 from xmc.results import write_result
 
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     bodies = [json.dumps({"text": text, "k": 10}).encode() for text in texts]
     logging.disable(logging.CRITICAL)  # the access lines' cost is measured by --observability-cost of bench.serving
     try:
-        with installed(vectors):
+        with selected(vectors):
             levels = asyncio.run(measure(args.bundle, bodies, args.requests, args.concurrency))
     except NotAllAnswered as exc:
         raise SystemExit(str(exc)) from None
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
         "bundle": str(args.bundle),
-        "what": "POST /predict through the ASGI app in process, null encoder (bench.lib.null_encoder), logging off",
+        "what": "POST /predict through the ASGI app in process, null encoder (XMCSERVE_ENCODER=null), logging off",
         "requests": args.requests,
         "by_concurrency": levels,
     }

@@ -27,7 +27,9 @@ nothing else of the engine (``tests/service/test_engine_surface.py``):
 * :class:`BatcherConfig` — each variant's micro-batching (:mod:`engine.batcher`: requests
   batched onto one predictor in two overlapped stages, encode and search, bounded and
   stoppable); a :class:`BatchAnswer` is one request's share. :class:`EncoderOptions` and
-  :func:`thread_layout` say how the ONNX encoder runs (provider, workers, threads).
+  :func:`thread_layout` say how the ONNX encoder runs (provider, workers, threads), and
+  ``EncoderOptions.backend`` whether a benchmark's null encoder (:mod:`engine.null_encoder`:
+  the real tokenizer, vectors looked up) stands in for it.
 * :class:`XmcserveError` — the one error base (defined by :mod:`bundle`, the lowest layer):
   :class:`BundleError`, :class:`AppendRefused` and :class:`AppendIdReused`,
   :class:`AppendLogError` and :class:`AppendLogHeld`, :class:`LineageDiverged`, :class:`MemoryBusy`,

@@ -1,4 +1,5 @@
-"""Load a bundle directory into what serves it: the ONNX encoder, the index (hnswlib, faiss IVF-PQ,
+"""Load a bundle directory into what serves it: the encoder (ONNX, or the null encoder a
+benchmark asks for: ``EncoderOptions.backend``), the index (hnswlib, faiss IVF-PQ,
 or shards of either), the label arrays, the RAE value rows, the score fusion; verified (checksums,
 shapes, a warm-up encode) before use.
 
@@ -41,10 +42,11 @@ from bundle import (
     shard_list,
     verify_checksums,
 )
-from engine.encoder import EncoderOptions, OnnxEncoder
+from engine.encoder import Encoder, EncoderOptions, OnnxEncoder
 from engine.fusion import FEATURE_GROUPS, ScoreFusion, groups_of
 from engine.index import HnswIndex, IvfPqIndex, KeyIndex, ShardedIndex
 from engine.lexical import KeyTerms, key_terms_of
+from engine.null_encoder import NullEncoder
 from engine.shards import ShardSearcher
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,7 @@ log = logging.getLogger(__name__)
 class Bundle:
     path: Path
     manifest: Manifest
-    encoder: OnnxEncoder
+    encoder: Encoder
     index: KeyIndex
     label_uids: StringColumn
     label_texts: StringColumn
@@ -151,7 +153,7 @@ def load_key_terms_of(path: Path, manifest: Manifest) -> KeyTerms | None:
     return KeyTerms(parts[0].rows if len(parts) == 1 else sp.vstack([part.rows for part in parts], format="csr"))
 
 
-def check_encoder(path: Path, encoder: OnnxEncoder, manifest: Manifest) -> None:
+def check_encoder(path: Path, encoder: Encoder, manifest: Manifest) -> None:
     """One real encode: the output must be finite, unit-norm and of the manifest's dimension."""
     vectors, _ = encoder.encode(["warm-up query", "a second, longer warm-up query for padding"])
     if vectors.shape != (2, manifest.dim):
@@ -161,10 +163,16 @@ def check_encoder(path: Path, encoder: OnnxEncoder, manifest: Manifest) -> None:
         raise BundleError(f"{path / ENCODER_FILE}: outputs are not finite unit vectors (norms {norms})")
 
 
-def open_encoder(path: Path, manifest: Manifest, options: EncoderOptions | None) -> OnnxEncoder:
-    """An ONNX Runtime session over the bundle's encoder and its tokenizer."""
+def open_encoder(path: Path, manifest: Manifest, options: EncoderOptions | None) -> Encoder:
+    """An ONNX Runtime session over the bundle's encoder and its tokenizer; with the ``null``
+    backend, the tokenizer and the vector file the options name (:mod:`engine.null_encoder`),
+    whose vectors must have the manifest's dimension."""
+    options = options or EncoderOptions()
+    max_length = manifest.tokenizer.max_length
     try:
-        return OnnxEncoder(path / ENCODER_FILE, path / TOKENIZER_FILE, manifest.tokenizer.max_length, options)
+        if options.backend == "null":
+            return NullEncoder(path / TOKENIZER_FILE, max_length, manifest.dim, options.null_vectors, options)
+        return OnnxEncoder(path / ENCODER_FILE, path / TOKENIZER_FILE, max_length, options)
     except Exception as exc:  # onnxruntime raises its own exception types
         raise BundleError(f"{path}: cannot load encoder or tokenizer ({exc})") from None
 
@@ -193,10 +201,10 @@ def _refusing(path: Path | str, load):
 
 def load_encoder(
     path: Path | str, options: EncoderOptions | None = None, verify: bool = True
-) -> tuple[Manifest, OnnxEncoder]:
+) -> tuple[Manifest, Encoder]:
     """The manifest and the bundle's encoder and tokenizer alone, checked by one real encode."""
 
-    def load(path: Path) -> tuple[Manifest, OnnxEncoder]:
+    def load(path: Path) -> tuple[Manifest, Encoder]:
         manifest = read_manifest(path)
         if verify:
             verify_checksums(path, manifest, [ENCODER_FILE, TOKENIZER_FILE])

@@ -5,6 +5,12 @@ tokenises (truncated to the bundle's max length) and runs the session: on the CP
 text, so a text's vector is the same bits whatever it is batched with; on CUDA one call per
 length-sorted chunk of up to :data:`MAX_CHUNK` texts, padded to the chunk's longest
 (:func:`plan_chunks`).
+
+:class:`Encoder` is what the rest of the engine calls on an encoder; :class:`TokenizingEncoder`
+holds the tokenizing and chunking every backend shares, and a backend supplies ``run`` (one
+call on a chunk of token ids): :class:`OnnxEncoder`, the bundle's ONNX graph, or, for
+benchmarks, :class:`engine.null_encoder.NullEncoder`, which looks vectors up instead
+(``EncoderOptions.backend``).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 from tokenizers import Encoding, Tokenizer
@@ -33,6 +40,9 @@ CPU_PROVIDER = "CPUExecutionProvider"
 # call in token-equivalents, and the most texts one call carries (measured with bench/serving.py).
 CALL_COST_TOKENS = 16.0
 MAX_CHUNK = 64
+# What answers an encoder's session call (EncoderOptions.backend): the bundle's ONNX graph, or
+# for benchmarks a lookup of precomputed vectors (engine.null_encoder).
+ENCODER_BACKENDS = ("onnx", "null")
 
 
 def confined_cpu_count() -> int | None:
@@ -77,6 +87,12 @@ def choose_providers(preference: str) -> list[str]:
     return [CUDA_PROVIDER, CPU_PROVIDER] if CUDA_PROVIDER in available else [CPU_PROVIDER]
 
 
+def runs_on_cuda(preference: str) -> bool:
+    """Whether a session asked for ``preference`` would be offered the CUDA provider (without
+    creating one: where ``cuda`` cannot be had, :func:`choose_providers` says so)."""
+    return preference != "cpu" and CUDA_PROVIDER in ort.get_available_providers()
+
+
 def load_tokenizer(path: Path, max_length: int) -> tuple[Tokenizer, int]:
     """The tokenizer, truncating to ``max_length`` and not padding, and its pad id: the encoder
     pads each length-sorted chunk itself (the MiniLM tokenizer.json as shipped pads every text
@@ -118,17 +134,29 @@ def plan_chunks(
 
 @dataclass(frozen=True)
 class EncoderOptions:
-    """How a bundle's encoder runs (not what it computes).
+    """How a bundle's encoder runs (not what it computes), and, for benchmarks, whether it runs.
 
     Attributes:
         providers: ``auto`` (CUDA when this onnxruntime has it, else CPU), ``cpu`` or ``cuda``.
         intra_op_threads: ONNX Runtime intra-op threads; 0 = one per core this process may use.
         allow_spinning: intra-op threads spin while waiting for work (lower latency, more CPU).
+        backend: ``onnx`` (the bundle's graph) or ``null``: the bundle's tokenizer, then a vector
+            looked up instead of computed (:class:`engine.null_encoder.NullEncoder`), so a
+            benchmark measures everything but the encoder. Never for serving answers.
+        null_vectors: the null backend's vector file (None: a deterministic vector per text).
     """
 
     providers: str = "auto"
     intra_op_threads: int = 0
     allow_spinning: bool = True
+    backend: str = "onnx"
+    null_vectors: Path | None = None
+
+    def __post_init__(self):
+        if self.backend not in ENCODER_BACKENDS:
+            raise ValueError(f"unknown encoder backend {self.backend!r} ({', '.join(ENCODER_BACKENDS)})")
+        if self.null_vectors is not None and self.backend != "null":
+            raise ValueError(f"null_vectors {self.null_vectors} given for the {self.backend} encoder backend")
 
 
 @dataclass
@@ -137,7 +165,81 @@ class EncodeTimes:
     encode_s: float
 
 
-class OnnxEncoder:
+class Encoder(Protocol):
+    """What the engine calls on a bundle's encoder (the predictor, the batcher's encode stage, an
+    append's encoding, the load's warm-up check) and what the front ends read of it.
+
+    Attributes:
+        options: how it was asked to run.
+        provider: what runs it, for logs and ``/info`` (ONNX Runtime's execution provider, or
+            ``null``).
+        texts_per_call: the most texts one :meth:`run` carries.
+    """
+
+    options: EncoderOptions
+    provider: str
+    texts_per_call: int
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Each text's token ids, truncated to the bundle's max length, not padded."""
+        ...
+
+    def run(self, token_ids: list[list[int]]) -> np.ndarray:
+        """The ``[len(token_ids), dim]`` float32 unit vectors of one chunk of tokenized texts."""
+        ...
+
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, EncodeTimes]:
+        """Vectors in input order, and the time spent tokenizing and running."""
+        ...
+
+    def encode_keeping_tokens(self, texts: list[str]) -> tuple[np.ndarray, EncodeTimes, list[Encoding]]:
+        """:meth:`encode`, and the tokenizer's encodings of ``texts`` (what a lexical fusion reads)."""
+        ...
+
+
+class TokenizingEncoder:
+    """The tokenizing and chunking every backend shares: a backend sets :attr:`texts_per_call`
+    and :attr:`provider` and supplies :meth:`run`, one call on a chunk of token ids."""
+
+    provider: str
+    texts_per_call: int
+
+    def __init__(self, tokenizer_path: Path, max_length: int, options: EncoderOptions | None = None):
+        self.options = options or EncoderOptions()
+        self.tokenizer, self.pad_id = load_tokenizer(tokenizer_path, max_length)
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts)]
+
+    def run(self, token_ids: list[list[int]]) -> np.ndarray:
+        raise NotImplementedError
+
+    def encode(self, texts: list[str]) -> tuple[np.ndarray, EncodeTimes]:
+        """Vectors in input order: tokenise once, then one :meth:`run` per length-sorted chunk
+        (of one text on the CPU: ``texts_per_call``)."""
+        vectors, times, _ = self.encode_keeping_tokens(texts)
+        return vectors, times
+
+    def encode_keeping_tokens(self, texts: list[str]) -> tuple[np.ndarray, EncodeTimes, list[Encoding]]:
+        """:meth:`encode`, and the tokenizer's encodings of ``texts`` it computed (the word pieces a
+        lexical score fusion reads too)."""
+        t0 = time.perf_counter()
+        encodings = self.tokenizer.encode_batch(texts)
+        token_ids = [encoding.ids for encoding in encodings]
+        t1 = time.perf_counter()
+        order = np.argsort([len(ids) for ids in token_ids], kind="stable")
+        lengths = [len(token_ids[i]) for i in order]
+        out: np.ndarray | None = None
+        for start, end in plan_chunks(lengths, CALL_COST_TOKENS, self.texts_per_call):
+            rows = order[start:end]
+            vectors = self.run([token_ids[i] for i in rows])
+            if out is None:
+                out = np.empty((len(texts), vectors.shape[1]), dtype=np.float32)
+            out[rows] = vectors
+        return out, EncodeTimes(tokenize_s=t1 - t0, encode_s=time.perf_counter() - t1), encodings
+
+
+class OnnxEncoder(TokenizingEncoder):
     """Tokenizer + ONNX Runtime session producing L2-normalised ``[batch, dim]`` float32 vectors."""
 
     def __init__(
@@ -150,8 +252,8 @@ class OnnxEncoder:
     ):
         """``texts_per_call``: the most texts one session call carries (None: one on the CPU,
         :data:`MAX_CHUNK` on CUDA; see :attr:`texts_per_call`)."""
-        self.options = options = options or EncoderOptions()
-        self.tokenizer, self.pad_id = load_tokenizer(tokenizer_path, max_length)
+        super().__init__(tokenizer_path, max_length, options)
+        options = self.options
         session_options = ort.SessionOptions()
         session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         # ONNX Runtime's default pool pins one thread to each physical core of the machine,
@@ -187,9 +289,6 @@ class OnnxEncoder:
         self.input_names = [i.name for i in self.session.get_inputs()]
         log.info("encoder %s on %s", onnx_path, self.provider)
 
-    def tokenize(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.tokenizer.encode_batch(texts)]
-
     def run(self, token_ids: list[list[int]]) -> np.ndarray:
         """One session call on a chunk, padded to its longest text."""
         longest = max(len(ids) for ids in token_ids)
@@ -200,27 +299,3 @@ class OnnxEncoder:
             mask[row, : len(ids)] = 1
         feeds = {"input_ids": input_ids, "attention_mask": mask}
         return self.session.run(None, {name: feeds[name] for name in self.input_names})[0]
-
-    def encode(self, texts: list[str]) -> tuple[np.ndarray, EncodeTimes]:
-        """Vectors in input order: tokenise once, then one session call per length-sorted chunk
-        (of one text on the CPU: ``texts_per_call``)."""
-        vectors, times, _ = self.encode_keeping_tokens(texts)
-        return vectors, times
-
-    def encode_keeping_tokens(self, texts: list[str]) -> tuple[np.ndarray, EncodeTimes, list[Encoding]]:
-        """:meth:`encode`, and the tokenizer's encodings of ``texts`` it computed (the word pieces a
-        lexical score fusion reads too)."""
-        t0 = time.perf_counter()
-        encodings = self.tokenizer.encode_batch(texts)
-        token_ids = [encoding.ids for encoding in encodings]
-        t1 = time.perf_counter()
-        order = np.argsort([len(ids) for ids in token_ids], kind="stable")
-        lengths = [len(token_ids[i]) for i in order]
-        out: np.ndarray | None = None
-        for start, end in plan_chunks(lengths, CALL_COST_TOKENS, self.texts_per_call):
-            rows = order[start:end]
-            vectors = self.run([token_ids[i] for i in rows])
-            if out is None:
-                out = np.empty((len(texts), vectors.shape[1]), dtype=np.float32)
-            out[rows] = vectors
-        return out, EncodeTimes(tokenize_s=t1 - t0, encode_s=time.perf_counter() - t1), encodings

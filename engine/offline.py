@@ -1,5 +1,6 @@
 """What building, fusing, compacting and measuring a bundle use of the engine beyond serving
-(``export/``, ``bench/``): the runtime bundle and its encoder, the key index and its builders, the
+(``export/``, ``bench/``): the runtime bundle and its encoder (and the null encoder benchmarks
+serve with, and its vector file), the key index and its builders, the
 one ranking of fetched keys and the score fusion's candidates and features, the lexical terms and
 the sparse ranker over them,
 and the append logs a compaction or a bundle-to-bundle tool carries on. Front ends use
@@ -31,6 +32,7 @@ from engine.index import (
 from engine.lexical import KeyTerms, Lexicon, save_key_terms
 from engine.loading import SOURCE_LOGS, carried_lineage, load_for_reading
 from engine.memory import fetch_and_ef
+from engine.null_encoder import NullEncoder, write_null_vectors
 from engine.search import FusionRows, Neighbours, fusion_candidates, neighbours_needed, rank_batch
 from engine.shards import merge_answers
 from engine.sparse import LABEL_WEIGHT, PRUNE, SparseRanker, centroid_columns, pruned
@@ -45,6 +47,8 @@ __all__ = [
     "load_shard_index",
     "OnnxEncoder",
     "MAX_CHUNK",
+    "NullEncoder",
+    "write_null_vectors",
     # the key index
     "KeyIndex",
     "HnswIndex",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, FilePath, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings
 
 from engine import BatcherConfig, EncoderOptions, EngineParams, thread_layout
@@ -200,6 +200,18 @@ class Settings(BaseSettings):
         0, ge=0, description="ONNX Runtime threads per encoder call (0: the cores shared out over the batch workers)"
     )
     verify_checksums: bool = Field(True, description="sha256-check every bundle file before serving it")
+    encoder: Literal["onnx", "null"] = Field(
+        "onnx",
+        description="what computes a query's vector: onnx (the bundle's encoder), or for benchmarks null "
+        "(the bundle's tokenizer, then the vector looked up in XMCSERVE_NULL_VECTORS: everything but the "
+        "encoder's model; never for real answers)",
+    )
+    null_vectors: FilePath | None = Field(
+        None,
+        description="with XMCSERVE_ENCODER=null, the .npz of the texts' vectors keyed by their token ids "
+        "(bench.lib.null_encoder writes it; a text not in it gets its first vector); unset: a deterministic "
+        "vector drawn from each text's tokens",
+    )
 
     limits: LimitSettings = Field(default_factory=LimitSettings)
     batching: BatchingSettings = Field(default_factory=BatchingSettings)
@@ -208,6 +220,15 @@ class Settings(BaseSettings):
     admin: AdminSettings = Field(default_factory=AdminSettings)
     log: LogSettings = Field(default_factory=LogSettings)
     server: ServerSettings = Field(default_factory=ServerSettings)
+
+    @model_validator(mode="after")
+    def null_vectors_need_the_null_encoder(self):
+        if self.null_vectors is not None and self.encoder != "null":
+            raise ValueError(
+                f"XMCSERVE_NULL_VECTORS ({self.null_vectors}) is read only with XMCSERVE_ENCODER=null, "
+                f"not {self.encoder}"
+            )
+        return self
 
     def engine_params(self) -> EngineParams:
         """What the engine is told of these settings: how it loads, verifies and serves bundles."""
@@ -234,6 +255,9 @@ class Settings(BaseSettings):
             providers=self.providers,
             intra_op_threads=self.thread_layout()[1],
             allow_spinning=self.rollout.candidate_bundle_dir is None,
+            backend=self.encoder,
+            # absolute: the vetting child and a group's workers resolve it alike
+            null_vectors=self.null_vectors.resolve() if self.null_vectors is not None else None,
         )
 
 

@@ -29,12 +29,13 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, FilePath, model_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.util import metrics as ray_metrics
@@ -111,6 +112,20 @@ class AppArgs(BaseModel):
         "for a burst): under overload hedging does not multiply the load",
     )
     verify: bool = Field(True, description="check the sha256 of every bundle file a replica reads")
+    encoder: Literal["onnx", "null"] = Field(
+        "onnx",
+        description="the encoder replicas' backend: onnx, or for benchmarks null (the bundle's tokenizer, then "
+        "the vector looked up in null_vectors), as the single server's XMCSERVE_ENCODER",
+    )
+    null_vectors: FilePath | None = Field(
+        None, description="with encoder=null, its vector file, at this path on every node (unset: drawn vectors)"
+    )
+
+    @model_validator(mode="after")
+    def null_vectors_need_the_null_encoder(self):
+        if self.null_vectors is not None and self.encoder != "null":
+            raise ValueError(f"null_vectors ({self.null_vectors}) is read only with encoder=null, not {self.encoder}")
+        return self
 
 
 def request_ids(contexts: list[CallContext | None]) -> list[str]:
@@ -140,9 +155,23 @@ class ExpiredWork:
 class Encoder:
     """The bundle's encoder: a request's texts → unit vectors, requests batched together."""
 
-    def __init__(self, bundle_dir: str, cpus: float, max_batch_texts: int, batch_wait_s: float, verify: bool):
+    def __init__(
+        self,
+        bundle_dir: str,
+        cpus: float,
+        max_batch_texts: int,
+        batch_wait_s: float,
+        verify: bool,
+        backend: str = "onnx",
+        null_vectors: str | None = None,
+    ):
         # not spinning: the cores are shared with the other replicas, which spinning threads starve
-        options = EncoderOptions(intra_op_threads=threads_for(cpus), allow_spinning=False)
+        options = EncoderOptions(
+            intra_op_threads=threads_for(cpus),
+            allow_spinning=False,
+            backend=backend,
+            null_vectors=Path(null_vectors) if null_vectors else None,
+        )
         self.encoder = EncoderPart(bundle_dir, options, verify)
         self.bundle_id = self.encoder.bundle_id
         self.tracing = Tracing.from_environment("xmcserve-encoder")
@@ -443,7 +472,15 @@ def build_app(args: dict) -> serve.Application:
     batch_wait_s = params.batch_wait_ms / 1000
     encoder = Encoder.options(
         num_replicas=params.encoder_replicas, ray_actor_options={"num_cpus": params.encoder_cpus}
-    ).bind(bundle, params.encoder_cpus, params.max_batch_texts, batch_wait_s, params.verify)
+    ).bind(
+        bundle,
+        params.encoder_cpus,
+        params.max_batch_texts,
+        batch_wait_s,
+        params.verify,
+        params.encoder,
+        str(params.null_vectors.resolve()) if params.null_vectors else None,
+    )
     per_node = params.shard_max_replicas_per_node
     placement = {"max_replicas_per_node": per_node} if per_node else {}
     shards = [

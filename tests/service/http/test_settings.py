@@ -95,3 +95,44 @@ def test_the_batcher_and_the_encoder_get_one_thread_layout(monkeypatch):
     monkeypatch.setenv("XMCSERVE_BATCH_WORKERS", "2")
     latency_first = Settings()
     assert latency_first.batcher_config().workers == 2 and latency_first.encoder_options().intra_op_threads == 3
+
+
+def test_the_null_encoder_setting_reaches_the_loaded_engine(monkeypatch, tiny_rae_bundle, tmp_path):
+    """XMCSERVE_ENCODER=null → EngineParams → the engine's loaded bundle has the null encoder,
+    over the vector file XMCSERVE_NULL_VECTORS names (absolute, as the vetting child and a
+    group's workers read it); the default stays the ONNX encoder."""
+    import asyncio
+
+    from engine import Engine
+    from engine.offline import NullEncoder, OnnxEncoder, load_encoder, write_null_vectors
+
+    write_null_vectors(load_encoder(tiny_rae_bundle)[1], ["libc6: GNU C Library"], tmp_path / "vectors.npz")
+    assert Settings().engine_params().encoder.backend == "onnx"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XMCSERVE_ENCODER", "null")
+    monkeypatch.setenv("XMCSERVE_NULL_VECTORS", "vectors.npz")
+    params = Settings(bundle_dir=tiny_rae_bundle).engine_params()
+    assert (params.encoder.backend, params.encoder.null_vectors) == ("null", tmp_path / "vectors.npz")
+    assert params.encoder.providers == "auto" and params.encoder.intra_op_threads >= 1  # the layout as before
+    predictor = asyncio.run(Engine(params).load(tiny_rae_bundle, vet=False))
+    assert isinstance(predictor.bundle.encoder, NullEncoder)
+    assert predictor.bundle.encoder.vectors_path == tmp_path / "vectors.npz"
+    assert predictor.predict(["libc6: GNU C Library"], k=3).rankings[0].ids.size == 3
+    monkeypatch.delenv("XMCSERVE_NULL_VECTORS")
+    assert not isinstance(load_encoder(tiny_rae_bundle, Settings().encoder_options())[1], OnnxEncoder)
+
+
+@pytest.mark.parametrize(
+    ("env", "reason"),
+    [
+        ({"XMCSERVE_ENCODER": "onnxx"}, "encoder\n  Input should be 'onnx' or 'null'"),
+        ({"XMCSERVE_ENCODER": "null", "XMCSERVE_NULL_VECTORS": "/no/such/vectors.npz"}, "null_vectors\n  Path does"),
+        ({"XMCSERVE_NULL_VECTORS": __file__}, "XMCSERVE_NULL_VECTORS .* is read only with XMCSERVE_ENCODER=null"),
+    ],
+    ids=["unknown-backend", "missing-file", "vectors-without-null"],
+)
+def test_a_bad_encoder_choice_fails_at_start_up(monkeypatch, env, reason):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError, match=reason):
+        Settings()
