@@ -1,4 +1,8 @@
-"""Shared fixtures: the sample data, one real bundle built from it, a running uvicorn server."""
+"""Shared fixtures: the sample data, one real bundle built from it, a running uvicorn server.
+
+The bundles are built once per run: under pytest-xdist (``make test`` runs the files on two
+workers) the first worker to need one builds it under a lock in the run's shared temporary
+directory and the others wait for it and read the same files (:func:`built_once`)."""
 
 from __future__ import annotations
 
@@ -26,6 +30,25 @@ def wait_for(condition, limit_s: float = 60, step_s: float = 0.1):
     raise AssertionError(f"condition not met within {limit_s}s")
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """``build(path)``'s output at ``path``, made once per test run: one session's, or with
+    pytest-xdist the one all workers share (the first builds it under a file lock; a build that
+    failed leaves no completion mark, so the next worker to need it tries again and fails alike)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's directory, above each worker's own
+    path, done = base / "built-once" / name, base / "built-once" / f"{name}.done"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            build(path)
+            done.touch()
+    return path
+
+
 def need_tool(present: bool, reason: str) -> None:
     """Skip the test, saying ``reason``, where a tool it needs (a browser, Prometheus) is missing;
     under ``CI=true`` fail instead: CI installs these tools (.ci/run), and a skip there would let a
@@ -48,10 +71,11 @@ def sample_bundle(tmp_path_factory) -> Path:
     from export.build import ExportParams, build_bundle
     from xmc.data import load_jsonl_split
 
-    out = tmp_path_factory.mktemp("bundles") / "sample-rae"
-    train = load_jsonl_split(SAMPLE_DIR, "trn")
-    build_bundle(out, train.labels, train, params=ExportParams(), data_name=str(SAMPLE_DIR))
-    return out
+    def build(out: Path) -> None:
+        train = load_jsonl_split(SAMPLE_DIR, "trn")
+        build_bundle(out, train.labels, train, params=ExportParams(), data_name=str(SAMPLE_DIR))
+
+    return built_once(tmp_path_factory, "sample-rae", build)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")

@@ -34,6 +34,8 @@ import pytest
 import scipy.sparse as sp
 
 from bundle import (
+    CARD_FILE,
+    CARD_README_FILE,
     FUSION_FILE,
     FUSION_MODEL_FILE,
     INDEX_FILE,
@@ -42,6 +44,7 @@ from bundle import (
     LABELS_FILE,
     LEXICAL_FILE,
     MANIFEST_FILE,
+    MAX_CARD_BYTES,
     RERANK_FILE,
     SPARSE_FILE,
     TOKENIZER_FILE,
@@ -60,7 +63,7 @@ from tests.engine.test_fusion import fusion_params as base_fusion_params
 from tests.engine.test_fusion import random_onnx_tree
 
 # read by ONNX Runtime and tokenizers (not arrays), or not by the service at all
-NOT_ARRAYS = {"encoder.onnx", TOKENIZER_FILE, FUSION_MODEL_FILE, "head.npz", "head.json"}
+NOT_ARRAYS = {"encoder.onnx", TOKENIZER_FILE, FUSION_MODEL_FILE, "head.npz", "head.json", CARD_README_FILE}
 # the queries: three texts, and those of the memory's first keys (its first training instances),
 # so that a spike in those keys' rows is met
 FIRST_KEYS = 4
@@ -228,6 +231,15 @@ def mutated_bundles(base: Path, out: Path, skip: frozenset[str] = frozenset()) -
             words = HNSW_HEADER.size // 8 if name == INDEX_FILE else 6
             for slug, data in byte_mutations(file.read_bytes(), seeded(name), words):
                 bundle(name, slug, lambda path, data=data: path.write_bytes(data))
+        elif name == CARD_FILE:  # read into the server at load: cut, not JSON, not a card, oversized
+            text = file.read_text()
+            for slug, data in (
+                ("cut", text[: len(text) // 2]),
+                ("a-list", "[]"),
+                ("unknown-field", json.dumps({**json.loads(text), "surprise": 1})),
+                ("oversized", text + " " * MAX_CARD_BYTES),
+            ):
+                bundle(name, slug, lambda path, data=data: path.write_text(data))
         elif name == LABELS_FILE:
             lines = file.read_text().splitlines(keepends=True)
             for slug, text in (
@@ -336,4 +348,4 @@ def test_the_fuzz_reaches_every_file_kind_and_most_mutations_are_refused(fuzzed)
         refused = sum(outcomes[str(path)]["outcome"] == "refused" for path, _ in mutations)
         assert refused > len(mutations) / 2
     expected = {LABELS_FILE, *LABEL_ARRAY_FILES, INDEX_FILE, IVF_INDEX_FILE, RERANK_FILE, VALUES_FILE}
-    assert kinds == expected | {FUSION_FILE, LEXICAL_FILE, SPARSE_FILE}
+    assert kinds == expected | {FUSION_FILE, LEXICAL_FILE, SPARSE_FILE, CARD_FILE}
