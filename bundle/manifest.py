@@ -325,6 +325,12 @@ class Manifest(_Strict):
         return data
 
     @property
+    def served_files(self) -> dict[str, str]:
+        """``files`` less the card (card.json, README.md): the files that make what the bundle
+        serves, and its id. The card describes them and may be rewritten (figures recorded)."""
+        return {name: digest for name, digest in self.files.items() if name not in CARD_FILES}
+
+    @property
     def search_breadth(self) -> int:
         """The default breadth of a search of this bundle's index: hnswlib's ef, or the compressed
         index's re-rank depth."""
@@ -406,7 +412,7 @@ def content_id(manifest: Manifest) -> str:
     rae = {"rae": manifest.rae.model_dump_json()} if manifest.rae else {}
     # the card describes what the bundle serves and does not change it: measuring a bundle and
     # recording the figures in its card keeps its id (bundle/card.py)
-    served = {name: digest for name, digest in manifest.files.items() if name not in CARD_FILES}
+    served = manifest.served_files
     # exclude_none: a field added to Lineage later (``seen``) leaves the ids of bundles without it as they were
     lineage = {"lineage": manifest.lineage.model_dump_json(exclude_none=True)} if manifest.lineage else {}
     return bundle_id_from(served | rae | lineage, prefix=f"{manifest.index_kind.replace('_', '-')}-{manifest.dim}d")

@@ -591,11 +591,6 @@ FIGURES = [
     ),
     F(
         TOP,
-        "primary's p99 ×{} with the shadow on its own core",
-        at("ab-shadow-own-cores.json:remote_shadow.p99_ratio", ".2f"),
-    ),
-    F(
-        TOP,
         "appending half of dev lifts the other half's P@1 {} → {}; {} instances/s",
         at("live-memory.json:results.0.half_b_before.filter_after.P@1", ".1f"),
         at("live-memory.json:results.0.half_b_after.filter_after.P@1", ".1f"),

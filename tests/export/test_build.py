@@ -70,7 +70,7 @@ def test_same_inputs_give_the_same_bundle(distilbert_dir, small_labels, tmp_path
     params = ExportParams(index_kind="labels", dim=8)
     first = build_bundle(tmp_path / "a", small_labels, None, distilbert_dir, params)
     second = build_bundle(tmp_path / "b", small_labels, None, distilbert_dir, params)
-    assert first.files == second.files and first.bundle_id == second.bundle_id
+    assert first.served_files == second.served_files and first.bundle_id == second.bundle_id
 
 
 def test_bundles_are_immutable(distilbert_dir, small_labels, tmp_path):

@@ -192,7 +192,7 @@ def test_retune_changes_only_the_search_parameters(compressed_labels, tmp_path):
 
     source = load_predictor(compressed_labels).bundle.manifest
     manifest = retune_bundle(compressed_labels, tmp_path / "retuned", nprobe=3, ef_search=50)
-    assert manifest.files == source.files  # the same content, in the source's lineage (part of the id)
+    assert manifest.served_files == source.served_files  # the same content, in the source's lineage (part of the id)
     assert manifest.lineage.bundle_id == source.bundle_id and manifest.lineage.offset == 0
     assert (manifest.ivfpq.nprobe, manifest.ivfpq.rerank_depth) == (3, 50)
     retuned = load_predictor(tmp_path / "retuned")
