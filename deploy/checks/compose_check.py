@@ -88,7 +88,7 @@ class Stack:
     def start_server(self, name: str) -> str:
         """An xmcserve service (api, shadow) on its port; returns its URL once /readyz answers."""
         port = self.ports[name]
-        command = ["python", "-m", "service.http", "--host", "127.0.0.1", "--port", str(port)]
+        command = ["xmcserve", "serve", "--host", "127.0.0.1", "--port", str(port)]
         self.runtime.run_detached(
             self.container(name), self.services[name]["image"], *self.run_args(name), command=command
         )

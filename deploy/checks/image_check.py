@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         "-v",
         f"{bundle}:/bundles/default:ro",
         *(flag for pair in args.env for flag in ("-e", pair)),
-        command=["python", "-m", "service.http", "--host", "127.0.0.1", "--port", str(port)],
+        command=["xmcserve", "serve", "--host", "127.0.0.1", "--port", str(port)],
     )
     try:
         ready_s = wait_ready(url, args.ready_seconds)
