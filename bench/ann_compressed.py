@@ -54,10 +54,9 @@ import faiss
 import hnswlib
 import numpy as np
 
-from bench.lib.recall import recall_with_ties
 from bench.lib.synthetic import clustered_vectors, draw
 from bundle import IvfPqParams
-from engine.offline import IvfPqIndex, auto_nlist, exact_rerank, faiss_threads
+from engine.offline import IvfPqIndex, auto_nlist, exact_rerank, faiss_threads, recall_with_ties
 
 K = 10
 BATCH = 32
@@ -232,7 +231,7 @@ def exact_top(keys: np.ndarray, queries: np.ndarray) -> Truth:
 
 
 def recall(found: np.ndarray, truth: Truth) -> dict:
-    """Recall@10 counting ties (bench.lib.recall.recall_with_ties: a key whose exact similarity reaches
+    """Recall@10 counting ties (engine.offline.recall_with_ties: a key whose exact similarity reaches
     the 10th is correct, since exact search returns either of two identical keys) and the plain
     overlap of ids with exact search's own top 10."""
     ids = np.mean([len(set(f.tolist()) & set(t.tolist())) / K for f, t in zip(found, truth.ids, strict=True)])

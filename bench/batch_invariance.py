@@ -22,8 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from engine import Predictor
-from engine.offline import load_bundle
-from tests.support.batch_invariance import TOLERANCE, batch_invariance
+from engine.offline import BATCH_TOLERANCE, batch_invariance, load_bundle
 from xmc.data import load_jsonl_split
 from xmc.results import write_result
 
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         "data": str(args.data),
         "texts": len(texts),
         "batches": args.batches,
-        "tolerance": TOLERANCE,
+        "tolerance": BATCH_TOLERANCE,
         "bundles": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -31,9 +31,8 @@ import httpx
 import numpy as np
 
 from bench.lib.loadgen import closed_loop, open_loop
-from bench.lib.recall import key_recall_at_10
 from engine import AppendBatch, load_predictor
-from engine.offline import load_labels
+from engine.offline import key_recall_at_10, load_labels
 from export.compact import compact_bundle
 from loadtest.localserver import start_server, stop_server
 from xmc.data import XMCDataset, load_jsonl_split

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.lib.recall import key_recall_at_10
 from engine import Predictor
-from engine.offline import load_bundle
+from engine.offline import key_recall_at_10, load_bundle
 from export.derive import derive_rae_bundle
 from export.evaluate import evaluate_bundle
 from xmc.data import load_jsonl_split

@@ -28,9 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.lib.recall import breadth_settings, first_reaching, recall_with_ties
+from bench.lib.args import breadth_settings, first_reaching
 from bench.lib.synthetic import draw
 from bench.lib.synthetic_bundle import build_synthetic_bundle
+from engine.offline import recall_with_ties
 from xmc.results import write_result
 
 BATCH = 32
@@ -112,7 +113,7 @@ def main() -> None:
     with os.fdopen(read) as fh:
         replica = json.loads(fh.read())
     os.waitpid(pid, 0)
-    # exact search over the stored keys the replica re-ranks by (bench.lib.recall: ties count)
+    # exact search over the stored keys the replica re-ranks by (engine.offline.recall_with_ties: ties count)
     stored = np.load(bundle / "rerank.npy", mmap_mode="r")
     flat = faiss.IndexFlatIP(stored.shape[1])
     for start in range(0, len(stored), 1 << 20):

@@ -35,7 +35,7 @@ the whole path (generate the data set, encode every label) for a machine that ha
   set: ``export.reindex.retune_bundle``).
 * **recall**: the served top-10 against exact search (faiss ``IndexFlatIP``, brute force) over the
   bundle's stored keys for the same query texts, encoded here by the bundle's encoder; a label
-  counts when its exact similarity reaches the 10th (ties, bench.lib.recall).
+  counts when its exact similarity reaches the 10th (ties, engine.offline.recall_with_ties).
 
 Each stage's peak RSS is the kernel's (``wait4``; the server's from ``/proc``).
 """
@@ -56,8 +56,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.lib.recall import breadth_settings, first_reaching, recall_with_ties
+from bench.lib.args import breadth_settings, first_reaching
 from bench.lib.stages import TOKENIZER_FILES, run_stage, tst_titles
+from engine.offline import recall_with_ties
 from loadtest.localserver import start_server, stop_server
 from xmc.results import write_result
 
@@ -196,7 +197,7 @@ class Exact:
     seconds: float
 
     def recall(self, found: np.ndarray) -> dict:
-        """Recall@10 of ``found`` (nq x 10 ids, −1: none): ties counted (bench.lib.recall), and the
+        """Recall@10 of ``found`` (nq x 10 ids, −1: none): ties counted (engine.offline.recall_with_ties), and the
         plain overlap with exact search's ids."""
         overlap = np.mean([len(set(f.tolist()) & set(t.tolist())) / 10 for f, t in zip(found, self.ids, strict=True)])
         return {

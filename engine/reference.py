@@ -1,12 +1,16 @@
-"""Exact (brute-force) search over a bundle's own key vectors, through the same aggregation:
-the reference the HNSW answers are measured against."""
+"""The references a served answer is measured against: exact (brute-force) search over a bundle's
+own key vectors through the same aggregation (recall@k of the index), and the same text ranked
+alone (batch invariance: the answer does not depend on the requests it was batched with). The
+tests check small bundles with these; the benchmarks and studies the bundles users serve."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from engine import Predictor, Ranking
-from engine.offline import Bundle, Neighbours, rank_batch
+from engine.bundle import Bundle
+from engine.search import Neighbours, Predictor, Ranking, rank_batch
 
 
 def bundle_keys(bundle: Bundle) -> np.ndarray:
@@ -100,13 +104,49 @@ def recall_with_ties(found: np.ndarray, queries: np.ndarray, keys, kth_sims: np.
     return float(np.mean(valid & (sims >= kth_sims[:, None] - SIMILARITY_ROUNDING)))
 
 
-def breadth_settings(text: str) -> list[tuple[int, int]]:
-    """``--settings`` of a compressed-index sweep: comma-separated ``nprobe:ef`` pairs (cells
-    scanned, candidates re-ranked), cheap to costly."""
-    return [(int(nprobe), int(ef)) for nprobe, ef in (pair.split(":") for pair in text.split(","))]
+# Two rankings of the same text agree when they hold the same labels in the same order and no
+# score moved by more than this.
+BATCH_TOLERANCE = 1e-6
 
 
-def first_reaching(recalls: dict, target: float):
-    """The first key of ``recalls`` (setting → recall@10, in sweep order) whose recall reaches
-    ``target``; the best one when none does."""
-    return next((key for key, recall in recalls.items() if recall >= target), max(recalls, key=recalls.get))
+@dataclass
+class Invariance:
+    """What :func:`batch_invariance` compared and found."""
+
+    compared: int = 0
+    other_labels: int = 0
+    max_abs_score_diff: float = 0.0
+    first_difference: str | None = None
+
+    @property
+    def holds(self) -> bool:
+        return self.other_labels == 0 and self.max_abs_score_diff <= BATCH_TOLERANCE
+
+
+def batch_invariance(predictor: Predictor, texts: list[str], batches: int, seed: int = 0, k: int = 10) -> Invariance:
+    """Every text of ``texts`` ranked alone, then inside ``batches`` random batches of 1 to 64
+    texts of mixed lengths (some made longer, so that padding varies), compared label by label."""
+    rng = np.random.default_rng(seed)
+    pool = texts + [f"{text} {text} {text}" for text in texts[: len(texts) // 4]]  # longer neighbours
+    alone = {}
+    for text in pool:
+        ranking = predictor.predict([text], k).rankings[0]
+        alone[text] = (ranking.ids.tolist(), ranking.scores)
+    found = Invariance()
+    for _ in range(batches):
+        size = int(rng.integers(1, min(64, len(pool)) + 1))
+        batch = [pool[i] for i in rng.choice(len(pool), size, replace=False)]
+        for text, ranking in zip(batch, predictor.predict(batch, k).rankings, strict=True):
+            ids, scores = alone[text]
+            found.compared += 1
+            if ranking.ids.tolist() != ids:
+                found.other_labels += 1
+                found.first_difference = (
+                    found.first_difference or f"{text!r}: other labels inside a batch of {len(batch)}"
+                )
+                continue
+            worst = float(np.abs(ranking.scores - scores).max(initial=0.0))
+            if worst > BATCH_TOLERANCE and found.first_difference is None:
+                found.first_difference = f"{text!r}: scores moved by {worst:.2e} inside a batch of {len(batch)}"
+            found.max_abs_score_diff = max(found.max_abs_score_diff, worst)
+    return found

@@ -1,9 +1,9 @@
-"""bench.lib.recall's sweep helpers: the ``--settings`` pairs of the compressed-index benchmarks
+"""bench.lib.args: the sweep helpers: the ``--settings`` pairs of the compressed-index benchmarks
 and the setting they serve (the first to reach the target recall, else the best)."""
 
 import pytest
 
-from bench.lib.recall import breadth_settings, first_reaching
+from bench.lib.args import breadth_settings, first_reaching
 
 
 def test_settings_are_nprobe_ef_pairs_in_the_order_given():
