@@ -2,7 +2,8 @@
 (``argparse.ArgumentParser(..., parents=[common(...)])``) of ``--bundle`` (what is served),
 ``--data`` (whose texts are sent), ``--out`` (the result file, written by
 :func:`xmc.results.write_result`), ``--seed`` and ``--env`` (extra server settings), each with a
-benchmark's own default; and the parsers of the compressed-index sweeps' ``--settings``."""
+benchmark's own default; :func:`bench_parser` is a benchmark's parser with that parent and its docstring;
+and the parsers of the compressed-index sweeps' ``--settings``."""
 
 from __future__ import annotations
 
@@ -44,6 +45,16 @@ def common(
     if out is not None:
         parent.add_argument("--out", type=Path, default=Path(out), help=f"result JSON (default {out})")
     return parent
+
+
+def bench_parser(description: str, out: str | None = None, **options) -> argparse.ArgumentParser:
+    """A benchmark's parser: ``description`` (its docstring, shown as written) and the options of
+    :func:`common` (``out`` and ``options``)."""
+    return argparse.ArgumentParser(
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[common(out, **options)],
+    )
 
 
 def breadth_settings(text: str) -> list[tuple[int, int]]:

@@ -31,6 +31,12 @@ def percentiles(samples_ms: list[float]) -> dict[str, float]:
     }
 
 
+def p50_p99_ms(seconds: list[float], digits: int = 2) -> dict[str, float]:
+    """The median and 99th percentile of ``seconds``, in milliseconds."""
+    ms = np.asarray(seconds) * 1000
+    return {f"p{q}_ms": round(float(np.percentile(ms, q)), digits) for q in (50, 99)}
+
+
 def http_latencies(url: str, texts: list[str], warmup: int = 20) -> list[float]:
     """Milliseconds of each request, one at a time on one keep-alive connection, sent by the
     light client the serving benchmark loads with (so the client's own cost stays small)."""
