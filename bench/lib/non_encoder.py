@@ -1,4 +1,4 @@
-"""The null-encoder measurement (bench.non_encoder_cost's, and bench.serving's --null-encoder
+"""The null-encoder measurement (studies.non_encoder_cost's, and bench.serving's --null-encoder
 part): each tree's server with its ONNX call replaced by a vector lookup
 (bench.lib.null_encoder), held at a fixed open-loop rate for its CPU per request (the whole
 process's, its event loop thread's, each thread's: :mod:`bench.lib.thread_cpu`), loaded closed

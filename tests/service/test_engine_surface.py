@@ -2,8 +2,8 @@
 surface meant for it: the front ends (service/http, api, rollout, observability) and training/
 ``engine`` alone (about thirty names: load, predict, the live memory, the batcher, the
 encoder's layout, one error base and its subclasses, RAE's aggregation); the Ray Serve front end
-also ``engine.distributed`` (a sharded bundle's parts loaded apart); export/, bench/,
-studies/ and the other tools also ``engine.offline`` (building, fusing, compacting, measuring). Each
+also ``engine.distributed`` (a sharded bundle's parts loaded apart); export/ and the lab (bench/,
+studies/, tools/) also ``engine.offline`` (building, fusing, compacting, measuring). Each
 import names the surface module itself and only names in its ``__all__``, so the engine's
 modules can move and change behind them."""
 
@@ -32,6 +32,7 @@ ALLOWED = {
     "export": (*FRONT, "engine.offline", "engine.distributed"),
     "bench": (*FRONT, "engine.offline", "engine.distributed"),
     "studies": (*FRONT, "engine.offline"),
+    "tools": (*FRONT, "engine.offline"),
     "loadtest": FRONT,
     "deploy": FRONT,
     "data": FRONT,
