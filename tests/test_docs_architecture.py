@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "architecture.md"
 # The project's top-level packages (folders of Python code), in the order the tables list them.
 PACKAGES = (
-    "xmc", "bundle", "engine", "training", "export", "service", "bench", "studies", "tools", "loadtest", "data", "deploy",
+    "xmc", "bundle", "engine", "training", "export", "service",
+    "bench", "studies", "tools", "loadtest", "data", "deploy",
 )  # fmt: skip
 NONE = "—"
 
