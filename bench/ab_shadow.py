@@ -33,8 +33,8 @@ import httpx
 import numpy as np
 
 from bench.lib.args import bench_parser
-from bench.lib.loadgen import closed_loop, open_loop
 from bench.lib.profiling import process_cpu_s, tree_cpu_s
+from loadtest.loadgen import closed_loop, open_loop
 from loadtest.localserver import parse_cpus, start_server, stop_server
 from xmc.data import load_jsonl_split
 from xmc.results import write_result

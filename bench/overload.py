@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from bench.lib.args import bench_parser
-from bench.lib.loadgen import closed_loop, open_loop
 from bench.lib.profiling import memory
+from loadtest.loadgen import closed_loop, open_loop
 from loadtest.localserver import start_server, stop_server
 from xmc.data import load_jsonl_split
 from xmc.results import machine, write_result

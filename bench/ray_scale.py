@@ -29,11 +29,11 @@ from pathlib import Path
 import numpy as np
 
 from bench.lib.args import bench_parser
-from bench.lib.loadgen import closed_loop
 from bench.lib.profiling import memory
 from bench.lib.synthetic import clustered_vectors, draw, exact_top10
 from bundle import ENCODER_FILE, LABELS_FILE, TOKENIZER_FILE, Counts, HnswParams, Shard, shard_list
 from engine.offline import fetch_and_ef, recall_at_k
+from loadtest.loadgen import closed_loop
 from loadtest.localserver import free_port, start_server, stop_server
 from xmc.data import LabelSpace, load_jsonl_split
 from xmc.results import write_result

@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from bench.lib.args import bench_parser
-from bench.lib.loadgen import closed_loop
 from bench.lib.non_encoder import start_null_server
 from bench.lib.null_encoder import write_vectors
+from loadtest.loadgen import closed_loop
 from loadtest.localserver import ROOT, start_server, stop_server
 from xmc.data import load_jsonl_split
 from xmc.results import write_result

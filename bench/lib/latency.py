@@ -17,9 +17,9 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from bench.lib.loadgen import Connection, encode_request
 from engine import EncoderOptions, Predictor
 from engine.offline import load_bundle
+from loadtest.loadgen import Connection, encode_request
 from loadtest.localserver import start_server, stop_server
 from service.http.settings import Settings
 

@@ -21,8 +21,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from bench.lib.loadgen import open_loop
 from bench.lib.thread_cpu import EXITED, label
+from loadtest.loadgen import open_loop
 
 
 def server_cpu_s(url: str) -> float:

@@ -28,10 +28,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.lib.loadgen import closed_loop, open_loop
 from engine import AppendBatch, load_predictor
 from engine.offline import key_recall_at_10, load_labels
 from export.compact import compact_bundle
+from loadtest.loadgen import closed_loop, open_loop
 from loadtest.localserver import start_server, stop_server
 from xmc.data import XMCDataset, load_jsonl_split
 from xmc.evaluate import evaluate_predictor

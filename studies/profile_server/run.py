@@ -17,8 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from bench.lib.loadgen import closed_loop
 from bench.lib.profiling import fold, record
+from loadtest.loadgen import closed_loop
 from loadtest.localserver import start_server, stop_server
 from xmc.data import load_jsonl_split
 from xmc.results import write_result

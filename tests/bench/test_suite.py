@@ -117,7 +117,7 @@ def test_the_check_sees_a_study_importing_another_a_benchmark_and_the_tests(tmp_
         (tmp_path / folder).mkdir()
     (tmp_path / "studies" / "one").mkdir()
     (tmp_path / "studies" / "one" / "run.py").write_text(
-        "from studies.two.run import main\nfrom studies.one.run import x\nfrom bench.lib.loadgen import spread\n"
+        "from studies.two.run import main\nfrom studies.one.run import x\nfrom bench.lib.latency import measure\n"
         "import bench.serving\nfrom tests.support.browser import LAPTOP\n"
     )
     assert wrong_lab_imports(tmp_path) == [

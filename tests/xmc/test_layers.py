@@ -94,7 +94,7 @@ def test_only_the_labs_tests_import_the_lab():
 
 def test_the_lab_check_sees_both_forms(tmp_path):
     module = tmp_path / "reach.py"
-    module.write_text("import bench.lib.loadgen\ndef f():\n    from studies.quality.run import main\n")
+    module.write_text("import bench.lib.latency\ndef f():\n    from studies.quality.run import main\n")
     assert lab_imported(module) == {"bench", "studies"}
 
 

@@ -30,7 +30,7 @@ The budget (``--budget-s``, default 480 s) is never passed: each stage is sized 
 front, and a stage (or a process count) that no longer fits in what is left is skipped and
 recorded as such; the build, every server start and every load run under the time left. The JSON
 is rewritten after each stage, so a run cut short keeps what it measured. Load generators run in
-processes of their own (``bench.lib.loadgen.spread``): one Python process sends a few thousand
+processes of their own (``loadtest.loadgen.spread``): one Python process sends a few thousand
 requests a second, and a GPU server or eight CPU servers may answer more.
 
 What the machine must have is checked before anything runs, and everything missing is listed at
@@ -214,7 +214,7 @@ class GpuBenchParams:
 
 def load_lead_s(spawned: bool) -> float:
     """A load's start besides its seconds: connections opened, and generator processes spawned
-    (bench.lib.loadgen.spread starts them 2 s ahead)."""
+    (loadtest.loadgen.spread starts them 2 s ahead)."""
     return 3.0 if spawned else 0.5
 
 
@@ -541,8 +541,8 @@ def served_provider(url: str) -> str:
 
 
 def measure(budget: Budget, jobs: list, bodies: list[bytes], seconds: float, processes: int, cpus=None):
-    """One load (bench.lib.loadgen.spread) if it fits in the budget, and never past it."""
-    from bench.lib.loadgen import spread
+    """One load (loadtest.loadgen.spread) if it fits in the budget, and never past it."""
+    from loadtest.loadgen import spread
 
     budget.need(seconds + load_lead_s(processes > 1 or bool(cpus)), f"a {seconds:g} s load")
     return spread(jobs, bodies, seconds, processes, cpus, timeout_s=budget.left())
@@ -577,7 +577,7 @@ def encoder_alone_rates(params: GpuBenchParams, bundle: Path, texts: list[str]) 
 def serving_stage(params: GpuBenchParams, budget: Budget, bundle: Path, texts: list[str], bodies: list[bytes]) -> dict:
     """The encoder alone, then the server on ``provider``: idle p50, closed-loop peak, p99 at
     ``paced_share`` of the peak in open loop."""
-    from bench.lib.loadgen import Job
+    from loadtest.loadgen import Job
     from loadtest.localserver import start_server, stop_server
 
     figures = {"provider": params.provider, "encoder_alone": encoder_alone_rates(params, bundle, texts)}
@@ -629,9 +629,9 @@ def null_encoder_stage(
     """The peak of the server with its ONNX call replaced by a lookup of the vectors the bundle's
     encoder gives the dev texts; on the serving stage's provider, so its thread layout (two
     encode workers on CUDA) is the one measured there."""
-    from bench.lib.loadgen import Job
     from bench.lib.non_encoder import start_null_server
     from bench.lib.null_encoder import write_vectors
+    from loadtest.loadgen import Job
     from loadtest.localserver import stop_server
 
     vectors = params.work / "null-vectors.npz"
@@ -719,7 +719,7 @@ def core_plan(params: GpuBenchParams, cores: list[int]) -> tuple[list[int], list
 
 def scaling_stage(params: GpuBenchParams, budget: Budget, bundle: Path, bodies: list[bytes]) -> dict:
     """Peak q/s of 1, 2, 4, 8 server processes, each on ``cores_per_server`` cores of its own."""
-    from bench.lib.loadgen import Job
+    from loadtest.loadgen import Job
 
     pinned = hasattr(os, "sched_setaffinity")
     loadgen, server_cores, per_server = core_plan(params, usable_cores())

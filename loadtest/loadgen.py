@@ -7,6 +7,10 @@ fixed rate and measures latency from each request's *scheduled* time, so a stall
 not hidden by a stalled client (no coordinated omission). Both are bounded in time and count.
 ``spread`` deals several such loads (one per server, say) over load-generator processes sharing
 one window, for more requests a second than one Python process sends.
+
+The benchmarks' measuring instrument, beside the load test's locust scenarios (``locustfile.py``:
+users with think time, ramps and spikes, an SLO gate) and the local server both start
+(``localserver.py``); only numpy and the standard library, nothing of the project.
 """
 
 from __future__ import annotations

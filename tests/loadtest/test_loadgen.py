@@ -1,4 +1,4 @@
-"""bench.lib.loadgen.spread: loads dealt over load-generator processes share one window and come
+"""loadtest.loadgen.spread: loads dealt over load-generator processes share one window and come
 back merged and one by one; the loops post to the path they are given."""
 
 import asyncio
@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from bench.lib.loadgen import Job, closed_loop, open_loop, spread
+from loadtest.loadgen import Job, closed_loop, open_loop, spread
 
 PATHS: list[str] = []
 
