@@ -77,7 +77,7 @@ evaluate: $(SERVE_STAMP) $(BUNDLE)/manifest.json
 
 # Benchmarks write JSON (and PNG) under bench/results/; run one at a time (they share 2 cores).
 # With BASELINE_REF (a commit), the CPU per request of everything but the encoder is measured for
-# this tree and that commit in the same run (bench.non_encoder_cost), the commit checked out in a
+# this tree and that commit in the same run (studies.non_encoder_cost), the commit checked out in a
 # temporary worktree; in the same rounds, the floors (a bare ASGI app, a bare FastAPI route, under
 # the same uvicorn settings) and each server's CPU by thread, so both trees' machinery is their
 # CPU per request minus the floor's.
@@ -95,7 +95,7 @@ bench-workers:
 	$(MAKE) EXTRAS=cpu,train,dev,bench install bundle
 	$(PY) -m bench.workers --bundle $(BUNDLE) $(WORKERS_ARGS)
 
-# On a CUDA machine, in at most 8 minutes (bench/gpu.py): a CUDA bundle of the sample built and served
+# On a CUDA machine, in at most 8 minutes (tools/gpu/run.py): a CUDA bundle of the sample built and served
 # on the CUDA execution provider (peak, idle p50, p99 at 70 % of peak, the null-encoder peak), then
 # one server of 1, 2, 4, 8 CPU worker processes (XMCSERVE_WORKERS) on cores of their own; one JSON, bench/results/gpu.json. A venv of
 # its own: onnxruntime-gpu and the other venvs' onnxruntime ship the same module, never both in one.
@@ -105,7 +105,7 @@ GPU_VENV ?= .venv-gpu
 BENCH_GPU_ARGS ?=
 bench-gpu:
 	$(MAKE) VENV=$(GPU_VENV) EXTRAS=gpu,train install
-	$(GPU_VENV)/bin/python -m bench.gpu $(BENCH_GPU_ARGS)
+	$(GPU_VENV)/bin/python -m tools.gpu $(BENCH_GPU_ARGS)
 
 # Single server vs Ray Serve with 1, 2 and 4 shards at 1M synthetic labels (builds take ~35 min
 # on 2 cores; built bundles are kept in /tmp/xmcserve-ray-scale).
@@ -128,7 +128,7 @@ REAL_BUNDLE ?= bundles/default
 REAL_DATA ?= $(DATA)
 bench-ann-compressed:
 	$(MAKE) EXTRAS=cpu,train,dev,bench install bundle
-	$(PY) -m bench.ann_compressed --real-bundle $(REAL_BUNDLE) --real-data $(REAL_DATA)
+	$(PY) -m studies.ann_compressed --real-bundle $(REAL_BUNDLE) --real-data $(REAL_DATA)
 
 # Ten million labels end to end: label keys drawn around the sample's label vectors (no 10^7 texts
 # encoded; --vectors encoder generates and encodes them, hours here), build (--index ivfpq, label
@@ -227,7 +227,7 @@ peers-venv: $(PEERS_VENV)/.installed
 
 # Annif (its fastText and Omikuji backends and their ensemble) as a peer, in an environment of its own:
 # Annif pins numpy 2 and its own fastText build (fasttext-numpy2), which the peers venv's numpy < 2
-# and fasttext-wheel are not. bench.annif_peer runs in it (the NLTK data its analyzers need is written
+# and fasttext-wheel are not. studies.annif_peer runs in it (the NLTK data its analyzers need is written
 # by the runner: nothing is downloaded).
 ANNIF_VENV ?= .venv-annif
 $(ANNIF_VENV)/.installed:
@@ -272,8 +272,8 @@ train-smoke: $(SERVE_STAMP)
 	$(XMCSERVE) train --config smoke
 
 # The trained bundle: `make train`'s checkpoint as an RAE memory (the best of training.sweep and of
-# bench.quality's λ sweep on dev) with its score fusion fitted on the run's held-out instances
-# (export.fuse's defaults: the choice of bench.fusion_models, docs/score-fusion.md). Serve it with
+# studies.quality's λ sweep on dev) with its score fusion fitted on the run's held-out instances
+# (export.fuse's defaults: the choice of studies.fusion_models, docs/score-fusion.md). Serve it with
 # `make serve BUNDLE=bundles/debian-unidec`.
 TRAINED_RUN ?= runs/debian-unidec
 TRAINED_DATA ?= ../shared/data/debian-related
@@ -307,7 +307,7 @@ fit: $(SERVE_STAMP)
 QUALITY_ARGS ?= --rae-mode split --rae-tau 0.04 --rae-top-b 200
 bench-quality: $(STAMP) $(PEERS_VENV)/.installed
 	$(MAKE) EXTRAS=cpu,train,dev,bench install
-	$(PY) -m bench.quality --peers-python $(PEERS_VENV)/bin/python $(QUALITY_ARGS)
+	$(PY) -m studies.quality --peers-python $(PEERS_VENV)/bin/python $(QUALITY_ARGS)
 
 # A data set no default was tuned on, as a user meets it: every peer, export.build's defaults and
 # make fit's bundle (no setting changed), with and without the default fusion ->
@@ -316,7 +316,7 @@ bench-quality: $(STAMP) $(PEERS_VENV)/.installed
 QUALITY_DATA ?= data/gutenberg-subjects
 bench-quality-fit: $(STAMP) $(PEERS_VENV)/.installed
 	$(MAKE) EXTRAS=cpu,train,dev,bench install
-	$(PY) -m bench.quality --user-route --data $(QUALITY_DATA) --peers-python $(PEERS_VENV)/bin/python \
+	$(PY) -m studies.quality --user-route --data $(QUALITY_DATA) --peers-python $(PEERS_VENV)/bin/python \
 		--workdir bundles/quality-$(notdir $(QUALITY_DATA))
 
 clean:

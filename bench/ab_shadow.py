@@ -23,7 +23,6 @@ its own runs; by default nothing is pinned and everything shares the machine.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -33,7 +32,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.lib.loadgen import closed_loop, open_loop
+from bench.lib.args import bench_parser
+from bench.lib.profiling import process_cpu_s, tree_cpu_s
+from loadtest.loadgen import closed_loop, open_loop
 from loadtest.localserver import parse_cpus, start_server, stop_server
 from xmc.data import load_jsonl_split
 from xmc.results import write_result
@@ -61,24 +62,6 @@ def shadow_counters(url: str) -> dict[str, float]:
             key = f"dropped:{reason}"
             counters[key] = counters.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return counters
-
-
-def with_children_cpu_s(pid: int) -> float:
-    """CPU seconds of a process and its live children (the primary and its shadow worker)."""
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        children = []
-    return process_cpu_s(pid) + sum(process_cpu_s(int(child)) for child in children)
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process's own threads (not its children), from /proc."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def p99(latencies: np.ndarray) -> float:
@@ -137,11 +120,11 @@ def interleaved_run(
                 time.sleep(settle_s)
                 before, steal_before = shadow_counters(server.url), cpu_steal_jiffies()
                 cpu_before = process_cpu_s(server.process.pid)
-                all_cpu_before = with_children_cpu_s(server.process.pid)
+                all_cpu_before = tree_cpu_s(server.process.pid)  # with its shadow worker
                 part = asyncio.run(open_loop(server.url, bodies, rps, segment_s))
                 # copies still in flight when the phase ends are counted in the next phase
                 primary_cpu[phase] += process_cpu_s(server.process.pid) - cpu_before
-                with_worker_cpu[phase] += with_children_cpu_s(server.process.pid) - all_cpu_before
+                with_worker_cpu[phase] += tree_cpu_s(server.process.pid) - all_cpu_before
                 after, steal_after = shadow_counters(server.url), cpu_steal_jiffies()
                 latencies[phase] = np.asarray(part.latencies_ms)
                 for name_, value in after.items():
@@ -266,19 +249,12 @@ def reload_run(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bundle", type=Path, default=Path("bundles/default"), help="the primary's bundle")
+    parser = bench_parser(__doc__, "bench/results/ab-shadow.json")
     parser.add_argument(
         "--alt-bundle",
         type=Path,
         default=Path("bundles/default-fp32"),
         help="second bundle (same root): what the shadow serves, and the reload loop's other bundle",
-    )
-    parser.add_argument(
-        "--data",
-        type=Path,
-        default=Path("data/debian-sample"),
-        help="dataset directory whose dev texts are sent as requests",
     )
     parser.add_argument("--rps", type=float, default=None, help="offered load; default: --load-share of the peak")
     parser.add_argument("--load-share", type=float, default=0.5, help="offered load as a share of the measured peak")
@@ -289,7 +265,6 @@ def main() -> None:
     parser.add_argument("--primary-cpus", default=None, help="pin the primary server, e.g. 0-1")
     parser.add_argument("--shadow-cpus", default=None, help="pin the shadow server, e.g. 2-3")
     parser.add_argument("--loadgen-cpus", default=None, help="pin this process (the load generator)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/ab-shadow.json"), help="result JSON file")
     args = parser.parse_args()
     primary_cpus, shadow_cpus = parse_cpus(args.primary_cpus), parse_cpus(args.shadow_cpus)
     if loadgen_cpus := parse_cpus(args.loadgen_cpus):
@@ -328,7 +303,6 @@ def main() -> None:
     result["reload_loop"] = reload_run(
         args.bundle, args.alt_bundle, bodies, args.rps / 2, args.reload_every, args.reload_seconds, logs, primary_cpus
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.out, result)
     rows = {key: row for key, row in result.items() if isinstance(row, dict) and "p99_ratio" in row}
     ratios = {f"p99_ratio_{key}": row["p99_ratio"] for key, row in rows.items()}

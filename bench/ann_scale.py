@@ -12,17 +12,18 @@ smallest tried whose recall@10 reaches the target.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
 import time
 from pathlib import Path
 
-import hnswlib
 import numpy as np
 
+from bench.lib.args import bench_parser
 from bench.lib.synthetic import DIM, clustered_vectors, draw, exact_top10
+from bundle import HnswParams
+from engine.offline import HnswIndex
 from xmc.results import write_result
 
 
@@ -30,15 +31,14 @@ def measure(n: int, efs: list[int], queries_n: int, m: int, ef_construction: int
     rng = np.random.default_rng(seed)
     labels, (centres, weights, spread) = clustered_vectors(n, rng)
     queries = draw(centres, weights, queries_n, rng, spread)
-    index = hnswlib.Index(space="ip", dim=DIM)
-    index.init_index(max_elements=n, ef_construction=ef_construction, M=m, random_seed=seed)
+    params = HnswParams(space="ip", M=m, ef_construction=ef_construction, ef_search=max(efs))
     start = time.perf_counter()
-    index.add_items(labels, np.arange(n), num_threads=os.cpu_count())
+    built = HnswIndex.build(labels, params, seed=seed, threads=os.cpu_count())  # as export.build builds it
     build_s = time.perf_counter() - start
+    index = built.index  # searched as hnswlib, ef set per row below
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "index.hnsw"
-        index.save_index(str(path))
-        index_bytes = path.stat().st_size
+        built.save(Path(tmp) / "index.hnsw")
+        index_bytes = (Path(tmp) / "index.hnsw").stat().st_size
     truth = exact_top10(labels, queries)
     neighbour_cos = float(np.median(np.partition(queries[:200] @ labels.T, -10, axis=1)[:, -10:]))
     rows = {}
@@ -74,7 +74,7 @@ def measure(n: int, efs: list[int], queries_n: int, m: int, ef_construction: int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, "bench/results/ann-scale.json", bundle=None, data=None, seed=0)
     parser.add_argument("--sizes", default="42242,250000,1000000", help="comma list of label counts to index")
     parser.add_argument("--efs", default="50,100,200,300,500", help="comma list of ef_search values to try")
     parser.add_argument(
@@ -83,20 +83,12 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=32, help="HNSW M (links per node)")
     parser.add_argument("--ef-construction", type=int, default=200, help="HNSW ef_construction")
     parser.add_argument("--target", type=float, default=0.99, help="recall@10 the chosen ef must reach")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the vectors and the index")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path("bench/results/ann-scale.json"),
-        help="result JSON file (rewritten after each size)",
-    )
     args = parser.parse_args()
     efs = [int(x) for x in args.efs.split(",")]
     result = {"dim": DIM, "space": "ip", "target_recall": args.target}
     for n in (int(x) for x in args.sizes.split(",")):
         result[str(n)] = measure(n, efs, args.queries, args.m, args.ef_construction, args.target, args.seed)
         print(json.dumps(result[str(n)]), flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         write_result(args.out, result)
 
 

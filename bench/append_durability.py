@@ -26,6 +26,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+from bench.lib.args import REQUIRED, bench_parser
 from engine import AppendBatch, load_predictor
 
 VARIANTS = ("durable", "no-fsync")
@@ -90,19 +91,14 @@ def measure(bundle: Path, workdir: Path, rounds: int, appends: int) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.append_durability",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--bundle", type=Path, required=True, help="bundle to append to (not modified)")
+    parser = bench_parser(__doc__, "bench/results/append-durability.json", bundle=REQUIRED, data=None)
+    parser.prog = "python -m bench.append_durability"
     parser.add_argument("--rounds", type=int, default=8, help="rounds, each variant once per round")
     parser.add_argument("--appends", type=int, default=40, help="appends per variant per round")
     parser.add_argument(
         "--workdir", type=Path, default=None, help="where the logs go (the filesystem measured; default: a temp dir)"
     )
     parser.add_argument("--note", default="", help="what the bundle and the disk are, for the JSON")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/append-durability.json"), help="JSON out")
     return parser
 
 
@@ -123,7 +119,6 @@ def main(argv: list[str] | None = None) -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         **result,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.out, result)
     print(json.dumps({k: result[k] for k in ("variants", "durable_over_no_fsync")}, indent=2))
 

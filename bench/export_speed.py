@@ -11,23 +11,20 @@ bundle ids, the default) and with every core.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import platform
 import time
-from pathlib import Path
 
-import hnswlib
 import numpy as np
 import torch
 
+from bench.lib.args import bench_parser
+from engine.offline import HnswIndex
 from export.export_params import ExportParams
 from export.pooled_vectors import encode_pooled, torch_pooled
 from export.serving_graph import load_encoder, load_fast_tokenizer
 from xmc.checkpoint import default_encoder_dir, fit_pca_head
 from xmc.data import load_jsonl_split
-from xmc.results import write_result
+from xmc.results import machine, write_result
 
 
 def timed(fn):
@@ -37,17 +34,14 @@ def timed(fn):
 
 
 def hnsw_build_seconds(keys: np.ndarray, threads: int) -> float:
-    index = hnswlib.Index(space="ip", dim=keys.shape[1])
-    index.init_index(max_elements=len(keys), ef_construction=200, M=32, random_seed=0)
-    _, seconds = timed(lambda: index.add_items(keys, np.arange(len(keys)), num_threads=threads))
+    """Seconds export.build's HNSW graph (its default parameters) takes over ``keys``."""
+    _, seconds = timed(lambda: HnswIndex.build(keys, ExportParams().hnsw(), seed=0, threads=threads))
     return round(seconds, 2)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", type=Path, default=Path("data/debian-sample"), help="XMC data directory")
+    parser = bench_parser(__doc__, "bench/results/export-speed.json", bundle=None)
     parser.add_argument("--texts", type=int, default=4000, help="texts to encode per device")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/export-speed.json"), help="JSON result")
     args = parser.parse_args()
     train = load_jsonl_split(args.data, "trn")
     texts = (train.texts + train.labels.texts)[: args.texts]
@@ -65,12 +59,11 @@ def main() -> None:
     keys = fit_pca_head(pooled, 64, True).query_vectors(pooled).astype(np.float32)
     result = {
         "texts": len(texts),
-        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "machine": machine(),
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "encode_texts_per_s": rows,
         "hnsw_build_seconds": {"threads_1": hnsw_build_seconds(keys, 1), "threads_all": hnsw_build_seconds(keys, -1)},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.out, result)
     print(json.dumps(result, indent=2))
 

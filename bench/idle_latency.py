@@ -13,31 +13,25 @@ alone, back to back: what they cost when no encoder call runs between them.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import platform
 from pathlib import Path
 
+from bench.lib.args import bench_parser
 from bench.lib.latency import measure
 from xmc.data import load_jsonl_split
-from xmc.results import write_result
+from xmc.results import machine, write_result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bundle", type=Path, default=Path("bundles/default"), help="bundle to serve")
-    parser.add_argument("--data", type=Path, default=Path("data/debian-sample"), help="dataset dir (its dev texts)")
+    parser = bench_parser(__doc__, "bench/results/idle-latency.json")
     parser.add_argument("--requests", type=int, default=300, help="single-text requests to time")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/idle-latency.json"), help="result JSON")
     args = parser.parse_args()
     texts = load_jsonl_split(args.data, "dev").texts[: args.requests]
     result = {
         "bundle": str(args.bundle),
         **measure(args.bundle, texts, Path("/tmp/xmcserve-bench-idle.log")),
-        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "machine": machine(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.out, result)
     print(json.dumps(result, indent=2))
 

@@ -21,41 +21,23 @@ Each stage runs as its own process; its peak RSS is the kernel's (``wait4``), ch
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import platform
 import shutil
 import sys
 import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 
-from bench.lib.stages import TOKENIZER_FILES, run_stage, tst_titles
+from bench.lib.args import bench_parser
+from bench.lib.latency import p50_p99_ms
+from bench.lib.profiling import memory
+from bench.lib.stages import random_encoder, run_stage, tst_titles
 from loadtest.localserver import start_server, stop_server
-from xmc.results import write_result
+from xmc.results import machine, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "training" / "configs" / "synthetic-1m.yaml"
-
-
-def small_encoder(out: Path, seed: int) -> Path:
-    """A 2-layer, 64-wide BERT with random weights and the MiniLM tokenizer."""
-    import torch
-    from transformers import BertConfig, BertModel
-
-    from xmc.checkpoint import default_encoder_dir
-
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128
-    )
-    BertModel(config).save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        shutil.copy(default_encoder_dir() / name, out / name)
-    return out
 
 
 def serve_stage(bundle: Path, queries: list[str], log_dir: Path) -> dict:
@@ -70,22 +52,19 @@ def serve_stage(bundle: Path, queries: list[str], log_dir: Path) -> dict:
                 sent = time.perf_counter()
                 client.post("/predict", json={"texts": [text], "k": 10}).raise_for_status()
                 latencies.append(time.perf_counter() - sent)
-        status = Path(f"/proc/{server.process.pid}/status").read_text()
-        peak_kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
+        peak = memory(server.process.pid, "gib", 2)["peak_rss_gib"]
     finally:
         stop_server(server)
-    ms = np.array(latencies) * 1000
     return {
         "seconds_to_ready": round(ready_seconds, 1),
-        "peak_rss_gib": round(peak_kib / 2**20, 2),
+        "peak_rss_gib": peak,
         "requests": len(queries),
-        "p50_ms": round(float(np.percentile(ms, 50)), 2),
-        "p99_ms": round(float(np.percentile(ms, 99)), 2),
+        **p50_p99_ms(latencies),
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, "bench/results/million-e2e.json", bundle=None, data=None)
     parser.add_argument("--labels", type=int, default=1_000_000, help="labels of the synthetic data set")
     parser.add_argument("--trn", type=int, default=2_000_000, help="training instances of the data set")
     parser.add_argument("--tst", type=int, default=20_000, help="held-out instances evaluated")
@@ -93,7 +72,6 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=2, help="index shards of the exported bundle")
     parser.add_argument("--requests", type=int, default=500, help="single-text /predict calls timed")
     parser.add_argument("--work", type=Path, default=Path("/tmp/xmcserve-million"), help="scratch directory")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/million-e2e.json"), help="JSON result")
     args = parser.parse_args()
     work = args.work
     if work.exists():
@@ -104,7 +82,7 @@ def main() -> None:
     stages = {}
     sizes = ["--labels", str(args.labels), "--trn", str(args.trn), "--dev", "5000", "--tst", str(args.tst)]
     stages["generate"] = run_stage("generate", [py, "data/make_synthetic.py", "--out", str(data), *sizes], logs)
-    encoder = small_encoder(work / "encoder", seed=0)
+    encoder = random_encoder(work / "encoder", layers=2, seed=0)
     sets = [f"data_dir={data}", f"encoder_dir={encoder}", f"out_dir={run}", f"cache_dir={run / 'cache'}"]
     sets.append(f"max_train={args.max_train}")
     train = [py, "-m", "training.train", "--config", str(CONFIG), *(f"--set={s}" for s in sets)]
@@ -119,7 +97,7 @@ def main() -> None:
     train_log = [json.loads(line) for line in (run / "train_log.jsonl").read_text().splitlines()]
     manifest = json.loads((bundle / "manifest.json").read_text())
     result = {
-        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "machine": machine(),
         "data": json.loads((data / "stats.json").read_text()),
         "encoder": "BERT 2 layers x 64, random init, MiniLM vocabulary",
         "stages": stages,
@@ -135,7 +113,6 @@ def main() -> None:
         },
         "evaluate_tst": json.loads((work / "eval-tst.json").read_text()),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.out, result)
     print(json.dumps(result, indent=2))
 

@@ -14,32 +14,21 @@ Targets (issue "Hardening"): at 150 %, accepted p99 <= 20 x the idle p50, every 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import os
-import platform
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.lib.loadgen import closed_loop, open_loop
+from bench.lib.args import bench_parser
+from bench.lib.profiling import memory
+from loadtest.loadgen import closed_loop, open_loop
 from loadtest.localserver import start_server, stop_server
 from xmc.data import load_jsonl_split
-from xmc.results import write_result
+from xmc.results import machine, write_result
 
 REFUSALS = (429, 503)
-
-
-def rss_mib(pid: int) -> dict[str, float]:
-    """Resident and peak-resident memory of a process and its children, in MiB (Linux /proc)."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            fields[key] = int(value.split()[0]) / 1024
-    return {"rss_mib": round(fields["VmRSS"], 1), "peak_rss_mib": round(fields["VmHWM"], 1)}
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -64,20 +53,17 @@ def phase_summary(result, pid: int) -> dict:
         "refusal_server_ms_p50": pct(refusal_service, 50),
         "refusal_server_ms_p99": pct(refusal_service, 99),
         "refusal_server_ms_max": round(max(refusal_service), 2) if refusal_service else None,
-        **rss_mib(pid),
+        **memory(pid),
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bundle", type=Path, default=Path("bundles/default"), help="bundle to serve")
-    parser.add_argument("--data", type=Path, default=Path("data/debian-sample"), help="dev split texts to send")
+    parser = bench_parser(__doc__, "bench/results/overload.json")
     parser.add_argument("--seconds", type=float, default=20.0, help="length of each open-loop phase")
     parser.add_argument("--loads", default="1.0,1.5", help="open-loop phases as shares of the peak")
     parser.add_argument(
         "--timeouts-ms", default="100", help="request deadlines (timeout_ms in the body) to run each load with too"
     )
-    parser.add_argument("--out", type=Path, default=Path("bench/results/overload.json"), help="JSON result")
     args = parser.parse_args()
     texts = load_jsonl_split(args.data, "dev").texts
     bodies = [json.dumps({"text": t, "k": 10}).encode() for t in texts]
@@ -88,7 +74,7 @@ def main() -> None:
         asyncio.run(closed_loop(server.url, bodies, 4, 3.0))  # warm-up
         idle = asyncio.run(closed_loop(server.url, bodies, 1, 10.0)).summary()
         peak = asyncio.run(closed_loop(server.url, bodies, 32, 10.0)).summary()["qps"]
-        before = rss_mib(pid)
+        before = memory(pid)
         phases = {}
         for deadline in deadlines:
             with_deadline = (
@@ -108,7 +94,7 @@ def main() -> None:
     at_highest = {name: phase for name, phase in phases.items() if float(name.split("%")[0]) == highest}
     out = {
         "bundle": str(args.bundle),
-        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "machine": machine(),
         "idle_p50_ms": idle["p50_ms"],
         "peak_qps": peak,
         "rss_before": before,
@@ -126,7 +112,6 @@ def main() -> None:
             ),
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.out, out)
     print(json.dumps(out["ratios"] | out["targets"], indent=2))
 

@@ -19,7 +19,6 @@ The ratio Ray / single at one request at a time is the cost of the ingress, the 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -29,11 +28,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.lib.loadgen import closed_loop
-from bench.lib.recall import recall_at_k
+from bench.lib.args import bench_parser
+from bench.lib.profiling import memory
 from bench.lib.synthetic import clustered_vectors, draw, exact_top10
 from bundle import ENCODER_FILE, LABELS_FILE, TOKENIZER_FILE, Counts, HnswParams, Shard, shard_list
-from engine.offline import fetch_and_ef
+from engine.offline import fetch_and_ef, recall_at_k
+from loadtest.loadgen import closed_loop
 from loadtest.localserver import free_port, start_server, stop_server
 from xmc.data import LabelSpace, load_jsonl_split
 from xmc.results import write_result
@@ -130,7 +130,7 @@ def load(url: str, bodies: list[bytes], seconds: float, concurrency: int) -> dic
 def measure_single(bundle: Path, bodies, seconds, concurrency, logs: Path) -> dict:
     server = start_server(bundle, logs / "single.log", timeout_s=300)
     try:
-        return {**load(server.url, bodies, seconds, concurrency), "rss_mib": rss_mib(server.process.pid)}
+        return {**load(server.url, bodies, seconds, concurrency), "rss_mib": memory(server.process.pid)["rss_mib"]}
     finally:
         stop_server(server)
 
@@ -174,15 +174,10 @@ def replica_rss_mib(app: str = "xmcserve") -> dict[str, list[float]]:
             command = (proc / "cmdline").read_bytes() if proc.name.isdigit() else b""
             if command.startswith(prefix):
                 name = command[len(prefix) :].split(b"\0")[0].decode()
-                found.setdefault(name, []).append(rss_mib(int(proc.name)))
+                found.setdefault(name, []).append(memory(proc.name)["rss_mib"])
         except OSError:  # gone meanwhile
             pass
     return found
-
-
-def rss_mib(pid: int) -> float:
-    status = Path(f"/proc/{pid}/status").read_text().splitlines()
-    return round(next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024, 1)
 
 
 def measure_ray(bundle: Path, bodies, seconds, concurrency, shards: int) -> dict:
@@ -230,18 +225,15 @@ def plot(result: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, "bench/results/ray-scale.json", bundle=None, seed=0)
     parser.add_argument("phase", choices=["build", "measure"], help="build the bundles, or measure them")
     parser.add_argument("--labels", type=int, default=1_000_000, help="synthetic labels in each bundle")
     parser.add_argument("--shards", default="1,2,4", help="shard counts, comma-separated (1: the unsharded bundle)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/xmcserve-ray-scale"), help="where bundles go")
     parser.add_argument("--encoder-bundle", type=Path, default=Path("bundles/default"), help="encoder + tokenizer from")
-    parser.add_argument("--data", type=Path, default=Path("data/debian-sample"), help="dev texts to send")
     parser.add_argument("--seconds", type=float, default=20.0, help="seconds per load level")
     parser.add_argument("--concurrency", type=int, default=8, help="closed-loop connections of the busy level")
     parser.add_argument("--queries", type=int, default=1000, help="synthetic queries for recall@10")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the label vectors and queries")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/ray-scale.json"), help="JSON result")
     args = parser.parse_args(argv)
     shard_counts = [int(s) for s in args.shards.split(",")]
     if 1 not in shard_counts:
@@ -277,7 +269,6 @@ def main(argv: list[str] | None = None) -> None:
     result["ray_over_single_p50"] = {
         s: round(r["one_at_a_time"]["p50_ms"] / single_p50, 3) for s, r in result["ray"].items()
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.out, result)
     plot(result, args.out.with_suffix(".png"))
     print(json.dumps({"ray_over_single_p50": result["ray_over_single_p50"]}), flush=True)

@@ -10,7 +10,6 @@ per-text samples the ring needs, alternating the variants in rounds within one r
 
 from __future__ import annotations
 
-import argparse
 import json
 import pickle
 import platform
@@ -18,6 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
+from bench.lib.args import bench_parser
 from service.http.metrics import Metrics
 from service.rollout.agreement import AgreementHistory
 from service.rollout.shadow import ShadowConfig, ShadowMirror
@@ -47,7 +47,7 @@ def per_call_us(call, calls: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__.split("\n\n")[0], bundle=None, data=None)
     parser.add_argument("--texts", type=int, default=32, help="texts in one shadow result (the default batch_texts)")
     parser.add_argument("--rounds", type=int, default=7, help="rounds, each timing every variant once")
     parser.add_argument("--calls", type=int, default=2000, help="calls per variant per round")

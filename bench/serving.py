@@ -58,11 +58,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bench.lib import infinity_peer, non_encoder
 from bench.lib.encoder_alone import encoder_alone
-from bench.lib.loadgen import closed_loop, open_loop
 from bench.lib.profiling import server_cpu_s, tree_cpu_s, tree_peak_rss_mib
-from bench.lib.recall import ann_recall
 from engine import EncoderOptions
-from engine.offline import load_bundle
+from engine.offline import ann_recall, load_bundle
+from loadtest.loadgen import closed_loop, open_loop
 from loadtest.localserver import free_port, parse_cpus, start_server, stop_server
 from service.http.settings import Settings
 from xmc.checkpoint import default_encoder_dir

@@ -18,44 +18,33 @@ the one a deployment would set (``export.reindex.retune_bundle``) and is reporte
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import resource
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.lib.recall import breadth_settings, first_reaching, recall_with_ties
+from bench.lib.args import bench_parser, breadth_settings, first_reaching
+from bench.lib.latency import p50_p99_ms
+from bench.lib.profiling import memory
 from bench.lib.synthetic import draw
 from bench.lib.synthetic_bundle import build_synthetic_bundle
-from xmc.results import write_result
+from engine.offline import recall_with_ties
+from xmc.results import machine, write_result
 
 BATCH = 32
 TARGET_RECALL = 0.99
 
 
-def percentiles(seconds: list[float]) -> dict:
-    ms = np.array(seconds) * 1000
-    return {"p50_ms": round(float(np.percentile(ms, 50)), 3), "p99_ms": round(float(np.percentile(ms, 99)), 3)}
-
-
-def rss_gib() -> dict:
-    status = Path("/proc/self/status").read_text()
-    fields = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if line.startswith("Vm")}
-    return {"rss_gib": round(fields["VmRSS"] / 2**20, 3), "peak_rss_gib": round(fields["VmHWM"] / 2**20, 3)}
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, "bench/results/shard-replica.json", bundle=None, data=None, seed=0)
     parser.add_argument("--labels", type=int, default=6_250_000, help="labels of the shard (10^8 / 16)")
     parser.add_argument("--encoder-bundle", type=Path, default=Path("bundles/default"), help="encoder and tokenizer")
     parser.add_argument("--queries", type=int, default=2000, help="queries (recall, batches of 32)")
     parser.add_argument("--single", type=int, default=1000, help="queries timed one at a time")
     parser.add_argument("--build-threads", type=int, default=0, help="index build threads (0: every core)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the vectors and the index")
     parser.add_argument(
         "--settings",
         default="128:300,256:300,256:1000,512:1000",
@@ -63,7 +52,6 @@ def main() -> None:
         "recall@10 reaches 0.99 is reported as the replica's",
     )
     parser.add_argument("--work", type=Path, default=Path("/tmp/xmcserve-shard-replica"), help="scratch directory")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/shard-replica.json"), help="JSON result")
     args = parser.parse_args()
     import faiss
 
@@ -82,7 +70,7 @@ def main() -> None:
         os.close(read)
         started = time.perf_counter()
         manifest, searcher = load_shard(bundle, 0, verify=True, search_threads=1)
-        loaded = {"load_s": round(time.perf_counter() - started, 1), **rss_gib()}
+        loaded = {"load_s": round(time.perf_counter() - started, 1), **memory("self", "gib", 3)}
         sweep = {}
         for nprobe, setting_ef in settings:
             fetch, ef = fetch_and_ef(10, setting_ef, manifest.counts.memory_rows)
@@ -102,17 +90,17 @@ def main() -> None:
                 "nprobe": nprobe,
                 "fetch": fetch,
                 "ef": ef,
-                "single": percentiles(single_s),
-                "batch32": percentiles(batch_s),
+                "single": p50_p99_ms(single_s, 3),
+                "batch32": p50_p99_ms(batch_s, 3),
             }
-        report = {**loaded, "after_search": rss_gib(), "sweep": sweep}
+        report = {**loaded, "after_search": memory("self", "gib", 3), "sweep": sweep}
         os.write(write, json.dumps(report).encode())
         os._exit(0)
     os.close(write)
     with os.fdopen(read) as fh:
         replica = json.loads(fh.read())
     os.waitpid(pid, 0)
-    # exact search over the stored keys the replica re-ranks by (bench.lib.recall: ties count)
+    # exact search over the stored keys the replica re-ranks by (engine.offline.recall_with_ties: ties count)
     stored = np.load(bundle / "rerank.npy", mmap_mode="r")
     flat = faiss.IndexFlatIP(stored.shape[1])
     for start in range(0, len(stored), 1 << 20):
@@ -127,7 +115,7 @@ def main() -> None:
     manifest = json.loads((bundle / "manifest.json").read_text())
     index_bytes = sum((bundle / name).stat().st_size for name in ("index.faiss", "rerank.npy"))
     result = {
-        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "machine": machine(),
         "labels": args.labels,
         "ivfpq": manifest["ivfpq"],
         "ef_search": manifest["ivfpq"]["rerank_depth"],
@@ -137,7 +125,6 @@ def main() -> None:
         "bundle_bytes": sum(f.stat().st_size for f in bundle.iterdir()),
         "replica": replica,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.out, result)
     print(json.dumps(result, indent=2))
 

@@ -35,17 +35,14 @@ the whole path (generate the data set, encode every label) for a machine that ha
   set: ``export.reindex.retune_bundle``).
 * **recall**: the served top-10 against exact search (faiss ``IndexFlatIP``, brute force) over the
   bundle's stored keys for the same query texts, encoded here by the bundle's encoder; a label
-  counts when its exact similarity reaches the 10th (ties, bench.lib.recall).
+  counts when its exact similarity reaches the 10th (ties, engine.offline.recall_with_ties).
 
 Each stage's peak RSS is the kernel's (``wait4``; the server's from ``/proc``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import platform
 import shutil
 import sys
 import threading
@@ -56,10 +53,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.lib.recall import breadth_settings, first_reaching, recall_with_ties
-from bench.lib.stages import TOKENIZER_FILES, run_stage, tst_titles
+from bench.lib.args import bench_parser, breadth_settings, first_reaching
+from bench.lib.latency import p50_p99_ms
+from bench.lib.profiling import memory
+from bench.lib.stages import random_encoder, run_stage, tst_titles
+from engine.offline import recall_with_ties
 from loadtest.localserver import start_server, stop_server
-from xmc.results import write_result
+from xmc.results import machine, write_result
 
 TOKEN = "bench-ten-million"
 TARGETS = {
@@ -71,29 +71,6 @@ TARGETS = {
     "single_p50_ms": ("<=", 10),
     "single_p99_ms": ("<=", 25),
 }
-
-
-def tiny_encoder(out: Path, layers: int, seed: int) -> Path:
-    """A ``layers``-layer, 64-wide BERT with random weights and the MiniLM tokenizer."""
-    import torch
-    from transformers import BertConfig, BertModel
-
-    from xmc.checkpoint import default_encoder_dir
-
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=30522, hidden_size=64, num_hidden_layers=layers, num_attention_heads=2, intermediate_size=128
-    )
-    BertModel(config).save_pretrained(out)
-    for name in TOKENIZER_FILES:
-        shutil.copy(default_encoder_dir() / name, out / name)
-    return out
-
-
-def proc_memory(pid: int) -> dict:
-    status = Path(f"/proc/{pid}/status").read_text()
-    fields = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if line.startswith("Vm")}
-    return {"rss_gib": round(fields["VmRSS"] / 2**20, 3), "peak_rss_gib": round(fields["VmHWM"] / 2**20, 3)}
 
 
 def timed_predicts(client: httpx.Client, texts: list[str]) -> tuple[list[float], list[list[int]], int]:
@@ -109,11 +86,6 @@ def timed_predicts(client: httpx.Client, texts: list[str]) -> tuple[list[float],
             continue
         served.append([label["id"] for label in response.json()["results"][0]["labels"]])
     return latencies, served, failed
-
-
-def percentiles(seconds: list[float]) -> dict:
-    ms = np.array(seconds) * 1000
-    return {"p50_ms": round(float(np.percentile(ms, 50)), 2), "p99_ms": round(float(np.percentile(ms, 99)), 2)}
 
 
 def appender(url: str, batches: int, size: int, report: dict, stop: threading.Event) -> None:
@@ -144,7 +116,7 @@ def serve_stage(bundle: Path, queries: list[str], log_dir: Path, append_batches:
     server = start_server(bundle, log_dir / "serve.log", extra_env=env, timeout_s=900)
     ready = time.perf_counter() - started
     try:
-        at_ready = proc_memory(server.process.pid)
+        at_ready = memory(server.process.pid, "gib", 3)
         with httpx.Client(base_url=server.url, timeout=60) as client:
             client.post("/predict", json={"texts": ["warm up"], "k": 10}).raise_for_status()
             quiet, served, quiet_failed = timed_predicts(client, queries)
@@ -164,21 +136,21 @@ def serve_stage(bundle: Path, queries: list[str], log_dir: Path, append_batches:
                 text = f"appended label {batch} 0 zebra{batch}x0 stripes"
                 answer = client.post("/predict", json={"texts": [text], "k": 1}).json()
                 found += answer["results"][0]["labels"][0]["uid"] == f"appended-{batch}-0"
-        after = proc_memory(server.process.pid)
+        after = memory(server.process.pid, "gib", 3)
     finally:
         stop_server(server)
     return {
         "seconds_to_ready": round(ready, 1),
         "memory_at_ready": at_ready,
         "memory_at_end": after,
-        "single": {"requests": len(quiet), "failed": quiet_failed, **percentiles(quiet)},
-        "single_during_appends": {"requests": len(during), "failed": during_failed, **percentiles(during or [0.0])},
+        "single": {"requests": len(quiet), "failed": quiet_failed, **p50_p99_ms(quiet)},
+        "single_during_appends": {"requests": len(during), "failed": during_failed, **p50_p99_ms(during or [0.0])},
         "appends": {
             "batches": report["batches"],
             "failed": report["failed"],
             "labels": report["labels"],
             "errors": report.get("errors", [])[:3],
-            **({"batch_" + k: v for k, v in percentiles(report["seconds"]).items()} if report["seconds"] else {}),
+            **({"batch_" + k: v for k, v in p50_p99_ms(report["seconds"]).items()} if report["seconds"] else {}),
             "found_by_their_text": found,
         },
         "_served": served,
@@ -196,7 +168,7 @@ class Exact:
     seconds: float
 
     def recall(self, found: np.ndarray) -> dict:
-        """Recall@10 of ``found`` (nq x 10 ids, −1: none): ties counted (bench.lib.recall), and the
+        """Recall@10 of ``found`` (nq x 10 ids, −1: none): ties counted (engine.offline.recall_with_ties), and the
         plain overlap with exact search's ids."""
         overlap = np.mean([len(set(f.tolist()) & set(t.tolist())) / 10 for f, t in zip(found, self.ids, strict=True)])
         return {
@@ -260,7 +232,7 @@ def encoder_path(args, work: Path, data: Path, bundle: Path, logs: Path, py: str
     stages = {}
     sizes = ["--labels", str(args.labels), "--trn", str(args.trn), "--dev", "1000", "--tst", str(args.tst)]
     stages["generate"] = run_stage("generate", [py, "data/make_synthetic.py", "--out", str(data), *sizes], logs)
-    encoder = tiny_encoder(work / "encoder", args.layers, seed=0)
+    encoder = random_encoder(work / "encoder", args.layers, seed=0)
     export = [py, "-m", "export.build", "--data", str(data), "--checkpoint", str(encoder), "--out", str(bundle)]
     export += ["--index-kind", "labels", "--index", "ivfpq", "--labels-format", "arrays", "--build-threads", "0"]
     stages["build"] = run_stage("build", export, logs)
@@ -275,7 +247,7 @@ def synthetic_path(args, work: Path, bundle: Path, logs: Path, py: str) -> tuple
     from bench.lib.synthetic_bundle import build_synthetic_bundle
 
     stages = {}
-    encoder = tiny_encoder(work / "encoder", args.layers, seed=0)
+    encoder = random_encoder(work / "encoder", args.layers, seed=0)
     sample = Path("data/debian-sample")
     export = [py, "-m", "export.build", "--data", str(sample), "--checkpoint", str(encoder)]
     export += ["--out", str(work / "encoder-bundle"), "--index-kind", "labels"]
@@ -308,7 +280,7 @@ def synthetic_path(args, work: Path, bundle: Path, logs: Path, py: str) -> tuple
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, "bench/results/ten-million.json", bundle=None, data=None)
     parser.add_argument("--labels", type=int, default=10_000_000, help="labels of the synthetic data set")
     parser.add_argument("--vectors", choices=["encoder", "synthetic"], default="synthetic", help=VECTORS_HELP)
     parser.add_argument("--trn", type=int, default=20_000, help="trn instances (a label index uses none)")
@@ -325,7 +297,6 @@ def main() -> None:
     parser.add_argument("--append-batches", type=int, default=20, help="/admin/append calls while /predict runs")
     parser.add_argument("--append-size", type=int, default=50, help="new labels per append call")
     parser.add_argument("--work", type=Path, default=Path("/tmp/xmcserve-ten-million"), help="scratch directory")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/ten-million.json"), help="JSON result")
     args = parser.parse_args()
     work = args.work
     data, bundle, logs = work / "data", work / "bundle", work / "logs"
@@ -363,7 +334,7 @@ def main() -> None:
         "single_p99_ms": serve["single"]["p99_ms"],
     }
     result = {
-        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "machine": machine(),
         "vectors": args.vectors,
         "data": shape,
         "encoder": f"BERT {args.layers} layer(s) x 64, random init, MiniLM vocabulary, PCA head to 64-d",
@@ -385,7 +356,6 @@ def main() -> None:
         "serve": serve,
         "recall": recall,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.out, result)
     print(json.dumps(result, indent=2))
 

@@ -18,7 +18,6 @@ the machinery alone allows.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -32,9 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.lib.loadgen import closed_loop
+from bench.lib.args import bench_parser
 from bench.lib.non_encoder import start_null_server
 from bench.lib.null_encoder import write_vectors
+from loadtest.loadgen import closed_loop
 from loadtest.localserver import ROOT, start_server, stop_server
 from xmc.data import load_jsonl_split
 from xmc.results import write_result
@@ -136,16 +136,13 @@ def run(params: WorkersBenchParams, log_dir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     defaults = WorkersBenchParams()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bundle", type=Path, default=defaults.bundle, help="bundle to serve")
-    parser.add_argument("--data", type=Path, default=defaults.data, help="data set whose dev texts are sent")
+    parser = bench_parser(__doc__, "bench/results/serving-workers.json", bundle=defaults.bundle, data=defaults.data)
     parser.add_argument("--workers", default=",".join(map(str, defaults.workers)), help="worker counts, first = 1x")
     parser.add_argument("--rounds", type=int, default=defaults.rounds, help="times each count is measured")
     parser.add_argument("--seconds", type=float, default=defaults.seconds, help="each peak load's length")
     parser.add_argument("--concurrency", type=int, default=defaults.concurrency, help="peak load connections")
     parser.add_argument("--idle-requests", type=int, default=defaults.idle_requests, help="requests of the idle p50")
     parser.add_argument("--null-encoder", action="store_true", help="the ONNX call replaced by a lookup")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/serving-workers.json"), help="result JSON")
     args = parser.parse_args(argv)
     params = WorkersBenchParams(
         bundle=args.bundle,
@@ -172,7 +169,6 @@ def main(argv: list[str] | None = None) -> None:
         "seconds": round(time.time() - started, 1),
         **result,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_result(args.out, result)
     print(json.dumps({"median": result["median"], "ratio_to_first": result["ratio_to_first"]}, indent=2))
 

@@ -8,27 +8,21 @@
 working directory first on the path), so the same command measures an older commit in a worktree.
 """
 
-import argparse
 import json
 import time
 from pathlib import Path
 
 import httpx
 
+from bench.lib.args import REQUIRED, bench_parser
+from bench.lib.profiling import memory
 from loadtest.localserver import start_server, stop_server
 
 SHAPES = ("per-text", "texts-only", "flat")
 
 
-def hwm(pid: int) -> int:
-    """Peak resident MiB of the process so far."""
-    status = Path(f"/proc/{pid}/status").read_text().splitlines()
-    return next(int(line.split()[1]) // 1024 for line in status if line.startswith("VmHWM"))
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bundle", type=Path, required=True, help="bundle directory the server loads")
+    parser = bench_parser(__doc__, bundle=REQUIRED, data=None)
     parser.add_argument("--uids", type=int, default=500_000, help="exclude uids of the flat request (default 500000)")
     parser.add_argument("--shape", choices=SHAPES, default="per-text", help="the large /predict request's shape")
     args = parser.parse_args(argv)
@@ -36,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     pid = srv.process.pid
     try:
         httpx.post(srv.url + "/predict", json={"text": "libc6", "k": 10}, timeout=60)
-        print("baseline HWM MiB", hwm(pid))
+        print("baseline HWM MiB", memory(pid)["peak_rss_mib"])
         # 1) a 300 MB JSON body
         host, port = srv.url.removeprefix("http://").split(":")
         body = b'{"text": "' + b"a" * (300 * 1024 * 1024) + b'"}'
@@ -48,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
             print("300MB body ->", r.status_code, r.text[:100], round(time.time() - t, 2), "s")
         except Exception as e:
             print("300MB body ->", type(e).__name__, round(time.time() - t, 2), "s")
-        print("after 300MB HWM MiB", hwm(pid))
+        print("after 300MB HWM MiB", memory(pid)["peak_rss_mib"])
         # 2) 64 texts of 2 KB and as many exclude uids as the body cap allows (500k on the old code)
         n = args.uids
         if args.shape == "per-text":  # the largest the new limits admit: 64 x 156 uids of 250 bytes
@@ -69,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
             len(json.dumps(big)) // 1024,
             "KiB",
         )
-        print("after big request HWM MiB", hwm(pid))
+        print("after big request HWM MiB", memory(pid)["peak_rss_mib"])
     finally:
         stop_server(srv)
 

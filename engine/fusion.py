@@ -38,7 +38,7 @@ Debian-Related dev it took the fused P@1 / P@5 from 74.5 / 37.1 to 76.0 / 38.1
 (bench/results/README.md).
 
 Optional groups of cheap features (:data:`FEATURE_GROUPS`, each kept by ``export.fuse`` only when
-the validation split of ``bench.fusion_models`` says it helps) read the same arrays:
+the validation split of ``studies.fusion_models`` says it helps) read the same arrays:
 
 * ``ranks``: log(1 + the candidate's rank in its query) by p̂, by instance vote and by label-key
   similarity

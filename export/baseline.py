@@ -1,6 +1,6 @@
 """The simple baseline a user's own data is measured against: TF-IDF of word 1–2-grams and
 character 3–5-grams (within word boundaries) and one-vs-rest L2 logistic regression, C 10
-(liblinear), the strongest classic peer on this project's many-shot data (bench.peers'
+(liblinear), the strongest classic peer on this project's many-shot data (studies.peers'
 ``tfidf-ovr-logreg``, which runs this code). ``make fit`` fits it on the training split and
 reports it beside the bundle it built (:mod:`export.fit`).
 
@@ -207,13 +207,13 @@ def save_ovr(state: Path, problem: str, next_label: int, seconds: float, top_sco
 
 
 # Above this many labels the baseline is not fitted by make fit (each label is a pass over every
-# text: Gutenberg-Subjects' 10,207 labels take about 50 minutes on 2 cores); bench.peers fits any count.
+# text: Gutenberg-Subjects' 10,207 labels take about 50 minutes on 2 cores); studies.peers fits any count.
 BASELINE_MAX_LABELS = 5000
 
 
 def baseline_metrics(train: XMCDataset, held: XMCDataset, k: int = 100, threads: int = 1) -> dict:
     """The baseline fitted on ``train`` and scored on ``held`` under the peers' protocol (``k`` +
-    the longest filter list ranked, the filter pairs removed, the top ``k`` kept: bench.peers'
+    the longest filter list ranked, the filter pairs removed, the top ``k`` kept: studies.peers'
     ``tfidf-ovr-logreg`` row), with its seconds."""
     from xmc.metrics import drop_excluded, score_ranking
 

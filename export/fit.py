@@ -24,7 +24,7 @@ own command with its defaults, so what this builds is what they build:
 
 When the data has a ``dev`` split, the fit then measures itself there, under the peers' protocol
 (:func:`measure_fit`): the bundle it built beside the simple baseline, TF-IDF + one-vs-rest
-logistic regression fitted on the same ``trn`` (:mod:`export.baseline`, bench.peers'
+logistic regression fitted on the same ``trn`` (:mod:`export.baseline`, studies.peers'
 ``tfidf-ovr-logreg``; skipped above :data:`~export.baseline.BASELINE_MAX_LABELS` labels, with a
 word), printed as a table and written to ``<run>/fit-report.json``. Nothing is chosen on it.
 
@@ -299,7 +299,7 @@ def measure_fit(data: Path, bundle: Path, threads: int | None = None, untrained:
         rows["tfidf-ovr-logreg"] = baseline_metrics(train, dev, threads=threads or os.cpu_count() or 1)
     else:
         labels = train.num_labels
-        notes.append(f"the baseline is not fitted above {BASELINE_MAX_LABELS} labels ({labels}): bench.peers fits it")
+        notes.append(f"the baseline is not fitted above {BASELINE_MAX_LABELS} labels ({labels}): studies.peers fits it")
     for built in (bundle, untrained) if untrained is not None else (bundle,):
         started = time.perf_counter()
         result = evaluate_bundle(load_bundle(built), dev, train)

@@ -16,7 +16,7 @@ idf. The dev and test splits are never read.
 By default the fusion is lexical (`engine/lexical.py`): the idf of the memory's texts
 (its training instances and labels) is fitted here, every key's term vector is written beside the
 fusion (one file per shard) and φ gains the lexical features. ``--extra-features`` adds the
-cheap optional groups of :data:`engine.FEATURE_GROUPS`; ``bench.fusion_models``
+cheap optional groups of :data:`engine.FEATURE_GROUPS`; ``studies.fusion_models``
 says, on a validation split of the held-out instances, which of them and which model to use.
 
 Candidate sources beside the memory's top b: ``--sparse-depth D`` (a sparse linear ranker's top D,
@@ -26,7 +26,7 @@ source). Each adds its features to φ, and the held-out searches are made as dee
 
 The ensemble's size is chosen on the same held-out instances (``--sizes``, default
 :data:`~export.fusion_fit.DEFAULT_SIZES`): each size is cross-fitted on 5 folds of them, as
-``bench.fusion_models`` validated the default, and the best by validation P@1 and P@5 is fitted on
+``studies.fusion_models`` validated the default, and the best by validation P@1 and P@5 is fitted on
 them all; the manifest's ``fusion.size_choice`` keeps every size's figures. A data set gets the
 size its own held-out instances prefer, not the one Debian-Related's did. ``--trees`` or
 ``--leaves`` given: that size, unchosen.

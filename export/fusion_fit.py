@@ -22,7 +22,7 @@ BASE_GROUPS: tuple[str, ...] = ("rae", "lexical")
 
 @dataclasses.dataclass(frozen=True)
 class FusionChoice:
-    """A fusion as ``bench.fusion_models`` compares them and ``export.fuse`` fits one: its model and
+    """A fusion as ``studies.fusion_models`` compares them and ``export.fuse`` fits one: its model and
     the model's parameters, its feature groups, its rerank depth (None: T rescores every candidate)
     and the candidates a query gets from a sparse ranker (None: none; :mod:`engine.sparse`)."""
 
@@ -59,11 +59,11 @@ DEFAULT_PARAMS: dict[str, dict] = {
     "gbdt": {"trees": 100, "depth": 6, "leaves": 31, "min_leaf": 20, "learning_rate": 0.1},
     "lambdarank": {"trees": 60, "depth": 6, "leaves": 31, "min_leaf": 20, "learning_rate": 0.1},
 }
-# The default fusion, the one place it is defined (export.fuse's defaults, bench.quality's, make
-# fit's): the choice bench.fusion_models made on the CPU recipe's held-out instances, searched
+# The default fusion, the one place it is defined (export.fuse's defaults, studies.quality's, make
+# fit's): the choice studies.fusion_models made on the CPU recipe's held-out instances, searched
 # against the memory without them, over the candidates it serves: the memory's and a sparse linear
 # ranker's top 100 (a label centroid over the lexical term space, each label's own text among its
-# texts; the choice of bench.candidate_sources on the same held-out validation,
+# texts; the choice of studies.candidate_sources on the same held-out validation,
 # bench/results/candidate-sources-debian.json). Among the models the serving bill leaves room for
 # (at most 0.3 ms a query in ONNX Runtime): LambdaMART (60 trees, 31 leaves) over the RAE, lexical
 # and sparse features, rescoring each query's top 200 by p̂. No optional group added enough. Its

@@ -1,7 +1,7 @@
 """The cross-fitted validation of a score fusion on held-out pairs: each held-out instance is ranked
 by a model fitted on the other folds, and the ranking's metrics are computed per protocol. The
-benchmarks that chose the default fusion's model (``bench.fusion_models``) and its candidate
-sources (``bench.candidate_sources``) validate with it, and :mod:`export.fuse` chooses the
+benchmarks that chose the default fusion's model (``studies.fusion_models``) and its candidate
+sources (``studies.candidate_sources``) validate with it, and :mod:`export.fuse` chooses the
 ensemble's size on a data set's own held-out instances with it (:func:`choose_size`)."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def fold_of_instances(instances: int, folds: int, seed: int = 0) -> np.ndarray:
 
 
 # the groups the held-out pairs are computed with: every group but the sparse ranker's, which
-# comes with a ranker to fit (bench.candidate_sources adds it)
+# comes with a ranker to fit (studies.candidate_sources adds it)
 PAIR_GROUPS = ("rae", *OPTIONAL_GROUPS)
 
 
@@ -181,7 +181,7 @@ def choose_size(
 ) -> SizeChoice:
     """The ensemble size (each of ``sizes`` over ``params``) whose cross-fitted validation on
     ``pairs`` (their columns ``features``) has the best :func:`selection_score`, ties to the first:
-    the choice ``bench.fusion_models`` made for the default, made again on a data set's own held-out
+    the choice ``studies.fusion_models`` made for the default, made again on a data set's own held-out
     instances. ``pairs`` must hold both searches of each instance, in :data:`PROTOCOL_OF_SEARCH`'s
     order (``export.held_out``'s ``both``): the folds are cut by instance. Fewer sizes than two, or
     too few instances to fold, and the first is kept unvalidated."""

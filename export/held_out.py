@@ -1,6 +1,6 @@
 """The held-out instances of a training run searched as the service searches, and every (search,
 candidate label) pair with its features φ and target: what a score fusion is fitted on
-(:mod:`export.fuse`) and what ``bench.fusion_models`` and ``bench.fusion_shift`` measure on.
+(:mod:`export.fuse`) and what ``studies.fusion_models`` and ``studies.fusion_shift`` measure on.
 
 The held-out instances (``<run>/holdout.txt``) were never trained on, but they are keys of the
 bundle's memory. Each is searched through the bundle's own encoder and index as a query, against

@@ -4,7 +4,7 @@ vectors: one weight vector per label, W (terms x labels), and a bias b. Two fits
 
 * ``one_vs_rest``: one-vs-rest L2 logistic regression, the classic linear baseline, each label
   solved alone by liblinear (dual coordinate descent, C ``c``, the bias a regularised feature),
-  the solver and settings of ``bench.peers``' TF-IDF + one-vs-rest LR peer. With ``dense_weight``
+  the solver and settings of ``studies.peers``' TF-IDF + one-vs-rest LR peer. With ``dense_weight``
   (the default) each text's features are its term vector ⊕ ``dense_weight`` · its dense vector
   (the encoder's unit serving vector: the memory's key of the text), XR-Transformer's ranker over
   TF-IDF ⊕ the encoder's embedding; the dense half of the weights is ``D`` (labels x dim), read at

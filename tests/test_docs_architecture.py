@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "architecture.md"
 # The project's top-level packages (folders of Python code), in the order the tables list them.
 PACKAGES = (
-    *("xmc", "bundle", "engine", "training", "export", "service", "xmcserve"),
-    *("bench", "loadtest", "data", "deploy"),
-)
+    "xmc", "bundle", "engine", "training", "export", "service", "xmcserve",
+    "bench", "studies", "tools", "loadtest", "data", "deploy",
+)  # fmt: skip
 NONE = "—"
 
 

@@ -3,7 +3,8 @@ JSON indented by two, one newline at the end, and every path named relative to t
 that a file says what ran and where (CPU, cores, versions) without the folders of the machine that
 wrote it.
 
-:func:`write_result` is the one writer; :func:`relative_paths` is what it does to the payload. In
+:func:`write_result` is the one writer; :func:`relative_paths` is what it does to the payload;
+:func:`machine` is the machine a result file names (its cores and processor). In
 every string (dict keys too, and inside commands and tracebacks) a path in the repository becomes
 relative to it (``/work/main/bundles/default`` → ``bundles/default``, the repository itself
 ``.``), a path beside the repository starts with ``..`` (``../shared/data/debian-related``), one in
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import tempfile
 from collections.abc import Iterable
@@ -123,3 +125,8 @@ def write_result(path: str | os.PathLike[str], payload: Any) -> Path:
     staged.write_text(dumps(payload))
     os.replace(staged, path)
     return path
+
+
+def machine() -> dict[str, Any]:
+    """Where a result ran, as its file names it: the cores this machine has and its processor."""
+    return {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()}

@@ -17,9 +17,9 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from bench.lib.loadgen import Connection, encode_request
 from engine import EncoderOptions, Predictor
 from engine.offline import load_bundle
+from loadtest.loadgen import Connection, encode_request
 from loadtest.localserver import start_server, stop_server
 from service.http.settings import Settings
 
@@ -29,6 +29,12 @@ def percentiles(samples_ms: list[float]) -> dict[str, float]:
     return {f"p{q}": round(float(np.percentile(arr, q)), 2) for q in (50, 95, 99)} | {
         "mean": round(float(arr.mean()), 2)
     }
+
+
+def p50_p99_ms(seconds: list[float], digits: int = 2) -> dict[str, float]:
+    """The median and 99th percentile of ``seconds``, in milliseconds."""
+    ms = np.asarray(seconds) * 1000
+    return {f"p{q}_ms": round(float(np.percentile(ms, q)), digits) for q in (50, 99)}
 
 
 def http_latencies(url: str, texts: list[str], warmup: int = 20) -> list[float]:

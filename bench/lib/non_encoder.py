@@ -1,4 +1,4 @@
-"""The null-encoder measurement (bench.non_encoder_cost's, and bench.serving's --null-encoder
+"""The null-encoder measurement (studies.non_encoder_cost's, and bench.serving's --null-encoder
 part): each tree's server with its ONNX call replaced by a vector lookup
 (bench.lib.null_encoder), held at a fixed open-loop rate for its CPU per request (the whole
 process's, its event loop thread's, each thread's: :mod:`bench.lib.thread_cpu`), loaded closed
@@ -21,10 +21,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench.lib.loadgen import closed_loop, open_loop
 from bench.lib.null_encoder import VECTORS_ENV, write_vectors
 from bench.lib.profiling import fold, record, samples_by_thread, stage_cpu_us
 from bench.lib.thread_cpu import deltas, per_request_us, py_spy, snapshot, thread_names
+from loadtest.loadgen import closed_loop, open_loop
 from loadtest.localserver import ROOT, start_server, stop_server
 from xmc.data import load_jsonl_split
 

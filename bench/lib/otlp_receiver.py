@@ -1,101 +1,33 @@
-"""An OTLP/HTTP trace receiver on 127.0.0.1 (tests and benchmarks): collects the spans POSTed to
-/v1/traces, decoded with the OpenTelemetry protobufs."""
+"""The serving benchmark's OTLP/HTTP trace receiver, in a process of its own (so that the load
+generator does not share its interpreter): it answers every export with an empty OTLP success and
+counts them, without decoding (a collector's work is not the server's cost).
+
+    python -m bench.lib.otlp_receiver --port N
+"""
 
 from __future__ import annotations
 
-import threading
-import time
+import argparse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-
-class ExportHandler(BaseHTTPRequestHandler):
-    """Answers every POST with an empty OTLP success after handing its body to :meth:`received`."""
-
-    def received(self, body: bytes) -> None:
-        raise NotImplementedError
-
-    def do_POST(self):
-        self.received(self.rfile.read(int(self.headers.get("content-length", 0))))
-        self.send_response(200)
-        self.send_header("content-type", "application/x-protobuf")
-        self.send_header("content-length", "0")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
-class OtlpReceiver:
-    def __init__(self):
-        self.spans: list[dict] = []
-        self._lock = threading.Lock()
-        receiver = self
-
-        class Handler(ExportHandler):
-            def received(self, body: bytes) -> None:
-                if self.path == "/v1/traces":
-                    receiver.add(ExportTraceServiceRequest.FromString(body))
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    def add(self, request: ExportTraceServiceRequest) -> None:
-        with self._lock:
-            for resource_spans in request.resource_spans:
-                service = next(
-                    (a.value.string_value for a in resource_spans.resource.attributes if a.key == "service.name"), ""
-                )
-                for scope_spans in resource_spans.scope_spans:
-                    for span in scope_spans.spans:
-                        self.spans.append(
-                            {
-                                "service": service,
-                                "name": span.name,
-                                "trace_id": span.trace_id.hex(),
-                                "span_id": span.span_id.hex(),
-                                "parent_span_id": span.parent_span_id.hex(),
-                                "links": [link.trace_id.hex() for link in span.links],
-                            }
-                        )
-
-    def wait_for(self, predicate, timeout_s: float = 20.0) -> list[dict]:
-        """The spans once ``predicate(spans)`` holds (bounded wait; the exporter sends in batches)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                spans = list(self.spans)
-            if predicate(spans):
-                return spans
-            time.sleep(0.1)
-        raise AssertionError(f"spans not received within {timeout_s}s: {spans}")
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._server.shutdown()
-        self._server.server_close()
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m bench.lib.otlp_receiver --port N``: a receiver in a process of its own (so that a
-    benchmark's load generator does not share its interpreter); it answers every export and
-    counts them, without decoding (a collector's work is not the server's cost)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, required=True, help="port to listen on, on 127.0.0.1")
     args = parser.parse_args(argv)
     received = {"exports": 0, "bytes": 0}
 
-    class Handler(ExportHandler):
-        def received(self, body: bytes) -> None:
-            received["bytes"] += len(body)
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            received["bytes"] += len(self.rfile.read(int(self.headers.get("content-length", 0))))
             received["exports"] += 1
+            self.send_response(200)
+            self.send_header("content-type", "application/x-protobuf")
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
 
     server = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
     try:

@@ -1,5 +1,6 @@
 """What a server process costs: its CPU seconds (from its /metrics), any server's CPU seconds
-and peak resident memory with its children (from /proc), and a py-spy profile of it under load,
+and peak resident memory with its children and one process's memory (from /proc: :func:`memory`),
+and a py-spy profile of it under load,
 folded by stage; that profile's samples also spread over each thread's own CPU
 (:func:`stage_cpu_us`, the threads' CPU from :mod:`bench.lib.thread_cpu`).
 
@@ -20,8 +21,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from bench.lib.loadgen import open_loop
 from bench.lib.thread_cpu import EXITED, label
+from loadtest.loadgen import open_loop
 
 
 def server_cpu_s(url: str) -> float:
@@ -51,17 +52,18 @@ def process_tree(pid: int) -> list[int]:
     return pids
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) so far of one process, not its children (0 once gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds (user + system, every thread) so far of ``pid`` and its live children."""
-    total = 0
-    for member in process_tree(pid):
-        try:
-            with open(f"/proc/{member}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    return sum(process_cpu_s(member) for member in process_tree(pid))
 
 
 def tree_peak_rss_mib(pid: int) -> float:
@@ -74,6 +76,15 @@ def tree_peak_rss_mib(pid: int) -> float:
             continue
         kib += next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
     return round(kib / 1024, 1)
+
+
+def memory(pid: int | str = "self", unit: str = "mib", digits: int = 1) -> dict[str, float]:
+    """Resident and peak-resident memory (``VmRSS``, ``VmHWM``) of one process, in MiB or GiB
+    (``unit``): ``{"rss_<unit>": …, "peak_rss_<unit>": …}``."""
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    kib = {line.split(":")[0]: int(line.split()[1]) for line in status if line.startswith(("VmRSS:", "VmHWM:"))}
+    scale = 2**10 if unit == "mib" else 2**20
+    return {f"rss_{unit}": round(kib["VmRSS"] / scale, digits), f"peak_rss_{unit}": round(kib["VmHWM"] / scale, digits)}
 
 
 def stage_of(stack: str) -> str:

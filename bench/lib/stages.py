@@ -1,11 +1,13 @@
 """The stages of the end-to-end benches (bench.million_e2e, bench.ten_million): each a process run
-to completion with its wall seconds and peak memory, and what they read of a synthetic data set."""
+to completion with its wall seconds and peak memory, what they read of a synthetic data set, and
+the random small encoder they train or export."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -31,3 +33,20 @@ def run_stage(name: str, command: list[str], log_dir: Path) -> dict:
 def tst_titles(data: Path, count: int) -> list[str]:
     with gzip.open(data / "tst.json.gz", "rt", encoding="utf-8") as fh:
         return [json.loads(line)["title"] for _, line in zip(range(count), fh, strict=False)]
+
+
+def random_encoder(out: Path, layers: int, seed: int) -> Path:
+    """A ``layers``-layer, 64-wide BERT with random weights and the MiniLM tokenizer."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from xmc.checkpoint import default_encoder_dir
+
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=30522, hidden_size=64, num_hidden_layers=layers, num_attention_heads=2, intermediate_size=128
+    )
+    BertModel(config).save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        shutil.copy(default_encoder_dir() / name, out / name)
+    return out

@@ -1,7 +1,7 @@
 """The result files in bench/results/ name files relative to the repository: each says where it ran
 (CPU, cores, versions), none holds the folders of the machine that wrote it (its checkout, venv,
-home, temporary or data folders), and every benchmark writes its file through the one writer that
-makes them so (xmc.results.write_result)."""
+home, temporary or data folders), and every benchmark, study and tool writes its file through the
+one writer that makes them so (xmc.results.write_result)."""
 
 from __future__ import annotations
 
@@ -63,12 +63,19 @@ def test_the_check_finds_machine_folders_and_not_url_paths():
 
 # Writers of files that are not results: a run's training config, the quality run's own progress
 # file and the GPU payload's device calls (their paths are used), the peer's stamp in its work folder.
-NOT_RESULTS = {"bench/ddp_parity.py", "bench/quality.py", "bench/gpu_payload.py", "bench/lib/infinity_peer.py"}
+NOT_RESULTS = {
+    "studies/ddp_parity/run.py",
+    "studies/quality/run.py",
+    "tools/gpu/payload.py",
+    "bench/lib/infinity_peer.py",
+}
+WRITERS = ("bench", "studies", "tools")
 HAND_WRITTEN = re.compile(r"write_text\(\s*json\.dumps\(")
 
 
-def test_every_benchmark_writes_its_result_file_through_the_one_writer():
-    writers = [*sorted((ROOT / "bench").rglob("*.py")), ROOT / "export" / "evaluate.py"]
+def test_every_benchmark_study_and_tool_writes_its_result_file_through_the_one_writer():
+    writers = [*sorted(path for folder in WRITERS for path in (ROOT / folder).rglob("*.py"))]
+    writers.append(ROOT / "export" / "evaluate.py")
     by_hand = [
         f"{path.relative_to(ROOT)}:{text[: match.start()].count(chr(10)) + 1}"
         for path in writers

@@ -89,7 +89,7 @@ def test_the_validation_it_chooses_on_is_the_one_the_benchmarks_measure():
     choice = choose_size("lambdarank", BASE, (STUMP, ENSEMBLE), pairs, FEATURES, frequencies, 1000)
     instances = len(pairs.relevant) // len(PROTOCOL_OF_SEARCH)
     fold = fold_of_instances(instances, CHOICE_FOLDS)
-    for size in (STUMP, ENSEMBLE):  # bench.fusion_models' validate, the pairs' groups the candidate's
+    for size in (STUMP, ENSEMBLE):  # studies.fusion_models' validate, the pairs' groups the candidate's
         candidate = FusionChoice("lambdarank", GROUPS, BASE | size)
         measured = validate(candidate, pairs, fold, frequencies, 1000, computed=GROUPS)
         assert measured["validation"] == choice.validation[size_name(size)]

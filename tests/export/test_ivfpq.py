@@ -7,13 +7,13 @@ import json
 import numpy as np
 import pytest
 
-from bench.lib.recall import exact_rankings, recall_with_label_ties
 from bundle import BundleError
 from bundle.manifest import IVF_INDEX_FILE, MANIFEST_FILE, RERANK_FILE, sha256_file
 from engine import AppendBatch, appends_dir_beside, load_predictor
 from engine.bundle import load_bundle
 from engine.index import IvfPqIndex, ShardedIndex
 from engine.loading import vet_in_child
+from engine.offline import exact_rankings, recall_with_label_ties
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from bench.lib.recall import exact_rankings, recall_with_label_ties
 from bundle.manifest import Manifest
 from engine import AppendBatch, load_predictor
 from engine.index import ShardedIndex
+from engine.offline import exact_rankings, recall_with_label_ties
 from export.build import ExportParams, build_bundle
 from export.compact import compact_bundle
 from export.derive import derive_rae_bundle

@@ -2,8 +2,9 @@
 surface meant for it: the front ends (service/http, api, rollout, observability) and training/
 ``engine`` alone (about thirty names: load, predict, the live memory, the batcher, the
 encoder's layout, one error base and its subclasses, RAE's aggregation); the Ray Serve front end
-also ``engine.distributed`` (the encoder, shard and coordinator parts of a sharded bundle); export/, bench/,
-studies/ and the other tools also ``engine.offline`` (building, fusing, compacting, measuring). Each
+also ``engine.distributed`` (the encoder, shard and coordinator parts of a sharded bundle); export/
+and the lab (bench/, studies/, tools/) also ``engine.offline`` (building, fusing, compacting,
+measuring). Each
 import names the surface module itself and only names in its ``__all__``, so the engine's
 modules can move and change behind them."""
 
@@ -33,6 +34,7 @@ ALLOWED = {
     "export": (*FRONT, "engine.offline"),
     "bench": (*FRONT, "engine.offline", "engine.distributed"),
     "studies": (*FRONT, "engine.offline"),
+    "tools": (*FRONT, "engine.offline"),
     "loadtest": FRONT,
     "deploy": FRONT,
     "data": FRONT,

@@ -4,8 +4,8 @@ import importlib.util
 
 import pytest
 
-from bench.lib.browser import headless_chromium, installed
 from tests.conftest import need_tool
+from tests.support.browser import headless_chromium, installed
 
 
 @pytest.fixture(scope="module")

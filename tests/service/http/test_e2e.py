@@ -3,8 +3,8 @@
 import pytest
 from httpx import Client
 
-from bench.lib.recall import exact_rankings, recall_with_label_ties
 from engine.bundle import load_bundle
+from engine.offline import exact_rankings, recall_with_label_ties
 from service.api.schemas import PredictResponse
 from xmc.data import load_jsonl_split
 

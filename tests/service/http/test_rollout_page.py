@@ -3,7 +3,7 @@ xmcserve shadow (tiny-labels), B loaded from the bundle root. The API is checked
 page itself in headless Chromium (Debian's chromium and chromium-driver, driven by Selenium),
 skipped with the reason where either is missing (a failure under CI=true).
 
-The docs' screenshots are taken on real bundles by ``python -m bench.rollout_screenshots``, not here."""
+The docs' screenshots are taken on real bundles by ``python -m tools.rollout_screenshots``, not here."""
 
 from __future__ import annotations
 

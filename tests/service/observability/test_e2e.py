@@ -7,8 +7,8 @@ import time
 import httpx
 import pytest
 
-from bench.lib.otlp_receiver import OtlpReceiver
 from loadtest.localserver import start_server, stop_server
+from tests.support.otlp_receiver import OtlpReceiver
 
 TEXT = {"text": "libc6: GNU C Library: Shared libraries", "k": 5}
 

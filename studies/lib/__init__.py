@@ -1,0 +1,1 @@
+"""What several studies share (no study imports another)."""
