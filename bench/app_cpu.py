@@ -9,7 +9,7 @@ CPU seconds of the whole process (event loop, batcher, search and encode threads
 request, at each number of requests in flight. A request alone forms a batch of one and pays
 every per-batch cost (the thread hand-offs, one HNSW call, the RAE and fusion steps) by itself;
 with more in flight the batches grow and those costs are shared. Compared with the server's own
-CPU per request at the same load (``bench.non_encoder_cost``), the difference is what uvicorn, the
+CPU per request at the same load (``studies.non_encoder_cost``), the difference is what uvicorn, the
 parser and the sockets cost.
 """
 

@@ -15,7 +15,7 @@
    latency-first layout). The targets, as ratios: peak ≥ 0.9 × the encoder alone, p99 at 70 % of
    peak ≤ 2 full-batch times, idle p50 ≤ 1.5 × one batch-1 encoder call.
 6. With ``--null-encoder``: the CPU per request of everything but the encoder, this tree against
-   ``--baseline-tree`` (:mod:`bench.non_encoder_cost`), under ``non_encoder`` in the result.
+   ``--baseline-tree`` (:mod:`studies.non_encoder_cost`), under ``non_encoder`` in the result.
 
 Writes the JSON result and a PNG of latency against throughput.
 
@@ -466,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--null-encoder",
         action="store_true",
-        help="also measure the CPU per request of everything but the encoder (bench.non_encoder_cost)",
+        help="also measure the CPU per request of everything but the encoder (studies.non_encoder_cost)",
     )
     parser.add_argument(
         "--concurrency", type=int, default=64, help="--observability-cost: closed-loop concurrency (the peak's)"
