@@ -10,6 +10,7 @@ so the same bundle id (the card is outside the id) — atomically, like any bund
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -32,7 +33,8 @@ class CardFacts:
     """What the command writing a bundle knows beyond its manifest.
 
     Attributes:
-        command: the command that wrote it (``xmcserve build``, ``xmcserve fit``, …)
+        command: the command that wrote it (``xmcserve build``, ``xmcserve fit``, …); None: the
+            command this process was started as (:func:`started_as`)
         recipe: the training recipe, where one trained the encoder
         seconds: wall seconds of each stage
         figures: quality measured, baselines included (a row of the same system, split and
@@ -40,7 +42,7 @@ class CardFacts:
         notes: sentences a reader should see
     """
 
-    command: str = "export"
+    command: str | None = None
     recipe: str | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     figures: list[Figures] = field(default_factory=list)
@@ -53,12 +55,24 @@ class CardFacts:
         mine = {(row.system, row.split, row.protocol) for row in self.figures}
         kept = [row for row in card.figures if (row.system, row.split, row.protocol) not in mine]
         return CardFacts(
-            command=card.made.get("command", self.command),
+            command=self.command or card.made.get("command"),
             recipe=self.recipe or card.recipe,
             seconds={**card.seconds, **self.seconds},
             figures=kept + list(self.figures),
             notes=list(dict.fromkeys([*card.notes, *self.notes])),
         )
+
+
+def started_as() -> str:
+    """The command this process runs: ``xmcserve fit`` under the xmcserve command, ``python -m
+    export.build`` for a module run with ``-m``, else ``python`` (a library call)."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    if argv0.startswith("xmcserve "):
+        return argv0
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return f"python -m {spec.name.removesuffix('.__main__')}"
+    return "python"
 
 
 def xmcserve_version() -> str:
@@ -76,7 +90,7 @@ def card_for(manifest: Manifest, facts: CardFacts | None = None) -> Card:
     return Card(
         bundle_id=manifest.bundle_id,
         made={
-            "command": facts.command,
+            "command": facts.command or started_as(),
             "version": xmcserve_version(),
             "git_sha": source.git_sha,
             "created_at": manifest.created_at,

@@ -239,7 +239,7 @@ def fit(
         shipped.reason,
         *(report["notes"] if has_dev else ["no dev split: nothing measured beyond the held-out validation"]),
     ]
-    record(bundle, CardFacts(command="xmcserve fit", recipe=recipe, seconds=seconds, figures=figures, notes=notes))
+    record(bundle, CardFacts(recipe=recipe, seconds=seconds, figures=figures, notes=notes))
     return summary
 
 

@@ -51,6 +51,7 @@ def test_a_built_bundle_carries_its_card_in_its_checksums(tiny_rae_bundle):
 
 def test_recording_figures_keeps_the_id_and_merges_by_system_split_and_protocol(bundle_copy):
     before = read_manifest(bundle_copy)
+    written_by = load_bundle(bundle_copy).card.made["command"]
     row = Figures(system="this bundle", split="dev", protocol="peers", metrics={"P@1": 50.0, "P@5": 20.0})
     other = Figures(system="tfidf-ovr-logreg", split="dev", protocol="peers", metrics={"P@1": 40.0})
     first = record(bundle_copy, CardFacts(recipe="smoke", seconds={"train": 12.0}, figures=[row, other], notes=["n"]))
@@ -64,6 +65,9 @@ def test_recording_figures_keeps_the_id_and_merges_by_system_split_and_protocol(
         ("this bundle", {"P@1": 51.0}),
     ]
     assert card.recipe == "smoke" and card.seconds == {"train": 12.0} and card.notes == ["n", "m"]
+    assert card.made["command"] == written_by  # kept: neither record named one
+    record(bundle_copy, CardFacts(command="xmcserve fit"))
+    assert load_bundle(bundle_copy).card.made["command"] == "xmcserve fit"  # a command named wins
     readme = (bundle_copy / CARD_README_FILE).read_text()
     assert "| this bundle | dev | peers | 51.00 |" in readme and "> m" in readme
 
