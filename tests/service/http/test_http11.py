@@ -27,8 +27,14 @@ MAX_BODY_BYTES = 65536
 BODY = b"x" * 30_000  # over the header cap (16 KiB): counted as header bytes, it was refused with 431
 
 
+# still_serving's probe: not observed, since its answer reaches the client before the front door
+# records it, and a late record would land in the next test's list
+PROBE = "/ok"
+
+
 class Observer:
-    """The front door's view: each request that reached it, with its final status."""
+    """The front door's view: each request that reached it, with its final status (the probe's
+    aside)."""
 
     def __init__(self):
         self.seen: list[tuple[str, int]] = []
@@ -38,6 +44,8 @@ class Observer:
         pass
 
     def finished(self, scope, status, seconds) -> None:
+        if scope["path"] == PROBE:
+            return
         with self.changed:
             self.seen.append((scope["path"], status))
             self.changed.notify_all()
@@ -92,7 +100,7 @@ def texts(answers) -> list[tuple[int, bytes]]:
 
 def still_serving(port: int) -> None:
     with Connection(port) as conn:
-        conn.send(request("GET", "/ok"))
+        conn.send(request("GET", PROBE))
         assert texts([conn.answer()]) == [(200, b"/ok 0")]
 
 
