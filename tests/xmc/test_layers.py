@@ -43,15 +43,19 @@ ALLOWED = {
 }
 
 
-def stages_imported(path: Path) -> set[str]:
-    """The stages an import statement anywhere in the file (functions included) names."""
+def top_level_imported(path: Path) -> set[str]:
+    """The top-level packages an import statement anywhere in the file (functions included) names."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module.split(".")[0])
-    return found & set(STAGES)
+    return found
+
+
+def stages_imported(path: Path) -> set[str]:
+    return top_level_imported(path) & set(STAGES)
 
 
 def test_each_stage_imports_only_the_stages_below_it():
@@ -65,14 +69,7 @@ def test_each_stage_imports_only_the_stages_below_it():
 
 
 def lab_imported(path: Path) -> set[str]:
-    """The lab's packages an import statement anywhere in the file names."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
-    return found & set(LAB)
+    return top_level_imported(path) & set(LAB)
 
 
 def test_no_product_package_imports_the_lab():
