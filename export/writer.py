@@ -93,7 +93,9 @@ def _seal(stage: Path, fields: dict[str, Any], card: CardFacts | None = None) ->
     draft = Manifest(bundle_id="", files=file_checksums(stage), **fields)
     manifest = draft.model_copy(update={"bundle_id": content_id(draft)})
     write_card(stage, card_for(manifest, card))
-    manifest = manifest.model_copy(update={"files": file_checksums(stage)})
+    # only the card is new since the files were hashed: a 10^7-label bundle's files are not read twice
+    files = draft.files | {name: sha256_file(stage / name) for name in CARD_FILES}
+    manifest = manifest.model_copy(update={"files": dict(sorted(files.items()))})
     (stage / MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
     return manifest
 
