@@ -118,7 +118,7 @@ def info(argv: list[str]) -> int:
     try:
         manifest = read_manifest(args.bundle)
         if not args.no_verify:
-            verify_checksums(args.bundle, manifest, list(manifest.files))
+            verify_checksums(args.bundle, manifest)  # every file the manifest lists
         card = read_card(args.bundle, manifest.files)
     except (BundleError, FileNotFoundError) as exc:
         raise SystemExit(f"xmcserve info: {exc}") from None
